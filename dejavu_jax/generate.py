@@ -1,0 +1,130 @@
+"""Command line text generation: `python -m dejavu_jax.generate --prompt "..."`.
+
+With no --model it runs the embedded default model (see `default_model`).
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from pathlib import Path
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from dejavu_jax import config as config_lib
+from dejavu_jax.generation import dense_engine, generate_tokens
+from dejavu_jax.loading import default_dtype, load_pretrained
+from dejavu_jax.params import init_params
+from dejavu_jax.sampling import SamplingConfig
+from dejavu_jax.tokenizer import default_tokenizer_for, load_tokenizer
+
+DEFAULT_PRESET = "opt-tiny"
+DEFAULT_PROMPT = "The capital of France is"
+DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16, "float16": jnp.float16}
+
+
+def parse_ids(text: str) -> list[int]:
+    """'2,31414,6' -> [2, 31414, 6], with a clear error for anything else."""
+    try:
+        ids = [int(t) for t in text.replace(" ", "").split(",") if t]
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"--prompt-ids must be comma-separated integers: {text!r}")
+    if not ids:
+        raise argparse.ArgumentTypeError("--prompt-ids is empty")
+    return ids
+
+
+def build_parser() -> argparse.ArgumentParser:
+    """The CLI's argument parser."""
+    p = argparse.ArgumentParser(prog="python -m dejavu_jax.generate", description=__doc__)
+    src = p.add_mutually_exclusive_group()
+    src.add_argument("--model", help="checkpoint directory, .gguf file or hub id")
+    src.add_argument("--preset", help=f"random weights of a shape preset: "
+                                      f"{', '.join(config_lib.PRESETS)}")
+    p.add_argument("--prompt", action="append", help="prompt text (repeat for a batch)")
+    p.add_argument("--prompt-ids", action="append", type=parse_ids,
+                   help="prompt as comma-separated token ids (repeat for a batch)")
+    p.add_argument("--tokenizer", help="tokenizer folder (or .gguf) to use")
+    p.add_argument("--greedy", action="store_true",
+                   help="argmax decoding; also prints the generated ids")
+    p.add_argument("--max-new-tokens", type=int, default=32)
+    p.add_argument("--temperature", type=float, default=0.8)
+    p.add_argument("--top-k", type=int, default=0)
+    p.add_argument("--top-p", type=float, default=0.95)
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--dtype", choices=sorted(DTYPES), help="weight dtype (default: float32 "
+                   "on CPU, bfloat16 on GPU)")
+    p.add_argument("--no-stream", action="store_true", help="print the text only at the end")
+    return p
+
+
+def load_model(args):
+    """(config, params, model_path or None, label) for the CLI's model options."""
+    dtype = DTYPES[args.dtype] if args.dtype else default_dtype()
+    if args.model:
+        config, params = load_pretrained(args.model, dtype=dtype)
+        path = Path(args.model).expanduser()
+        return config, params, path if path.exists() else None, args.model
+    name = args.preset or DEFAULT_PRESET
+    config = config_lib.preset(name)
+    params = init_params(config, jax.random.key(args.seed), dtype)
+    return config, params, None, f"{name} [random weights]"
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Run the CLI; returns the process exit status."""
+    args = build_parser().parse_args(argv)
+    if args.prompt and args.prompt_ids:
+        print("error: give --prompt or --prompt-ids, not both", file=sys.stderr)
+        return 2
+    config, params, model_path, label = load_model(args)
+    tokenizer = (load_tokenizer(args.tokenizer) if args.tokenizer
+                 else default_tokenizer_for(config, model_path))
+    if args.prompt_ids:
+        prompts = args.prompt_ids
+    else:
+        if tokenizer is None:
+            print("error: no tokenizer found for this model; pass --tokenizer DIR or "
+                  "--prompt-ids", file=sys.stderr)
+            return 2
+        texts = args.prompt or [DEFAULT_PROMPT]
+        prompts = [tokenizer(t)["input_ids"] for t in texts]
+    sampling = (SamplingConfig() if args.greedy else
+                SamplingConfig(args.temperature, args.top_k, args.top_p))
+    print(f"model: {label} ({config.family}, {config.n_layers} layers, d={config.hidden}) "
+          f"on {jax.default_backend()}", file=sys.stderr)
+
+    stream = tokenizer is not None and len(prompts) == 1 and not args.no_stream
+    shown = [""]
+    generated: list[int] = []
+
+    def on_token(tokens: np.ndarray):
+        if tokens[0] >= 0:
+            generated.append(int(tokens[0]))
+        text = tokenizer.decode(generated, skip_special_tokens=True)
+        if text.startswith(shown[0]) and not text.endswith("\ufffd"):
+            sys.stdout.write(text[len(shown[0]):])
+            sys.stdout.flush()
+            shown[0] = text
+
+    if stream:
+        sys.stdout.write(tokenizer.decode(prompts[0], skip_special_tokens=True))
+    result = generate_tokens(dense_engine(config), params, prompts, args.max_new_tokens,
+                             sampling, seed=args.seed, on_token=on_token if stream else None)
+    if stream:
+        sys.stdout.write("\n")
+    for row, (prompt, out) in enumerate(zip(prompts, result.tokens)):
+        if not stream and tokenizer is not None:
+            print(f"[{row}] " + tokenizer.decode(list(prompt) + out, skip_special_tokens=True))
+        if args.greedy or tokenizer is None:
+            print(f"[{row}] generated ids: {','.join(map(str, out))}")
+    print(f"prefill (incl. compile) {result.prefill_seconds:.2f} s; first step (compile) "
+          f"{result.first_step_seconds:.2f} s; decode {result.tokens_per_second:.1f} tokens/s "
+          f"per sequence over {max(result.decode_steps - 1, 0)} steps, batch {len(prompts)}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,158 @@
+"""Autoregressive generation over any decode engine (dense or sparse).
+
+An engine is a set of pure functions: prefill, step and init_state. Generation jits
+"step then sample" once per engine and sampling setting, with the state donated so the
+KV cache is updated in place, and keeps one host round trip per token for streaming
+and stop checks.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import time
+from typing import Callable, Sequence
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from dejavu_jax import model
+from dejavu_jax.config import ModelConfig
+from dejavu_jax.sampling import SamplingConfig, sample
+
+
+@dataclasses.dataclass(frozen=True, eq=False)
+class Engine:
+    """Pure decode functions for one model config.
+
+    prefill(params, input_ids [B,T], mask [B,T], state) -> (logits [B,V], state)
+    step(params, state, tokens [B]) -> (logits [B,V], state)
+    init_state(batch, max_len, dtype) -> state
+    """
+
+    config: ModelConfig
+    prefill: Callable
+    step: Callable
+    init_state: Callable
+    name: str = "dense"
+
+
+@functools.lru_cache(maxsize=None)
+def dense_engine(config: ModelConfig) -> Engine:
+    """The dense engine for `config` (cached, so jitted code is reused)."""
+    return Engine(
+        config=config,
+        prefill=functools.partial(model.prefill_fn, config),
+        step=functools.partial(model.decode_step_fn, config),
+        init_state=functools.partial(model.init_state, config),
+        name="dense")
+
+
+@functools.partial(jax.jit, static_argnums=(0, 5), donate_argnums=(4,))
+def _prefill_and_sample(engine, params, input_ids, mask, state, sampling, key):
+    logits, state = engine.prefill(params, input_ids, mask, state)
+    return sample(logits, key, sampling), state
+
+
+@functools.partial(jax.jit, static_argnums=(0, 4), donate_argnums=(2,))
+def _step_and_sample(engine, params, state, tokens, sampling, key):
+    logits, state = engine.step(params, state, tokens)
+    return sample(logits, key, sampling), state
+
+
+@dataclasses.dataclass
+class GenerationResult:
+    """Generated ids per prompt (stopping tokens included) and timings in seconds."""
+
+    tokens: list[list[int]]
+    prefill_seconds: float
+    decode_seconds: float
+    decode_steps: int
+    first_step_seconds: float
+
+    @property
+    def tokens_per_second(self) -> float:
+        """Decode throughput per sequence, compile of the first step excluded."""
+        timed = self.decode_steps - 1
+        return timed / self.decode_seconds if timed > 0 and self.decode_seconds > 0 else 0.0
+
+
+def left_pad(prompts: Sequence[Sequence[int]], pad_id: int = 0):
+    """Left-pad token lists to one length: (ids [B, T] int32, mask [B, T] int32)."""
+    if not prompts or any(len(p) == 0 for p in prompts):
+        raise ValueError("every prompt needs at least one token")
+    T = max(len(p) for p in prompts)
+    ids = np.full((len(prompts), T), pad_id, np.int32)
+    mask = np.zeros((len(prompts), T), np.int32)
+    for row, p in enumerate(prompts):
+        ids[row, T - len(p):] = p
+        mask[row, T - len(p):] = 1
+    return ids, mask
+
+
+def cache_length(config: ModelConfig, prompt_len: int, max_new_tokens: int,
+                 bucket: int = 64) -> int:
+    """KV cache slots for a run, rounded up to `bucket` so nearby lengths share compiles."""
+    needed = prompt_len + max_new_tokens
+    if config.family == "opt" and needed > config.max_positions:
+        raise ValueError(
+            f"prompt ({prompt_len}) + max_new_tokens ({max_new_tokens}) = {needed} exceeds "
+            f"the model's {config.max_positions} learned positions")
+    return -(-needed // bucket) * bucket
+
+
+def generate_tokens(engine: Engine, params, prompts: Sequence[Sequence[int]],
+                    max_new_tokens: int = 32, sampling: SamplingConfig = SamplingConfig(),
+                    seed: int = 0, stop_ids: Sequence[int] | None = None,
+                    on_token: Callable[[np.ndarray], None] | None = None,
+                    cache_dtype=None) -> GenerationResult:
+    """Generate up to `max_new_tokens` per prompt; rows stop at any of `stop_ids`.
+
+    `on_token(tokens [B])` is called after every step, for streaming output.
+    """
+    config = engine.config
+    if max_new_tokens < 1:
+        raise ValueError(f"max_new_tokens must be >= 1, got {max_new_tokens}")
+    for p in prompts:
+        bad = [t for t in p if not 0 <= int(t) < config.vocab_size]
+        if bad:
+            raise ValueError(f"token ids {bad[:5]} are outside the vocabulary [0, "
+                             f"{config.vocab_size})")
+    if stop_ids is None:
+        stop_ids = [] if config.eos_token_id is None else [config.eos_token_id]
+    ids, mask = left_pad(prompts, config.pad_token_id or 0)
+    B, T = ids.shape
+    dtype = cache_dtype or jax.tree.leaves(params)[0].dtype
+    state = engine.init_state(B, cache_length(config, T, max_new_tokens), dtype)
+    key = jax.random.key(seed)
+    stop = np.asarray(list(stop_ids), np.int64)
+    done = np.zeros(B, bool)
+    out: list[list[int]] = [[] for _ in range(B)]
+
+    t0 = time.perf_counter()
+    key, sub = jax.random.split(key)
+    tokens, state = _prefill_and_sample(engine, params, jnp.asarray(ids), jnp.asarray(mask),
+                                        state, sampling, sub)
+    host = np.asarray(tokens)
+    prefill_seconds = time.perf_counter() - t0
+    steps, first_step, t_steps = 0, 0.0, time.perf_counter()
+    for produced in range(1, max_new_tokens + 1):
+        for row in range(B):
+            if not done[row]:
+                out[row].append(int(host[row]))
+        if on_token is not None:
+            on_token(np.where(done, -1, host))
+        done |= np.isin(host, stop)
+        if done.all() or produced == max_new_tokens:
+            break
+        key, sub = jax.random.split(key)
+        t_step = time.perf_counter()
+        tokens, state = _step_and_sample(engine, params, state, tokens, sampling, sub)
+        host = np.asarray(tokens)
+        steps += 1
+        if steps == 1:
+            first_step = time.perf_counter() - t_step
+            t_steps = time.perf_counter()
+    decode_seconds = time.perf_counter() - t_steps if steps > 1 else 0.0
+    return GenerationResult(out, prefill_seconds, decode_seconds, steps, first_step)

@@ -1,0 +1,245 @@
+"""The dense decoder: full-sequence forward (prefill, logits) and cached decode steps.
+
+Layers run under `jax.lax.scan` over the stacked LayerParams. The KV cache lives in
+`DecodeState` and is updated in place inside one jitted step.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+from flax import struct
+
+from dejavu_jax import ops
+from dejavu_jax.config import ModelConfig
+from dejavu_jax.params import OPT_POSITION_OFFSET, ModelParams
+
+F32 = jnp.float32
+
+
+@struct.dataclass
+class DecodeState:
+    """Everything a decode step reads and writes besides the weights.
+
+    k, v: [L, B, Hk, S, hd] cache, one contiguous history per head.
+    valid: [B, S] which cache slots hold real tokens (left padding is invalid).
+    slot: int32 scalar, the next slot to write (shared by the batch).
+    positions: [B] int32, the position id of each row's next token.
+    """
+
+    k: jax.Array
+    v: jax.Array
+    valid: jax.Array
+    slot: jax.Array
+    positions: jax.Array
+
+
+def positions_from_mask(mask: jax.Array) -> jax.Array:
+    """Position ids [B, T] counting real tokens only (left padding gets 0)."""
+    return jnp.maximum(jnp.cumsum(mask.astype(jnp.int32), axis=-1) - 1, 0)
+
+
+def embed(config: ModelConfig, params: ModelParams, ids: jax.Array, positions: jax.Array):
+    """Token (and for OPT, learned position) embeddings in fp32: [..., d]."""
+    x = jnp.take(params.embed, ids, axis=0).astype(F32)
+    if params.project_in is not None:
+        x = ops.rows_matmul(x, params.project_in)
+    if params.pos_embed is not None:
+        x = x + jnp.take(params.pos_embed, positions + OPT_POSITION_OFFSET, axis=0).astype(F32)
+    return x
+
+
+def unembed(config: ModelConfig, params: ModelParams, x: jax.Array) -> jax.Array:
+    """Final norm, projection and LM head: fp32 logits [..., V]."""
+    if params.final_norm_scale is not None:
+        x = ops.norm(x, params.final_norm_scale, params.final_norm_bias, config.norm_eps)
+    if params.project_out is not None:
+        x = ops.rows_matmul(x, params.project_out)
+    head = params.embed if params.lm_head is None else params.lm_head
+    return ops.rows_matmul(x, head)
+
+
+def head_output_norms(lp, heads_out: jax.Array) -> jax.Array:
+    """||H_i(y) W_O^i|| for each head: heads_out [..., H, hd] -> [..., H], fp32.
+
+    Uses the per-head Gram matrix W_O^i W_O^iᵀ so the [.., H, d] products are never formed.
+    """
+    wo = lp.wo.astype(F32)
+    gram = jnp.einsum("hkd,hld->hkl", wo, wo)
+    sq = jnp.einsum("...hk,hkl,...hl->...h", heads_out, gram, heads_out)
+    return jnp.sqrt(jnp.maximum(sq, 0.0))
+
+
+def _sequence_attention(config, lp, y, positions, mask):
+    """Causal self-attention over a whole sequence; returns (out, heads_out, k, v)."""
+    B, T, _ = y.shape
+    q, k, v = ops.project_qkv(config, lp, y, positions)  # [B,T,H,hd], [B,T,Hk,hd]
+    q = q.reshape(B, T, config.n_kv_heads, config.group_size, config.head_dim)
+    scores = jnp.einsum("btkgd,bskd->bkgts", q, k)
+    causal = jnp.tril(jnp.ones((T, T), bool))
+    allowed = causal[None, None, None] & mask[:, None, None, None, :].astype(bool)
+    weights = ops.attention_weights(scores, allowed)
+    heads = jnp.einsum("bkgts,bskd->btkgd", weights, v).reshape(B, T, config.n_heads, -1)
+    return ops.out_project(lp, heads), heads, k, v
+
+
+def sequence_forward(config: ModelConfig, params: ModelParams, input_ids: jax.Array,
+                     attention_mask: jax.Array | None = None, *, records: bool = False):
+    """Run all layers over [B, T] tokens.
+
+    Returns (hidden [B,T,d] fp32 before the final norm, (k, v) each [L,B,Hk,T,hd],
+    records). With records=True, `records` is a dict of per-layer arrays [L, B, T, ...]:
+      attn_in, mlp_in: residual stream entering the attention / MLP block (pre-norm);
+      mlp_act: neuron activations [.., F]; head_norm: ||H_i W_O^i|| [.., H].
+    """
+    if attention_mask is None:
+        attention_mask = jnp.ones_like(input_ids)
+    positions = positions_from_mask(attention_mask)
+    x = embed(config, params, input_ids, positions)
+
+    def layer(x, lp):
+        rec = {}
+
+        def attn(y):
+            out, heads, k, v = _sequence_attention(config, lp, y, positions, attention_mask)
+            rec["kv"] = (k, v)
+            if records:
+                rec["head_norm"] = head_output_norms(lp, heads)
+            return out
+
+        def mlp(y):
+            hidden = ops.mlp_hidden(config, lp, y)
+            if records:
+                rec["mlp_act"] = hidden
+            return ops.mlp_output(lp, hidden)
+
+        rec_in = {"attn_in": x} if records else {}
+        h = ops.residual(config, x, attn, lp.attn_norm_scale, lp.attn_norm_bias)
+        if records:
+            rec_in["mlp_in"] = h
+        out = ops.residual(config, h, mlp, lp.mlp_norm_scale, lp.mlp_norm_bias)
+        k, v = rec.pop("kv")
+        kv = (k.transpose(0, 2, 1, 3), v.transpose(0, 2, 1, 3))
+        return out, (kv, {**rec_in, **rec})
+
+    x, (kv, recs) = jax.lax.scan(layer, x, params.layers)
+    return x, kv, (recs if records else None)
+
+
+@functools.partial(jax.jit, static_argnums=0)
+def _logits(config, params, input_ids, attention_mask):
+    hidden, _, _ = sequence_forward(config, params, input_ids, attention_mask)
+    return unembed(config, params, hidden)
+
+
+def logits(config: ModelConfig, params: ModelParams, input_ids,
+           attention_mask=None) -> jax.Array:
+    """Full-sequence float32 logits [B, T, V] for token ids [B, T] (mask: 1 = real token)."""
+    input_ids = jnp.asarray(input_ids, jnp.int32)
+    if input_ids.ndim != 2:
+        raise ValueError(f"input_ids must be [batch, time], got shape {input_ids.shape}")
+    if attention_mask is None:
+        attention_mask = jnp.ones_like(input_ids)
+    attention_mask = jnp.asarray(attention_mask, jnp.int32)
+    if attention_mask.shape != input_ids.shape:
+        raise ValueError(f"attention_mask shape {attention_mask.shape} != input_ids shape "
+                         f"{input_ids.shape}")
+    return _logits(config, params, input_ids, attention_mask)
+
+
+def init_state(config: ModelConfig, batch: int, max_len: int, dtype) -> DecodeState:
+    """An empty decode state with room for `max_len` tokens per row."""
+    shape = (config.n_layers, batch, config.n_kv_heads, max_len, config.head_dim)
+    return DecodeState(
+        k=jnp.zeros(shape, dtype), v=jnp.zeros(shape, dtype),
+        valid=jnp.zeros((batch, max_len), bool), slot=jnp.zeros((), jnp.int32),
+        positions=jnp.zeros((batch,), jnp.int32))
+
+
+def prefill_fn(config: ModelConfig, params: ModelParams, input_ids: jax.Array,
+               attention_mask: jax.Array, state: DecodeState):
+    """Dense forward over left-padded prompts [B, T] with mask [B, T] (1 = token).
+
+    Fills cache slots 0..T-1 for every head and returns (last-position logits [B, V],
+    the state ready for decoding at slot T).
+    """
+    T = input_ids.shape[1]
+    hidden, (k, v), _ = sequence_forward(config, params, input_ids, attention_mask)
+    logits_last = unembed(config, params, hidden[:, -1])
+    start = (0, 0, 0, 0, 0)
+    new_state = DecodeState(
+        k=jax.lax.dynamic_update_slice(state.k, k.astype(state.k.dtype), start),
+        v=jax.lax.dynamic_update_slice(state.v, v.astype(state.v.dtype), start),
+        valid=jax.lax.dynamic_update_slice(state.valid, attention_mask.astype(bool), (0, 0)),
+        slot=jnp.asarray(T, jnp.int32),
+        positions=jnp.sum(attention_mask, axis=-1).astype(jnp.int32))
+    return logits_last, new_state
+
+
+prefill = jax.jit(prefill_fn, static_argnums=0, donate_argnums=(4,))
+
+
+def cached_attention(config: ModelConfig, q: jax.Array, k_layer: jax.Array,
+                     v_layer: jax.Array, valid: jax.Array) -> jax.Array:
+    """One query per row against a layer's cache: q [B,H,hd], k/v [B,Hk,S,hd] -> [B,H,hd]."""
+    B = q.shape[0]
+    qg = q.reshape(B, config.n_kv_heads, config.group_size, config.head_dim)
+    scores = jnp.einsum("bkgd,bksd->bkgs", qg.astype(k_layer.dtype), k_layer,
+                        preferred_element_type=F32)
+    weights = ops.attention_weights(scores, valid[:, None, None, :])
+    out = jnp.einsum("bkgs,bksd->bkgd", weights.astype(v_layer.dtype), v_layer,
+                     preferred_element_type=F32)
+    return out.reshape(B, config.n_heads, config.head_dim)
+
+
+def write_kv(cache: jax.Array, layer: jax.Array, slot: jax.Array, new: jax.Array) -> jax.Array:
+    """Write new [B, Hk, hd] into the stacked cache [L,B,Hk,S,hd] at (layer, slot), in place."""
+    upd = new.astype(cache.dtype)[None, :, :, None, :]
+    return jax.lax.dynamic_update_slice(cache, upd, (layer, 0, 0, slot, 0))
+
+
+def decode_layers(config: ModelConfig, params: ModelParams, x: jax.Array,
+                  state: DecodeState):
+    """All layers for one new token per row: x [B, d] -> (x, k, v) with the cache updated."""
+    valid = jax.lax.dynamic_update_slice(
+        state.valid, jnp.ones((state.valid.shape[0], 1), bool), (0, state.slot))
+
+    def layer(carry, inputs):
+        x, k_all, v_all = carry
+        lp, index = inputs
+
+        def attn(y):
+            q, k, v = ops.project_qkv(config, lp, y, state.positions)
+            nonlocal_kv[0] = write_kv(k_all, index, state.slot, k)
+            nonlocal_kv[1] = write_kv(v_all, index, state.slot, v)
+            heads = cached_attention(config, q, nonlocal_kv[0][index], nonlocal_kv[1][index],
+                                     valid)
+            return ops.out_project(lp, heads)
+
+        nonlocal_kv = [k_all, v_all]
+        h = ops.residual(config, x, attn, lp.attn_norm_scale, lp.attn_norm_bias)
+        x = ops.residual(config, h, lambda y: ops.mlp(config, lp, y),
+                         lp.mlp_norm_scale, lp.mlp_norm_bias)
+        return (x, nonlocal_kv[0], nonlocal_kv[1]), None
+
+    indices = jnp.arange(config.n_layers, dtype=jnp.int32)
+    (x, k, v), _ = jax.lax.scan(layer, (x, state.k, state.v), (params.layers, indices))
+    return x, DecodeState(k=k, v=v, valid=valid, slot=state.slot + 1,
+                          positions=state.positions + 1)
+
+
+def decode_step_fn(config: ModelConfig, params: ModelParams, state: DecodeState,
+                   tokens: jax.Array):
+    """One cached decode step for tokens [B]: returns (logits [B, V] fp32, new state).
+
+    Pure and unjitted; `decode_step` is the jitted form with the state donated.
+    """
+    x = embed(config, params, tokens, state.positions)
+    x, state = decode_layers(config, params, x, state)
+    return unembed(config, params, x), state
+
+
+decode_step = jax.jit(decode_step_fn, static_argnums=0, donate_argnums=(2,))
+decode_step.__doc__ = """Jitted `decode_step_fn`; the state's cache buffers are updated in place."""

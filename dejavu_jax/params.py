@@ -1,0 +1,142 @@
+"""Weight pytrees in sparse-friendly layouts, stacked on a leading layer axis.
+
+Layouts (L layers, H query heads, Hk KV heads, hd head dim, d hidden, F ffn):
+  wq, wo: [L, H, hd, d]   per-head rows; wo is out_proj.weight transposed per head
+  wk, wv: [L, Hk, hd, d]
+  w_in, w_gate, w_out_t: [L, F, d]   one contiguous row per neuron (fc1, gate, fc2ᵀ)
+Absent parts (biases of Llama, OPT's projections, a tied LM head) are None.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+from flax import struct
+
+from dejavu_jax.config import ModelConfig
+
+
+@struct.dataclass
+class LayerParams:
+    """One transformer block's weights; every leaf has a leading layer axis."""
+
+    attn_norm_scale: jax.Array
+    attn_norm_bias: jax.Array | None
+    wq: jax.Array
+    bq: jax.Array | None
+    wk: jax.Array
+    bk: jax.Array | None
+    wv: jax.Array
+    bv: jax.Array | None
+    wo: jax.Array
+    bo: jax.Array | None
+    mlp_norm_scale: jax.Array
+    mlp_norm_bias: jax.Array | None
+    w_in: jax.Array
+    b_in: jax.Array | None
+    w_gate: jax.Array | None
+    w_out_t: jax.Array
+    b_out: jax.Array | None
+
+
+@struct.dataclass
+class ModelParams:
+    """All weights of a model. `lm_head` is None when tied to `embed`."""
+
+    embed: jax.Array
+    pos_embed: jax.Array | None
+    project_in: jax.Array | None
+    project_out: jax.Array | None
+    final_norm_scale: jax.Array | None
+    final_norm_bias: jax.Array | None
+    lm_head: jax.Array | None
+    layers: LayerParams
+
+
+OPT_POSITION_OFFSET = 2
+
+
+def layer_shapes(config: ModelConfig) -> dict[str, tuple[int, ...] | None]:
+    """Shape of every LayerParams leaf (with the layer axis), None for absent leaves."""
+    c = config
+    L, H, Hk, hd, d, F = c.n_layers, c.n_heads, c.n_kv_heads, c.head_dim, c.hidden, c.ffn
+    layer_norm = c.family == "opt"
+    return {
+        "attn_norm_scale": (L, d),
+        "attn_norm_bias": (L, d) if layer_norm else None,
+        "wq": (L, H, hd, d),
+        "bq": (L, H, hd) if c.attention_bias else None,
+        "wk": (L, Hk, hd, d),
+        "bk": (L, Hk, hd) if c.attention_bias else None,
+        "wv": (L, Hk, hd, d),
+        "bv": (L, Hk, hd) if c.attention_bias else None,
+        "wo": (L, H, hd, d),
+        "bo": (L, d) if c.attention_bias else None,
+        "mlp_norm_scale": (L, d),
+        "mlp_norm_bias": (L, d) if layer_norm else None,
+        "w_in": (L, F, d),
+        "b_in": (L, F) if c.mlp_bias else None,
+        "w_gate": (L, F, d) if c.gated_mlp else None,
+        "w_out_t": (L, F, d),
+        "b_out": (L, d) if c.mlp_bias else None,
+    }
+
+
+def model_shapes(config: ModelConfig) -> dict[str, tuple[int, ...] | None]:
+    """Shape of every top-level ModelParams leaf, None for absent leaves."""
+    c = config
+    layer_norm = c.family == "opt"
+    return {
+        "embed": (c.vocab_size, c.embed_dim),
+        "pos_embed": (c.max_positions + OPT_POSITION_OFFSET, c.hidden)
+        if c.family == "opt" else None,
+        "project_in": (c.hidden, c.embed_dim) if c.has_projections else None,
+        "project_out": (c.embed_dim, c.hidden) if c.has_projections else None,
+        "final_norm_scale": (c.hidden,) if c.final_norm else None,
+        "final_norm_bias": (c.hidden,) if c.final_norm and layer_norm else None,
+        "lm_head": None if c.tie_embeddings else (c.vocab_size, c.embed_dim),
+    }
+
+
+def init_params(config: ModelConfig, key: jax.Array, dtype=jnp.bfloat16,
+                std: float = 0.02) -> ModelParams:
+    """Random weights for `config`: normal(0, std) matrices, norms near 1, small biases.
+
+    Built under jit so that large presets are created on the device directly.
+    """
+
+    @jax.jit
+    def build(key):
+        leaves = {**model_shapes(config), **layer_shapes(config)}
+        keys = dict(zip(leaves, jax.random.split(key, len(leaves))))
+        out = {}
+        for name, shape in leaves.items():
+            if shape is None:
+                out[name] = None
+            elif "norm_scale" in name:
+                out[name] = (1.0 + 0.1 * jax.random.normal(keys[name], shape)).astype(dtype)
+            else:
+                scale = std if len(shape) >= 2 and "norm" not in name else 0.1 * std
+                if name in ("b_in",):
+                    scale = std
+                out[name] = (scale * jax.random.normal(keys[name], shape)).astype(dtype)
+        layer_keys = layer_shapes(config).keys()
+        layers = LayerParams(**{k: out.pop(k) for k in layer_keys})
+        return ModelParams(layers=layers, **out)
+
+    return build(key)
+
+
+def param_count(params: ModelParams) -> int:
+    """Number of scalars in a params pytree."""
+    return sum(x.size for x in jax.tree.leaves(params))
+
+
+def param_bytes(params: ModelParams) -> int:
+    """Bytes of all weights in a params pytree."""
+    return sum(x.size * x.dtype.itemsize for x in jax.tree.leaves(params))
+
+
+def cast_params(params: ModelParams, dtype) -> ModelParams:
+    """All floating weights converted to `dtype`."""
+    return jax.tree.map(lambda x: x.astype(dtype), params)

@@ -1,0 +1,42 @@
+"""Tokenizer loading: Hugging Face tokenizer folders and GGUF-embedded vocabularies."""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+from dejavu_jax.config import ModelConfig
+from dejavu_jax.paths import opt_tokenizer_dir
+
+TOKENIZER_FILES = ("tokenizer.json", "vocab.json", "tokenizer.model", "tokenizer_config.json")
+
+
+def has_tokenizer(directory: Path) -> bool:
+    """Whether a folder holds Hugging Face tokenizer files."""
+    return directory.is_dir() and any((directory / f).exists() for f in TOKENIZER_FILES)
+
+
+def load_tokenizer(path: str | Path):
+    """A transformers tokenizer from a folder, or from the vocabulary inside a .gguf file."""
+    path = Path(path).expanduser()
+    if path.is_file() and path.suffix == ".gguf":
+        from dejavu_jax.gguf_loader import tokenizer_from_gguf
+        return tokenizer_from_gguf(path)
+    if not has_tokenizer(path):
+        raise FileNotFoundError(f"{path}: no tokenizer files ({', '.join(TOKENIZER_FILES)})")
+    os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
+    from transformers import AutoTokenizer
+    return AutoTokenizer.from_pretrained(str(path))
+
+
+def default_tokenizer_for(config: ModelConfig, model_path: Path | None):
+    """The tokenizer that goes with a model: its own files, else OPT's shared tokenizer.
+
+    Returns None when none can be found (callers then work on token ids only).
+    """
+    if model_path is not None:
+        if model_path.suffix == ".gguf" or has_tokenizer(model_path):
+            return load_tokenizer(model_path)
+    if config.family == "opt" and has_tokenizer(opt_tokenizer_dir()):
+        return load_tokenizer(opt_tokenizer_dir())
+    return None
