@@ -1,0 +1,116 @@
+"""Dense model: Hugging Face parity, cached decode, generation and the decode step's memory."""
+
+from pathlib import Path
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import dejavu_jax as dj
+from dejavu_jax import model
+from dejavu_jax.generation import dense_engine, generate_tokens
+
+HF = Path(__file__).parent / "fixtures" / "hf"
+VARIANTS = ["opt-preln", "opt-postln-proj", "opt-fp16-prefix", "opt-bin",
+            "llama-gqa", "llama-mha"]
+
+
+def _load(name):
+    if name == "opt-bin":
+        pytest.importorskip("torch", reason="pytorch_model.bin needs torch (not in CI's venv)")
+    config, params = dj.load_pretrained(HF / name, dtype=jnp.float32, progress=False)
+    ref = np.load(HF / name / "reference.npz")
+    return config, params, ref
+
+
+@pytest.mark.parametrize("name", VARIANTS)
+def test_logits_match_hugging_face(name):
+    config, params, ref = _load(name)
+    out = np.asarray(dj.logits(config, params, ref["input_ids"], ref["attention_mask"]))
+    real = ref["attention_mask"].astype(bool)
+    want = ref["logits"][real]
+    err = np.abs(out[real] - want).max()
+    scale = np.abs(want).max()
+    assert scale > 1.0, "reference logits are too flat to detect mapping errors"
+    assert err <= 1e-4 * scale, f"{name}: max abs error {err:.3g} vs logit scale {scale:.3g}"
+
+
+@pytest.mark.parametrize("name", ["opt-preln", "opt-postln-proj", "llama-gqa"])
+def test_cached_decode_reproduces_full_forward(name):
+    config, params, ref = _load(name)
+    ids, mask = ref["input_ids"], ref["attention_mask"]
+    full = np.asarray(dj.logits(config, params, ids, mask))
+    split = 3
+    state = model.init_state(config, ids.shape[0], 64, jnp.float32)
+    step_logits, state = model.prefill(config, params, jnp.asarray(ids[:, :split]),
+                                       jnp.asarray(mask[:, :split]), state)
+    scale = np.abs(full).max()
+    np.testing.assert_allclose(step_logits, full[:, split - 1], atol=1e-5 * scale)
+    for t in range(split, ids.shape[1]):
+        step_logits, state = model.decode_step(config, params, state, jnp.asarray(ids[:, t]))
+        np.testing.assert_allclose(step_logits, full[:, t], atol=1e-5 * scale,
+                                   err_msg=f"position {t}")
+
+
+@pytest.mark.parametrize("name", VARIANTS)
+def test_greedy_ids_match_hugging_face(name):
+    config, params, ref = _load(name)
+    prompt = ref["prompt_ids"].tolist()
+    want = ref["greedy_ids"].tolist()
+    result = generate_tokens(dense_engine(config), params, [prompt], max_new_tokens=len(want))
+    assert result.tokens[0] == want
+
+
+def test_left_padded_batch_generates_like_single_prompts():
+    config = dj.preset("llama-tiny")
+    params = dj.init_params(config, jax.random.key(3), jnp.float32, std=0.2)
+    prompts = [[5, 9, 14, 3, 7], [11, 4]]
+    batch = generate_tokens(dense_engine(config), params, prompts, max_new_tokens=6,
+                            stop_ids=[])
+    for row, p in enumerate(prompts):
+        alone = generate_tokens(dense_engine(config), params, [p], max_new_tokens=6,
+                                stop_ids=[])
+        assert batch.tokens[row] == alone.tokens[0]
+
+
+def test_generation_stops_at_eos():
+    config = dj.preset("opt-tiny")
+    params = dj.init_params(config, jax.random.key(0), jnp.float32, std=0.2)
+    free = generate_tokens(dense_engine(config), params, [[2, 100, 200]], max_new_tokens=8,
+                           stop_ids=[])
+    stop_token = free.tokens[0][2]
+    stopped = generate_tokens(dense_engine(config), params, [[2, 100, 200]],
+                              max_new_tokens=8, stop_ids=[stop_token])
+    assert stopped.tokens[0] == free.tokens[0][:free.tokens[0].index(stop_token) + 1]
+
+
+def test_decode_step_updates_cache_in_place():
+    config = dj.preset("opt-tiny").replace(n_layers=6)
+    params = dj.init_params(config, jax.random.key(0), jnp.float32)
+    state = model.init_state(config, 1, 2048, jnp.float32)
+    compiled = model.decode_step.lower(config, params, state,
+                                       jnp.zeros((1,), jnp.int32)).compile()
+    memory = compiled.memory_analysis()
+    cache_bytes = state.k.nbytes + state.v.nbytes
+    assert memory.alias_size_in_bytes >= cache_bytes, "cache buffers are not donated"
+    assert memory.temp_size_in_bytes < cache_bytes / 2, "the step copies the whole cache"
+
+
+def test_logits_rejects_bad_shapes():
+    config = dj.preset("opt-tiny")
+    params = dj.init_params(config, jax.random.key(0), jnp.float32)
+    with pytest.raises(ValueError, match="batch, time"):
+        dj.logits(config, params, np.arange(5))
+    with pytest.raises(ValueError, match="attention_mask shape"):
+        dj.logits(config, params, np.ones((1, 5), int), np.ones((1, 4), int))
+
+
+def test_generation_rejects_out_of_vocab_and_too_long():
+    config = dj.preset("opt-tiny")
+    params = dj.init_params(config, jax.random.key(0), jnp.float32)
+    with pytest.raises(ValueError, match="outside the vocabulary"):
+        generate_tokens(dense_engine(config), params, [[2, config.vocab_size]])
+    with pytest.raises(ValueError, match="learned positions"):
+        generate_tokens(dense_engine(config), params, [[2, 3]],
+                        max_new_tokens=config.max_positions)

@@ -1,0 +1,53 @@
+"""Sampling rules and the generate CLI."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from dejavu_jax import generate as cli
+from dejavu_jax.sampling import SamplingConfig, sample
+
+
+def test_greedy_is_argmax(rng):
+    logits = jnp.asarray(rng.normal(size=(3, 50)), jnp.float32)
+    np.testing.assert_array_equal(sample(logits, jax.random.key(0), SamplingConfig()),
+                                  np.argmax(np.asarray(logits), -1))
+
+
+def test_top_k_and_top_p_restrict_the_support(rng):
+    logits = jnp.asarray(rng.normal(size=(1, 40)) * 3, jnp.float32)
+    order = np.argsort(-np.asarray(logits[0]))
+    keys = jax.random.split(jax.random.key(1), 300)
+    top3 = {int(sample(logits, k, SamplingConfig(1.0, top_k=3))[0]) for k in keys}
+    assert top3 <= set(order[:3].tolist()) and len(top3) > 1
+    probs = np.asarray(jax.nn.softmax(logits[0]))[order]
+    nucleus = int(np.searchsorted(np.cumsum(probs), 0.6) + 1)
+    top_p = {int(sample(logits, k, SamplingConfig(1.0, top_p=0.6))[0]) for k in keys}
+    assert top_p <= set(order[:nucleus].tolist())
+
+
+def test_sampling_config_validates():
+    with pytest.raises(ValueError):
+        SamplingConfig(temperature=-1)
+    with pytest.raises(ValueError):
+        SamplingConfig(top_p=0.0)
+
+
+def test_cli_runs_a_random_preset(capsys):
+    assert cli.main(["--max-new-tokens", "4", "--preset", "opt-tiny"]) == 0
+    out = capsys.readouterr().out
+    assert "tokens/s" in out
+
+
+def test_cli_greedy_prompt_ids_prints_ids(capsys):
+    assert cli.main(["--preset", "opt-tiny", "--greedy", "--prompt-ids", "2,31414,6",
+                     "--max-new-tokens", "3", "--no-stream"]) == 0
+    out = capsys.readouterr().out
+    line = next(x for x in out.splitlines() if "generated ids" in x)
+    assert len(line.split(":")[1].split(",")) == 3
+
+
+def test_cli_rejects_bad_ids():
+    with pytest.raises(SystemExit):
+        cli.main(["--prompt-ids", "2,x"])
