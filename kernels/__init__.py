@@ -1,1 +1,14 @@
-"""Pallas kernels."""
+"""Pallas GPU kernels for contextually-sparse decoding, with pure-jnp references.
+
+* :func:`sparse_mlp` -- MLP over a selected set of neurons (fused gather + GEMV).
+* :func:`head_sparse_attention` -- one decode step over a selected set of heads.
+
+Both take ``impl`` = None (auto: Pallas on GPU, reference elsewhere), "pallas",
+"interpret" or "reference".
+"""
+from .head_attention import (AttnConfig, head_sparse_attention,
+                             head_sparse_attention_reference)
+from .sparse_mlp import MLPConfig, sparse_mlp, sparse_mlp_reference
+
+__all__ = ["sparse_mlp", "sparse_mlp_reference", "MLPConfig", "head_sparse_attention",
+           "head_sparse_attention_reference", "AttnConfig"]

@@ -1,0 +1,99 @@
+"""Shared helpers for the sparse kernels: dispatch, validation, activations.
+
+Every public kernel takes ``impl``:
+
+* ``None``       -- auto: compiled Pallas on GPU, the jnp reference elsewhere;
+* ``"pallas"``   -- compiled Pallas (Triton lowering; GPU only);
+* ``"interpret"``-- the same Pallas kernels run by the Pallas interpreter
+  (any backend; used by the CPU tests);
+* ``"reference"``-- the pure-jnp reference.
+"""
+from __future__ import annotations
+
+import numpy as np
+import jax
+import jax.numpy as jnp
+
+IMPLS = ("pallas", "interpret", "reference")
+
+
+def resolve_impl(impl: str | None) -> str:
+    """Map ``impl`` (None or one of :data:`IMPLS`) to a concrete implementation."""
+    if impl is None:
+        return "pallas" if jax.default_backend() == "gpu" else "reference"
+    if impl not in IMPLS:
+        raise ValueError(f"impl must be None or one of {IMPLS}, got {impl!r}")
+    return impl
+
+
+def next_pow2(n: int) -> int:
+    """Smallest power of two >= n (and >= 1)."""
+    n = int(n)
+    return 1 if n <= 1 else 1 << (n - 1).bit_length()
+
+
+def cdiv(a: int, b: int) -> int:
+    """Ceiling division of non-negative ints."""
+    return -(-a // b)
+
+
+def activation_fn(name: str):
+    """Elementwise activation by name, usable both in jnp and inside kernels."""
+    if name == "relu":
+        return lambda h: jnp.maximum(h, 0.0)
+    if name == "silu":
+        return lambda h: h / (1.0 + jnp.exp(-h))
+    if name == "gelu":  # tanh approximation (OPT uses relu; GPT-style models gelu_new)
+        c = float(np.sqrt(2.0 / np.pi))
+        return lambda h: 0.5 * h * (1.0 + jnp.tanh(c * (h + 0.044715 * h * h * h)))
+    if name == "identity":
+        return lambda h: h
+    raise ValueError(
+        f"activation must be one of 'relu', 'silu', 'gelu', 'identity'; got {name!r}")
+
+
+# ----------------------------------------------------------------------------
+# validation
+# ----------------------------------------------------------------------------
+
+def check_array(name: str, a, ndim: int | None = None, shape=None, floating: bool = False):
+    """Raise TypeError/ValueError if ``a`` is not an array of the given rank/shape."""
+    if not hasattr(a, "shape") or not hasattr(a, "dtype"):
+        raise TypeError(f"{name} must be an array, got {type(a).__name__}")
+    if ndim is not None and a.ndim != ndim:
+        raise ValueError(f"{name} must have rank {ndim}, got shape {tuple(a.shape)}")
+    if shape is not None:
+        want = tuple(shape)
+        if tuple(a.shape) != want:
+            raise ValueError(f"{name} must have shape {want}, got {tuple(a.shape)}")
+    if floating and not jnp.issubdtype(a.dtype, jnp.floating):
+        raise TypeError(f"{name} must be a floating-point array, got dtype {a.dtype}")
+
+
+def check_indices(name: str, idx, upper: int, *, distinct: bool = True):
+    """Check an index vector: rank 1, integer dtype, and (when concrete) in range/distinct."""
+    check_array(name, idx, ndim=1)
+    if not jnp.issubdtype(idx.dtype, jnp.integer):
+        raise TypeError(f"{name} must be an integer (int32) array, got dtype {idx.dtype}")
+    if idx.shape[0] < 1:
+        raise ValueError(f"{name} must select at least one entry, got length 0")
+    if idx.shape[0] > upper:
+        raise ValueError(f"{name} has {idx.shape[0]} entries but only {upper} exist")
+    if isinstance(idx, jax.core.Tracer):
+        return
+    try:
+        v = np.asarray(idx)
+    except Exception:  # non-concrete array types: skip value checks
+        return
+    if v.min() < 0 or v.max() >= upper:
+        raise ValueError(
+            f"{name} values must lie in [0, {upper}); got min {v.min()}, max {v.max()}")
+    if distinct and np.unique(v).size != v.size:
+        raise ValueError(f"{name} must hold distinct values")
+
+
+def check_bias(name: str, b, shape, dtype_like=None):
+    """Bias may be None; otherwise it must have exactly ``shape``."""
+    if b is None:
+        return
+    check_array(name, b, shape=shape, floating=True)

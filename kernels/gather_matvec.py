@@ -1,0 +1,265 @@
+"""Row-gather matrix-vector Pallas kernels (the engine of every sparse layer).
+
+Two kernels, both reading each selected weight row exactly once, straight from
+HBM into registers (no gathered copy is ever materialised):
+
+* :func:`gather_matvec` (the "fc1" shape): ``h[b, r] = sum_c x[b, c] * W[row(r), c]``
+  for the selected logical rows ``r``.  The grid is (row blocks, d splits), so
+  even a handful of selected rows spreads over many programs; the result is
+  left as fp32 partial sums ``[n_dsplit, B, R_pad]`` and the consumer (the next
+  kernel) finishes the reduction, adding bias and activation for free.
+* :func:`gather_matvec_t` (the "fc2" shape): ``out[b, c] = sum_r a[b, r] * W[row(r), c]``.
+  The grid is (row chunks, column blocks): split-k over the selected rows, so
+  the grid fills the GPU even at small K.  The activations ``a`` come from a
+  caller-supplied loader run inside the kernel (e.g. "sum fc1's partials, add
+  bias, apply ReLU").  The result is fp32 partials ``[n_kchunks, B, d]`` that
+  the caller sums (one tiny XLA reduction, fused with the output bias and cast).
+
+Selected rows are described by an id vector ``ids [K]`` and a static
+``rows_per_id`` m: logical row r maps to physical row ``ids[r // m] * m + r % m``.
+m = 1 is a neuron gather (MLP); m = head_dim (or group * head_dim) gathers whole
+attention heads from a ``[H * hd, d]`` view of per-head weights.
+
+Triton needs power-of-two block shapes, so every load and store is masked at the
+ragged edges (rows past K, columns past d, batch rows past B).
+"""
+from __future__ import annotations
+
+import dataclasses
+import functools
+from typing import Callable, Sequence
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+from jax.experimental import pallas as pl
+from jax.experimental.pallas import triton as plgpu
+
+from ._common import activation_fn, cdiv, next_pow2
+
+
+def batch_pad(B: int) -> int:
+    """Padded batch rows inside the kernels: 1 (vector path) or >= 16 (tensor-core dot)."""
+    return 1 if B == 1 else max(16, next_pow2(B))
+
+
+def mma(a, b, trans_b: bool = False):
+    """``a @ b`` (or ``a @ b.T``) with fp32 accumulation.
+
+    bf16/fp16 operands use the tensor cores; fp32 operands are multiplied in full fp32
+    (no tf32 rounding).
+    """
+    prec = lax.Precision.HIGHEST if b.dtype == jnp.float32 else None
+    dims = (((1,), (1 if trans_b else 0,)), ((), ()))
+    return lax.dot_general(a.astype(b.dtype), b, dims, precision=prec,
+                           preferred_element_type=jnp.float32)
+
+
+def logical_rows(ids_ref, r, valid, m: int):
+    """Physical weight rows for logical rows ``r`` (masked entries map to row 0)."""
+    if m == 1:
+        return plgpu.load(ids_ref.at[r], mask=valid, other=0)
+    ids = plgpu.load(ids_ref.at[r // m], mask=valid, other=0)
+    return ids * m + r % m
+
+
+@dataclasses.dataclass(frozen=True)
+class Segment:
+    """One gathered matrix of :func:`gather_matvec`: weight [R, d], ids [K], rows_per_id."""
+    w: jax.Array
+    ids: jax.Array
+    rows_per_id: int = 1
+
+    @property
+    def n_rows(self) -> int:
+        return int(self.ids.shape[0]) * self.rows_per_id
+
+
+def _gather_matvec_kernel(x_ref, *refs, seg_meta, B, Bp, d, bk, bd, chunks):
+    nseg = len(seg_meta)
+    in_refs, out_refs = refs[: 2 * nseg], refs[2 * nseg:]
+    i = pl.program_id(0)
+    j = pl.program_id(1)
+    kk = jnp.arange(bk, dtype=jnp.int32)
+    brow = jnp.arange(Bp, dtype=jnp.int32)
+    bmask = brow < B
+
+    for s, (start, nb, m, n_rows) in enumerate(seg_meta):
+        ids_ref, w_ref = in_refs[2 * s], in_refs[2 * s + 1]
+        o_ref = out_refs[s]
+
+        @pl.when((i >= start) & (i < start + nb))
+        def _(ids_ref=ids_ref, w_ref=w_ref, o_ref=o_ref, start=start, m=m, n_rows=n_rows):
+            local = (i - start) * bk + kk
+            valid = local < n_rows
+            rows = logical_rows(ids_ref, local, valid, m)
+
+            def chunk(c, acc):
+                cols = (j * chunks + c) * bd + jnp.arange(bd, dtype=jnp.int32)
+                cm = cols < d
+                w = plgpu.load(w_ref.at[rows[:, None], cols[None, :]],
+                               mask=valid[:, None] & cm[None, :], other=0)
+                if Bp == 1:
+                    xv = plgpu.load(x_ref.at[0, cols], mask=cm, other=0)
+                    return acc + jnp.sum(w.astype(jnp.float32) * xv.astype(jnp.float32)[None, :],
+                                         axis=1)
+                xb = plgpu.load(x_ref.at[brow[:, None], cols[None, :]],
+                                mask=bmask[:, None] & cm[None, :], other=0)
+                return acc + mma(xb, w, trans_b=True)
+
+            acc = jnp.zeros((bk,) if Bp == 1 else (Bp, bk), jnp.float32)
+            if chunks <= 4:
+                for c in range(chunks):
+                    acc = chunk(c, acc)
+            else:
+                acc = lax.fori_loop(0, chunks, chunk, acc)
+            if Bp == 1:
+                plgpu.store(o_ref.at[j, 0, local], acc)
+            else:
+                plgpu.store(o_ref.at[j, brow[:, None], local[None, :]], acc,
+                            mask=bmask[:, None])
+
+
+def gather_matvec(x: jax.Array, segments: Sequence[Segment], *, block_rows: int = 16,
+                  block_d: int = 512, d_chunks: int = 1, num_warps: int = 4,
+                  num_stages: int = 2, interpret: bool = False):
+    """Gathered GEMV partials for one or more matrices sharing the input ``x [B, d]``.
+
+    Args:
+      x: ``[B, d]`` input.
+      segments: :class:`Segment` s; all weights are ``[R_s, d]`` and share x.
+      block_rows: selected rows per program (power of two; >= 16 when B > 1).
+      block_d: columns per load (power of two).
+      d_chunks: column chunks per program; the grid has ``cdiv(d, block_d * d_chunks)``
+        d-splits.
+    Returns:
+      One fp32 array per segment, ``[n_dsplit, B, n_blocks * block_rows]``; summing over
+      axis 0 gives ``x @ W[rows].T`` (rows past ``n_rows`` hold zeros/garbage-free 0).
+    """
+    B, d = x.shape
+    Bp = batch_pad(B)
+    bk = block_rows if Bp == 1 else max(16, block_rows)
+    bd = block_d
+    nds = cdiv(d, bd * d_chunks)
+    seg_meta, outs, args = [], [], []
+    start = 0
+    for seg in segments:
+        nb = cdiv(seg.n_rows, bk)
+        seg_meta.append((start, nb, seg.rows_per_id, seg.n_rows))
+        outs.append(jax.ShapeDtypeStruct((nds, B, nb * bk), jnp.float32))
+        args += [seg.ids.astype(jnp.int32), seg.w]
+        start += nb
+    kernel = functools.partial(_gather_matvec_kernel, seg_meta=tuple(seg_meta), B=B, Bp=Bp,
+                               d=d, bk=bk, bd=bd, chunks=d_chunks)
+    return pl.pallas_call(
+        kernel,
+        grid=(start, nds),
+        out_shape=tuple(outs),
+        compiler_params=plgpu.CompilerParams(num_warps=num_warps, num_stages=num_stages),
+        interpret=interpret,
+        name="gather_matvec",
+    )(x, *args)
+
+
+def _gather_matvec_t_kernel(*refs, n_act, load_act, B, Bp, d, m, n_rows, bk, bd, kblocks):
+    act_refs = refs[:n_act]
+    ids_ref, w_ref, o_ref = refs[n_act:]
+    i = pl.program_id(0)
+    j = pl.program_id(1)
+    kk = jnp.arange(bk, dtype=jnp.int32)
+    brow = jnp.arange(Bp, dtype=jnp.int32)
+    bmask = brow < B
+    cols = j * bd + jnp.arange(bd, dtype=jnp.int32)
+    cm = cols < d
+
+    def body(t, acc):
+        r = (i * kblocks + t) * bk + kk
+        valid = r < n_rows
+        rows = logical_rows(ids_ref, r, valid, m)
+        a = load_act(act_refs, r, valid, rows)       # fp32 [bk] or [Bp, bk], 0 where invalid
+        w = plgpu.load(w_ref.at[rows[:, None], cols[None, :]],
+                       mask=valid[:, None] & cm[None, :], other=0)
+        if Bp == 1:
+            return acc + jnp.sum(a[:, None] * w.astype(jnp.float32), axis=0)
+        return acc + mma(a, w)
+
+    acc = jnp.zeros((bd,) if Bp == 1 else (Bp, bd), jnp.float32)
+    if kblocks <= 4:
+        for t in range(kblocks):
+            acc = body(t, acc)
+    else:
+        acc = lax.fori_loop(0, kblocks, body, acc)
+    if Bp == 1:
+        plgpu.store(o_ref.at[i, 0, cols], acc, mask=cm)
+    else:
+        plgpu.store(o_ref.at[i, brow[:, None], cols[None, :]], acc,
+                    mask=bmask[:, None] & cm[None, :])
+
+
+def gather_matvec_t(act_args: Sequence[jax.Array], load_act: Callable, w: jax.Array,
+                    ids: jax.Array, *, B: int, rows_per_id: int = 1, block_rows: int = 16,
+                    block_d: int = 512, row_blocks_per_program: int = 4,
+                    num_warps: int = 4, num_stages: int = 2, interpret: bool = False):
+    """Split-k transposed gathered GEMV: fp32 partials ``[n_kchunks, B, d]``.
+
+    ``out = sum over chunks`` equals ``a @ W[rows]`` where ``a [B, K*m]`` is produced
+    inside the kernel by ``load_act(act_refs, r, valid, rows)`` for each block of
+    logical rows ``r`` (it must return fp32 ``[bk]`` when B == 1 else ``[Bp, bk]``,
+    with zeros where ``valid`` is False or for padded batch rows).
+    """
+    d = w.shape[1]
+    m = rows_per_id
+    n_rows = int(ids.shape[0]) * m
+    Bp = batch_pad(B)
+    bk = block_rows if Bp == 1 else max(16, block_rows)
+    kblocks = max(1, min(row_blocks_per_program, cdiv(n_rows, bk)))
+    nkc = cdiv(n_rows, bk * kblocks)
+    ndb = cdiv(d, block_d)
+    kernel = functools.partial(
+        _gather_matvec_t_kernel, n_act=len(act_args), load_act=load_act, B=B, Bp=Bp, d=d,
+        m=m, n_rows=n_rows, bk=bk, bd=block_d, kblocks=kblocks)
+    return pl.pallas_call(
+        kernel,
+        grid=(nkc, ndb),
+        out_shape=jax.ShapeDtypeStruct((nkc, B, d), jnp.float32),
+        compiler_params=plgpu.CompilerParams(num_warps=num_warps, num_stages=num_stages),
+        interpret=interpret,
+        name="gather_matvec_t",
+    )(*act_args, ids.astype(jnp.int32), w)
+
+
+def partials_loader(act_refs, r, valid, rows, *, nds, B, Bp, has_b1=False, gated=False,
+                    activation="identity"):
+    """Activation loader for :func:`gather_matvec_t` that finishes a :func:`gather_matvec`.
+
+    ``act_refs`` = (h partials ``[nds, B, R]``, [gate partials], [bias ``[F]``]).  Sums the
+    d-split partials, adds the gathered bias, applies the activation (times the summed
+    gate's activation when ``gated``: SwiGLU), and zeroes invalid rows.
+    """
+    act = activation_fn(activation)
+    it = iter(act_refs)
+    h_ref = next(it)
+    g_ref = next(it) if gated else None
+    b1_ref = next(it) if has_b1 else None
+    brow = jnp.arange(Bp, dtype=jnp.int32)
+
+    def summed(ref):
+        tot = None
+        for s in range(nds):
+            if Bp == 1:
+                part = plgpu.load(ref.at[s, 0, r], mask=valid, other=0.0)
+            else:
+                part = plgpu.load(ref.at[s, brow[:, None], r[None, :]],
+                                  mask=(brow < B)[:, None] & valid[None, :], other=0.0)
+            tot = part if tot is None else tot + part
+        return tot
+
+    h = summed(h_ref)
+    if b1_ref is not None:
+        bias = plgpu.load(b1_ref.at[rows], mask=valid, other=0).astype(jnp.float32)
+        h = h + (bias if Bp == 1 else bias[None, :])
+    if gated:
+        a = act(summed(g_ref)) * h
+    else:
+        a = act(h)
+    return jnp.where(valid if Bp == 1 else valid[None, :], a, 0.0)

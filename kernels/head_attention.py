@@ -1,0 +1,465 @@
+"""Head-sparse decode attention: one decode step touching only the selected heads.
+
+``head_sparse_attention(x, wq, bq, wk, bk, wv, bv, wo, bo, k_cache, v_cache, pos, head_idx)``
+follows DESIGN.md's contract and extends it (keyword-only, default None) with
+grouped-query attention, rotary embeddings and a key-validity mask.
+
+Pipeline (Pallas path), every stage reading only the selected heads:
+
+1. :func:`~.gather_matvec.gather_matvec` -- q, k and v rows of the selected heads in ONE
+   launch (three segments), split over d, fp32 partials.
+2. XLA (tiny, fused): sum partials, add biases, rotary embedding, scale q.
+3. :func:`decode_attention` -- flash-decoding over the cache: grid (B, selected KV
+   heads, sequence splits); each program streams its split of one head's K/V once,
+   keeps an online softmax, and the program owning ``pos`` also folds in the current
+   token and writes its k/v row into the (aliased, in-place) cache.
+4. XLA (tiny): merge the splits' (m, l, o).
+5. :func:`~.gather_matvec.gather_matvec_t` -- out-projection over the selected heads'
+   rows of ``wo`` (split-k), then XLA sums partials and adds ``bo``.
+
+Grouped-query attention: ``wk/wv/bk/bv`` and the caches have ``n_kv = H // group`` heads;
+``head_idx`` then holds KV-group ids, a selected group computes all of its ``group``
+query heads (query head ``h`` uses KV head ``h // group``).  With ``n_kv == H`` this is
+exactly DESIGN.md's contract.
+"""
+from __future__ import annotations
+
+import dataclasses
+import functools
+
+import numpy as np
+import jax
+import jax.numpy as jnp
+from jax import lax
+from jax.experimental import pallas as pl
+from jax.experimental.pallas import triton as plgpu
+
+from ._common import cdiv, check_array, check_bias, check_indices, next_pow2, resolve_impl
+from .gather_matvec import (Segment, gather_matvec, gather_matvec_t, mma, partials_loader,
+                            batch_pad)
+
+N_SM = 132
+NEG = -1e30  # finite "minus infinity" for the online softmax
+
+
+@dataclasses.dataclass(frozen=True)
+class AttnConfig:
+    """Block sizes for the attention pipeline (None = pick from the problem size)."""
+    proj_block_rows: int = 16
+    proj_block_d: int = 512
+    proj_d_chunks: int | None = None
+    out_block_rows: int = 16
+    out_block_d: int = 512
+    out_row_blocks: int | None = None
+    block_s: int = 64
+    seq_splits: int | None = None
+    num_warps: int = 4
+    num_stages: int = 2
+    attn_num_warps: int = 4
+    target_programs: int = 8 * N_SM
+
+
+# ----------------------------------------------------------------------------
+# helpers shared by both paths
+# ----------------------------------------------------------------------------
+
+def _query_heads(head_idx, group: int):
+    """Query-head ids of the selected KV groups, ``[Kh * group]`` (group-major)."""
+    if group == 1:
+        return head_idx
+    return (head_idx[:, None] * group + jnp.arange(group, dtype=head_idx.dtype)).reshape(-1)
+
+
+def rotate_half(t):
+    """HF Llama's ``rotate_half``: concat(-x2, x1) over the last axis."""
+    h = t.shape[-1] // 2
+    return jnp.concatenate([-t[..., h:], t[..., :h]], axis=-1)
+
+
+def apply_rope(t, rope):
+    """Apply ``rope`` to ``t [B, n, hd]``: a callable, or ``(cos, sin)`` of ``[hd]`` / ``[B, hd]``."""
+    if rope is None:
+        return t
+    if callable(rope):
+        return rope(t)
+    cos, sin = rope
+    cos = jnp.asarray(cos, jnp.float32)
+    sin = jnp.asarray(sin, jnp.float32)
+    if cos.ndim == 2:
+        cos, sin = cos[:, None, :], sin[:, None, :]
+    return t * cos + rotate_half(t) * sin
+
+
+def _validate(x, wq, bq, wk, bk, wv, bv, wo, bo, k_cache, v_cache, pos, head_idx, rope,
+              kv_mask):
+    check_array("x", x, ndim=2, floating=True)
+    B, d = x.shape
+    check_array("wq", wq, ndim=3, floating=True)
+    H, hd, dq = wq.shape
+    if dq != d:
+        raise ValueError(f"wq is [H, hd, d] = {tuple(wq.shape)} but x has width {d}")
+    check_array("wk", wk, ndim=3, floating=True)
+    n_kv = wk.shape[0]
+    if n_kv < 1 or H % n_kv:
+        raise ValueError(f"wk has {n_kv} KV heads, which must divide the {H} query heads")
+    check_array("wk", wk, shape=(n_kv, hd, d))
+    check_array("wv", wv, shape=(n_kv, hd, d), floating=True)
+    check_array("wo", wo, shape=(H, hd, d), floating=True)
+    check_bias("bq", bq, (H, hd))
+    check_bias("bk", bk, (n_kv, hd))
+    check_bias("bv", bv, (n_kv, hd))
+    check_bias("bo", bo, (d,))
+    check_array("k_cache", k_cache, ndim=4, floating=True)
+    if k_cache.shape[0] != B or k_cache.shape[1] != n_kv or k_cache.shape[3] != hd:
+        raise ValueError(f"k_cache must be [B, n_kv, S, hd] = [{B}, {n_kv}, S, {hd}], "
+                         f"got {tuple(k_cache.shape)}")
+    check_array("v_cache", v_cache, shape=k_cache.shape, floating=True)
+    if v_cache.dtype != k_cache.dtype:
+        raise TypeError(f"v_cache dtype {v_cache.dtype} differs from k_cache dtype "
+                        f"{k_cache.dtype}")
+    S = k_cache.shape[2]
+    check_indices("head_idx", head_idx, n_kv)
+    if not hasattr(pos, "shape"):
+        if not isinstance(pos, (int, np.integer)):
+            raise TypeError(f"pos must be an integer scalar, got {type(pos).__name__}")
+    else:
+        if np.shape(pos) not in ((), (1,)):
+            raise ValueError(f"pos must be a scalar, got shape {np.shape(pos)}")
+        if not jnp.issubdtype(pos.dtype, jnp.integer):
+            raise TypeError(f"pos must be an integer scalar, got dtype {pos.dtype}")
+    if not isinstance(pos, jax.core.Tracer):
+        p = int(np.asarray(pos).reshape(()))
+        if not 0 <= p < S:
+            raise ValueError(f"pos={p} is outside the cache length S={S}")
+    if rope is not None and not callable(rope):
+        if not isinstance(rope, (tuple, list)) or len(rope) != 2:
+            raise TypeError("rope must be a callable or a (cos, sin) pair")
+        for nm, a in zip(("rope cos", "rope sin"), rope):
+            if np.shape(a) not in ((hd,), (B, hd)):
+                raise ValueError(f"{nm} must have shape ({hd},) or ({B}, {hd}), "
+                                 f"got {np.shape(a)}")
+    if rope is not None and hd % 2:
+        raise ValueError(f"rotary embedding needs an even head_dim, got {hd}")
+    if kv_mask is not None:
+        check_array("kv_mask", kv_mask, shape=(B, S))
+    return H // n_kv
+
+
+# ----------------------------------------------------------------------------
+# reference
+# ----------------------------------------------------------------------------
+
+def head_sparse_attention_reference(x, wq, bq, wk, bk, wv, bv, wo, bo, k_cache, v_cache,
+                                    pos, head_idx, *, rope=None, kv_mask=None):
+    """Pure-jnp reference of :func:`head_sparse_attention` (same signature and result)."""
+    f32 = jnp.float32
+    hi = lax.Precision.HIGHEST
+    B, d = x.shape
+    H, hd, _ = wq.shape
+    n_kv = wk.shape[0]
+    G = H // n_kv
+    S = k_cache.shape[2]
+    Kh = head_idx.shape[0]
+    head_idx = head_idx.astype(jnp.int32)
+    pos = jnp.asarray(pos, jnp.int32).reshape(())
+    hq = _query_heads(head_idx, G)
+    xf = x.astype(f32)
+
+    def proj(w, b, ids):
+        t = jnp.einsum("bd,hkd->bhk", xf, w[ids].astype(f32), precision=hi)
+        return t if b is None else t + b[ids].astype(f32)[None]
+
+    q = apply_rope(proj(wq, bq, hq), rope) * (hd ** -0.5)
+    k = apply_rope(proj(wk, bk, head_idx), rope)
+    v = proj(wv, bv, head_idx)
+    k_cache = k_cache.at[:, head_idx, pos, :].set(k.astype(k_cache.dtype))
+    v_cache = v_cache.at[:, head_idx, pos, :].set(v.astype(v_cache.dtype))
+    kc = k_cache[:, head_idx].astype(f32)                     # [B, Kh, S, hd]
+    vc = v_cache[:, head_idx].astype(f32)
+    s = jnp.einsum("bgjk,bgsk->bgjs", q.reshape(B, Kh, G, hd), kc, precision=hi)
+    positions = jnp.arange(S)
+    valid = jnp.broadcast_to(positions <= pos, (B, S))
+    if kv_mask is not None:
+        valid = valid & (kv_mask.astype(bool) | (positions == pos)[None])
+    s = jnp.where(valid[:, None, None, :], s, -jnp.inf)
+    p = jax.nn.softmax(s, axis=-1)
+    o = jnp.einsum("bgjs,bgsk->bgjk", p, vc, precision=hi).reshape(B, Kh * G, hd)
+    out = jnp.einsum("bhk,hkd->bd", o, wo[hq].astype(f32), precision=hi)
+    if bo is not None:
+        out = out + bo.astype(f32)
+    return out.astype(x.dtype), k_cache, v_cache
+
+
+# ----------------------------------------------------------------------------
+# flash-decoding kernel
+# ----------------------------------------------------------------------------
+
+def _decode_attention_kernel(q_ref, kn_ref, vn_ref, hidx_ref, pos_ref, *refs, has_mask, G,
+                             Gp, hd, hdp, L, bs):
+    if has_mask:
+        mask_ref, refs = refs[0], refs[1:]
+    kc_ref, vc_ref, o_ref, m_ref, l_ref, kout_ref, vout_ref = refs
+    b = pl.program_id(0)
+    g = pl.program_id(1)
+    s = pl.program_id(2)
+    kvh = hidx_ref[g]
+    pos = pos_ref[0]
+    start = s * L
+    end = jnp.minimum(start + L, pos)        # cache positions strictly before pos
+    cols = jnp.arange(hdp, dtype=jnp.int32)
+    cm = cols < hd
+    jr = jnp.arange(Gp, dtype=jnp.int32)
+    jm = jr < G
+    vec = Gp == 1
+    if vec:
+        q = plgpu.load(q_ref.at[b, g, cols], mask=cm, other=0.0)          # [hdp]
+    else:
+        q = plgpu.load(q_ref.at[b, g * G + jr[:, None], cols[None, :]],
+                       mask=jm[:, None] & cm[None, :], other=0.0)         # [Gp, hdp]
+
+    def scores_of(k):  # k [n, hdp] -> [n] or [Gp, n]
+        if vec:
+            return jnp.sum(k.astype(jnp.float32) * q[None, :], axis=1)
+        return mma(q, k, trans_b=True)
+
+    def pv(p, v):  # p [n] or [Gp, n], v [n, hdp] -> [hdp] or [Gp, hdp]
+        if vec:
+            return jnp.sum(p[:, None] * v.astype(jnp.float32), axis=0)
+        return mma(p, v)
+
+    def step(carry, sc, valid, v):
+        o, m, l = carry
+        sc = jnp.where(valid, sc, NEG)
+        m_new = jnp.maximum(m, jnp.max(sc, axis=-1))
+        corr = jnp.exp(m - m_new)
+        p = jnp.where(valid, jnp.exp(sc - (m_new if vec else m_new[:, None])), 0.0)
+        l = l * corr + jnp.sum(p, axis=-1)
+        o = o * (corr if vec else corr[:, None]) + pv(p, v)
+        return o, m_new, l
+
+    def body(t, carry):
+        pp = start + t * bs + jnp.arange(bs, dtype=jnp.int32)
+        valid = pp < end
+        if has_mask:
+            valid = valid & (plgpu.load(mask_ref.at[b, pp], mask=valid, other=0) != 0)
+        ld = valid[:, None] & cm[None, :]
+        k = plgpu.load(kc_ref.at[b, kvh, pp[:, None], cols[None, :]], mask=ld, other=0)
+        v = plgpu.load(vc_ref.at[b, kvh, pp[:, None], cols[None, :]], mask=ld, other=0)
+        return step(carry, scores_of(k), valid if vec else valid[None, :], v)
+
+    shape = () if vec else (Gp,)
+    carry = (jnp.zeros(shape + (hdp,), jnp.float32), jnp.full(shape, NEG, jnp.float32),
+             jnp.zeros(shape, jnp.float32))
+    n_it = (jnp.maximum(end - start, 0) + bs - 1) // bs
+    carry = lax.fori_loop(0, n_it, body, carry)
+
+    # The program whose split holds `pos` folds in the current token and writes its k/v.
+    mine = pos // L == s
+    kn = plgpu.load(kn_ref.at[b, g, cols], mask=cm, other=0)
+    vn = plgpu.load(vn_ref.at[b, g, cols], mask=cm, other=0)
+    if vec:
+        sc = jnp.sum(kn.astype(jnp.float32) * q)
+        o, m, l = _fold_vec(carry, sc, mine, vn)
+    else:
+        sc = jnp.sum(q * kn.astype(jnp.float32)[None, :], axis=1)        # [Gp]
+        o, m, l = _fold_mat(carry, sc, mine, vn)
+
+    @pl.when(mine)
+    def _():
+        plgpu.store(kout_ref.at[b, kvh, pos, cols], kn, mask=cm)
+        plgpu.store(vout_ref.at[b, kvh, pos, cols], vn, mask=cm)
+
+    if vec:
+        plgpu.store(o_ref.at[s, b, g, cols], o, mask=cm)
+        m_ref[s, b, g] = m
+        l_ref[s, b, g] = l
+    else:
+        rows = g * G + jr
+        plgpu.store(o_ref.at[s, b, rows[:, None], cols[None, :]], o,
+                    mask=jm[:, None] & cm[None, :])
+        plgpu.store(m_ref.at[s, b, rows], m, mask=jm)
+        plgpu.store(l_ref.at[s, b, rows], l, mask=jm)
+
+
+def _fold_vec(carry, sc, mine, vn):
+    """Add one key (score ``sc``, value ``vn``) to a vector online-softmax state if ``mine``."""
+    o, m, l = carry
+    m_new = jnp.where(mine, jnp.maximum(m, sc), m)
+    corr = jnp.exp(m - m_new)
+    p = jnp.where(mine, jnp.exp(sc - m_new), 0.0)
+    return o * corr + p * vn.astype(jnp.float32), m_new, l * corr + p
+
+
+def _fold_mat(carry, sc, mine, vn):
+    """Like :func:`_fold_vec` for a [Gp] block of query heads sharing one key."""
+    o, m, l = carry
+    m_new = jnp.where(mine, jnp.maximum(m, sc), m)
+    corr = jnp.exp(m - m_new)
+    p = jnp.where(mine, jnp.exp(sc - m_new), 0.0)
+    return (o * corr[:, None] + p[:, None] * vn.astype(jnp.float32)[None, :], m_new,
+            l * corr + p)
+
+
+def decode_attention(q, k_new, v_new, head_idx, pos, k_cache, v_cache, kv_mask=None, *,
+                     block_s=64, seq_splits=None, target_programs=8 * N_SM, num_warps=4,
+                     interpret=False):
+    """Flash-decoding over the selected KV heads, writing the new k/v rows in place.
+
+    Args:
+      q: ``[B, Kh*G, hd]`` fp32 queries (already scaled/rotated), group-major.
+      k_new, v_new: ``[B, Kh, hd]`` in the cache dtype (the current token).
+      head_idx: ``[Kh]`` int32 KV heads; pos: ``[1]`` int32; caches ``[B, n_kv, S, hd]``.
+      kv_mask: optional ``[B, S]`` int32 (nonzero = attend).
+    Returns:
+      ``(o [ns, B, Kh*G, hd], m [ns, B, Kh*G], l [ns, B, Kh*G], k_cache, v_cache)`` --
+      unnormalised split partials (merge with :func:`merge_splits`) and the caches.
+    """
+    B, Hs, hd = q.shape
+    Kh = k_new.shape[1]
+    G = Hs // Kh
+    S = k_cache.shape[2]
+    bs = min(block_s, max(16, next_pow2(S)))
+    if seq_splits is None:
+        seq_splits = max(1, min(cdiv(S, bs), cdiv(target_programs, B * Kh)))
+    L = cdiv(cdiv(S, seq_splits), bs) * bs
+    ns = cdiv(S, L)
+    Gp = 1 if G == 1 else max(16, next_pow2(G))
+    kernel = functools.partial(_decode_attention_kernel, has_mask=kv_mask is not None, G=G,
+                               Gp=Gp, hd=hd, hdp=next_pow2(hd), L=L, bs=bs)
+    args = [q, k_new, v_new, head_idx.astype(jnp.int32), pos]
+    if kv_mask is not None:
+        args.append(kv_mask)
+    n_in = len(args)
+    args += [k_cache, v_cache]
+    out_shape = (jax.ShapeDtypeStruct((ns, B, Hs, hd), jnp.float32),
+                 jax.ShapeDtypeStruct((ns, B, Hs), jnp.float32),
+                 jax.ShapeDtypeStruct((ns, B, Hs), jnp.float32),
+                 jax.ShapeDtypeStruct(k_cache.shape, k_cache.dtype),
+                 jax.ShapeDtypeStruct(v_cache.shape, v_cache.dtype))
+    return pl.pallas_call(
+        kernel,
+        grid=(B, Kh, ns),
+        out_shape=out_shape,
+        input_output_aliases={n_in: 3, n_in + 1: 4},
+        compiler_params=plgpu.CompilerParams(num_warps=num_warps, num_stages=2),
+        interpret=interpret,
+        name="head_sparse_decode_attention",
+    )(*args)
+
+
+def merge_splits(o, m, l):
+    """Merge flash-decoding split partials into normalised attention ``[B, Hs, hd]``."""
+    mx = jnp.max(m, axis=0)
+    w = jnp.exp(m - mx[None])
+    return (o * w[..., None]).sum(0) / (l * w).sum(0)[..., None]
+
+
+# ----------------------------------------------------------------------------
+# Pallas pipeline and public entry point
+# ----------------------------------------------------------------------------
+
+def head_sparse_attention_pallas(x, wq, bq, wk, bk, wv, bv, wo, bo, k_cache, v_cache, pos,
+                                 head_idx, *, rope=None, kv_mask=None, interpret=False,
+                                 config: AttnConfig | None = None):
+    """Pallas path of :func:`head_sparse_attention` (no validation)."""
+    cfg = config or AttnConfig()
+    f32 = jnp.float32
+    B, d = x.shape
+    H, hd, _ = wq.shape
+    n_kv = wk.shape[0]
+    G = H // n_kv
+    Kh = head_idx.shape[0]
+    head_idx = head_idx.astype(jnp.int32)
+    pos = jnp.asarray(pos, jnp.int32).reshape(1)
+    segs = [Segment(wq.reshape(H * hd, d), head_idx, G * hd),
+            Segment(wk.reshape(n_kv * hd, d), head_idx, hd),
+            Segment(wv.reshape(n_kv * hd, d), head_idx, hd)]
+    bk_rows = cfg.proj_block_rows if B == 1 else max(16, cfg.proj_block_rows)
+    bd = min(cfg.proj_block_d, 1 << (d.bit_length() - 1))
+    chunks = cfg.proj_d_chunks
+    if chunks is None:
+        tiles = cdiv(Kh * (G + 2) * hd, bk_rows) * cdiv(d, bd)
+        chunks = max(1, min(cdiv(d, bd), tiles // cfg.target_programs))
+    qp, kp, vp = gather_matvec(x, segs, block_rows=bk_rows, block_d=bd, d_chunks=chunks,
+                               num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+                               interpret=interpret)
+
+    def finish(parts, n, bias, ids):
+        t = parts.sum(0)[:, : n * hd].reshape(B, n, hd)
+        return t if bias is None else t + bias[ids].astype(f32)[None]
+
+    hq = _query_heads(head_idx, G)
+    q = apply_rope(finish(qp, Kh * G, bq, hq), rope) * (hd ** -0.5)
+    k_new = apply_rope(finish(kp, Kh, bk, head_idx), rope).astype(k_cache.dtype)
+    v_new = finish(vp, Kh, bv, head_idx).astype(v_cache.dtype)
+    mask = None if kv_mask is None else kv_mask.astype(jnp.int32)
+    o, m, l, k_cache, v_cache = decode_attention(
+        q, k_new, v_new, head_idx, pos, k_cache, v_cache, mask, block_s=cfg.block_s,
+        seq_splits=cfg.seq_splits, target_programs=cfg.target_programs,
+        num_warps=cfg.attn_num_warps, interpret=interpret)
+    attn = merge_splits(o, m, l).reshape(1, B, Kh * G * hd)
+
+    ob_rows = cfg.out_block_rows if B == 1 else max(16, cfg.out_block_rows)
+    obd = min(cfg.out_block_d, 1 << (d.bit_length() - 1))
+    r2 = cfg.out_row_blocks
+    if r2 is None:
+        tiles = cdiv(Kh * G * hd, ob_rows) * cdiv(d, obd)
+        r2 = max(1, min(64, tiles // cfg.target_programs))
+    load_act = functools.partial(partials_loader, nds=1, B=B, Bp=batch_pad(B))
+    out = gather_matvec_t([attn], load_act, wo.reshape(H * hd, d), head_idx, B=B,
+                          rows_per_id=G * hd, block_rows=ob_rows, block_d=obd,
+                          row_blocks_per_program=r2, num_warps=cfg.num_warps,
+                          num_stages=cfg.num_stages, interpret=interpret)
+    out = out.sum(0)
+    if bo is not None:
+        out = out + bo.astype(f32)
+    return out.astype(x.dtype), k_cache, v_cache
+
+
+@functools.partial(jax.jit, static_argnames=("impl", "config", "rope_fn"))
+def _attn_jit(x, wq, bq, wk, bk, wv, bv, wo, bo, k_cache, v_cache, pos, head_idx, rope_arr,
+              kv_mask, *, impl, config, rope_fn):
+    rope = rope_fn if rope_fn is not None else rope_arr
+    if impl == "reference":
+        return head_sparse_attention_reference(x, wq, bq, wk, bk, wv, bv, wo, bo, k_cache,
+                                               v_cache, pos, head_idx, rope=rope,
+                                               kv_mask=kv_mask)
+    return head_sparse_attention_pallas(x, wq, bq, wk, bk, wv, bv, wo, bo, k_cache, v_cache,
+                                        pos, head_idx, rope=rope, kv_mask=kv_mask,
+                                        interpret=impl == "interpret", config=config)
+
+
+def head_sparse_attention(x, wq, bq, wk, bk, wv, bv, wo, bo, k_cache, v_cache, pos, head_idx,
+                          *, rope=None, kv_mask=None, impl: str | None = None,
+                          config: AttnConfig | None = None):
+    """One decode step of attention over the selected heads only.
+
+    Args:
+      x: ``[B, d]`` layer-normed input of the current token.
+      wq, wo: ``[H, hd, d]`` per-head query / out-projection weights (``wo`` is HF's
+        ``out_proj.weight`` transposed and split per head).
+      wk, wv: ``[n_kv, hd, d]`` (``n_kv == H`` for multi-head attention).
+      bq: ``[H, hd]`` or None; bk, bv: ``[n_kv, hd]`` or None; bo: ``[d]`` or None.
+      k_cache, v_cache: ``[B, n_kv, S, hd]``; only the selected heads' rows at ``pos`` are
+        written (pass them donated under jit to update in place).
+      pos: int32 scalar (may be traced): index of the current token.
+      head_idx: ``[Kh]`` int32 distinct KV-head ids (= head ids when ``n_kv == H``).
+      rope: optional rotary embedding for the current position: a callable mapping
+        ``[B, n, hd]`` fp32 to the same shape, or ``(cos, sin)`` of shape ``[hd]`` or
+        ``[B, hd]`` applied HF-Llama style (``t*cos + rotate_half(t)*sin``) to q and k.
+      kv_mask: optional ``[B, S]`` key-validity mask (e.g. left padding); the current
+        position is always attended.
+      impl: None (auto), "pallas", "interpret" or "reference".
+      config: optional :class:`AttnConfig` (Pallas paths only).
+    Returns:
+      ``(out [B, d] in x.dtype, k_cache, v_cache)``: ``out = sum over selected query
+      heads of softmax(q kᵀ / sqrt(hd)) v @ wo[h] + bo``; unselected heads add 0.
+    """
+    _validate(x, wq, bq, wk, bk, wv, bv, wo, bo, k_cache, v_cache, pos, head_idx, rope,
+              kv_mask)
+    impl = resolve_impl(impl)
+    rope_fn = rope if callable(rope) else None
+    rope_arr = None if (rope is None or callable(rope)) else tuple(rope)
+    pos = jnp.asarray(pos, jnp.int32).reshape(())
+    return _attn_jit(x, wq, bq, wk, bk, wv, bv, wo, bo, k_cache, v_cache, pos, head_idx,
+                     rope_arr, kv_mask, impl=impl, config=config, rope_fn=rope_fn)
