@@ -1,0 +1,262 @@
+"""Record the dense model's activations over a corpus, for predictor training.
+
+  python -m dejavu_jax.train.collect --preset opt-tiny --tokens 20000 --window 128 \\
+      --out .cache/records/opt-tiny
+
+Runs the jitted dense forward with records over fixed-length windows and writes fp16
+shards (see records.py for the layout) plus manifest.json. Rerunning the same command
+after an interruption skips the shards already complete.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import functools
+import sys
+import time
+from pathlib import Path
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from tqdm.auto import tqdm
+
+from dejavu_jax import config as config_lib
+from dejavu_jax.config import ModelConfig
+from dejavu_jax.model import sequence_forward
+from dejavu_jax.params import ModelParams, init_params
+from dejavu_jax.train import corpus as corpus_lib
+from dejavu_jax.train import records as rec
+
+DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16, "float16": jnp.float16}
+
+
+@dataclasses.dataclass(frozen=True)
+class ModelSource:
+    """Where the dense weights come from: a checkpoint path, or a preset + seed."""
+
+    path: str | None = None
+    preset: str | None = None
+    seed: int = 0
+    dtype: str = "float32"
+
+    def load(self) -> tuple[ModelConfig, ModelParams]:
+        """(config, params) for this source."""
+        dtype = DTYPES[self.dtype]
+        if self.path:
+            from dejavu_jax.loading import load_pretrained
+            return load_pretrained(self.path, dtype=dtype, progress=False)
+        config = config_lib.preset(self.preset)
+        return config, init_params(config, jax.random.key(self.seed), dtype)
+
+    def tokenizer(self, config: ModelConfig):
+        """The tokenizer that goes with the model (None when none is found)."""
+        from dejavu_jax.tokenizer import default_tokenizer_for
+        return default_tokenizer_for(config, Path(self.path) if self.path else None)
+
+
+@functools.partial(jax.jit, static_argnums=(0, 1, 2))
+def _record_batch(config: ModelConfig, mlp_rule: rec.LabelRule, skip: int,
+                  params: ModelParams, ids: jax.Array) -> dict[str, jax.Array]:
+    """Records [L, B*(T-skip), ...] for windows ids [B, T]; labels bit-packed, floats fp16."""
+    _, _, r = sequence_forward(config, params, ids, None, records=True)
+    r = jax.tree.map(lambda a: a[:, :, skip:], r)
+    L = config.n_layers
+
+    def flat(a):
+        return a.reshape(L, -1, *a.shape[3:])
+
+    def fp16(a):
+        return jnp.clip(flat(a), -rec.FP16_MAX, rec.FP16_MAX).astype(jnp.float16)
+
+    labels = rec.apply_rule(mlp_rule, flat(r["mlp_act"]))
+    return {"attn_in": fp16(r["attn_in"]), "mlp_in": fp16(r["mlp_in"]),
+            "mlp_label": jnp.packbits(labels, axis=-1, bitorder="little"),
+            "head_norm": fp16(r["head_norm"])}
+
+
+def record_windows(config: ModelConfig, params: ModelParams, windows: np.ndarray,
+                   mlp_rule: rec.LabelRule, skip_first: bool) -> dict[str, np.ndarray]:
+    """Records of windows [B, T] as numpy arrays [L, B*(T-skip), ...] (see records.py)."""
+    out = _record_batch(config, mlp_rule, int(skip_first), params, jnp.asarray(windows))
+    return {k: np.asarray(v) for k, v in out.items()}
+
+
+def _signature(manifest: dict) -> dict:
+    keys = ("config_fingerprint", "model_source", "corpus", "window", "tokens_requested",
+            "label_rules", "seed", "shard_windows", "bos_token_id")
+    return {k: manifest.get(k) for k in keys}
+
+
+def collect(config: ModelConfig, params: ModelParams, tokenizer, files: list[Path],
+            out: Path, *, tokens: int, window: int, batch: int = 4,
+            shard_tokens: int = 16384, mlp_rule: rec.LabelRule | None = None,
+            seed: int = 0, source: ModelSource | None = None, progress: bool = True,
+            log=print) -> dict:
+    """Record `tokens` tokens of corpus windows into `out`; returns the final manifest.
+
+    Resumes from a partial manifest written by the same settings; raises RecordsError
+    when `out` holds records made with different settings.
+    """
+    mlp_rule = mlp_rule or rec.default_mlp_rule(config.activation)
+    bos = config.bos_token_id
+    per_window = window - (bos is not None)  # the BOS position is not recorded
+    if per_window < 1:
+        raise ValueError(f"window {window} is too short")
+    n_windows = -(-tokens // per_window)
+    shard_windows = max(1, shard_tokens // per_window)
+    shard_windows -= shard_windows % batch if shard_windows > batch else 0
+    manifest = {
+        "format_version": rec.FORMAT_VERSION,
+        "model": config.name,
+        "model_source": dataclasses.asdict(source or ModelSource(preset=config.name)),
+        "config": dataclasses.asdict(config),
+        "config_fingerprint": config.fingerprint(),
+        "dims": {"n_layers": config.n_layers, "hidden": config.hidden, "ffn": config.ffn,
+                 "n_heads": config.n_heads, "n_kv_heads": config.n_kv_heads},
+        "corpus": corpus_lib.describe_files(files),
+        "window": window,
+        "bos_token_id": bos,
+        "tokens_per_window": per_window,
+        "tokens_requested": tokens,
+        "seed": seed,
+        "shard_windows": shard_windows,
+        "label_rules": {"mlp": str(mlp_rule), "mlp_basis": "mlp_act (after nonlinearity and "
+                        "gate)", "heads": "stored as norms; rule chosen at training"},
+        "records": {"attn_in": "fp16 [L,n,d]", "mlp_in": "fp16 [L,n,d]",
+                    "mlp_label": "uint8 [L,n,ceil(F/8)] packbits little",
+                    "head_norm": "fp16 [L,n,H]"},
+        "shards": [],
+        "complete": False,
+    }
+    out.mkdir(parents=True, exist_ok=True)
+    old = rec.read_manifest(out)
+    if old is not None:
+        if _signature(old) != _signature(manifest):
+            diff = [k for k in _signature(manifest)
+                    if _signature(old)[k] != _signature(manifest)[k]]
+            raise rec.RecordsError(f"{out} holds records made with different settings "
+                                   f"({', '.join(diff)}); use another --out or --overwrite")
+        manifest["shards"] = [s for s in old["shards"] if (out / s["name"]).is_dir()]
+        if old.get("complete"):
+            log(f"{out}: already complete ({old['tokens']} tokens)")
+            return old
+    done = len(manifest["shards"])
+    if done:
+        log(f"resuming: {done} complete shards found in {out}")
+
+    stream = corpus_lib.token_windows(tokenizer, files, window, seed, bos)
+    bar = tqdm(total=n_windows * per_window, unit="tok", disable=not progress,
+               desc="collect", initial=done * shard_windows * per_window)
+    start = time.perf_counter()
+    recorded = 0
+    index = 0
+    while index * shard_windows < n_windows:
+        want = min(shard_windows, n_windows - index * shard_windows)
+        wins = [w for _, w in zip(range(want), stream)]
+        if not wins:
+            break
+        if index < done:
+            index += 1
+            continue
+        parts = []
+        for b in range(0, len(wins), batch):
+            chunk = np.stack(wins[b:b + batch])
+            real = len(chunk)
+            if real < batch:  # keep one compiled shape: pad with copies, drop their records
+                chunk = np.concatenate([chunk, np.repeat(chunk[-1:], batch - real, 0)])
+            r = record_windows(config, params, chunk, mlp_rule, bos is not None)
+            parts.append({k: v[:, :real * per_window] for k, v in r.items()})
+            bar.update(real * per_window)
+            recorded += real * per_window
+        arrays = {k: np.concatenate([p[k] for p in parts], axis=1) for k in rec.RECORD_NAMES}
+        manifest["shards"].append(rec.write_shard(out, index, arrays))
+        manifest["tokens"] = sum(s["tokens"] for s in manifest["shards"])
+        rec.write_manifest(out, manifest)
+        index += 1
+        if len(wins) < want:
+            break
+    bar.close()
+    elapsed = time.perf_counter() - start
+    manifest["tokens"] = sum(s["tokens"] for s in manifest["shards"])
+    if manifest["tokens"] < tokens:
+        log(f"warning: the corpus ran out after {manifest['tokens']} of {tokens} tokens")
+    if manifest["tokens"] == 0:
+        raise corpus_lib.CorpusError("the corpus yielded no window; use a shorter --window")
+    manifest["complete"] = True
+    manifest["throughput"] = {"tokens": recorded, "seconds": round(elapsed, 2),
+                              "tokens_per_s": round(recorded / max(elapsed, 1e-9), 1),
+                              "backend": jax.default_backend(), "batch": batch}
+    rec.write_manifest(out, manifest)
+    return manifest
+
+
+def build_parser() -> argparse.ArgumentParser:
+    """The CLI's argument parser."""
+    p = argparse.ArgumentParser(prog="python -m dejavu_jax.train.collect", description=__doc__,
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    src = p.add_mutually_exclusive_group(required=True)
+    src.add_argument("--model", help="checkpoint directory or .gguf file")
+    src.add_argument("--preset", help=f"random weights of a preset: "
+                                      f"{', '.join(config_lib.PRESETS)}")
+    p.add_argument("--seed", type=int, default=0, help="weights seed (presets) and window "
+                   "order")
+    p.add_argument("--dtype", choices=sorted(DTYPES), default="float32")
+    p.add_argument("--corpus", action="append", help="text file, folder or glob (repeat); "
+                   "default: <data root>/corpus/*.txt")
+    p.add_argument("--tokenizer", help="tokenizer folder or .gguf (default: the model's)")
+    p.add_argument("--tokens", type=int, default=100_000, help="tokens to record")
+    p.add_argument("--window", type=int, default=256, help="tokens per window (with BOS)")
+    p.add_argument("--batch", type=int, default=4, help="windows per forward call")
+    p.add_argument("--shard-tokens", type=int, default=16384, help="tokens per shard")
+    p.add_argument("--mlp-rule", help="neuron label rule: 'positive' (act > 0), "
+                   "'top:FRACTION' by |act|, 'threshold:VALUE'; default: positive for ReLU "
+                   "models, top:0.3 otherwise")
+    p.add_argument("--out", required=True, help="records folder")
+    p.add_argument("--overwrite", action="store_true", help="discard records already in --out")
+    p.add_argument("--no-progress", action="store_true")
+    return p
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Run the CLI; returns the process exit status."""
+    args = build_parser().parse_args(argv)
+    out = Path(args.out).expanduser()
+    try:
+        files = corpus_lib.resolve_files(args.corpus or corpus_lib.default_corpus())
+        corpus_lib.corpus_chunks(files, args.window)  # fail fast, before loading weights
+        source = ModelSource(path=str(Path(args.model).expanduser().resolve())
+                             if args.model else None,
+                             preset=args.preset, seed=args.seed, dtype=args.dtype)
+        config, params = source.load()
+        if args.tokenizer:
+            from dejavu_jax.tokenizer import load_tokenizer
+            tokenizer = load_tokenizer(args.tokenizer)
+        else:
+            tokenizer = source.tokenizer(config)
+        if tokenizer is None:
+            print("error: no tokenizer found for this model; pass --tokenizer", file=sys.stderr)
+            return 2
+        if args.overwrite and out.exists():
+            rec._remove_tree(out)
+        mlp_rule = rec.LabelRule.parse(args.mlp_rule) if args.mlp_rule else None
+        print(f"model {config.name} ({config.family}, {config.n_layers} layers, "
+              f"d={config.hidden}, F={config.ffn}) on {jax.default_backend()}; "
+              f"{len(files)} corpus files", file=sys.stderr)
+        m = collect(config, params, tokenizer, files, out, tokens=args.tokens,
+                    window=args.window, batch=args.batch, shard_tokens=args.shard_tokens,
+                    mlp_rule=mlp_rule, seed=args.seed, source=source,
+                    progress=not args.no_progress,
+                    log=lambda s: print(s, file=sys.stderr))
+    except (corpus_lib.CorpusError, rec.RecordsError, ValueError) as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 1
+    t = m.get("throughput", {})
+    print(f"{m['tokens']} tokens in {len(m['shards'])} shards -> {out}"
+          + (f"; {t['tokens_per_s']} tokens/s" if t else ""))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,105 @@
+"""Text corpus -> fixed-length token windows, deterministic for a given seed.
+
+Each file is cut at line boundaries into chunks long enough for one window; the chunks
+of all files are shuffled together (so a short run still samples every file) and each
+is tokenised into one window: an optional BOS token followed by the chunk's first
+tokens. Chunks too short for a window are skipped.
+"""
+
+from __future__ import annotations
+
+import glob
+import os
+from pathlib import Path
+from typing import Iterator
+
+import numpy as np
+
+from dejavu_jax.paths import data_root
+
+CHARS_PER_TOKEN = 6  # generous: English BPE averages about 4 characters per token
+
+
+class CorpusError(RuntimeError):
+    """The corpus is missing, unreadable or holds no usable text."""
+
+
+def default_corpus() -> list[str]:
+    """The shared corpus glob: <data root>/corpus/*.txt."""
+    return [str(data_root() / "corpus" / "*.txt")]
+
+
+def resolve_files(patterns: list[str]) -> list[Path]:
+    """Expand files, folders (their *.txt) and globs into a sorted, de-duplicated list."""
+    files: list[Path] = []
+    for pattern in patterns:
+        p = Path(pattern).expanduser()
+        if p.is_dir():
+            matches = sorted(p.glob("*.txt"))
+        elif p.exists():
+            matches = [p]
+        else:
+            matches = sorted(Path(m) for m in glob.glob(str(p)))
+        if not matches:
+            raise CorpusError(f"corpus {pattern!r}: no such file, or no files match")
+        files.extend(matches)
+    return sorted(dict.fromkeys(f.resolve() for f in files))
+
+
+def read_text(path: Path) -> str:
+    """A corpus file's text (UTF-8); CorpusError naming the file when it cannot be read."""
+    try:
+        return path.read_text(encoding="utf-8")
+    except (OSError, UnicodeDecodeError) as e:
+        raise CorpusError(f"corpus file {path}: cannot read it as UTF-8 text ({e})") from None
+
+
+def chunks(text: str, min_chars: int) -> list[str]:
+    """Consecutive pieces of `text`, cut at line ends, each at least min_chars long."""
+    out, buf, size = [], [], 0
+    for line in text.splitlines(keepends=True):
+        buf.append(line)
+        size += len(line)
+        if size >= min_chars:
+            out.append("".join(buf))
+            buf, size = [], 0
+    return out
+
+
+def corpus_chunks(files: list[Path], window: int) -> list[str]:
+    """All chunks of all files; raises CorpusError when the corpus has no usable text."""
+    if not files:
+        raise CorpusError("the corpus file list is empty")
+    out = []
+    for f in files:
+        text = read_text(f)
+        out.extend(c for c in chunks(text, window * CHARS_PER_TOKEN) if c.strip())
+    if not out:
+        total = sum(os.path.getsize(f) for f in files)
+        raise CorpusError(f"corpus ({len(files)} files, {total} bytes) has no chunk long "
+                          f"enough for a {window}-token window: {', '.join(map(str, files))}")
+    return out
+
+
+def token_windows(tokenizer, files: list[Path], window: int, seed: int,
+                  bos_id: int | None, batch: int = 32) -> Iterator[np.ndarray]:
+    """Yield int32 windows [window] in a seeded order until the corpus runs out.
+
+    With bos_id, each window is [bos] + window-1 corpus tokens.
+    """
+    texts = corpus_chunks(files, window)
+    order = np.random.default_rng(seed).permutation(len(texts))
+    body = window - (bos_id is not None)
+    for start in range(0, len(order), batch):
+        picked = [texts[i] for i in order[start:start + batch]]
+        encoded = tokenizer(picked, add_special_tokens=False)["input_ids"]
+        for ids in encoded:
+            if len(ids) < body:
+                continue
+            ids = ids[:body] if bos_id is None else [bos_id] + ids[:body]
+            yield np.asarray(ids, np.int32)
+
+
+def describe_files(files: list[Path]) -> list[dict]:
+    """Name and size of each corpus file, for manifests."""
+    return [{"path": str(f), "bytes": os.path.getsize(f)} for f in files]
