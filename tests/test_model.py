@@ -41,7 +41,7 @@ def test_cached_decode_reproduces_full_forward(name):
     config, params, ref = _load(name)
     ids, mask = ref["input_ids"], ref["attention_mask"]
     full = np.asarray(dj.logits(config, params, ids, mask))
-    split = 3
+    split = int((mask == 0).sum(axis=1).max()) + 2  # decode steps feed real tokens only
     state = model.init_state(config, ids.shape[0], 64, jnp.float32)
     step_logits, state = model.prefill(config, params, jnp.asarray(ids[:, :split]),
                                        jnp.asarray(mask[:, :split]), state)
@@ -57,9 +57,26 @@ def test_cached_decode_reproduces_full_forward(name):
 def test_greedy_ids_match_hugging_face(name):
     config, params, ref = _load(name)
     prompt = ref["prompt_ids"].tolist()
-    want = ref["greedy_ids"].tolist()
-    result = generate_tokens(dense_engine(config), params, [prompt], max_new_tokens=len(want))
+    want = ref["generated_ids"].tolist()
+    result = generate_tokens(dense_engine(config), params, [prompt], max_new_tokens=len(want),
+                             stop_ids=[])
     assert result.tokens[0] == want
+
+
+@pytest.mark.parametrize("name", ["opt-preln", "opt-bin", "llama-mha"])
+def test_decode_logits_along_greedy_path_match_hugging_face(name):
+    config, params, ref = _load(name)
+    prompt, generated = ref["prompt_ids"], ref["generated_ids"]
+    want = ref["generated_logits"]
+    scale = np.abs(want).max()
+    state = model.init_state(config, 1, 64, jnp.float32)
+    step_logits, state = model.prefill(config, params, jnp.asarray(prompt[None]),
+                                       jnp.ones((1, len(prompt)), jnp.int32), state)
+    for i, token in enumerate(generated):
+        np.testing.assert_allclose(step_logits[0], want[i], atol=1e-4 * scale,
+                                   err_msg=f"step {i}")
+        step_logits, state = model.decode_step(config, params, state,
+                                               jnp.asarray([token], jnp.int32))
 
 
 def test_left_padded_batch_generates_like_single_prompts():
