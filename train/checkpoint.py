@@ -1,0 +1,94 @@
+"""Saving and loading trained predictors: an orbax checkpoint plus manifest.json.
+
+  DIR/params/         orbax StandardCheckpointer tree of PredictorParams
+  DIR/manifest.json   model, config fingerprint, shapes, inputs, per-layer metrics
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+from pathlib import Path
+
+import jax
+import jax.numpy as jnp
+import orbax.checkpoint as ocp
+
+from dejavu_jax.config import ModelConfig
+from dejavu_jax.train.predictor_model import Predictor, PredictorParams
+
+
+class PredictorCheckpointError(RuntimeError):
+    """A predictor checkpoint is missing, malformed, or made for another model."""
+
+
+def shapes_of(params: PredictorParams) -> dict:
+    """The dims a manifest needs to rebuild the params' structure."""
+    L, d, r = params.mlp.w1.shape
+    return {"n_layers": L, "hidden": d, "rank": r, "ffn": params.mlp.w2.shape[-1],
+            "n_heads": params.heads.w2.shape[-1], "dtype": str(params.mlp.w1.dtype),
+            "activation": params.activation}
+
+
+def save_predictors(directory: str | os.PathLike, params: PredictorParams, manifest: dict):
+    """Write params (orbax) and manifest.json into `directory`, replacing an old checkpoint."""
+    directory = Path(directory).expanduser().resolve()
+    directory.mkdir(parents=True, exist_ok=True)
+    target = directory / "params"
+    if target.exists():
+        shutil.rmtree(target)
+    checkpointer = ocp.StandardCheckpointer()
+    checkpointer.save(target, params)
+    checkpointer.wait_until_finished()
+    manifest = {**manifest, "shapes": shapes_of(params)}
+    (directory / "manifest.json").write_text(json.dumps(manifest, indent=1) + "\n")
+
+
+def abstract_params(shapes: dict) -> PredictorParams:
+    """ShapeDtypeStructs of the PredictorParams described by a manifest's `shapes`."""
+    L, d, r = shapes["n_layers"], shapes["hidden"], shapes["rank"]
+    dtype = jnp.dtype(shapes.get("dtype", "float32"))
+
+    def kind(n):
+        s = jax.ShapeDtypeStruct
+        return Predictor(mean=s((L, d), jnp.float32), inv_std=s((L, d), jnp.float32),
+                         w1=s((L, d, r), dtype), w2=s((L, r, n), dtype), b2=s((L, n), dtype))
+
+    return PredictorParams(mlp=kind(shapes["ffn"]), heads=kind(shapes["n_heads"]),
+                           activation=shapes.get("activation", "none"))
+
+
+def load_predictors(directory: str | os.PathLike,
+                    config: ModelConfig | None = None) -> tuple[PredictorParams, dict]:
+    """(params, manifest) from a predictor folder.
+
+    With `config`, checks that the predictors were trained for it (config fingerprint,
+    then shapes) and raises PredictorCheckpointError otherwise.
+    """
+    directory = Path(directory).expanduser().resolve()
+    path = directory / "manifest.json"
+    try:
+        manifest = json.loads(path.read_text())
+    except FileNotFoundError:
+        raise PredictorCheckpointError(f"{path}: missing (not a predictor folder)") from None
+    except json.JSONDecodeError as e:
+        raise PredictorCheckpointError(f"{path}: invalid JSON ({e})") from None
+    if config is not None:
+        if manifest.get("config_fingerprint") != config.fingerprint():
+            raise PredictorCheckpointError(
+                f"{directory}: predictors were trained for model {manifest.get('model')!r} "
+                f"(config fingerprint {manifest.get('config_fingerprint')}), not for "
+                f"{config.name!r} ({config.fingerprint()})")
+    shapes = manifest["shapes"]
+    if config is not None and (shapes["n_layers"], shapes["hidden"], shapes["ffn"],
+                               shapes["n_heads"]) != (config.n_layers, config.hidden,
+                                                      config.ffn, config.n_heads):
+        raise PredictorCheckpointError(f"{directory}: predictor shapes {shapes} do not fit "
+                                       f"{config.name!r}")
+    try:
+        params = ocp.StandardCheckpointer().restore(directory / "params",
+                                                    abstract_params(shapes))
+    except FileNotFoundError as e:
+        raise PredictorCheckpointError(f"{directory / 'params'}: cannot restore ({e})") from None
+    return params, manifest

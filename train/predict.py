@@ -1,0 +1,105 @@
+"""Predictor inference: scores and top-k index sets, jit- and scan-friendly.
+
+`layer` is always a traced int32 scalar, so a `lax.scan` over layers can carry it;
+`k` and capacities are static. Returned index sets are distinct and sorted ascending.
+
+  params, manifest = load_predictors(folder, config)
+  neuron_idx, group_idx = predict(params, layer, x, k_mlp=256, k_heads=2,
+                                  group_size=config.group_size)
+"""
+
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+
+from dejavu_jax.train.checkpoint import PredictorCheckpointError, load_predictors
+from dejavu_jax.train.predictor_model import PredictorParams, layer_slice, predictor_logits
+
+__all__ = ["load_predictors", "PredictorCheckpointError", "predictor_scores", "predict",
+           "select_top_k", "group_scores", "recommended_k"]
+
+
+def predictor_scores(pred_params: PredictorParams, layer: jax.Array,
+                     x: jax.Array) -> tuple[jax.Array, jax.Array]:
+    """(mlp_scores [B, F], head_scores [B, H]) fp32 logits for residual stream x [B, d].
+
+    `layer` selects which layer's predictors run (dynamic indexing into the stacks).
+    Feed x as the manifest's `inputs` say (lookahead: layer l-1's attention input).
+    """
+    layer = jnp.asarray(layer, jnp.int32)
+    mlp = predictor_logits(layer_slice(pred_params.mlp, layer), x, pred_params.activation)
+    heads = predictor_logits(layer_slice(pred_params.heads, layer), x,
+                             pred_params.activation)
+    return mlp, heads
+
+
+def group_scores(head_scores: jax.Array, group_size: int) -> jax.Array:
+    """Per-KV-group scores [B, H/g]: the max over each group's query heads.
+
+    Query head h belongs to group h // group_size (the model's GQA layout).
+    """
+    if group_size == 1:
+        return head_scores
+    B, H = head_scores.shape
+    return head_scores.reshape(B, H // group_size, group_size).max(axis=-1)
+
+
+def select_top_k(scores: jax.Array, k: int, capacity: int | None = None) -> jax.Array:
+    """A static-size set of distinct unit ids [capacity], sorted ascending.
+
+    scores [B, n]. One row: its top-k (capacity defaults to k). Several rows: the union
+    of the rows' top-k sets (capacity defaults to min(n, k*B)); union members come
+    first, ranked by their best score over the rows, then the best non-members pad the
+    set; a union larger than capacity is truncated by score.
+    """
+    B, n = scores.shape
+    if not 0 < k <= n:
+        raise ValueError(f"k={k} must be in 1..{n}")
+    capacity = capacity or min(n, k * B)
+    if not 0 < capacity <= n:
+        raise ValueError(f"capacity={capacity} must be in 1..{n}")
+    if B == 1 and capacity == k:
+        return jnp.sort(jax.lax.top_k(scores[0], k)[1]).astype(jnp.int32)
+    top = jax.lax.top_k(scores, k)[1].reshape(-1)
+    member = jnp.zeros((n,), bool).at[top].set(True)
+    best = scores.max(axis=0)
+    ids = jnp.arange(n, dtype=jnp.int32)
+    _, _, order = jax.lax.sort(((~member).astype(jnp.int32), -best, ids), num_keys=3)
+    return jnp.sort(order[:capacity])
+
+
+@functools.partial(jax.jit, static_argnames=("k_mlp", "k_heads", "group_size",
+                                             "union_capacity"))
+def predict(pred_params: PredictorParams, layer: jax.Array, x: jax.Array, k_mlp: int,
+            k_heads: int, *, group_size: int = 1,
+            union_capacity: int | tuple[int, int] | None = None):
+    """(neuron_idx [K] int32, head_idx [Kh] int32) for residual stream x [B, d] or [d].
+
+    Head selection is per KV group when group_size > 1: head_idx then holds group ids
+    and k_heads counts groups. For B > 1 the sets are the union over rows (see
+    `select_top_k`); union_capacity is the neuron set's size, or a pair
+    (neurons, heads); by default min(F, k_mlp*B) and min(groups, k_heads*B).
+    """
+    if x.ndim == 1:
+        x = x[None]
+    mlp, heads = predictor_scores(pred_params, layer, x)
+    cap_mlp, cap_heads = (union_capacity if isinstance(union_capacity, tuple)
+                          else (union_capacity, None))
+    neuron_idx = select_top_k(mlp, k_mlp, cap_mlp)
+    head_idx = select_top_k(group_scores(heads, group_size), k_heads, cap_heads)
+    return neuron_idx, head_idx
+
+
+def recommended_k(manifest: dict, target: float = 0.95) -> tuple[list[int], list[int]]:
+    """Per-layer (k_mlp, k_heads) reaching validation recall `target` (from the manifest).
+
+    k_heads counts KV groups for GQA models (the unit `predict` selects).
+    """
+    rec = manifest["recommended_k"]
+    key = f"{target:g}"
+    if key not in rec["mlp"]:
+        raise KeyError(f"no recommended k for recall {target}; have {sorted(rec['mlp'])}")
+    return rec["mlp"][key], rec["heads"][key]

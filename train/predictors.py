@@ -1,0 +1,427 @@
+"""Train every layer's neuron and head predictors from recorded activations.
+
+  python -m dejavu_jax.train.predictors --records .cache/records/opt-tiny \\
+      --out .cache/predictors/opt-tiny
+
+All layers train together: one jitted step vmaps the per-layer weighted-BCE loss over
+the stacked predictors, and AdamW updates them. After each epoch the validation recall
+at the evaluation k is measured per layer; each layer keeps its best weights (so a
+layer that has converged is not spoiled by further epochs) and training stops when
+every layer reaches --stop-recall, after --patience epochs without improvement, or at
+--epochs. The result is an orbax checkpoint plus manifest.json with per-layer metrics.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import functools
+import math
+import sys
+import time
+from pathlib import Path
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+from tqdm.auto import tqdm
+
+from dejavu_jax.train import data as data_lib
+from dejavu_jax.train import metrics as metrics_lib
+from dejavu_jax.train import records as rec
+from dejavu_jax.train.checkpoint import save_predictors
+from dejavu_jax.train.predictor_model import (ACTIVATIONS, Predictor, PredictorParams,
+                                              all_layer_logits, init_predictor, input_stats,
+                                              predictor_logits)
+
+F32 = jnp.float32
+
+
+@dataclasses.dataclass(frozen=True)
+class TrainConfig:
+    """Hyperparameters of predictor training (defaults follow the paper where it has one)."""
+
+    rank: int = 1000            # r; capped at d (no gain above d without a nonlinearity)
+    activation: str = "none"    # between the two layers: none (official), relu, gelu
+    lookahead: bool = True
+    head_rule: str = "top:0.3"
+    epochs: int = 20
+    batch_size: int = 1024
+    lr: float = 1e-3
+    weight_decay: float = 1e-2
+    max_pos_weight: float = 20.0  # cap on the BCE weight of positives (neg/pos ratio)
+    stop_recall: float = 0.99
+    patience: int = 3
+    val_fraction: float = 0.1
+    max_val_tokens: int = 4096
+    k_mlp: int | None = None    # evaluation k; default 1.5x the mean number of actives
+    k_heads: int | None = None
+    seed: int = 0
+
+
+def effective_rank(tc: TrainConfig, d: int) -> int:
+    """r actually used: the requested rank, at most d."""
+    return max(1, min(tc.rank, d))
+
+
+def weighted_bce(logits: jax.Array, labels: jax.Array, pos_weight: jax.Array) -> jax.Array:
+    """Mean of -[w y log σ(s) + (1-y) log σ(-s)], w = pos_weight."""
+    y = labels.astype(F32)
+    return -jnp.mean(pos_weight * y * jax.nn.log_sigmoid(logits)
+                     + (1 - y) * jax.nn.log_sigmoid(-logits))
+
+
+def unpack_mlp_labels(packed: jax.Array, ffn: int) -> jax.Array:
+    """uint8 [..., ceil(F/8)] -> bool [..., F] (inside jit)."""
+    return jnp.unpackbits(packed, axis=-1, count=ffn, bitorder="little").astype(bool)
+
+
+def loss_fn(params: PredictorParams, x_mlp, x_heads, mlp_packed, head_norm, pos_weight,
+            ffn: int, head_rule: rec.LabelRule):
+    """Sum over layers of the MLP and head losses; also returns both per-layer [L]."""
+
+    def layer(p_mlp, p_heads, xm, xh, packed, norms, w_mlp, w_heads):
+        y_mlp = unpack_mlp_labels(packed, ffn)
+        y_heads = rec.apply_rule(head_rule, norms.astype(F32))
+        lm = weighted_bce(predictor_logits(p_mlp, xm, params.activation), y_mlp, w_mlp)
+        lh = weighted_bce(predictor_logits(p_heads, xh, params.activation), y_heads, w_heads)
+        return lm, lh
+
+    lm, lh = jax.vmap(layer)(params.mlp, params.heads, x_mlp, x_heads, mlp_packed, head_norm,
+                             pos_weight[0], pos_weight[1])
+    return jnp.sum(lm + lh), (lm, lh)
+
+
+def make_optimizer(tc: TrainConfig, params: PredictorParams) -> optax.GradientTransformation:
+    """AdamW on w1, w2, b2 (weight decay on w1, w2 only); input statistics frozen."""
+    kind = Predictor(mean="freeze", inv_std="freeze", w1="decay", w2="decay", b2="train")
+    labels = PredictorParams(mlp=kind, heads=kind, activation=params.activation)
+    adam = lambda wd: optax.adamw(tc.lr, weight_decay=wd)  # noqa: E731
+    return optax.multi_transform({"decay": adam(tc.weight_decay), "train": adam(0.0),
+                                  "freeze": optax.set_to_zero()}, labels)
+
+
+def make_train_step(optimizer, ffn: int, head_rule: rec.LabelRule):
+    """The jitted step (params, opt_state, batch arrays, pos_weight) -> (params, state, losses)."""
+
+    @functools.partial(jax.jit, donate_argnums=(0, 1))
+    def step(params, opt_state, x_mlp, x_heads, mlp_packed, head_norm, pos_weight):
+        grad_fn = jax.value_and_grad(loss_fn, has_aux=True)
+        (loss, (lm, lh)), grads = grad_fn(params, x_mlp, x_heads, mlp_packed, head_norm,
+                                          pos_weight, ffn, head_rule)
+        updates, opt_state = optimizer.update(grads, opt_state, params)
+        return optax.apply_updates(params, updates), opt_state, (loss, lm, lh)
+
+    return step
+
+
+@functools.partial(jax.jit, static_argnames=("ffn", "head_rule", "k_mlp", "k_heads"))
+def _val_hits(params, x_mlp, x_heads, mlp_packed, head_norm, ffn, head_rule, k_mlp, k_heads):
+    s_mlp = all_layer_logits(params.mlp, x_mlp, params.activation)
+    s_heads = all_layer_logits(params.heads, x_heads, params.activation)
+    y_mlp = unpack_mlp_labels(mlp_packed, ffn)
+    y_heads = rec.apply_rule(head_rule, head_norm.astype(F32))
+    hm = jax.vmap(lambda s, y: metrics_lib.hits_at_k(s, y, k_mlp))(s_mlp, y_mlp)
+    hh = jax.vmap(lambda s, y: metrics_lib.hits_at_k(s, y, k_heads))(s_heads, y_heads)
+    return hm, hh
+
+
+def validation_recall(params, val: data_lib.Batch, ffn, head_rule, k_mlp, k_heads,
+                      chunk: int = 512) -> tuple[np.ndarray, np.ndarray]:
+    """Per-layer recall@k [L] of the MLP and head predictors on the validation set."""
+    x_mlp = data_lib.mlp_inputs(val)
+    tot = np.zeros((2, 2, x_mlp.shape[0]))
+    for s in range(0, x_mlp.shape[1], chunk):
+        sl = slice(s, s + chunk)
+        hm, hh = _val_hits(params, x_mlp[:, sl], val.x_heads[:, sl], val.mlp_label[:, sl],
+                           val.head_norm[:, sl], ffn, head_rule, k_mlp, k_heads)
+        tot[0] += np.asarray(hm)
+        tot[1] += np.asarray(hh)
+    recall = tot[:, 0] / np.maximum(tot[:, 1], 1)
+    return recall[0], recall[1]
+
+
+def select_layers(better: np.ndarray, new: Predictor, old: Predictor) -> Predictor:
+    """Per layer, the new predictor where `better` [L] is set, else the old one."""
+    b = jnp.asarray(better)
+    return jax.tree.map(lambda n, o: jnp.where(b.reshape(-1, *[1] * (n.ndim - 1)), n, o),
+                        new, old)
+
+
+def initial_params(records: rec.Records, tc: TrainConfig, head_rule: rec.LabelRule,
+                   rng: np.random.Generator):
+    """(params, pos_weight [2, L], mean actives (mlp, heads)) from a training sample."""
+    L, d, F, H = records.n_layers, records.hidden, records.ffn, records.n_heads
+    sample = data_lib.sample_train(records, 4096, tc.lookahead, tc.val_fraction, rng)
+    y_mlp = rec.unpack_labels(sample.mlp_label, F)
+    y_heads = np.asarray(rec.apply_rule(head_rule, sample.head_norm.astype(np.float32)))
+    r = effective_rank(tc, d)
+    key_m, key_h = jax.random.split(jax.random.key(tc.seed))
+    mean_m, inv_m = input_stats(data_lib.mlp_inputs(sample))
+    mean_h, inv_h = input_stats(sample.x_heads)
+    params = PredictorParams(
+        mlp=init_predictor(key_m, L, d, r, F, mean_m, inv_m, y_mlp.mean(axis=1)),
+        heads=init_predictor(key_h, L, d, r, H, mean_h, inv_h, y_heads.mean(axis=1)),
+        activation=tc.activation)
+
+    def pos_weight(y):
+        p = np.clip(y.mean(axis=(1, 2)), 1e-6, 1.0)
+        return np.clip((1 - p) / p, 1.0, tc.max_pos_weight)
+
+    weights = np.stack([pos_weight(y_mlp), pos_weight(y_heads)]).astype(np.float32)
+    actives = (float(y_mlp.sum(-1).mean()), float(y_heads.sum(-1).mean()))
+    return params, weights, actives
+
+
+def train(records: rec.Records, tc: TrainConfig, progress: bool = True, log=print):
+    """Train predictors on `records`; returns (best params, training summary dict)."""
+    if tc.activation not in ACTIVATIONS:
+        raise ValueError(f"unknown activation {tc.activation!r}; known: {ACTIVATIONS}")
+    head_rule = rec.LabelRule.parse(tc.head_rule)
+    rng = np.random.default_rng(tc.seed)
+    params, pos_weight, actives = initial_params(records, tc, head_rule, rng)
+    F, H = records.ffn, records.n_heads
+    k_mlp = min(F, tc.k_mlp or math.ceil(1.5 * actives[0]))
+    k_heads = min(H, tc.k_heads or math.ceil(1.5 * actives[1]))
+    val = data_lib.validation_set(records, tc.lookahead, tc.val_fraction, tc.max_val_tokens)
+    optimizer = make_optimizer(tc, params)
+    opt_state = optimizer.init(params)
+    step = make_train_step(optimizer, F, head_rule)
+    pw = jnp.asarray(pos_weight)
+    best = jax.tree.map(jnp.copy, params)  # the step donates `params`
+    best_recall = [np.full(records.n_layers, -1.0), np.full(records.n_layers, -1.0)]
+    history, stale, stop_reason = [], 0, f"reached --epochs {tc.epochs}"
+    n_train = sum(data_lib.split_tokens(records, s, tc.val_fraction)[0]
+                  for s in range(len(records.shards)))
+    steps_per_epoch = sum(data_lib.split_tokens(records, s, tc.val_fraction)[0]
+                          // tc.batch_size for s in range(len(records.shards)))
+    if steps_per_epoch == 0:
+        raise rec.RecordsError(f"{records.root}: fewer training tokens per shard than "
+                               f"--batch-size {tc.batch_size}")
+    log(f"training {records.n_layers} layers x (mlp {F}, heads {H}) predictors, "
+        f"r={effective_rank(tc, records.hidden)}, {n_train} train / {val.x_heads.shape[1]} "
+        f"val tokens, eval k: mlp {k_mlp}, heads {k_heads}")
+    train_seconds, trained_tokens = 0.0, 0
+    for epoch in range(tc.epochs):
+        bar = tqdm(total=steps_per_epoch, desc=f"epoch {epoch + 1}", disable=not progress,
+                   unit="step")
+        losses = []
+        for b in data_lib.train_batches(records, tc.batch_size, tc.lookahead,
+                                        tc.val_fraction, rng):
+            t0 = time.perf_counter()
+            params, opt_state, (loss, lm, lh) = step(
+                params, opt_state, data_lib.mlp_inputs(b), b.x_heads, b.mlp_label,
+                b.head_norm, pw)
+            loss = float(loss)
+            train_seconds += time.perf_counter() - t0
+            trained_tokens += tc.batch_size
+            losses.append(loss)
+            bar.update(1)
+            bar.set_postfix(loss=f"{loss:.4f}")
+        bar.close()
+        r_mlp, r_heads = validation_recall(params, val, F, head_rule, k_mlp, k_heads)
+        improved = [r_mlp > best_recall[0] + 1e-4, r_heads > best_recall[1] + 1e-4]
+        best = dataclasses.replace(best, mlp=select_layers(improved[0], params.mlp, best.mlp),
+                                   heads=select_layers(improved[1], params.heads, best.heads))
+        best_recall = [np.maximum(best_recall[0], r_mlp), np.maximum(best_recall[1], r_heads)]
+        history.append({"epoch": epoch + 1, "train_loss": float(np.mean(losses)),
+                        "val_recall_mlp": float(r_mlp.mean()),
+                        "val_recall_heads": float(r_heads.mean()),
+                        "val_recall_min": float(min(r_mlp.min(), r_heads.min()))})
+        log(f"epoch {epoch + 1}: loss {np.mean(losses):.4f}, val recall@k mlp "
+            f"{r_mlp.mean():.4f} (min {r_mlp.min():.4f}), heads {r_heads.mean():.4f} "
+            f"(min {r_heads.min():.4f})")
+        stale = 0 if (improved[0].any() or improved[1].any()) else stale + 1
+        if min(best_recall[0].min(), best_recall[1].min()) > tc.stop_recall:
+            stop_reason = f"every layer reached recall > {tc.stop_recall}"
+            break
+        if stale >= tc.patience:
+            stop_reason = f"no layer improved for {tc.patience} epochs"
+            break
+    summary = {"history": history, "stop_reason": stop_reason, "epochs_run": len(history),
+               "k_mlp": k_mlp, "k_heads": k_heads, "pos_weight": pos_weight.tolist(),
+               "mean_active": {"mlp": actives[0], "heads": actives[1]},
+               "train_tokens_per_epoch": n_train,
+               "throughput": {"tokens": trained_tokens, "seconds": round(train_seconds, 2),
+                              "tokens_per_s": round(trained_tokens / max(train_seconds, 1e-9),
+                                                    1),
+                              "backend": jax.default_backend()}}
+    return best, summary, val
+
+
+def evaluate(params: PredictorParams, val: data_lib.Batch, records: rec.Records,
+             head_rule: rec.LabelRule, k_mlp: int, k_heads: int, model=None,
+             progress: bool = True) -> list[dict]:
+    """Per-layer metrics (see metrics.py) on the validation set.
+
+    model: optional (config, ModelParams) for the MLP output-capture measure.
+    """
+    L, F = records.n_layers, records.ffn
+    g = records.n_heads // records.n_kv_heads
+    k_groups = max(1, math.ceil(k_heads / g))
+    x_mlp = data_lib.mlp_inputs(val)
+    out = []
+    for layer in tqdm(range(L), desc="metrics", disable=not progress):
+        p_mlp = jax.tree.map(lambda a: a[layer], params.mlp)
+        p_heads = jax.tree.map(lambda a: a[layer], params.heads)
+        s_mlp = predictor_logits(p_mlp, jnp.asarray(x_mlp[layer]), params.activation)
+        s_heads = predictor_logits(p_heads, jnp.asarray(val.x_heads[layer]), params.activation)
+        y_mlp = jnp.asarray(rec.unpack_labels(val.mlp_label[layer], F))
+        norms = jnp.asarray(val.head_norm[layer], F32)
+        y_heads = rec.apply_rule(head_rule, norms)
+        captured = None
+        if model is not None:
+            config, mparams = model
+            lp = jax.tree.map(lambda a: a[layer], mparams.layers)
+            captured = metrics_lib.mlp_captured(config, lp, jnp.asarray(val.mlp_in[layer]),
+                                                s_mlp, k=k_mlp)
+        report = metrics_lib.layer_report(s_mlp, y_mlp, s_heads, y_heads, norms, k_mlp=k_mlp,
+                                          k_heads=k_heads, group_size=g, k_groups=k_groups,
+                                          captured=captured)
+        out.append({"layer": layer, **report})
+    return out
+
+
+def recommended(per_layer: list[dict], gqa: bool) -> dict:
+    """Per-layer recommended k lists, keyed by recall target; heads count KV groups for GQA."""
+    head_key = "groups" if gqa else "heads"
+    targets = per_layer[0]["mlp"]["recommended_k"].keys()
+    return {"mlp": {t: [m["mlp"]["recommended_k"][t] for m in per_layer] for t in targets},
+            "heads": {t: [m[head_key]["recommended_k"][t] for m in per_layer]
+                      for t in targets},
+            "heads_unit": "kv_groups" if gqa else "query_heads"}
+
+
+def build_manifest(records: rec.Records, tc: TrainConfig, summary: dict,
+                   per_layer: list[dict]) -> dict:
+    """The predictor manifest: provenance, settings, training summary and metrics."""
+    rm = records.manifest
+    gqa = records.n_kv_heads != records.n_heads
+    src = "attn_in[l-1] (layer 0: attn_in[0])" if tc.lookahead else None
+    return {
+        "model": rm["model"], "config_fingerprint": rm["config_fingerprint"],
+        "model_source": rm["model_source"],
+        "records": {"path": str(records.root), "tokens": rm["tokens"], "window": rm["window"],
+                    "corpus": [c["path"] for c in rm["corpus"]], "mlp_rule": rm["label_rules"]
+                    ["mlp"]},
+        "rank": effective_rank(tc, records.hidden), "activation": tc.activation,
+        "lookahead": tc.lookahead,
+        "inputs": {"mlp": src or "mlp_in[l]", "heads": src or "attn_in[l]",
+                   "note": "residual stream before the norm; any scale (inputs are "
+                           "RMS-normalised inside the predictor)"},
+        "head_rule": tc.head_rule,
+        "train_config": dataclasses.asdict(tc),
+        "training": summary,
+        "eval_k": {"mlp": summary["k_mlp"], "heads": summary["k_heads"],
+                   "groups": per_layer[0].get("groups", {}).get("k")},
+        "recommended_k": recommended(per_layer, gqa),
+        "per_layer": per_layer,
+        "summary": summarise(per_layer),
+    }
+
+
+def summarise(per_layer: list[dict]) -> dict:
+    """Means over layers of the headline metrics."""
+    def mean(kind, key):
+        vals = [m[kind][key] for m in per_layer if kind in m and key in m[kind]]
+        return round(float(np.mean(vals)), 4) if vals else None
+
+    return {f"{kind}_{key}": mean(kind, key)
+            for kind, keys in (("mlp", ("recall", "precision", "output_captured")),
+                               ("heads", ("recall", "precision", "norm_captured")),
+                               ("groups", ("recall", "norm_captured")))
+            for key in keys if mean(kind, key) is not None}
+
+
+def format_table(per_layer: list[dict]) -> str:
+    """A per-layer text table of the manifest's metrics."""
+    gqa = "groups" in per_layer[0]
+    head = "layer  mlp_rec  mlp_prec  mlp_capt  k95_mlp | head_rec  head_prec  norm_capt"
+    head += "  grp_rec  k95_grp" if gqa else "  k95_head"
+    rows = [head]
+    for m in per_layer:
+        mm, hh = m["mlp"], m["heads"]
+        cap = mm.get("output_captured")
+        row = (f"{m['layer']:5d}  {mm['recall']:.4f}   {mm['precision']:.4f}    "
+               f"{'  n/a ' if cap is None else f'{cap:.4f}'}   {mm['recommended_k']['0.95']:6d}"
+               f" | {hh['recall']:.4f}    {hh['precision']:.4f}     {hh['norm_captured']:.4f}")
+        if gqa:
+            row += f"    {m['groups']['recall']:.4f}   {m['groups']['recommended_k']['0.95']:6d}"
+        else:
+            row += f"    {hh['recommended_k']['0.95']:6d}"
+        rows.append(row)
+    return "\n".join(rows)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    """The CLI's argument parser."""
+    d = TrainConfig()
+    p = argparse.ArgumentParser(prog="python -m dejavu_jax.train.predictors",
+                                description=__doc__,
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--records", required=True, help="records folder from train.collect")
+    p.add_argument("--out", required=True, help="predictor folder to write")
+    p.add_argument("--rank", type=int, default=d.rank, help="r (capped at d)")
+    p.add_argument("--activation", choices=ACTIVATIONS, default=d.activation)
+    p.add_argument("--same-layer", action="store_true",
+                   help="predict from the layer's own inputs instead of lookahead")
+    p.add_argument("--head-rule", default=d.head_rule,
+                   help="head label rule: 'top:FRACTION' or 'threshold:NORM'")
+    p.add_argument("--epochs", type=int, default=d.epochs)
+    p.add_argument("--batch-size", type=int, default=d.batch_size, help="tokens per step")
+    p.add_argument("--lr", type=float, default=d.lr)
+    p.add_argument("--weight-decay", type=float, default=d.weight_decay)
+    p.add_argument("--stop-recall", type=float, default=d.stop_recall)
+    p.add_argument("--patience", type=int, default=d.patience)
+    p.add_argument("--val-fraction", type=float, default=d.val_fraction)
+    p.add_argument("--max-val-tokens", type=int, default=d.max_val_tokens)
+    p.add_argument("--k-mlp", type=int, help="evaluation k for neurons (default: 1.5x the "
+                   "mean number of active neurons)")
+    p.add_argument("--k-heads", type=int, help="evaluation k for query heads (default: 1.5x "
+                   "the mean active)")
+    p.add_argument("--seed", type=int, default=d.seed)
+    p.add_argument("--no-output-metric", action="store_true",
+                   help="skip the MLP output-capture metric (it loads the model weights)")
+    p.add_argument("--no-progress", action="store_true")
+    return p
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Run the CLI; returns the process exit status."""
+    args = build_parser().parse_args(argv)
+    tc = TrainConfig(rank=args.rank, activation=args.activation, lookahead=not args.same_layer,
+                     head_rule=args.head_rule, epochs=args.epochs, batch_size=args.batch_size,
+                     lr=args.lr, weight_decay=args.weight_decay, stop_recall=args.stop_recall,
+                     patience=args.patience, val_fraction=args.val_fraction,
+                     max_val_tokens=args.max_val_tokens, k_mlp=args.k_mlp,
+                     k_heads=args.k_heads, seed=args.seed)
+    progress = not args.no_progress
+    err = lambda s: print(s, file=sys.stderr)  # noqa: E731
+    try:
+        records = rec.Records(args.records)
+        params, summary, val = train(records, tc, progress, log=err)
+        model = None
+        if not args.no_output_metric:
+            from dejavu_jax.train.collect import ModelSource
+            model = ModelSource(**records.manifest["model_source"]).load()
+            if model[0].fingerprint() != records.manifest["config_fingerprint"]:
+                err("warning: model weights do not match the records; skipping output metric")
+                model = None
+        per_layer = evaluate(params, val, records, rec.LabelRule.parse(tc.head_rule),
+                             summary["k_mlp"], summary["k_heads"], model, progress)
+        manifest = build_manifest(records, tc, summary, per_layer)
+        save_predictors(args.out, params, manifest)
+    except (rec.RecordsError, ValueError) as e:
+        err(f"error: {e}")
+        return 1
+    print(format_table(per_layer))
+    print(f"summary: {manifest['summary']}")
+    t = summary["throughput"]
+    print(f"stopped after {summary['epochs_run']} epochs ({summary['stop_reason']}); "
+          f"training {t['tokens_per_s']} tokens/s; saved to {args.out}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
