@@ -174,13 +174,14 @@ def head_sparse_attention_reference(x, wq, bq, wk, bk, wv, bv, wo, bo, k_cache, 
     v = proj(wv, bv, head_idx)
     k_cache = k_cache.at[:, head_idx, pos, :].set(k.astype(k_cache.dtype))
     v_cache = v_cache.at[:, head_idx, pos, :].set(v.astype(v_cache.dtype))
-    kc = k_cache[:, head_idx].astype(f32)                     # [B, Kh, S, hd]
-    vc = v_cache[:, head_idx].astype(f32)
-    s = jnp.einsum("bgjk,bgsk->bgjs", q.reshape(B, Kh, G, hd), kc, precision=hi)
     positions = jnp.arange(S)
     valid = jnp.broadcast_to(positions <= pos, (B, S))
     if kv_mask is not None:
         valid = valid & (kv_mask.astype(bool) | (positions == pos)[None])
+    keep = valid[:, None, :, None]                            # never let unread rows leak in
+    kc = jnp.where(keep, k_cache[:, head_idx].astype(f32), 0.0)   # [B, Kh, S, hd]
+    vc = jnp.where(keep, v_cache[:, head_idx].astype(f32), 0.0)
+    s = jnp.einsum("bgjk,bgsk->bgjs", q.reshape(B, Kh, G, hd), kc, precision=hi)
     s = jnp.where(valid[:, None, None, :], s, -jnp.inf)
     p = jax.nn.softmax(s, axis=-1)
     o = jnp.einsum("bgjs,bgsk->bgjk", p, vc, precision=hi).reshape(B, Kh * G, hd)

@@ -1,0 +1,304 @@
+"""Sparse kernels (Pallas in interpret mode and the jnp references) vs float64 numpy.
+
+Every test draws fresh random inputs.  Weights and cache entries the kernels must NOT
+read (unselected neurons/heads, cache positions after ``pos``) are poisoned with NaN,
+and the Pallas interpreter fills every kernel output with NaN before the kernel runs,
+so a missed write or a stray read shows up as NaN.
+"""
+import numpy as np
+import pytest
+import jax
+import jax.numpy as jnp
+
+from dejavu_jax.kernels import head_sparse_attention, sparse_mlp
+from dejavu_jax.kernels._common import resolve_impl
+from dejavu_jax.kernels.gather_matvec import Segment, gather_matvec
+from dejavu_jax.kernels.sparse_mlp import MLPConfig
+
+BF16 = jnp.bfloat16
+F32 = jnp.float32
+
+
+def _tol(dtype):
+    return 2e-2 if dtype == BF16 else 1e-5
+
+
+def _q(a, dtype):
+    """Round a float64 array to ``dtype`` and back (so numpy sees what the kernel sees)."""
+    return np.asarray(jnp.asarray(a, dtype), np.float64)
+
+
+def _rel(out, ref):
+    out = np.asarray(out, np.float64)
+    assert np.isfinite(out).all(), "non-finite output (unwritten element or stray read)"
+    return np.linalg.norm(out - ref) / np.linalg.norm(ref)
+
+
+# ----------------------------------------------------------------------------
+# sparse MLP
+# ----------------------------------------------------------------------------
+
+def _np_mlp(x, w1, b1, w2t, b2, idx, act, wg):
+    h = x @ w1[idx].T + (0 if b1 is None else b1[idx])
+    if wg is not None:
+        g = x @ wg[idx].T
+        a = h * {"silu": g / (1 + np.exp(-g)), "relu": np.maximum(g, 0)}[act]
+    else:
+        a = np.maximum(h, 0) if act == "relu" else h / (1 + np.exp(-h))
+    return a @ w2t[idx] + (0 if b2 is None else b2)
+
+
+MLP_CASES = [  # B, d, F, K, dtype, activation, gated, biases, config
+    (1, 96, 384, 37, F32, "relu", False, True, None),
+    (3, 96, 384, 384, BF16, "relu", False, True, None),               # K = F
+    (2, 96, 384, 1, F32, "relu", False, True, None),                  # K = 1
+    (1, 1536, 6144, 100, BF16, "relu", False, True, None),
+    (2, 1536, 6144, 45, F32, "silu", True, False, None),              # SwiGLU, no biases
+    (1, 5120, 512, 40, BF16, "relu", False, True, None),
+    (17, 96, 200, 33, F32, "silu", True, True,                        # B > 16, odd blocks
+     MLPConfig(fc1_block_d=32, fc1_d_chunks=2, fc2_block_d=64, fc2_row_blocks=2)),
+]
+
+
+@pytest.mark.parametrize("B,d,F,K,dtype,act,gated,biases,config", MLP_CASES)
+@pytest.mark.parametrize("impl", ["interpret", "reference"])
+def test_sparse_mlp_matches_numpy(rng, impl, B, d, F, K, dtype, act, gated, biases, config):
+    if impl == "reference" and config is not None:
+        pytest.skip("config only affects the Pallas path")
+    idx = rng.permutation(F)[:K].astype(np.int32)
+    unsel = np.setdiff1d(np.arange(F), idx)
+    x = _q(rng.standard_normal((B, d)), dtype)
+    mats = []
+    for scale in (d ** -0.5, K ** -0.5, d ** -0.5):
+        w = _q(rng.standard_normal((F, d)) * scale, dtype)
+        w[unsel] = np.nan                                  # never read unselected rows
+        mats.append(w)
+    w1, w2t, wg = mats
+    wg = wg if gated else None
+    b1 = _q(rng.standard_normal(F), dtype) if biases else None
+    b2 = _q(rng.standard_normal(d), dtype) if biases else None
+    if b1 is not None:
+        b1[unsel] = np.nan
+    ref = _np_mlp(x, w1, b1, w2t, b2, idx, act, wg)
+    c = lambda a: None if a is None else jnp.asarray(a, dtype)
+    out = sparse_mlp(c(x), c(w1), c(b1), c(w2t), c(b2), jnp.asarray(idx), activation=act,
+                     w_gate=c(wg), impl=impl, config=config)
+    assert out.shape == (B, d) and out.dtype == dtype
+    assert _rel(out, ref) < _tol(dtype)
+
+
+def test_sparse_mlp_under_jit_with_traced_indices(rng):
+    B, d, F, K = 2, 96, 300, 20
+    x, w1, w2t = (rng.standard_normal(s) for s in ((B, d), (F, d), (F, d)))
+    b1, b2 = rng.standard_normal(F), rng.standard_normal(d)
+    idx = rng.permutation(F)[:K].astype(np.int32)
+    f = jax.jit(lambda *a: sparse_mlp(*a, impl="interpret"))
+    out = f(*(jnp.asarray(a, F32) for a in (x, w1, b1, w2t, b2)), jnp.asarray(idx))
+    assert _rel(out, _np_mlp(x, w1, b1, w2t, b2, idx, "relu", None)) < 1e-5
+
+
+def test_gather_matvec_writes_every_partial(rng):
+    # The interpreter initialises outputs with NaN: every element (padded rows too) is written.
+    B, d, F, K = 3, 100, 64, 21
+    x = jnp.asarray(rng.standard_normal((B, d)), F32)
+    w = rng.standard_normal((F, d))
+    idx = rng.permutation(F)[:K].astype(np.int32)
+    (parts,) = gather_matvec(x, [Segment(jnp.asarray(w, F32), jnp.asarray(idx))],
+                             block_rows=16, block_d=32, d_chunks=1, interpret=True)
+    parts = np.asarray(parts)
+    assert np.isfinite(parts).all()
+    np.testing.assert_allclose(parts.sum(0)[:, :K], np.asarray(x, np.float64) @ w[idx].T,
+                               rtol=1e-5, atol=1e-5)
+
+
+# ----------------------------------------------------------------------------
+# head-sparse attention
+# ----------------------------------------------------------------------------
+
+def _rotate_half(t):
+    h = t.shape[-1] // 2
+    return np.concatenate([-t[..., h:], t[..., :h]], -1)
+
+
+def _np_attention(x, wq, bq, wk, bk, wv, bv, wo, bo, kc, vc, pos, hidx, cos, sin, mask):
+    B, d = x.shape
+    H, hd, _ = wq.shape
+    n_kv = wk.shape[0]
+    G = H // n_kv
+    S = kc.shape[2]
+    kc, vc = kc.copy(), vc.copy()
+    out = np.zeros((B, d)) + (0 if bo is None else bo)
+    rot = (lambda t: t) if cos is None else (lambda t: t * cos + _rotate_half(t) * sin)
+    bias = lambda b, h: 0 if b is None else b[h]
+    valid = np.arange(S)[None, :] <= pos
+    if mask is not None:
+        valid = valid & (mask | (np.arange(S) == pos)[None, :])
+    for g in hidx:
+        kc[:, g, pos] = rot(x @ wk[g].T + bias(bk, g))
+        vc[:, g, pos] = x @ wv[g].T + bias(bv, g)
+        for j in range(G):
+            h = g * G + j
+            q = rot(x @ wq[h].T + bias(bq, h)) / np.sqrt(hd)
+            s = np.where(valid, np.einsum("bk,bsk->bs", q, np.nan_to_num(kc[:, g])), -np.inf)
+            p = np.exp(s - s.max(1, keepdims=True))
+            p /= p.sum(1, keepdims=True)
+            out += np.einsum("bs,bsk->bk", p, np.nan_to_num(vc[:, g])) @ wo[h]
+    return out, kc, vc
+
+
+ATTN_CASES = [  # B, d, H, n_kv, hd, S, Kh, pos, dtype, rope, mask, biases
+    (1, 96, 6, 6, 16, 40, 3, 0, F32, None, False, True),
+    (2, 96, 6, 6, 16, 40, 6, 39, BF16, None, False, True),            # all heads, pos = S-1
+    (3, 64, 8, 2, 8, 33, 1, 17, F32, "arrays", True, True),           # GQA, rope, left-pad mask
+    (2, 128, 8, 4, 32, 100, 3, 99, BF16, "callable", False, False),  # GQA, no biases
+    (1, 1536, 12, 12, 128, 48, 5, 30, BF16, None, False, True),
+    (1, 5120, 4, 4, 64, 24, 2, 7, F32, "batched", False, True),
+]
+
+
+def _attn_inputs(rng, B, d, H, n_kv, hd, S, Kh, pos, dtype, biases):
+    r = lambda *s: rng.standard_normal(s)
+    hidx = rng.permutation(n_kv)[:Kh].astype(np.int32)
+    unsel = np.setdiff1d(np.arange(n_kv), hidx)
+    G = H // n_kv
+    unsel_q = (unsel[:, None] * G + np.arange(G)).reshape(-1)
+    x = _q(r(B, d), dtype)
+    wq, wo = _q(r(H, hd, d) / np.sqrt(d), dtype), _q(r(H, hd, d) / np.sqrt(H * hd), dtype)
+    wk, wv = _q(r(n_kv, hd, d) / np.sqrt(d), dtype), _q(r(n_kv, hd, d) / np.sqrt(d), dtype)
+    bq, bk, bv, bo = ((_q(r(*s), dtype) if biases else None)
+                      for s in ((H, hd), (n_kv, hd), (n_kv, hd), (d,)))
+    for w in (wq, wo) + ((bq,) if biases else ()):
+        w[unsel_q] = np.nan                                   # unselected heads: never read
+    for w in (wk, wv) + ((bk, bv) if biases else ()):
+        w[unsel] = np.nan
+    kc, vc = _q(r(B, n_kv, S, hd), dtype), _q(r(B, n_kv, S, hd), dtype)
+    for c in (kc, vc):
+        c[:, unsel] = np.nan                                  # must stay untouched (NaN)
+        c[:, :, pos:] = np.nan                                # pos is written; > pos unread
+    return hidx, (x, wq, bq, wk, bk, wv, bv, wo, bo, kc, vc)
+
+
+@pytest.mark.parametrize("B,d,H,n_kv,hd,S,Kh,pos,dtype,rope,mask,biases", ATTN_CASES)
+@pytest.mark.parametrize("impl", ["interpret", "reference"])
+def test_head_sparse_attention_matches_numpy(rng, impl, B, d, H, n_kv, hd, S, Kh, pos, dtype,
+                                             rope, mask, biases):
+    hidx, arrs = _attn_inputs(rng, B, d, H, n_kv, hd, S, Kh, pos, dtype, biases)
+    ang = rng.standard_normal((B, hd // 2) if rope == "batched" else hd // 2)
+    cos = np.cos(np.concatenate([ang, ang], -1)) if rope else None
+    sin = np.sin(np.concatenate([ang, ang], -1)) if rope else None
+    cos_np, sin_np = cos, sin          # numpy applies them to [B, hd] per head
+    km = rng.random((B, S)) > 0.4 if mask else None
+    ref, rk, rv = _np_attention(*arrs, pos, hidx, cos_np, sin_np, km)
+    if rope == "callable":
+        c_, s_ = jnp.asarray(cos, F32), jnp.asarray(sin, F32)
+        rope_arg = lambda t: t * c_ + jnp.concatenate([-t[..., hd // 2:], t[..., :hd // 2]], -1) * s_
+    elif rope:
+        rope_arg = (jnp.asarray(cos, F32), jnp.asarray(sin, F32))
+    else:
+        rope_arg = None
+    c = lambda a: None if a is None else jnp.asarray(a, dtype)
+    out, k2, v2 = head_sparse_attention(*(c(a) for a in arrs), jnp.int32(pos), jnp.asarray(hidx),
+                                        rope=rope_arg, kv_mask=None if km is None else jnp.asarray(km),
+                                        impl=impl)
+    assert out.shape == (B, d) and out.dtype == dtype
+    assert _rel(out, ref) < _tol(dtype)
+    k2, v2 = np.asarray(k2, np.float64), np.asarray(v2, np.float64)
+    for got, want in ((k2, rk), (v2, rv)):
+        # Selected heads' rows at pos written; everything else bit-identical (NaNs included).
+        np.testing.assert_allclose(got[:, hidx, pos], want[:, hidx, pos],
+                                   rtol=_tol(dtype), atol=_tol(dtype))
+        keep = np.ones(got.shape, bool)
+        keep[:, hidx, pos] = False
+        np.testing.assert_array_equal(got[keep], want[keep])
+
+
+def test_head_sparse_attention_traced_pos_in_jit(rng):
+    B, d, H, hd, S, Kh = 2, 96, 6, 16, 30, 2
+    hidx, arrs = _attn_inputs(rng, B, d, H, H, hd, S, Kh, S, F32, True)  # no position poisoned
+    step = jax.jit(lambda pos, *a: head_sparse_attention(*a[:-1], pos, a[-1], impl="interpret"))
+    cache_k, cache_v = arrs[9], arrs[10]
+    for pos in (0, 13, S - 1):
+        ref, _, _ = _np_attention(*arrs[:9], cache_k, cache_v, pos, hidx, None, None, None)
+        out, k2, v2 = step(jnp.int32(pos), *(jnp.asarray(a, F32) for a in arrs[:9]),
+                           jnp.asarray(cache_k, F32), jnp.asarray(cache_v, F32), jnp.asarray(hidx))
+        assert _rel(out, ref) < 1e-5
+
+
+# ----------------------------------------------------------------------------
+# dispatch and input validation
+# ----------------------------------------------------------------------------
+
+def test_auto_impl_is_reference_on_cpu():
+    assert resolve_impl(None) == "reference"
+    with pytest.raises(ValueError, match="impl"):
+        resolve_impl("cuda")
+
+
+def _mlp_args(rng, B=2, d=16, F=40, K=5):
+    f = lambda *s: jnp.asarray(rng.standard_normal(s), F32)
+    return [f(B, d), f(F, d), f(F), f(F, d), f(d), jnp.asarray(rng.permutation(F)[:K], jnp.int32)]
+
+
+@pytest.mark.parametrize("pos_arg,change,exc,match", [
+    (5, lambda a: jnp.asarray([1.0, 2.0]), TypeError, "idx"),               # float indices
+    (5, lambda a: jnp.asarray([0, 40], jnp.int32), ValueError, "idx"),     # out of range
+    (5, lambda a: jnp.asarray([-1, 3], jnp.int32), ValueError, "idx"),     # negative
+    (5, lambda a: jnp.asarray([3, 3], jnp.int32), ValueError, "distinct"),
+    (5, lambda a: jnp.zeros((2, 2), jnp.int32), ValueError, "idx"),        # rank 2
+    (3, lambda a: a[:, :8], ValueError, "w2t"),                            # w2t width
+    (0, lambda a: a[0], ValueError, "x"),                                   # x rank 1
+    (1, lambda a: a[:, :15], ValueError, "x"),                              # w1 width vs x
+    (2, lambda a: a[:7], ValueError, "b1"),
+    (4, lambda a: a[:3], ValueError, "b2"),
+])
+def test_sparse_mlp_rejects_bad_inputs(rng, pos_arg, change, exc, match):
+    args = _mlp_args(rng)
+    args[pos_arg] = change(args[pos_arg])
+    with pytest.raises(exc, match=match):
+        sparse_mlp(*args)
+
+
+def test_sparse_mlp_rejects_bad_options(rng):
+    args = _mlp_args(rng)
+    with pytest.raises(ValueError, match="activation"):
+        sparse_mlp(*args, activation="tanh")
+    with pytest.raises(ValueError, match="w_gate"):
+        sparse_mlp(*args, w_gate=args[1][:, :3])
+    with pytest.raises(ValueError, match="impl"):
+        sparse_mlp(*args, impl="gpu")
+
+
+def _attn_args(rng, B=2, d=32, H=4, n_kv=4, hd=8, S=10, Kh=2):
+    f = lambda *s: jnp.asarray(rng.standard_normal(s), F32)
+    return [f(B, d), f(H, hd, d), f(H, hd), f(n_kv, hd, d), f(n_kv, hd), f(n_kv, hd, d),
+            f(n_kv, hd), f(H, hd, d), f(d), f(B, n_kv, S, hd), f(B, n_kv, S, hd), 3,
+            jnp.asarray(rng.permutation(n_kv)[:Kh], jnp.int32)]
+
+
+@pytest.mark.parametrize("i,change,exc,match", [
+    (12, lambda a: jnp.asarray([0, 4], jnp.int32), ValueError, "head_idx"),
+    (12, lambda a: a.astype(F32), TypeError, "head_idx"),
+    (11, lambda a: 10, ValueError, "pos"),
+    (11, lambda a: -1, ValueError, "pos"),
+    (11, lambda a: 2.0, TypeError, "pos"),
+    (9, lambda a: a[:, :, :, :4], ValueError, "k_cache"),
+    (10, lambda a: a[:1], ValueError, "v_cache"),
+    (3, lambda a: a[:3], ValueError, "KV heads"),          # 3 KV heads do not divide 4
+    (7, lambda a: a[:, :4], ValueError, "wo"),
+    (2, lambda a: a[:, :3], ValueError, "bq"),
+    (0, lambda a: a[:, :16], ValueError, "wq"),
+    (1, lambda a: a[0], ValueError, "wq"),
+])
+def test_head_sparse_attention_rejects_bad_inputs(rng, i, change, exc, match):
+    args = _attn_args(rng)
+    args[i] = change(args[i])
+    with pytest.raises(exc, match=match):
+        head_sparse_attention(*args)
+
+
+def test_head_sparse_attention_rejects_bad_rope_and_mask(rng):
+    args = _attn_args(rng)
+    with pytest.raises(ValueError, match="rope"):
+        head_sparse_attention(*args, rope=(jnp.ones(5), jnp.ones(5)))
+    with pytest.raises(ValueError, match="kv_mask"):
+        head_sparse_attention(*args, kv_mask=jnp.ones((2, 9), bool))
