@@ -23,7 +23,8 @@ F32 = jnp.float32
 class DecodeState:
     """Everything a decode step reads and writes besides the weights.
 
-    k, v: [L, B, Hk, S, hd] cache, one contiguous history per head.
+    k, v: [B, L, Hk, S, hd] cache, one contiguous history per head. Batch-major, so that
+      `k.reshape(B, L * Hk, S, hd)` addresses every layer's heads without a copy.
     valid: [B, S] which cache slots hold real tokens (left padding is invalid).
     slot: int32 scalar, the next slot to write (shared by the batch).
     positions: [B] int32, the position id of each row's next token.
@@ -89,7 +90,7 @@ def sequence_forward(config: ModelConfig, params: ModelParams, input_ids: jax.Ar
                      attention_mask: jax.Array | None = None, *, records: bool = False):
     """Run all layers over [B, T] tokens.
 
-    Returns (hidden [B,T,d] fp32 before the final norm, (k, v) each [L,B,Hk,T,hd],
+    Returns (hidden [B,T,d] fp32 before the final norm, (k, v) each [B,L,Hk,T,hd],
     records). With records=True, `records` is a dict of per-layer arrays [L, B, T, ...]:
       attn_in, mlp_in: residual stream entering the attention / MLP block (pre-norm);
       mlp_act: neuron activations [.., F]; head_norm: ||H_i W_O^i|| [.., H].
@@ -124,7 +125,8 @@ def sequence_forward(config: ModelConfig, params: ModelParams, input_ids: jax.Ar
         kv = (k.transpose(0, 2, 1, 3), v.transpose(0, 2, 1, 3))
         return out, (kv, {**rec_in, **rec})
 
-    x, (kv, recs) = jax.lax.scan(layer, x, params.layers)
+    x, ((k, v), recs) = jax.lax.scan(layer, x, params.layers)
+    kv = (k.transpose(1, 0, 2, 3, 4), v.transpose(1, 0, 2, 3, 4))
     return x, kv, (recs if records else None)
 
 
@@ -151,7 +153,7 @@ def logits(config: ModelConfig, params: ModelParams, input_ids,
 
 def init_state(config: ModelConfig, batch: int, max_len: int, dtype) -> DecodeState:
     """An empty decode state with room for `max_len` tokens per row."""
-    shape = (config.n_layers, batch, config.n_kv_heads, max_len, config.head_dim)
+    shape = (batch, config.n_layers, config.n_kv_heads, max_len, config.head_dim)
     return DecodeState(
         k=jnp.zeros(shape, dtype), v=jnp.zeros(shape, dtype),
         valid=jnp.zeros((batch, max_len), bool), slot=jnp.zeros((), jnp.int32),
@@ -195,9 +197,9 @@ def cached_attention(config: ModelConfig, q: jax.Array, k_layer: jax.Array,
 
 
 def write_kv(cache: jax.Array, layer: jax.Array, slot: jax.Array, new: jax.Array) -> jax.Array:
-    """Write new [B, Hk, hd] into the stacked cache [L,B,Hk,S,hd] at (layer, slot), in place."""
-    upd = new.astype(cache.dtype)[None, :, :, None, :]
-    return jax.lax.dynamic_update_slice(cache, upd, (layer, 0, 0, slot, 0))
+    """Write new [B, Hk, hd] into the stacked cache [B,L,Hk,S,hd] at (layer, slot), in place."""
+    upd = new.astype(cache.dtype)[:, None, :, None, :]
+    return jax.lax.dynamic_update_slice(cache, upd, (0, layer, 0, slot, 0))
 
 
 def decode_layers(config: ModelConfig, params: ModelParams, x: jax.Array,
@@ -214,8 +216,8 @@ def decode_layers(config: ModelConfig, params: ModelParams, x: jax.Array,
             q, k, v = ops.project_qkv(config, lp, y, state.positions)
             nonlocal_kv[0] = write_kv(k_all, index, state.slot, k)
             nonlocal_kv[1] = write_kv(v_all, index, state.slot, v)
-            heads = cached_attention(config, q, nonlocal_kv[0][index], nonlocal_kv[1][index],
-                                     valid)
+            heads = cached_attention(config, q, nonlocal_kv[0][:, index],
+                                     nonlocal_kv[1][:, index], valid)
             return ops.out_project(lp, heads)
 
         nonlocal_kv = [k_all, v_all]

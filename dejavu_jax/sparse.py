@@ -1,0 +1,407 @@
+"""DejaVu sparse decoding: per-token neuron and head subsets, lookahead prediction, missing KV.
+
+One decode step runs the layers in *segments*: consecutive layers that share the same
+(neurons kept, KV groups kept) form one `lax.scan`. Inside a sparse segment the carry
+holds the hidden state and the index sets for the *next* layer, predicted from this
+layer's input while this layer computes (DejaVu's lookahead).
+
+Missing KV: a head that is skipped at token t has no K/V for t. Every layer keeps the
+normed attention inputs of the last `kv_window` tokens ([B, L, W, d]) and a bitmap of
+written cache entries ([B, L, Hk, S]). When a head is selected, its unwritten entries in
+the window are recomputed from those inputs before attention. Every `kv_window` tokens a
+refresh step computes all heads' missing entries of the window, so no entry ever leaves
+the window unwritten: with that, every selected head attends over exactly the dense KV.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Callable, Sequence
+
+import jax
+import jax.numpy as jnp
+from flax import struct
+
+from dejavu_jax import kernels, ops
+from dejavu_jax.config import ModelConfig
+from dejavu_jax.model import DecodeState, cached_attention, embed, unembed, write_kv
+from dejavu_jax.params import ModelParams
+
+F32 = jnp.float32
+
+# select(selector_params, layer, x_prev_input [B, d], k_mlp, k_heads)
+#   -> (neuron_idx [Km], group_idx [Kh]); selector_params is a pytree (e.g. predictor weights)
+Selector = Callable[..., tuple[jax.Array, jax.Array]]
+
+
+@dataclasses.dataclass(frozen=True)
+class SparseConfig:
+    """Static sparsity settings.
+
+    mlp_k[l]: neurons computed in layer l (F = dense). head_k[l]: KV groups computed
+    (n_kv_heads = dense; for multi-head models a group is one head).
+    dense_layers: the first layers run the dense path (the others run the sparse path
+    even when k covers every unit, which is how density-1.0 parity is tested).
+    oracle: take the true top-k of this layer's dense activations and head output norms
+    instead of predicted sets (research mode: computes densely, then masks).
+    kv_window: tokens of layer inputs kept for missing-KV recomputation.
+    impl: kernel implementation (None: Pallas on GPU, jnp reference on CPU).
+    """
+
+    mlp_k: tuple[int, ...]
+    head_k: tuple[int, ...]
+    dense_layers: int = 0
+    oracle: bool = False
+    kv_window: int = 16
+    impl: str | None = None
+
+    def __post_init__(self):
+        if len(self.mlp_k) != len(self.head_k):
+            raise ValueError("mlp_k and head_k must have one entry per layer")
+
+    def segments(self, config: ModelConfig) -> list[tuple[int, int, bool, int, int]]:
+        """(start, stop, dense, k_mlp, k_heads) runs of consecutive layers run alike."""
+        if len(self.mlp_k) != config.n_layers:
+            raise ValueError(f"SparseConfig has {len(self.mlp_k)} layers, the model "
+                             f"{config.n_layers}")
+        runs = []
+        for layer, (km, kh) in enumerate(zip(self.mlp_k, self.head_k)):
+            if not (0 < km <= config.ffn and 0 < kh <= config.n_kv_heads):
+                raise ValueError(f"layer {layer}: k_mlp={km} / k_heads={kh} out of range")
+            ks = (layer < self.dense_layers, km, kh)
+            if runs and runs[-1][2:] == ks:
+                runs[-1] = (runs[-1][0], layer + 1, *ks)
+            else:
+                runs.append((layer, layer + 1, *ks))
+        return runs
+
+    def density(self, config: ModelConfig) -> dict[str, list[float]]:
+        """Per-layer fraction of neurons and KV groups computed (per shared index set)."""
+        return {"mlp": [k / config.ffn for k in self.mlp_k],
+                "heads": [k / config.n_kv_heads for k in self.head_k]}
+
+
+def _per_layer(value, n_layers: int, name: str) -> list[float]:
+    values = list(value) if isinstance(value, Sequence) else [float(value)] * n_layers
+    if len(values) != n_layers:
+        raise ValueError(f"{name} has {len(values)} entries for {n_layers} layers")
+    for v in values:
+        if not 0.0 < v <= 1.0:
+            raise ValueError(f"{name} values must be in (0, 1], got {v}")
+    return values
+
+
+def sparse_config(config: ModelConfig, mlp_density=0.1, head_density=0.5,
+                  dense_layers: int = 2, oracle: bool = False, kv_window: int = 16,
+                  impl: str | None = None) -> SparseConfig:
+    """SparseConfig from densities (a float for all layers, or one per layer).
+
+    The first `dense_layers` layers run dense. k = ceil(density * units), at least 1.
+    """
+    L = config.n_layers
+    mlp = _per_layer(mlp_density, L, "mlp_density")
+    heads = _per_layer(head_density, L, "head_density")
+    if not 0 <= dense_layers <= L:
+        raise ValueError(f"dense_layers={dense_layers} must be in 0..{L}")
+    if kv_window < 1:
+        raise ValueError(f"kv_window must be >= 1, got {kv_window}")
+
+    def count(d, n):
+        return max(1, min(n, int(-(-round(d * n * 1e6) // 1_000_000))))
+
+    mlp_k = tuple(config.ffn if l < dense_layers else count(mlp[l], config.ffn)
+                  for l in range(L))
+    head_k = tuple(config.n_kv_heads if l < dense_layers else count(heads[l], config.n_kv_heads)
+                   for l in range(L))
+    return SparseConfig(mlp_k, head_k, dense_layers, oracle, kv_window, impl)
+
+
+@struct.dataclass
+class SparseState:
+    """The dense decode state plus what missing-KV recomputation needs.
+
+    written: [B, L, Hk, S] whether a cache entry holds its K/V.
+    history: [B, L, W, d] normed attention inputs of the last W tokens (ring by slot % W).
+    """
+
+    dense: DecodeState
+    written: jax.Array
+    history: jax.Array
+
+
+def init_sparse_state(config: ModelConfig, scfg: SparseConfig, batch: int, max_len: int,
+                      dtype) -> SparseState:
+    """An empty sparse decode state."""
+    from dejavu_jax.model import init_state
+    return SparseState(
+        dense=init_state(config, batch, max_len, dtype),
+        written=jnp.zeros((batch, config.n_layers, config.n_kv_heads, max_len), bool),
+        history=jnp.zeros((batch, config.n_layers, scfg.kv_window, config.hidden), dtype))
+
+
+def sparse_prefill_fn(config: ModelConfig, scfg: SparseConfig, params: tuple,
+                      input_ids, attention_mask, state: SparseState):
+    """Dense prefill (fills every head's KV); marks the prompt's entries written.
+
+    params is (model params, selector params), as for `sparse_step_fn`.
+    """
+    from dejavu_jax.model import prefill_fn
+    params = params[0]
+    logits, dense = prefill_fn(config, params, input_ids, attention_mask, state.dense)
+    T = input_ids.shape[1]
+    mask = jnp.broadcast_to(attention_mask.astype(bool)[:, None, None, :],
+                            (input_ids.shape[0], config.n_layers, config.n_kv_heads, T))
+    written = jax.lax.dynamic_update_slice(state.written, mask, (0, 0, 0, 0))
+    return logits, SparseState(dense=dense, written=written, history=state.history)
+
+
+def _flat(w: jax.Array | None) -> jax.Array | None:
+    """[L, n, ...] -> [L * n, ...]: a free reshape that lets kernels gather across layers."""
+    return None if w is None else w.reshape(-1, *w.shape[2:])
+
+
+def _query_heads(groups: jax.Array, group_size: int) -> jax.Array:
+    return (groups[:, None] * group_size + jnp.arange(group_size)).reshape(-1)
+
+
+class _LayerIO(struct.PyTreeNode):
+    """The per-step arrays every layer body reads or writes."""
+
+    k: jax.Array
+    v: jax.Array
+    written: jax.Array
+    history: jax.Array
+
+
+def _recompute_missing(config, scfg, lp_flat, io: _LayerIO, layer, groups, step):
+    """Recompute cache entries of KV `groups` in the window that are still unwritten."""
+    B = io.k.shape[0]
+    W = scfg.kv_window
+    slot, valid, positions = step["slot"], step["valid"], step["positions"]
+    slots = slot - (W - 1) + jnp.arange(W)                       # [W]
+    in_range = slots >= 0
+    slots_c = jnp.maximum(slots, 0)
+    row_valid = valid[:, slots_c] & in_range[None]               # [B, W]
+    written = io.written[:, layer][:, groups][:, :, slots_c]     # [B, n, W]
+    need = ~written & row_valid[:, None, :]
+
+    def compute(io):
+        hist = io.history[:, layer][:, slots_c % W]              # [B, W, d]
+        heads = layer * config.n_kv_heads + groups
+        pos_w = positions[:, None] - (slot - slots)[None]        # [B, W]
+
+        def project(w, b):
+            out = jnp.einsum("bwd,nkd->bwnk", hist.astype(w.dtype), w[heads],
+                             preferred_element_type=F32)
+            return ops.add_bias(out, None if b is None else b[heads])
+
+        k_new = project(lp_flat["wk"], lp_flat["bk"])
+        v_new = project(lp_flat["wv"], lp_flat["bv"])
+        if config.family == "llama":
+            cos, sin = ops.rope_tables(jnp.maximum(pos_w, 0), config.head_dim,
+                                       config.rope_theta)
+            k_new = ops.apply_rope(k_new, cos, sin)
+        b_i = jnp.arange(B)[:, None, None]
+        g_i = groups[None, :, None]
+        s_i = slots_c[None, None, :]
+        sel = need.transpose(0, 1, 2)[..., None]                 # [B, n, W, 1]
+
+        def merge(cache, new):
+            old = cache[b_i, layer, g_i, s_i]                    # [B, n, W, hd]
+            upd = jnp.where(sel, new.transpose(0, 2, 1, 3).astype(cache.dtype), old)
+            return cache.at[b_i, layer, g_i, s_i].set(upd)
+
+        return io.replace(
+            k=merge(io.k, k_new), v=merge(io.v, v_new),
+            written=io.written.at[b_i, layer, g_i, s_i].set(written | need))
+
+    return jax.lax.cond(need.any(), compute, lambda io: io, io)
+
+
+def _sparse_attention(config, scfg, params, lp_flat, io: _LayerIO, layer, y, groups, step):
+    """Head-sparse attention for normed inputs y [B, d] over the selected KV groups."""
+    W = scfg.kv_window
+    slot = step["slot"]
+    history = jax.lax.dynamic_update_slice(
+        io.history, y.astype(io.history.dtype)[:, None, None, :], (0, layer, slot % W, 0))
+    io = io.replace(history=history)
+    all_groups = jnp.arange(config.n_kv_heads, dtype=jnp.int32)
+    refresh = (slot + 1) % W == 0
+    io = jax.lax.cond(refresh,
+                      lambda io: _recompute_missing(config, scfg, lp_flat, io, layer,
+                                                    all_groups, step),
+                      lambda io: _recompute_missing(config, scfg, lp_flat, io, layer,
+                                                    groups, step), io)
+    B, _, Hk, S, hd = io.k.shape
+    rope = None
+    if config.family == "llama":
+        rope = ops.rope_tables(step["positions"], config.head_dim, config.rope_theta)
+    k_flat = io.k.reshape(B, -1, S, hd)
+    v_flat = io.v.reshape(B, -1, S, hd)
+    out, k_flat, v_flat = kernels.head_sparse_attention(
+        y.astype(lp_flat["wq"].dtype), lp_flat["wq"], lp_flat["bq"], lp_flat["wk"],
+        lp_flat["bk"], lp_flat["wv"], lp_flat["bv"], lp_flat["wo"],
+        None if params.layers.bo is None else params.layers.bo[layer],
+        k_flat, v_flat, slot, layer * config.n_kv_heads + groups, rope=rope,
+        kv_mask=step["valid"], impl=scfg.impl)
+    return out.astype(F32), io.replace(k=k_flat.reshape(io.k.shape),
+                                       v=v_flat.reshape(io.v.shape))
+
+
+def _sparse_mlp(config, scfg, params, lp_flat, layer, y, neurons):
+    """The MLP over the selected neurons for normed inputs y [B, d]."""
+    F = config.ffn
+    out = kernels.sparse_mlp(
+        y.astype(lp_flat["w_in"].dtype), lp_flat["w_in"], lp_flat["b_in"],
+        lp_flat["w_out_t"], None if params.layers.b_out is None else params.layers.b_out[layer],
+        layer * F + neurons, activation=config.activation, w_gate=lp_flat["w_gate"],
+        impl=scfg.impl)
+    return out.astype(F32)
+
+
+def _dense_layer(config, params, io: _LayerIO, layer, x, step, oracle_k=None):
+    """A dense layer on the decode path (also the oracle: dense, then top-k masking)."""
+    lp = jax.tree.map(lambda w: w[layer], params.layers)
+    state = {}
+
+    def attn(y):
+        q, k, v = ops.project_qkv(config, lp, y, step["positions"])
+        state["k"] = write_kv(io.k, layer, step["slot"], k)
+        state["v"] = write_kv(io.v, layer, step["slot"], v)
+        heads = cached_attention(config, q, state["k"][:, layer], state["v"][:, layer],
+                                 step["valid"])
+        if oracle_k is not None:
+            from dejavu_jax.model import head_output_norms
+            from dejavu_jax.train.predict import group_scores, select_top_k
+            scores = group_scores(head_output_norms(lp, heads), config.group_size)
+            keep = select_top_k(scores, oracle_k[1])
+            mask = jnp.zeros(config.n_kv_heads, bool).at[keep].set(True)
+            heads = heads * jnp.repeat(mask, config.group_size)[None, :, None]
+        return ops.out_project(lp, heads)
+
+    def mlp(y):
+        hidden = ops.mlp_hidden(config, lp, y)
+        if oracle_k is not None:
+            from dejavu_jax.train.predict import select_top_k
+            keep = select_top_k(jnp.abs(hidden), oracle_k[0])
+            hidden = hidden * jnp.zeros(config.ffn, hidden.dtype).at[keep].set(1)[None]
+        return ops.mlp_output(lp, hidden)
+
+    h = ops.residual(config, x, attn, lp.attn_norm_scale, lp.attn_norm_bias)
+    x = ops.residual(config, h, mlp, lp.mlp_norm_scale, lp.mlp_norm_bias)
+    all_written = jnp.ones((io.written.shape[0], 1, config.n_kv_heads, 1), bool)
+    written = jax.lax.dynamic_update_slice(io.written, all_written, (0, layer, 0, step["slot"]))
+    return x, io.replace(k=state["k"], v=state["v"], written=written)
+
+
+def _sparse_layer(config, scfg, params, lp_flat, io, layer, x, neurons, groups, step):
+    """One DejaVu layer: head-sparse attention, then the sparse MLP."""
+    box = {}
+
+    def attn(y):
+        out, box["io"] = _sparse_attention(config, scfg, params, lp_flat, io, layer, y,
+                                           groups, step)
+        return out
+
+    lp = jax.tree.map(lambda w: w[layer], params.layers)
+    h = ops.residual(config, x, attn, lp.attn_norm_scale, lp.attn_norm_bias)
+    x = ops.residual(config, h, lambda y: _sparse_mlp(config, scfg, params, lp_flat, layer,
+                                                      y, neurons),
+                     lp.mlp_norm_scale, lp.mlp_norm_bias)
+    return x, box["io"]
+
+
+def sparse_layers(config: ModelConfig, scfg: SparseConfig, params: ModelParams,
+                  select: Selector, selector_params, x: jax.Array, io: _LayerIO, step: dict):
+    """Run every layer for one token per row; returns (x, io)."""
+    lp_flat = {name: _flat(getattr(params.layers, name))
+               for name in ("wq", "bq", "wk", "bk", "wv", "bv", "wo", "w_in", "b_in",
+                            "w_gate", "w_out_t")}
+    prev_input = x  # the input of the layer before the segment (lookahead source)
+    for start, stop, dense, k_mlp, k_heads in scfg.segments(config):
+        layers = jnp.arange(start, stop, dtype=jnp.int32)
+        if dense or scfg.oracle:
+            oracle_k = None if dense else (k_mlp, k_heads)
+
+            def dense_body(carry, layer, oracle_k=oracle_k):
+                x, io, _ = carry
+                x_next, io = _dense_layer(config, params, io, layer, x, step, oracle_k)
+                return (x_next, io, x), None
+
+            (x, io, prev_input), _ = jax.lax.scan(dense_body, (x, io, prev_input), layers)
+            continue
+
+        first = jnp.asarray(start, jnp.int32)
+        idx = select(selector_params, first, prev_input if start > 0 else x, k_mlp, k_heads)
+
+        def sparse_body(carry, layer, k_mlp=k_mlp, k_heads=k_heads):
+            x, io, (neurons, groups), _ = carry
+            nxt = jnp.minimum(layer + 1, config.n_layers - 1)
+            idx_next = select(selector_params, nxt, x, k_mlp, k_heads)  # lookahead
+            x_next, io = _sparse_layer(config, scfg, params, lp_flat, io, layer, x, neurons,
+                                       groups, step)
+            return (x_next, io, idx_next, x), None
+
+        (x, io, _, prev_input), _ = jax.lax.scan(sparse_body, (x, io, idx, prev_input), layers)
+    return x, io
+
+
+def sparse_step_fn(config: ModelConfig, scfg: SparseConfig, select: Selector,
+                   params: tuple, state: SparseState, tokens: jax.Array):
+    """One sparse decode step for tokens [B]: returns (logits [B, V] fp32, new state).
+
+    params is (model params, selector params).
+    """
+    params, selector_params = params
+    dense = state.dense
+    valid = jax.lax.dynamic_update_slice(
+        dense.valid, jnp.ones((dense.valid.shape[0], 1), bool), (0, dense.slot))
+    step = {"slot": dense.slot, "valid": valid, "positions": dense.positions}
+    x = embed(config, params, tokens, dense.positions)
+    io = _LayerIO(k=dense.k, v=dense.v, written=state.written, history=state.history)
+    x, io = sparse_layers(config, scfg, params, select, selector_params, x, io, step)
+    new_dense = DecodeState(k=io.k, v=io.v, valid=valid, slot=dense.slot + 1,
+                            positions=dense.positions + 1)
+    return unembed(config, params, x), SparseState(dense=new_dense, written=io.written,
+                                                   history=io.history)
+
+
+def predictor_selector(group_size: int,
+                       union_capacity: tuple[int | None, int | None] | None = None) -> Selector:
+    """A Selector whose parameters are trained predictors (`dejavu_jax.train.predict`)."""
+    from dejavu_jax.train.predict import group_scores, predictor_scores, select_top_k
+
+    def select(pred_params, layer, x, k_mlp, k_heads):
+        mlp, heads = predictor_scores(pred_params, layer, x)
+        cap_mlp, cap_heads = union_capacity or (None, None)
+        return (select_top_k(mlp, k_mlp, cap_mlp),
+                select_top_k(group_scores(heads, group_size), k_heads, cap_heads))
+
+    return select
+
+
+def fixed_selector(sets, layer, x, k_mlp, k_heads):
+    """A Selector whose parameters are precomputed sets: (neuron_idx [L, K], head_idx [L, Kh]).
+
+    For benchmarks that exclude predictor time, and for tests.
+    """
+    neuron_idx, head_idx = sets
+    return neuron_idx[layer, :k_mlp], head_idx[layer, :k_heads]
+
+
+def no_selector(params, layer, x, k_mlp, k_heads):
+    """The Selector of all-dense and oracle configs, which select inside the layer."""
+    raise AssertionError("this SparseConfig selects inside the layer; no selector is called")
+
+
+def sparse_engine(config: ModelConfig, scfg: SparseConfig, select: Selector):
+    """A generation Engine for sparse decoding; its params are (model, selector params)."""
+    import functools
+
+    from dejavu_jax.generation import Engine
+    return Engine(
+        config=config,
+        prefill=functools.partial(sparse_prefill_fn, config, scfg),
+        step=functools.partial(sparse_step_fn, config, scfg, select),
+        init_state=functools.partial(init_sparse_state, config, scfg),
+        name="oracle" if scfg.oracle else "sparse")
