@@ -35,8 +35,7 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
 from ._common import cdiv, check_array, check_bias, check_indices, next_pow2, resolve_impl
-from .gather_matvec import (Segment, gather_matvec, gather_matvec_t, mma, partials_loader,
-                            batch_pad)
+from .gather_matvec import Segment, batch_pad, gather_matvec, gather_matvec_t, mma
 
 N_SM = 132
 NEG = -1e30  # finite "minus infinity" for the online softmax
@@ -56,7 +55,8 @@ class AttnConfig:
     num_warps: int = 4
     num_stages: int = 2
     attn_num_warps: int = 4
-    target_programs: int = 8 * N_SM
+    target_programs: int = 8 * N_SM        # projection / out-projection grids
+    attn_target_programs: int = 4 * N_SM   # flash-decoding grid (B x heads x splits)
 
 
 # ----------------------------------------------------------------------------
@@ -195,80 +195,114 @@ def head_sparse_attention_reference(x, wq, bq, wk, bk, wv, bv, wo, bo, k_cache, 
 # flash-decoding kernel
 # ----------------------------------------------------------------------------
 
-def _decode_attention_kernel(q_ref, kn_ref, vn_ref, hidx_ref, pos_ref, *refs, has_mask, G,
-                             Gp, hd, hdp, L, bs):
-    if has_mask:
-        mask_ref, refs = refs[0], refs[1:]
-    kc_ref, vc_ref, o_ref, m_ref, l_ref, kout_ref, vout_ref = refs
+def _decode_attention_kernel(*refs, nds, has_bq, has_bk, has_bv, has_rope, has_mask, G, Gp,
+                             hd, hdp, L, bs, scale):
+    it = iter(refs)
+    qp_ref, kp_ref, vp_ref = next(it), next(it), next(it)
+    bq_ref = next(it) if has_bq else None
+    bk_ref = next(it) if has_bk else None
+    bv_ref = next(it) if has_bv else None
+    cos_ref, sin_ref = (next(it), next(it)) if has_rope else (None, None)
+    hidx_ref, pos_ref = next(it), next(it)
+    mask_ref = next(it) if has_mask else None
+    kc_ref, vc_ref, o_ref, m_ref, l_ref, kout_ref, vout_ref = it
     b = pl.program_id(0)
     g = pl.program_id(1)
     s = pl.program_id(2)
-    kvh = hidx_ref[g]
+    hv = hidx_ref[g]                         # the KV head this program serves
     pos = pos_ref[0]
     start = s * L
     end = jnp.minimum(start + L, pos)        # cache positions strictly before pos
+    f32 = jnp.float32
     cols = jnp.arange(hdp, dtype=jnp.int32)
     cm = cols < hd
+    half = hd // 2
+    rcols = jnp.where(cols < half, cols + half, cols - half)   # rotate_half's source column
+    sign = jnp.where(cols < half, -1.0, 1.0).astype(f32)
     jr = jnp.arange(Gp, dtype=jnp.int32)
     jm = jr < G
     vec = Gp == 1
-    if vec:
-        q = plgpu.load(q_ref.at[b, g, cols], mask=cm, other=0.0)          # [hdp]
-    else:
-        q = plgpu.load(q_ref.at[b, g * G + jr[:, None], cols[None, :]],
-                       mask=jm[:, None] & cm[None, :], other=0.0)         # [Gp, hdp]
 
+    # -- finish the projections: sum d-split partials, bias, rotary embedding ----------
+    def project(p_ref, b_ref, local0, bias0, rotary, one):
+        # one: a single head's vector [hdp]; else the group's query heads [Gp, hdp]
+        def gathered(c):
+            sel = c if one else jr[:, None] * hd + c[None, :]
+            msk = cm if one else jm[:, None] & cm[None, :]
+            t = None
+            for k in range(nds):
+                v = plgpu.load(p_ref.at[k, b, local0 + sel], mask=msk, other=0.0)
+                t = v if t is None else t + v
+            if b_ref is not None:
+                t = t + plgpu.load(b_ref.at[bias0 + sel], mask=msk, other=0).astype(f32)
+            return t
+        t = gathered(cols)
+        if rotary and has_rope:
+            cs = plgpu.load(cos_ref.at[b, cols], mask=cm, other=0.0)
+            sn = plgpu.load(sin_ref.at[b, cols], mask=cm, other=0.0)
+            tr = gathered(rcols)
+            if one:
+                t = t * cs + tr * sign * sn
+            else:
+                t = t * cs[None, :] + tr * (sign * sn)[None, :]
+        return t
+
+    q = project(qp_ref, bq_ref, g * (G * hd), hv * (G * hd), True, vec) * scale
+    kn = project(kp_ref, bk_ref, g * hd, hv * hd, True, True).astype(kout_ref.dtype)
+    vn = project(vp_ref, bv_ref, g * hd, hv * hd, False, True).astype(vout_ref.dtype)
+
+    # -- online softmax over this program's split of the cache ------------------------
     def scores_of(k):  # k [n, hdp] -> [n] or [Gp, n]
         if vec:
-            return jnp.sum(k.astype(jnp.float32) * q[None, :], axis=1)
+            return jnp.sum(k.astype(f32) * q[None, :], axis=1)
         return mma(q, k, trans_b=True)
 
     def pv(p, v):  # p [n] or [Gp, n], v [n, hdp] -> [hdp] or [Gp, hdp]
         if vec:
-            return jnp.sum(p[:, None] * v.astype(jnp.float32), axis=0)
+            return jnp.sum(p[:, None] * v.astype(f32), axis=0)
         return mma(p, v)
 
-    def step(carry, sc, valid, v):
-        o, m, l = carry
-        sc = jnp.where(valid, sc, NEG)
-        m_new = jnp.maximum(m, jnp.max(sc, axis=-1))
-        corr = jnp.exp(m - m_new)
-        p = jnp.where(valid, jnp.exp(sc - (m_new if vec else m_new[:, None])), 0.0)
-        l = l * corr + jnp.sum(p, axis=-1)
-        o = o * (corr if vec else corr[:, None]) + pv(p, v)
-        return o, m_new, l
-
     def body(t, carry):
+        o, m, l = carry
         pp = start + t * bs + jnp.arange(bs, dtype=jnp.int32)
         valid = pp < end
         if has_mask:
             valid = valid & (plgpu.load(mask_ref.at[b, pp], mask=valid, other=0) != 0)
         ld = valid[:, None] & cm[None, :]
-        k = plgpu.load(kc_ref.at[b, kvh, pp[:, None], cols[None, :]], mask=ld, other=0)
-        v = plgpu.load(vc_ref.at[b, kvh, pp[:, None], cols[None, :]], mask=ld, other=0)
-        return step(carry, scores_of(k), valid if vec else valid[None, :], v)
+        k = plgpu.load(kc_ref.at[b, hv, pp[:, None], cols[None, :]], mask=ld, other=0)
+        v = plgpu.load(vc_ref.at[b, hv, pp[:, None], cols[None, :]], mask=ld, other=0)
+        vb = valid if vec else valid[None, :]
+        sc = jnp.where(vb, scores_of(k), NEG)
+        m_new = jnp.maximum(m, jnp.max(sc, axis=-1))
+        corr = jnp.exp(m - m_new)
+        p = jnp.where(vb, jnp.exp(sc - (m_new if vec else m_new[:, None])), 0.0)
+        l = l * corr + jnp.sum(p, axis=-1)
+        o = o * (corr if vec else corr[:, None]) + pv(p, v)
+        return o, m_new, l
 
     shape = () if vec else (Gp,)
-    carry = (jnp.zeros(shape + (hdp,), jnp.float32), jnp.full(shape, NEG, jnp.float32),
-             jnp.zeros(shape, jnp.float32))
+    carry = (jnp.zeros(shape + (hdp,), f32), jnp.full(shape, NEG, f32), jnp.zeros(shape, f32))
     n_it = (jnp.maximum(end - start, 0) + bs - 1) // bs
-    carry = lax.fori_loop(0, n_it, body, carry)
+    o, m, l = lax.fori_loop(0, n_it, body, carry)
 
-    # The program whose split holds `pos` folds in the current token and writes its k/v.
+    # -- the program whose split holds `pos` folds in the current token, writes k/v ----
     mine = pos // L == s
-    kn = plgpu.load(kn_ref.at[b, g, cols], mask=cm, other=0)
-    vn = plgpu.load(vn_ref.at[b, g, cols], mask=cm, other=0)
+    knf = kn.astype(f32)
+    sc = jnp.sum(knf * q) if vec else jnp.sum(q * knf[None, :], axis=1)
+    m_new = jnp.where(mine, jnp.maximum(m, sc), m)
+    corr = jnp.exp(m - m_new)
+    p = jnp.where(mine, jnp.exp(sc - m_new), 0.0)
+    l = l * corr + p
     if vec:
-        sc = jnp.sum(kn.astype(jnp.float32) * q)
-        o, m, l = _fold_vec(carry, sc, mine, vn)
+        o = o * corr + p * vn.astype(f32)
     else:
-        sc = jnp.sum(q * kn.astype(jnp.float32)[None, :], axis=1)        # [Gp]
-        o, m, l = _fold_mat(carry, sc, mine, vn)
+        o = o * corr[:, None] + p[:, None] * vn.astype(f32)[None, :]
+    m = m_new
 
     @pl.when(mine)
     def _():
-        plgpu.store(kout_ref.at[b, kvh, pos, cols], kn, mask=cm)
-        plgpu.store(vout_ref.at[b, kvh, pos, cols], vn, mask=cm)
+        plgpu.store(kout_ref.at[b, hv, pos, cols], kn, mask=cm)
+        plgpu.store(vout_ref.at[b, hv, pos, cols], vn, mask=cm)
 
     if vec:
         plgpu.store(o_ref.at[s, b, g, cols], o, mask=cm)
@@ -282,54 +316,41 @@ def _decode_attention_kernel(q_ref, kn_ref, vn_ref, hidx_ref, pos_ref, *refs, ha
         plgpu.store(l_ref.at[s, b, rows], l, mask=jm)
 
 
-def _fold_vec(carry, sc, mine, vn):
-    """Add one key (score ``sc``, value ``vn``) to a vector online-softmax state if ``mine``."""
-    o, m, l = carry
-    m_new = jnp.where(mine, jnp.maximum(m, sc), m)
-    corr = jnp.exp(m - m_new)
-    p = jnp.where(mine, jnp.exp(sc - m_new), 0.0)
-    return o * corr + p * vn.astype(jnp.float32), m_new, l * corr + p
-
-
-def _fold_mat(carry, sc, mine, vn):
-    """Like :func:`_fold_vec` for a [Gp] block of query heads sharing one key."""
-    o, m, l = carry
-    m_new = jnp.where(mine, jnp.maximum(m, sc), m)
-    corr = jnp.exp(m - m_new)
-    p = jnp.where(mine, jnp.exp(sc - m_new), 0.0)
-    return (o * corr[:, None] + p[:, None] * vn.astype(jnp.float32)[None, :], m_new,
-            l * corr + p)
-
-
-def decode_attention(q, k_new, v_new, head_idx, pos, k_cache, v_cache, kv_mask=None, *,
-                     block_s=64, seq_splits=None, target_programs=8 * N_SM, num_warps=4,
-                     interpret=False):
+def decode_attention(qp, kp, vp, head_idx, pos, k_cache, v_cache, *, group, bq=None, bk=None,
+                     bv=None, cos=None, sin=None, kv_mask=None, block_s=64, seq_splits=None,
+                     target_programs=8 * N_SM, num_warps=4, interpret=False):
     """Flash-decoding over the selected KV heads, writing the new k/v rows in place.
 
     Args:
-      q: ``[B, Kh*G, hd]`` fp32 queries (already scaled/rotated), group-major.
-      k_new, v_new: ``[B, Kh, hd]`` in the cache dtype (the current token).
+      qp, kp, vp: fp32 projection partials ``[nds, B, R]`` (as :func:`gather_matvec`
+        returns them for the q/k/v segments: rows group-major over the selected heads).
       head_idx: ``[Kh]`` int32 KV heads; pos: ``[1]`` int32; caches ``[B, n_kv, S, hd]``.
+      group: query heads per KV head.
+      bq, bk, bv: optional flat biases ``[H*hd]`` / ``[n_kv*hd]``.
+      cos, sin: optional ``[B, hd]`` fp32 rotary tables for the current position.
       kv_mask: optional ``[B, S]`` int32 (nonzero = attend).
     Returns:
-      ``(o [ns, B, Kh*G, hd], m [ns, B, Kh*G], l [ns, B, Kh*G], k_cache, v_cache)`` --
-      unnormalised split partials (merge with :func:`merge_splits`) and the caches.
+      ``(o [ns, B, Kh*G, hd], m [ns, B, Kh*G], l [ns, B, Kh*G], k_cache, v_cache)``:
+      unnormalised split partials (merged by :func:`merged_attention_loader` or
+      :func:`merge_splits`) and the caches.
     """
-    B, Hs, hd = q.shape
-    Kh = k_new.shape[1]
-    G = Hs // Kh
-    S = k_cache.shape[2]
+    nds, B, _ = qp.shape
+    Kh = head_idx.shape[0]
+    G = group
+    Hs = Kh * G
+    S, hd = k_cache.shape[2], k_cache.shape[3]
     bs = min(block_s, max(16, next_pow2(S)))
     if seq_splits is None:
         seq_splits = max(1, min(cdiv(S, bs), cdiv(target_programs, B * Kh)))
     L = cdiv(cdiv(S, seq_splits), bs) * bs
     ns = cdiv(S, L)
     Gp = 1 if G == 1 else max(16, next_pow2(G))
-    kernel = functools.partial(_decode_attention_kernel, has_mask=kv_mask is not None, G=G,
-                               Gp=Gp, hd=hd, hdp=next_pow2(hd), L=L, bs=bs)
-    args = [q, k_new, v_new, head_idx.astype(jnp.int32), pos]
-    if kv_mask is not None:
-        args.append(kv_mask)
+    kernel = functools.partial(
+        _decode_attention_kernel, nds=nds, has_bq=bq is not None, has_bk=bk is not None,
+        has_bv=bv is not None, has_rope=cos is not None, has_mask=kv_mask is not None, G=G,
+        Gp=Gp, hd=hd, hdp=next_pow2(hd), L=L, bs=bs, scale=float(hd) ** -0.5)
+    args = [qp, kp, vp] + [t for t in (bq, bk, bv, cos, sin) if t is not None]
+    args += [head_idx.astype(jnp.int32), pos] + ([kv_mask] if kv_mask is not None else [])
     n_in = len(args)
     args += [k_cache, v_cache]
     out_shape = (jax.ShapeDtypeStruct((ns, B, Hs, hd), jnp.float32),
@@ -355,6 +376,37 @@ def merge_splits(o, m, l):
     return (o * w[..., None]).sum(0) / (l * w).sum(0)[..., None]
 
 
+def merged_attention_loader(act_refs, r, valid, rows, *, ns, B, Bp, hd):
+    """Out-projection activation loader: merge the splits' (o, m, l) for logical rows ``r``.
+
+    ``act_refs`` = (o ``[ns, B, Hs*hd]``, m ``[ns, B, Hs]``, l ``[ns, B, Hs]``); logical
+    row r is column ``r % hd`` of selected query head ``r // hd``.
+    """
+    o_ref, m_ref, l_ref = act_refs
+    hl = r // hd
+    brow = jnp.arange(Bp, dtype=jnp.int32)
+    if Bp == 1:
+        def ld(ref, idx, other):
+            return plgpu.load(ref.at[k_, 0, idx], mask=valid, other=other)
+    else:
+        msk = (brow < B)[:, None] & valid[None, :]
+
+        def ld(ref, idx, other):
+            return plgpu.load(ref.at[k_, brow[:, None], idx[None, :]], mask=msk, other=other)
+    mx = None
+    for k_ in range(ns):
+        mk = ld(m_ref, hl, NEG)
+        mx = mk if mx is None else jnp.maximum(mx, mk)
+    acc_o = acc_l = None
+    for k_ in range(ns):
+        w = jnp.exp(ld(m_ref, hl, NEG) - mx)
+        to, tl = ld(o_ref, r, 0.0) * w, ld(l_ref, hl, 0.0) * w
+        acc_o = to if acc_o is None else acc_o + to
+        acc_l = tl if acc_l is None else acc_l + tl
+    a = acc_o / jnp.where(acc_l > 0, acc_l, 1.0)
+    return jnp.where(valid if Bp == 1 else valid[None, :], a, 0.0)
+
+
 # ----------------------------------------------------------------------------
 # Pallas pipeline and public entry point
 # ----------------------------------------------------------------------------
@@ -362,7 +414,11 @@ def merge_splits(o, m, l):
 def head_sparse_attention_pallas(x, wq, bq, wk, bk, wv, bv, wo, bo, k_cache, v_cache, pos,
                                  head_idx, *, rope=None, kv_mask=None, interpret=False,
                                  config: AttnConfig | None = None):
-    """Pallas path of :func:`head_sparse_attention` (no validation)."""
+    """Pallas path of :func:`head_sparse_attention` (no validation).
+
+    Three Pallas launches (q/k/v projection, attention, out-projection) and one tiny XLA
+    reduction; with a callable ``rope`` the q/k finishing runs in XLA instead.
+    """
     cfg = config or AttnConfig()
     f32 = jnp.float32
     B, d = x.shape
@@ -384,33 +440,41 @@ def head_sparse_attention_pallas(x, wq, bq, wk, bk, wv, bv, wo, bo, k_cache, v_c
     qp, kp, vp = gather_matvec(x, segs, block_rows=bk_rows, block_d=bd, d_chunks=chunks,
                                num_warps=cfg.num_warps, num_stages=cfg.num_stages,
                                interpret=interpret)
-
-    def finish(parts, n, bias, ids):
-        t = parts.sum(0)[:, : n * hd].reshape(B, n, hd)
-        return t if bias is None else t + bias[ids].astype(f32)[None]
-
-    hq = _query_heads(head_idx, G)
-    q = apply_rope(finish(qp, Kh * G, bq, hq), rope) * (hd ** -0.5)
-    k_new = apply_rope(finish(kp, Kh, bk, head_idx), rope).astype(k_cache.dtype)
-    v_new = finish(vp, Kh, bv, head_idx).astype(v_cache.dtype)
+    flat = lambda t: None if t is None else t.reshape(-1)
+    biases = dict(bq=flat(bq), bk=flat(bk), bv=flat(bv))
+    cos = sin = None
+    if callable(rope):
+        # finish q/k/v in XLA (the callable cannot run inside the kernel)
+        def finish(parts, n, bias, ids):
+            t = parts.sum(0)[:, : n * hd].reshape(B, n, hd)
+            return t if bias is None else t + bias[ids].astype(f32)[None]
+        hq = _query_heads(head_idx, G)
+        qp = apply_rope(finish(qp, Kh * G, bq, hq), rope).reshape(1, B, -1)
+        kp = apply_rope(finish(kp, Kh, bk, head_idx), rope).reshape(1, B, -1)
+        vp = finish(vp, Kh, bv, head_idx).reshape(1, B, -1)
+        biases = dict(bq=None, bk=None, bv=None)
+    elif rope is not None:
+        cos, sin = (jnp.broadcast_to(jnp.asarray(t, f32), (B, hd)) for t in rope)
     mask = None if kv_mask is None else kv_mask.astype(jnp.int32)
     o, m, l, k_cache, v_cache = decode_attention(
-        q, k_new, v_new, head_idx, pos, k_cache, v_cache, mask, block_s=cfg.block_s,
-        seq_splits=cfg.seq_splits, target_programs=cfg.target_programs,
-        num_warps=cfg.attn_num_warps, interpret=interpret)
-    attn = merge_splits(o, m, l).reshape(1, B, Kh * G * hd)
+        qp, kp, vp, head_idx, pos, k_cache, v_cache, group=G, cos=cos, sin=sin,
+        kv_mask=mask, block_s=cfg.block_s, seq_splits=cfg.seq_splits,
+        target_programs=cfg.attn_target_programs, num_warps=cfg.attn_num_warps,
+        interpret=interpret, **biases)
 
+    ns = o.shape[0]
     ob_rows = cfg.out_block_rows if B == 1 else max(16, cfg.out_block_rows)
     obd = min(cfg.out_block_d, 1 << (d.bit_length() - 1))
     r2 = cfg.out_row_blocks
     if r2 is None:
         tiles = cdiv(Kh * G * hd, ob_rows) * cdiv(d, obd)
         r2 = max(1, min(64, tiles // cfg.target_programs))
-    load_act = functools.partial(partials_loader, nds=1, B=B, Bp=batch_pad(B))
-    out = gather_matvec_t([attn], load_act, wo.reshape(H * hd, d), head_idx, B=B,
-                          rows_per_id=G * hd, block_rows=ob_rows, block_d=obd,
-                          row_blocks_per_program=r2, num_warps=cfg.num_warps,
-                          num_stages=cfg.num_stages, interpret=interpret)
+    load_act = functools.partial(merged_attention_loader, ns=ns, B=B, Bp=batch_pad(B), hd=hd)
+    out = gather_matvec_t([o.reshape(ns, B, Kh * G * hd), m, l], load_act,
+                          wo.reshape(H * hd, d), head_idx, B=B, rows_per_id=G * hd,
+                          block_rows=ob_rows, block_d=obd, row_blocks_per_program=r2,
+                          num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+                          interpret=interpret)
     out = out.sum(0)
     if bo is not None:
         out = out + bo.astype(f32)
