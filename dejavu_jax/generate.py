@@ -37,6 +37,50 @@ def parse_ids(text: str) -> list[int]:
     return ids
 
 
+def parse_densities(text: str) -> list[float]:
+    """'0.1', '0.1,0.2,...' or '@file' (one value per line) -> list of floats."""
+    try:
+        if text.startswith("@"):
+            with open(text[1:]) as f:
+                return [float(line) for line in f if line.strip()]
+        return [float(t) for t in text.split(",") if t.strip()]
+    except (OSError, ValueError) as e:
+        raise argparse.ArgumentTypeError(f"bad density list {text!r}: {e}")
+
+
+def build_engine(args, config, params):
+    """(engine, engine params, description) for the dense, sparse or oracle mode."""
+    from dejavu_jax import sparse
+    if not (args.sparse or args.oracle):
+        return dense_engine(config), params, None
+
+    def one_or_all(values):
+        return values[0] if len(values) == 1 else values
+
+    scfg = sparse.sparse_config(config, one_or_all(args.mlp_density),
+                                one_or_all(args.head_density), dense_layers=args.dense_layers,
+                                oracle=args.oracle)
+    if args.oracle:
+        engine = sparse.sparse_engine(config, scfg, sparse.no_selector)
+        return engine, (params, None), scfg
+    if not args.predictors:
+        raise SystemExit("error: --sparse needs --predictors DIR (or use --oracle)")
+    from dejavu_jax.train.predict import load_predictors
+    predictors, _ = load_predictors(args.predictors, config)
+    engine = sparse.sparse_engine(config, scfg, sparse.predictor_selector(config.group_size))
+    return engine, (params, predictors), scfg
+
+
+def describe_sparsity(config, scfg) -> str:
+    """One line per layer: the fraction of neurons and KV groups each token computes."""
+    dens = scfg.density(config)
+    lines = [f"  layer {l:2d}: mlp {m:6.1%}  heads {h:6.1%}" + ("  (dense)" if l < scfg.dense_layers
+                                                               else "")
+             for l, (m, h) in enumerate(zip(dens["mlp"], dens["heads"]))]
+    total = sum(dens["mlp"]) / len(dens["mlp"])
+    return "realised per-layer density:\n" + "\n".join(lines) + f"\n  mean mlp density {total:.1%}"
+
+
 def build_parser() -> argparse.ArgumentParser:
     """The CLI's argument parser."""
     p = argparse.ArgumentParser(prog="python -m dejavu_jax.generate", description=__doc__)
@@ -60,6 +104,18 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--no-stream", action="store_true", help="print the text only at the end")
     p.add_argument("--raw", action="store_true",
                    help="do not apply the tokenizer's chat template to --prompt")
+    sp = p.add_argument_group("sparse decoding (DejaVu)")
+    sp.add_argument("--sparse", action="store_true", help="decode with predicted sparsity")
+    sp.add_argument("--predictors", help="trained predictor folder (for --sparse)")
+    sp.add_argument("--oracle", action="store_true",
+                    help="true top-k of each layer instead of predictors (research mode)")
+    sp.add_argument("--mlp-density", type=parse_densities, default=[0.5],
+                    help="fraction of MLP neurons per layer: one value, a comma list with one "
+                         "value per layer, or @FILE with one value per line (default 0.5)")
+    sp.add_argument("--head-density", type=parse_densities, default=[1.0],
+                    help="fraction of KV-head groups per layer, same forms (default 1.0)")
+    sp.add_argument("--dense-layers", type=int, default=2,
+                    help="first layers that always run dense (default 2)")
     return p
 
 
@@ -129,7 +185,8 @@ def main(argv: list[str] | None = None) -> int:
 
     if stream:
         sys.stdout.write(tokenizer.decode(prompts[0], skip_special_tokens=True))
-    result = generate_tokens(dense_engine(config), params, prompts, args.max_new_tokens,
+    engine, engine_params, scfg = build_engine(args, config, params)
+    result = generate_tokens(engine, engine_params, prompts, args.max_new_tokens,
                              sampling, seed=args.seed, on_token=on_token if stream else None)
     if stream:
         sys.stdout.write("\n")
@@ -140,7 +197,10 @@ def main(argv: list[str] | None = None) -> int:
             print(f"[{row}] generated ids: {','.join(map(str, out))}")
     print(f"prefill (incl. compile) {result.prefill_seconds:.2f} s; first step (compile) "
           f"{result.first_step_seconds:.2f} s; decode {result.tokens_per_second:.1f} tokens/s "
-          f"per sequence over {max(result.decode_steps - 1, 0)} steps, batch {len(prompts)}")
+          f"per sequence over {max(result.decode_steps - 1, 0)} steps, batch {len(prompts)} "
+          f"[{engine.name}]")
+    if scfg is not None:
+        print(describe_sparsity(config, scfg))
     return 0
 
 

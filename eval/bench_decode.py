@@ -199,7 +199,9 @@ def main(argv=None) -> int:
     split = lambda s, f: [f(v) for v in s.split(",") if v]  # noqa: E731
     models, contexts = split(args.models, str), split(args.contexts, int)
     mlps, heads = split(args.mlp, float), split(args.heads, float)
-    meta = dict(command="python -m dejavu_jax.eval.bench_decode " + " ".join(argv or []),
+    import sys
+    argv_text = " ".join(sys.argv[1:] if argv is None else argv)
+    meta = dict(command="python -m dejavu_jax.eval.bench_decode " + argv_text,
                 date=datetime.datetime.now().isoformat(timespec="seconds"),
                 device=str(jax.devices()[0].device_kind), backend=jax.default_backend(),
                 jax=jax.__version__, jaxlib=jax.lib.__version__ if hasattr(jax, "lib") else "",

@@ -51,3 +51,17 @@ def test_cli_greedy_prompt_ids_prints_ids(capsys):
 def test_cli_rejects_bad_ids():
     with pytest.raises(SystemExit):
         cli.main(["--prompt-ids", "2,x"])
+
+
+def test_cli_oracle_mode_prints_realised_density(capsys):
+    assert cli.main(["--preset", "opt-tiny", "--oracle", "--mlp-density", "0.25",
+                     "--head-density", "0.5", "--dense-layers", "1", "--greedy",
+                     "--prompt-ids", "2,100,200", "--max-new-tokens", "3", "--no-stream"]) == 0
+    out = capsys.readouterr().out
+    assert "layer  1: mlp  25.0%  heads  50.0%" in out
+    assert "[oracle]" in out
+
+
+def test_cli_sparse_without_predictors_is_an_error():
+    with pytest.raises(SystemExit, match="--predictors"):
+        cli.main(["--preset", "opt-tiny", "--sparse", "--prompt-ids", "2,5"])
