@@ -16,7 +16,6 @@ their query heads, and count an active query head as found when its group is cho
 
 from __future__ import annotations
 
-import functools
 
 import jax
 import jax.numpy as jnp
@@ -44,14 +43,12 @@ def group_max(scores: jax.Array, group_size: int) -> jax.Array:
     return scores.reshape(N, n // group_size, group_size).max(-1)
 
 
-@functools.partial(jax.jit, static_argnames=("k",))
 def hits_at_k(scores: jax.Array, labels: jax.Array, k: int) -> tuple[jax.Array, jax.Array]:
     """(hits, positives): Σ selected ∩ active and Σ active over the tokens."""
     sel = top_k_mask(scores, k)
     return jnp.sum(sel & labels), jnp.sum(labels)
 
 
-@functools.partial(jax.jit, static_argnames=("group_size",))
 def recall_curve(scores: jax.Array, labels: jax.Array, group_size: int = 1) -> jax.Array:
     """recall@k for k = 1..n_units [n_units]; units are groups when group_size > 1."""
     s = group_max(scores, group_size)
@@ -69,7 +66,6 @@ def smallest_k(curve: np.ndarray, target: float) -> int:
     return int(reached[0]) + 1 if len(reached) else len(curve)
 
 
-@functools.partial(jax.jit, static_argnums=0, static_argnames=("k",))
 def mlp_captured(config, lp, mlp_in: jax.Array, scores: jax.Array, k: int):
     """(predicted, oracle) mean 1 - ||y - y_S|| / ||y|| for one layer's MLP.
 
@@ -89,7 +85,6 @@ def mlp_captured(config, lp, mlp_in: jax.Array, scores: jax.Array, k: int):
     return captured(top_k_mask(scores, k)), captured(top_k_mask(contribution, k))
 
 
-@functools.partial(jax.jit, static_argnames=("k", "group_size"))
 def head_captured(norms: jax.Array, scores: jax.Array, k: int, group_size: int = 1):
     """(predicted, oracle) mean share of the head-norm sum in the top-k units."""
     norms = norms.astype(F32)
@@ -104,41 +99,53 @@ def head_captured(norms: jax.Array, scores: jax.Array, k: int, group_size: int =
     return share(pred), share(best)
 
 
-def layer_report(mlp_scores, mlp_labels, head_scores, head_labels, head_norms, *,
-                 k_mlp: int, k_heads: int, group_size: int, k_groups: int,
-                 targets=(0.9, 0.95, 0.99), captured=None) -> dict:
-    """All metrics of one layer from validation scores and labels (jax or numpy arrays).
-
-    captured: optional (predicted, oracle) MLP output capture from `mlp_captured`.
-    """
+def layer_arrays(mlp_scores, mlp_labels, head_scores, head_labels, head_norms, *,
+                 k_mlp: int, k_heads: int, group_size: int, k_groups: int) -> dict:
+    """The raw metric arrays of one layer (jit-compatible; k's and group_size static)."""
     out = {}
     for kind, s, y, k in (("mlp", mlp_scores, mlp_labels, k_mlp),
                           ("heads", head_scores, head_labels, k_heads)):
         hits, pos = hits_at_k(s, y, k)
-        n_tok = s.shape[0]
-        curve = np.asarray(recall_curve(s, y))
+        out[kind] = {"hits": hits, "positives": pos, "curve": recall_curve(s, y),
+                     "correct_at_0": jnp.sum((s > 0) == y), "size": jnp.asarray(y.size)}
+    out["heads"]["captured"] = head_captured(head_norms, head_scores, k_heads)
+    if group_size > 1:
+        out["groups"] = {"curve": recall_curve(head_scores, head_labels, group_size),
+                         "captured": head_captured(head_norms, head_scores, k_groups,
+                                                   group_size)}
+    return out
+
+
+def layer_report(arrays: dict, *, k_mlp: int, k_heads: int, group_size: int, k_groups: int,
+                 n_tokens: int, targets=(0.9, 0.95, 0.99), captured=None) -> dict:
+    """JSON-ready metrics of one layer from `layer_arrays`' results.
+
+    captured: optional (predicted, oracle) MLP output capture from `mlp_captured`.
+    """
+    a = jax.tree.map(np.asarray, arrays)
+    out = {}
+    for kind, k in (("mlp", k_mlp), ("heads", k_heads)):
+        m = a[kind]
         out[kind] = {
-            "recall": float(hits / jnp.maximum(pos, 1)),
-            "precision": float(hits / (k * n_tok)),
-            "active_fraction": float(pos / y.size),
-            "accuracy_at_0": float(jnp.mean((s > 0) == y)),
-            "recommended_k": {f"{t:g}": smallest_k(curve, t) for t in targets},
+            "k": k,
+            "recall": float(m["hits"] / max(m["positives"], 1)),
+            "precision": float(m["hits"] / (k * n_tokens)),
+            "active_fraction": float(m["positives"] / m["size"]),
+            "accuracy_at_0": float(m["correct_at_0"] / m["size"]),
+            "recommended_k": {f"{t:g}": smallest_k(m["curve"], t) for t in targets},
         }
-    out["mlp"]["k"] = k_mlp
-    out["heads"]["k"] = k_heads
     if captured is not None:
         out["mlp"]["output_captured"] = float(captured[0])
         out["mlp"]["output_captured_oracle"] = float(captured[1])
-    hc = head_captured(head_norms, head_scores, k_heads)
-    out["heads"]["norm_captured"] = float(hc[0])
-    out["heads"]["norm_captured_oracle"] = float(hc[1])
+    out["heads"]["norm_captured"] = float(a["heads"]["captured"][0])
+    out["heads"]["norm_captured_oracle"] = float(a["heads"]["captured"][1])
     if group_size > 1:
-        curve = np.asarray(recall_curve(head_scores, head_labels, group_size))
-        gc = head_captured(head_norms, head_scores, k_groups, group_size)
+        g = a["groups"]
         out["groups"] = {
             "k": k_groups, "group_size": group_size,
-            "recall": float(curve[k_groups - 1]),
-            "norm_captured": float(gc[0]), "norm_captured_oracle": float(gc[1]),
-            "recommended_k": {f"{t:g}": smallest_k(curve, t) for t in targets},
+            "recall": float(g["curve"][k_groups - 1]),
+            "norm_captured": float(g["captured"][0]),
+            "norm_captured_oracle": float(g["captured"][1]),
+            "recommended_k": {f"{t:g}": smallest_k(g["curve"], t) for t in targets},
         }
     return out

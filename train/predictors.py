@@ -33,7 +33,7 @@ from dejavu_jax.train import records as rec
 from dejavu_jax.train.checkpoint import save_predictors
 from dejavu_jax.train.predictor_model import (ACTIVATIONS, Predictor, PredictorParams,
                                               all_layer_logits, init_predictor, input_stats,
-                                              predictor_logits)
+                                              layer_slice, predictor_logits)
 
 F32 = jnp.float32
 
@@ -250,6 +250,24 @@ def train(records: rec.Records, tc: TrainConfig, progress: bool = True, log=prin
     return best, summary, val
 
 
+@functools.partial(jax.jit, static_argnames=("ffn", "head_rule", "k_mlp", "k_heads",
+                                             "group_size", "k_groups", "model_config"))
+def _layer_eval(params, layer, x_mlp, x_heads, packed, norms, mlp_in, model_layers, *, ffn,
+                head_rule, k_mlp, k_heads, group_size, k_groups, model_config):
+    """One layer's metric arrays; `layer` is traced so all layers share one compilation."""
+    p_mlp, p_heads = layer_slice(params.mlp, layer), layer_slice(params.heads, layer)
+    s_mlp = predictor_logits(p_mlp, x_mlp, params.activation)
+    s_heads = predictor_logits(p_heads, x_heads, params.activation)
+    norms = norms.astype(F32)
+    arrays = metrics_lib.layer_arrays(
+        s_mlp, unpack_mlp_labels(packed, ffn), s_heads, rec.apply_rule(head_rule, norms),
+        norms, k_mlp=k_mlp, k_heads=k_heads, group_size=group_size, k_groups=k_groups)
+    if model_config is not None:
+        arrays["mlp_captured"] = metrics_lib.mlp_captured(
+            model_config, layer_slice(model_layers, layer), mlp_in, s_mlp, k_mlp)
+    return arrays
+
+
 def evaluate(params: PredictorParams, val: data_lib.Batch, records: rec.Records,
              head_rule: rec.LabelRule, k_mlp: int, k_heads: int, model=None,
              progress: bool = True) -> list[dict]:
@@ -261,23 +279,17 @@ def evaluate(params: PredictorParams, val: data_lib.Batch, records: rec.Records,
     g = records.n_heads // records.n_kv_heads
     k_groups = max(1, math.ceil(k_heads / g))
     x_mlp = data_lib.mlp_inputs(val)
+    config, layers = (model[0], model[1].layers) if model is not None else (None, None)
     out = []
     for layer in tqdm(range(L), desc="metrics", disable=not progress):
-        p_mlp = jax.tree.map(lambda a: a[layer], params.mlp)
-        p_heads = jax.tree.map(lambda a: a[layer], params.heads)
-        s_mlp = predictor_logits(p_mlp, jnp.asarray(x_mlp[layer]), params.activation)
-        s_heads = predictor_logits(p_heads, jnp.asarray(val.x_heads[layer]), params.activation)
-        y_mlp = jnp.asarray(rec.unpack_labels(val.mlp_label[layer], F))
-        norms = jnp.asarray(val.head_norm[layer], F32)
-        y_heads = rec.apply_rule(head_rule, norms)
-        captured = None
-        if model is not None:
-            config, mparams = model
-            lp = jax.tree.map(lambda a: a[layer], mparams.layers)
-            captured = metrics_lib.mlp_captured(config, lp, jnp.asarray(val.mlp_in[layer]),
-                                                s_mlp, k=k_mlp)
-        report = metrics_lib.layer_report(s_mlp, y_mlp, s_heads, y_heads, norms, k_mlp=k_mlp,
-                                          k_heads=k_heads, group_size=g, k_groups=k_groups,
+        arrays = _layer_eval(params, jnp.int32(layer), x_mlp[layer], val.x_heads[layer],
+                             val.mlp_label[layer], val.head_norm[layer],
+                             None if config is None else val.mlp_in[layer], layers, ffn=F,
+                             head_rule=head_rule, k_mlp=k_mlp, k_heads=k_heads, group_size=g,
+                             k_groups=k_groups, model_config=config)
+        captured = arrays.pop("mlp_captured", None)
+        report = metrics_lib.layer_report(arrays, k_mlp=k_mlp, k_heads=k_heads, group_size=g,
+                                          k_groups=k_groups, n_tokens=x_mlp.shape[1],
                                           captured=captured)
         out.append({"layer": layer, **report})
     return out
