@@ -14,7 +14,7 @@ from flax import struct
 
 from dejavu_jax import ops
 from dejavu_jax.config import ModelConfig
-from dejavu_jax.params import OPT_POSITION_OFFSET, ModelParams
+from dejavu_jax.params import OPT_POSITION_OFFSET, ModelParams, scan_layers
 
 F32 = jnp.float32
 
@@ -125,7 +125,7 @@ def sequence_forward(config: ModelConfig, params: ModelParams, input_ids: jax.Ar
         kv = (k.transpose(0, 2, 1, 3), v.transpose(0, 2, 1, 3))
         return out, (kv, {**rec_in, **rec})
 
-    x, ((k, v), recs) = jax.lax.scan(layer, x, params.layers)
+    x, ((k, v), recs) = scan_layers(layer, x, params.layers)
     kv = (k.transpose(1, 0, 2, 3, 4), v.transpose(1, 0, 2, 3, 4))
     return x, kv, (recs if records else None)
 
@@ -227,7 +227,7 @@ def decode_layers(config: ModelConfig, params: ModelParams, x: jax.Array,
         return (x, nonlocal_kv[0], nonlocal_kv[1]), None
 
     indices = jnp.arange(config.n_layers, dtype=jnp.int32)
-    (x, k, v), _ = jax.lax.scan(layer, (x, state.k, state.v), (params.layers, indices))
+    (x, k, v), _ = scan_layers(layer, (x, state.k, state.v), params.layers, indices)
     return x, DecodeState(k=k, v=v, valid=valid, slot=state.slot + 1,
                           positions=state.positions + 1)
 

@@ -140,3 +140,34 @@ def param_bytes(params: ModelParams) -> int:
 def cast_params(params: ModelParams, dtype) -> ModelParams:
     """All floating weights converted to `dtype`."""
     return jax.tree.map(lambda x: x.astype(dtype), params)
+
+
+def unstack_layers(params: ModelParams) -> ModelParams:
+    """The same weights with `layers` as a tuple of per-layer LayerParams.
+
+    Layer loops then unroll in Python and every kernel reads a layer's own buffer;
+    stacked weights run under `lax.scan`, whose per-layer slices XLA may copy.
+    """
+    n = jax.tree.leaves(params.layers)[0].shape[0]
+    layers = tuple(jax.tree.map(lambda w: w[i], params.layers) for i in range(n))
+    return params.replace(layers=layers)
+
+
+def scan_layers(body, carry, layers, xs=None):
+    """`lax.scan(body, carry, (layers, xs))` over stacked layers, or a Python loop over a
+    tuple of per-layer params (see `unstack_layers`); returns (carry, stacked ys)."""
+    if not isinstance(layers, tuple):
+        return jax.lax.scan(body, carry, layers if xs is None else (layers, xs))
+    ys = []
+    for i, lp in enumerate(layers):
+        carry, y = body(carry, lp if xs is None else (lp, jax.tree.map(lambda a: a[i], xs)))
+        ys.append(y)
+    stacked = None if ys[0] is None else jax.tree.map(lambda *a: jnp.stack(a), *ys)
+    return carry, stacked
+
+
+def layer_count(params: ModelParams) -> int:
+    """Number of layers, stacked or unstacked."""
+    if isinstance(params.layers, tuple):
+        return len(params.layers)
+    return jax.tree.leaves(params.layers)[0].shape[0]

@@ -173,7 +173,30 @@ class _LayerIO(struct.PyTreeNode):
     history: jax.Array
 
 
-def _recompute_missing(config, scfg, lp_flat, io: _LayerIO, layer, groups, step):
+class _LayerView(struct.PyTreeNode):
+    """One layer's weights: `lp` (LayerParams without the layer axis), `flat` (the weights
+    kernels index: per-layer arrays when unrolled, all layers flattened when stacked) and
+    `base`, the layer offset of unit ids into `flat` (0 when unrolled)."""
+
+    lp: object
+    flat: dict
+    base: jax.Array | int
+    unrolled: bool = struct.field(pytree_node=False, default=False)
+
+
+_KERNEL_WEIGHTS = ("wq", "bq", "wk", "bk", "wv", "bv", "wo", "w_in", "b_in", "w_gate", "w_out_t")
+
+
+def _layer_view(params: ModelParams, layer) -> _LayerView:
+    if isinstance(params.layers, tuple):
+        lp = params.layers[layer]
+        return _LayerView(lp, {n: getattr(lp, n) for n in _KERNEL_WEIGHTS}, 0, True)
+    lp = jax.tree.map(lambda w: w[layer], params.layers)
+    flat = {n: _flat(getattr(params.layers, n)) for n in _KERNEL_WEIGHTS}
+    return _LayerView(lp, flat, layer, False)
+
+
+def _recompute_missing(config, scfg, view, io: _LayerIO, layer, groups, step):
     """Recompute cache entries of KV `groups` in the window that are still unwritten."""
     B = io.k.shape[0]
     W = scfg.kv_window
@@ -187,7 +210,8 @@ def _recompute_missing(config, scfg, lp_flat, io: _LayerIO, layer, groups, step)
 
     def compute(io):
         hist = io.history[:, layer][:, slots_c % W]              # [B, W, d]
-        heads = layer * config.n_kv_heads + groups
+        heads = view.base * config.n_kv_heads + groups
+        lp_flat = view.flat
         pos_w = positions[:, None] - (slot - slots)[None]        # [B, W]
 
         def project(w, b):
@@ -218,7 +242,7 @@ def _recompute_missing(config, scfg, lp_flat, io: _LayerIO, layer, groups, step)
     return jax.lax.cond(need.any(), compute, lambda io: io, io)
 
 
-def _sparse_attention(config, scfg, params, lp_flat, io: _LayerIO, layer, y, groups, step):
+def _sparse_attention(config, scfg, view, io: _LayerIO, layer, y, groups, step):
     """Head-sparse attention for normed inputs y [B, d] over the selected KV groups."""
     W = scfg.kv_window
     slot = step["slot"]
@@ -228,40 +252,46 @@ def _sparse_attention(config, scfg, params, lp_flat, io: _LayerIO, layer, y, gro
     all_groups = jnp.arange(config.n_kv_heads, dtype=jnp.int32)
     refresh = (slot + 1) % W == 0
     io = jax.lax.cond(refresh,
-                      lambda io: _recompute_missing(config, scfg, lp_flat, io, layer,
+                      lambda io: _recompute_missing(config, scfg, view, io, layer,
                                                     all_groups, step),
-                      lambda io: _recompute_missing(config, scfg, lp_flat, io, layer,
+                      lambda io: _recompute_missing(config, scfg, view, io, layer,
                                                     groups, step), io)
     B, _, Hk, S, hd = io.k.shape
     rope = None
     if config.family == "llama":
         rope = ops.rope_tables(step["positions"], config.head_dim, config.rope_theta)
-    k_flat = io.k.reshape(B, -1, S, hd)
-    v_flat = io.v.reshape(B, -1, S, hd)
-    out, k_flat, v_flat = kernels.head_sparse_attention(
+    lp_flat = view.flat
+    if view.unrolled:
+        k_in, v_in, head_idx = io.k[:, layer], io.v[:, layer], groups
+    else:
+        k_in, v_in = io.k.reshape(B, -1, S, hd), io.v.reshape(B, -1, S, hd)
+        head_idx = layer * config.n_kv_heads + groups
+    out, k_out, v_out = kernels.head_sparse_attention(
         y.astype(lp_flat["wq"].dtype), lp_flat["wq"], lp_flat["bq"], lp_flat["wk"],
-        lp_flat["bk"], lp_flat["wv"], lp_flat["bv"], lp_flat["wo"],
-        None if params.layers.bo is None else params.layers.bo[layer],
-        k_flat, v_flat, slot, layer * config.n_kv_heads + groups, rope=rope,
-        kv_mask=step["valid"], impl=scfg.impl)
-    return out.astype(F32), io.replace(k=k_flat.reshape(io.k.shape),
-                                       v=v_flat.reshape(io.v.shape))
+        lp_flat["bk"], lp_flat["wv"], lp_flat["bv"], lp_flat["wo"], view.lp.bo,
+        k_in, v_in, slot, head_idx, rope=rope, kv_mask=step["valid"], impl=scfg.impl)
+    if view.unrolled:
+        return out.astype(F32), io.replace(k=io.k.at[:, layer].set(k_out),
+                                           v=io.v.at[:, layer].set(v_out))
+    return out.astype(F32), io.replace(k=k_out.reshape(io.k.shape),
+                                       v=v_out.reshape(io.v.shape))
 
 
-def _sparse_mlp(config, scfg, params, lp_flat, layer, y, neurons):
+def _sparse_mlp(config, scfg, view, y, neurons):
     """The MLP over the selected neurons for normed inputs y [B, d]."""
     F = config.ffn
+    lp_flat = view.flat
     out = kernels.sparse_mlp(
         y.astype(lp_flat["w_in"].dtype), lp_flat["w_in"], lp_flat["b_in"],
-        lp_flat["w_out_t"], None if params.layers.b_out is None else params.layers.b_out[layer],
-        layer * F + neurons, activation=config.activation, w_gate=lp_flat["w_gate"],
+        lp_flat["w_out_t"], view.lp.b_out, view.base * F + neurons,
+        activation=config.activation, w_gate=lp_flat["w_gate"],
         impl=scfg.impl)
     return out.astype(F32)
 
 
-def _dense_layer(config, params, io: _LayerIO, layer, x, step, oracle_k=None):
+def _dense_layer(config, view, io: _LayerIO, layer, x, step, oracle_k=None):
     """A dense layer on the decode path (also the oracle: dense, then top-k masking)."""
-    lp = jax.tree.map(lambda w: w[layer], params.layers)
+    lp = view.lp
     state = {}
 
     def attn(y):
@@ -294,41 +324,47 @@ def _dense_layer(config, params, io: _LayerIO, layer, x, step, oracle_k=None):
     return x, io.replace(k=state["k"], v=state["v"], written=written)
 
 
-def _sparse_layer(config, scfg, params, lp_flat, io, layer, x, neurons, groups, step):
+def _sparse_layer(config, scfg, view, io, layer, x, neurons, groups, step):
     """One DejaVu layer: head-sparse attention, then the sparse MLP."""
     box = {}
 
     def attn(y):
-        out, box["io"] = _sparse_attention(config, scfg, params, lp_flat, io, layer, y,
-                                           groups, step)
+        out, box["io"] = _sparse_attention(config, scfg, view, io, layer, y, groups, step)
         return out
 
-    lp = jax.tree.map(lambda w: w[layer], params.layers)
+    lp = view.lp
     h = ops.residual(config, x, attn, lp.attn_norm_scale, lp.attn_norm_bias)
-    x = ops.residual(config, h, lambda y: _sparse_mlp(config, scfg, params, lp_flat, layer,
-                                                      y, neurons),
+    x = ops.residual(config, h, lambda y: _sparse_mlp(config, scfg, view, y, neurons),
                      lp.mlp_norm_scale, lp.mlp_norm_bias)
     return x, box["io"]
+
+
+def _layer_loop(body, carry, start: int, stop: int, unrolled: bool):
+    """lax.scan over traced layer ids start..stop-1, or a Python loop over static ids."""
+    if unrolled:
+        for layer in range(start, stop):
+            carry, _ = body(carry, layer)
+        return carry
+    return jax.lax.scan(body, carry, jnp.arange(start, stop, dtype=jnp.int32))[0]
 
 
 def sparse_layers(config: ModelConfig, scfg: SparseConfig, params: ModelParams,
                   select: Selector, selector_params, x: jax.Array, io: _LayerIO, step: dict):
     """Run every layer for one token per row; returns (x, io)."""
-    lp_flat = {name: _flat(getattr(params.layers, name))
-               for name in ("wq", "bq", "wk", "bk", "wv", "bv", "wo", "w_in", "b_in",
-                            "w_gate", "w_out_t")}
+    unrolled = isinstance(params.layers, tuple)
     prev_input = x  # the input of the layer before the segment (lookahead source)
     for start, stop, dense, k_mlp, k_heads in scfg.segments(config):
-        layers = jnp.arange(start, stop, dtype=jnp.int32)
         if dense or scfg.oracle:
             oracle_k = None if dense else (k_mlp, k_heads)
 
             def dense_body(carry, layer, oracle_k=oracle_k):
                 x, io, _ = carry
-                x_next, io = _dense_layer(config, params, io, layer, x, step, oracle_k)
+                x_next, io = _dense_layer(config, _layer_view(params, layer), io, layer, x,
+                                          step, oracle_k)
                 return (x_next, io, x), None
 
-            (x, io, prev_input), _ = jax.lax.scan(dense_body, (x, io, prev_input), layers)
+            x, io, prev_input = _layer_loop(dense_body, (x, io, prev_input), start, stop,
+                                            unrolled)
             continue
 
         first = jnp.asarray(start, jnp.int32)
@@ -336,13 +372,14 @@ def sparse_layers(config: ModelConfig, scfg: SparseConfig, params: ModelParams,
 
         def sparse_body(carry, layer, k_mlp=k_mlp, k_heads=k_heads):
             x, io, (neurons, groups), _ = carry
-            nxt = jnp.minimum(layer + 1, config.n_layers - 1)
+            nxt = jnp.minimum(jnp.asarray(layer, jnp.int32) + 1, config.n_layers - 1)
             idx_next = select(selector_params, nxt, x, k_mlp, k_heads)  # lookahead
-            x_next, io = _sparse_layer(config, scfg, params, lp_flat, io, layer, x, neurons,
-                                       groups, step)
+            x_next, io = _sparse_layer(config, scfg, _layer_view(params, layer), io, layer, x,
+                                       neurons, groups, step)
             return (x_next, io, idx_next, x), None
 
-        (x, io, _, prev_input), _ = jax.lax.scan(sparse_body, (x, io, idx, prev_input), layers)
+        x, io, _, prev_input = _layer_loop(sparse_body, (x, io, idx, prev_input), start, stop,
+                                           unrolled)
     return x, io
 
 

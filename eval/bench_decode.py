@@ -26,7 +26,7 @@ from tqdm.auto import tqdm
 
 from dejavu_jax import config as config_lib
 from dejavu_jax import model, sparse
-from dejavu_jax.params import init_params, param_bytes
+from dejavu_jax.params import init_params, param_bytes, unstack_layers
 from dejavu_jax.train.predictor_model import Predictor, PredictorParams
 
 BF16 = jnp.bfloat16
@@ -101,11 +101,13 @@ def time_decode(step, params, state, tokens, warmup: int, steps: int):
 
 
 def run_model(name, contexts, mlp_densities, head_densities, batch, rank, dense_layers,
-              warmup, steps, bar, log):
-    """All rows for one model preset."""
+              warmup, steps, bar, log, layout="unrolled"):
+    """All rows for one model preset, with the layers stacked (scan) or unrolled."""
     config = config_lib.preset(name)
     t0 = time.perf_counter()
     params = init_params(config, jax.random.key(0), BF16)
+    if layout == "unrolled":
+        params = unstack_layers(params)
     jax.block_until_ready(params)
     log(f"{name}: {param_bytes(params) / 1e9:.1f} GB weights, init {time.perf_counter() - t0:.1f}s")
     preds = random_predictors(config, rank, jax.random.key(1))
@@ -127,7 +129,7 @@ def run_model(name, contexts, mlp_densities, head_densities, batch, rank, dense_
         compile_s = time.perf_counter() - t
         dense_ms = med * 1e3
         nbytes = step_bytes(config, None, ctx, batch, rank, False)
-        rows.append(dict(model=name, mode="dense", context=ctx, batch=batch, mlp=1.0, heads=1.0,
+        rows.append(dict(model=name, layout=layout, mode="dense", context=ctx, batch=batch, mlp=1.0, heads=1.0,
                          indices="-", ms=dense_ms, p90_ms=p90 * 1e3, bytes=nbytes,
                          gbs=nbytes / med / 1e9, speedup=1.0, wall_s=compile_s))
         log(json.dumps(rows[-1]))
@@ -154,7 +156,7 @@ def run_model(name, contexts, mlp_densities, head_densities, batch, rank, dense_
                             f"{type(e).__name__}: {str(e)[:400]}")
                         continue
                     nbytes = step_bytes(config, scfg, ctx, batch, rank, kind == "predictor")
-                    rows.append(dict(model=name, mode="sparse", context=ctx, batch=batch,
+                    rows.append(dict(model=name, layout=layout, mode="sparse", context=ctx, batch=batch,
                                      mlp=md, heads=hdn, indices=kind, ms=med * 1e3,
                                      p90_ms=p90 * 1e3, bytes=nbytes, gbs=nbytes / med / 1e9,
                                      speedup=dense_ms / (med * 1e3),
@@ -168,12 +170,12 @@ def run_model(name, contexts, mlp_densities, head_densities, batch, rank, dense_
 
 def markdown(rows, roofline) -> str:
     """A markdown table of the rows."""
-    head = ("| model | mode | ctx | batch | mlp | heads | indices | ms/token | p90 | GB read | "
-            "GB/s | % roofline | speedup vs dense |\n|" + "---|" * 13)
+    head = ("| model | layers | mode | ctx | batch | mlp | heads | indices | ms/token | p90 | "
+            "GB read | GB/s | % roofline | speedup vs dense |\n|" + "---|" * 14)
     lines = [head]
     for r in rows:
         lines.append(
-            f"| {r['model']} | {r['mode']} | {r['context']} | {r['batch']} | {r['mlp']:.2f} | "
+            f"| {r['model']} | {r.get('layout', 'stacked')} | {r['mode']} | {r['context']} | {r['batch']} | {r['mlp']:.2f} | "
             f"{r['heads']:.2f} | {r['indices']} | {r['ms']:.3f} | {r['p90_ms']:.3f} | "
             f"{r['bytes'] / 1e9:.2f} | {r['gbs']:.0f} | {100 * r['gbs'] / roofline:.0f}% | "
             f"{r['speedup']:.2f}x |")
@@ -192,6 +194,8 @@ def main(argv=None) -> int:
     p.add_argument("--dense-layers", type=int, default=2)
     p.add_argument("--warmup", type=int, default=3)
     p.add_argument("--steps", type=int, default=20)
+    p.add_argument("--layouts", default="unrolled",
+                   help="stacked (lax.scan over stacked layers), unrolled, or both")
     p.add_argument("--out", default="eval/results")
     args = p.parse_args(argv)
     out = Path(args.out)
@@ -220,8 +224,9 @@ def main(argv=None) -> int:
     bar = tqdm(total=n_rows, desc="decode benchmark")
     rows = []
     for name in models:
-        rows += run_model(name, contexts, mlps, heads, args.batch, args.rank, args.dense_layers,
-                          args.warmup, args.steps, bar, log)
+        for layout in split(args.layouts, str):
+            rows += run_model(name, contexts, mlps, heads, args.batch, args.rank,
+                              args.dense_layers, args.warmup, args.steps, bar, log, layout)
         (out / "bench_decode.json").write_text(json.dumps(dict(meta=meta, rows=rows), indent=1))
     table = markdown(rows, meta["roofline_gbs"])
     (out / "bench_decode.md").write_text(

@@ -253,3 +253,24 @@ def test_sparse_config_validation():
         sparse.sparse_config(config, 0.0)
     scfg = sparse.sparse_config(config, 0.1, 0.5, dense_layers=1)
     assert scfg.mlp_k == (256, 26, 26, 26) and scfg.head_k == (4, 2, 2, 2)
+
+
+def test_unrolled_layers_equal_stacked_scan():
+    from dejavu_jax.params import unstack_layers
+    config = dj.preset("llama-tiny")
+    params = dj.init_params(config, jax.random.key(7), jnp.float32, std=0.1)
+    scfg = sparse.sparse_config(config, 0.3, 0.5, dense_layers=1)
+    rng = np.random.default_rng(0)
+    sets = (jnp.asarray(np.stack([np.sort(rng.choice(config.ffn, max(scfg.mlp_k), replace=False))
+                                  for _ in range(config.n_layers)]), jnp.int32),
+            jnp.asarray(np.stack([np.sort(rng.choice(config.n_kv_heads, max(scfg.head_k),
+                                                     replace=False))
+                                  for _ in range(config.n_layers)]), jnp.int32))
+    eng = sparse.sparse_engine(config, scfg, sparse.fixed_selector)
+    prompts = [[5, 9, 14, 3, 7, 8], [4, 4]]
+    stacked = generate_tokens(eng, (params, sets), prompts, 5, stop_ids=[])
+    unrolled = generate_tokens(eng, (unstack_layers(params), sets), prompts, 5, stop_ids=[])
+    assert stacked.tokens == unrolled.tokens
+    dense = generate_tokens(dense_engine(config), unstack_layers(params), prompts, 5, stop_ids=[])
+    assert dense.tokens == generate_tokens(dense_engine(config), params, prompts, 5,
+                                           stop_ids=[]).tokens
