@@ -57,6 +57,7 @@ class AttnConfig:
     attn_num_warps: int = 4
     target_programs: int = 8 * N_SM        # projection / out-projection grids
     attn_target_programs: int = 4 * N_SM   # flash-decoding grid (B x heads x splits)
+    max_fused_splits: int = 4              # merge splits in the out-projection up to this
 
 
 # ----------------------------------------------------------------------------
@@ -380,11 +381,17 @@ def merged_attention_loader(act_refs, r, valid, rows, *, ns, B, Bp, hd):
     """Out-projection activation loader: merge the splits' (o, m, l) for logical rows ``r``.
 
     ``act_refs`` = (o ``[ns, B, Hs*hd]``, m ``[ns, B, Hs]``, l ``[ns, B, Hs]``); logical
-    row r is column ``r % hd`` of selected query head ``r // hd``.
+    row r is column ``r % hd`` of selected query head ``r // hd``.  With ``ns == 0``
+    ``act_refs`` = (attn ``[1, B, Hs*hd]``,) already merged.
     """
+    brow = jnp.arange(Bp, dtype=jnp.int32)
+    if ns == 0:
+        if Bp == 1:
+            return plgpu.load(act_refs[0].at[0, 0, r], mask=valid, other=0.0)
+        return plgpu.load(act_refs[0].at[0, brow[:, None], r[None, :]],
+                          mask=(brow < B)[:, None] & valid[None, :], other=0.0)
     o_ref, m_ref, l_ref = act_refs
     hl = r // hd
-    brow = jnp.arange(Bp, dtype=jnp.int32)
     if Bp == 1:
         def ld(ref, idx, other):
             return plgpu.load(ref.at[k_, 0, idx], mask=valid, other=other)
@@ -463,6 +470,12 @@ def head_sparse_attention_pallas(x, wq, bq, wk, bk, wv, bv, wo, bo, k_cache, v_c
         interpret=interpret, **biases)
 
     ns = o.shape[0]
+    if ns > cfg.max_fused_splits:
+        # many splits: merging them inside every out-projection program costs more than
+        # one small XLA fusion
+        act_args, ns = [merge_splits(o, m, l).reshape(1, B, Kh * G * hd)], 0
+    else:
+        act_args = [o.reshape(ns, B, Kh * G * hd), m, l]
     ob_rows = cfg.out_block_rows if B == 1 else max(16, cfg.out_block_rows)
     obd = min(cfg.out_block_d, 1 << (d.bit_length() - 1))
     r2 = cfg.out_row_blocks
@@ -470,7 +483,7 @@ def head_sparse_attention_pallas(x, wq, bq, wk, bk, wv, bv, wo, bo, k_cache, v_c
         tiles = cdiv(Kh * G * hd, ob_rows) * cdiv(d, obd)
         r2 = max(1, min(64, tiles // cfg.target_programs))
     load_act = functools.partial(merged_attention_loader, ns=ns, B=B, Bp=batch_pad(B), hd=hd)
-    out = gather_matvec_t([o.reshape(ns, B, Kh * G * hd), m, l], load_act,
+    out = gather_matvec_t(act_args, load_act,
                           wo.reshape(H * hd, d), head_idx, B=B, rows_per_id=G * hd,
                           block_rows=ob_rows, block_d=obd, row_blocks_per_program=r2,
                           num_warps=cfg.num_warps, num_stages=cfg.num_stages,

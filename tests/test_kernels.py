@@ -302,3 +302,15 @@ def test_head_sparse_attention_rejects_bad_rope_and_mask(rng):
         head_sparse_attention(*args, rope=(jnp.ones(5), jnp.ones(5)))
     with pytest.raises(ValueError, match="kv_mask"):
         head_sparse_attention(*args, kv_mask=jnp.ones((2, 9), bool))
+
+
+@pytest.mark.parametrize("max_fused", [1, 8])   # splits merged in XLA / inside the out-proj
+def test_head_sparse_attention_many_splits(rng, max_fused):
+    from dejavu_jax.kernels import AttnConfig
+    B, d, H, hd, S, Kh, pos = 2, 96, 6, 16, 70, 3, 52
+    hidx, arrs = _attn_inputs(rng, B, d, H, H, hd, S, Kh, pos, F32, True)
+    ref, _, _ = _np_attention(*arrs, pos, hidx, None, None, None)
+    cfg = AttnConfig(block_s=16, seq_splits=4, max_fused_splits=max_fused)
+    out, _, _ = head_sparse_attention(*(None if a is None else jnp.asarray(a, F32) for a in arrs),
+                                      pos, jnp.asarray(hidx), impl="interpret", config=cfg)
+    assert _rel(out, ref) < 1e-5
