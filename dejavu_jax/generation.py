@@ -28,7 +28,7 @@ class Engine:
 
     prefill(params, input_ids [B,T], mask [B,T], state) -> (logits [B,V], state)
     step(params, state, tokens [B]) -> (logits [B,V], state)
-    init_state(batch, max_len, dtype) -> state
+    init_state(batch, max_len, dtype, per_layer) -> state
     """
 
     config: ModelConfig
@@ -59,6 +59,14 @@ def _prefill_and_sample(engine, params, input_ids, mask, state, sampling, key):
 def _step_and_sample(engine, params, state, tokens, sampling, key):
     logits, state = engine.step(params, state, tokens)
     return sample(logits, key, sampling), state
+
+
+def _unstacked(params) -> bool:
+    """Whether the model weights inside engine params are unstacked (per-layer tuple)."""
+    from dejavu_jax.params import ModelParams
+    model_params = next(p for p in jax.tree.leaves(
+        params, is_leaf=lambda n: isinstance(n, ModelParams)) if isinstance(p, ModelParams))
+    return isinstance(model_params.layers, tuple)
 
 
 @dataclasses.dataclass
@@ -124,7 +132,8 @@ def generate_tokens(engine: Engine, params, prompts: Sequence[Sequence[int]],
     ids, mask = left_pad(prompts, config.pad_token_id or 0)
     B, T = ids.shape
     dtype = cache_dtype or jax.tree.leaves(params)[0].dtype
-    state = engine.init_state(B, cache_length(config, T, max_new_tokens), dtype)
+    state = engine.init_state(B, cache_length(config, T, max_new_tokens), dtype,
+                              per_layer=_unstacked(params))
     key = jax.random.key(seed)
     stop = np.asarray(list(stop_ids), np.int64)
     done = np.zeros(B, bool)

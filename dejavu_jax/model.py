@@ -24,7 +24,9 @@ class DecodeState:
     """Everything a decode step reads and writes besides the weights.
 
     k, v: [B, L, Hk, S, hd] cache, one contiguous history per head. Batch-major, so that
-      `k.reshape(B, L * Hk, S, hd)` addresses every layer's heads without a copy.
+      `k.reshape(B, L * Hk, S, hd)` addresses every layer's heads without a copy. With
+      unstacked weights (`params.unstack_layers`) they are tuples of per-layer
+      [B, Hk, S, hd] buffers instead, so each layer reads and writes its own buffer.
     valid: [B, S] which cache slots hold real tokens (left padding is invalid).
     slot: int32 scalar, the next slot to write (shared by the batch).
     positions: [B] int32, the position id of each row's next token.
@@ -151,11 +153,21 @@ def logits(config: ModelConfig, params: ModelParams, input_ids,
     return _logits(config, params, input_ids, attention_mask)
 
 
-def init_state(config: ModelConfig, batch: int, max_len: int, dtype) -> DecodeState:
-    """An empty decode state with room for `max_len` tokens per row."""
-    shape = (batch, config.n_layers, config.n_kv_heads, max_len, config.head_dim)
+def init_state(config: ModelConfig, batch: int, max_len: int, dtype,
+               per_layer: bool = False) -> DecodeState:
+    """An empty decode state with room for `max_len` tokens per row.
+
+    per_layer: tuples of per-layer cache buffers (for unstacked weights).
+    """
+    if per_layer:
+        shape = (batch, config.n_kv_heads, max_len, config.head_dim)
+        k = tuple(jnp.zeros(shape, dtype) for _ in range(config.n_layers))
+        v = tuple(jnp.zeros(shape, dtype) for _ in range(config.n_layers))
+    else:
+        shape = (batch, config.n_layers, config.n_kv_heads, max_len, config.head_dim)
+        k, v = jnp.zeros(shape, dtype), jnp.zeros(shape, dtype)
     return DecodeState(
-        k=jnp.zeros(shape, dtype), v=jnp.zeros(shape, dtype),
+        k=k, v=v,
         valid=jnp.zeros((batch, max_len), bool), slot=jnp.zeros((), jnp.int32),
         positions=jnp.zeros((batch,), jnp.int32))
 
@@ -170,10 +182,14 @@ def prefill_fn(config: ModelConfig, params: ModelParams, input_ids: jax.Array,
     T = input_ids.shape[1]
     hidden, (k, v), _ = sequence_forward(config, params, input_ids, attention_mask)
     logits_last = unembed(config, params, hidden[:, -1])
-    start = (0, 0, 0, 0, 0)
+    def fill(cache, new):
+        if isinstance(cache, tuple):
+            return tuple(jax.lax.dynamic_update_slice(c, new[:, l].astype(c.dtype), (0, 0, 0, 0))
+                         for l, c in enumerate(cache))
+        return jax.lax.dynamic_update_slice(cache, new.astype(cache.dtype), (0, 0, 0, 0, 0))
+
     new_state = DecodeState(
-        k=jax.lax.dynamic_update_slice(state.k, k.astype(state.k.dtype), start),
-        v=jax.lax.dynamic_update_slice(state.v, v.astype(state.v.dtype), start),
+        k=fill(state.k, k), v=fill(state.v, v),
         valid=jax.lax.dynamic_update_slice(state.valid, attention_mask.astype(bool), (0, 0)),
         slot=jnp.asarray(T, jnp.int32),
         positions=jnp.sum(attention_mask, axis=-1).astype(jnp.int32))
@@ -196,8 +212,24 @@ def cached_attention(config: ModelConfig, q: jax.Array, k_layer: jax.Array,
     return out.reshape(B, config.n_heads, config.head_dim)
 
 
-def write_kv(cache: jax.Array, layer: jax.Array, slot: jax.Array, new: jax.Array) -> jax.Array:
-    """Write new [B, Hk, hd] into the stacked cache [B,L,Hk,S,hd] at (layer, slot), in place."""
+def cache_layer(cache, layer) -> jax.Array:
+    """One layer's [B, Hk, S, hd] cache, from a stacked cache or a per-layer tuple."""
+    return cache[layer] if isinstance(cache, tuple) else cache[:, layer]
+
+
+def set_cache_layer(cache, layer, value: jax.Array):
+    """The cache with one layer's [B, Hk, S, hd] buffer replaced."""
+    if isinstance(cache, tuple):
+        return cache[:layer] + (value,) + cache[layer + 1:]
+    return cache.at[:, layer].set(value)
+
+
+def write_kv(cache, layer, slot: jax.Array, new: jax.Array):
+    """Write new [B, Hk, hd] into the cache at (layer, slot), in place."""
+    if isinstance(cache, tuple):
+        upd = new.astype(cache[layer].dtype)[:, :, None, :]
+        return set_cache_layer(cache, layer,
+                               jax.lax.dynamic_update_slice(cache[layer], upd, (0, 0, slot, 0)))
     upd = new.astype(cache.dtype)[:, None, :, None, :]
     return jax.lax.dynamic_update_slice(cache, upd, (0, layer, 0, slot, 0))
 
@@ -216,8 +248,8 @@ def decode_layers(config: ModelConfig, params: ModelParams, x: jax.Array,
             q, k, v = ops.project_qkv(config, lp, y, state.positions)
             nonlocal_kv[0] = write_kv(k_all, index, state.slot, k)
             nonlocal_kv[1] = write_kv(v_all, index, state.slot, v)
-            heads = cached_attention(config, q, nonlocal_kv[0][:, index],
-                                     nonlocal_kv[1][:, index], valid)
+            heads = cached_attention(config, q, cache_layer(nonlocal_kv[0], index),
+                                     cache_layer(nonlocal_kv[1], index), valid)
             return ops.out_project(lp, heads)
 
         nonlocal_kv = [k_all, v_all]
@@ -226,8 +258,7 @@ def decode_layers(config: ModelConfig, params: ModelParams, x: jax.Array,
                          lp.mlp_norm_scale, lp.mlp_norm_bias)
         return (x, nonlocal_kv[0], nonlocal_kv[1]), None
 
-    indices = jnp.arange(config.n_layers, dtype=jnp.int32)
-    (x, k, v), _ = scan_layers(layer, (x, state.k, state.v), params.layers, indices)
+    (x, k, v), _ = scan_layers(layer, (x, state.k, state.v), params.layers, with_index=True)
     return x, DecodeState(k=k, v=v, valid=valid, slot=state.slot + 1,
                           positions=state.positions + 1)
 

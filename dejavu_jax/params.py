@@ -153,14 +153,21 @@ def unstack_layers(params: ModelParams) -> ModelParams:
     return params.replace(layers=layers)
 
 
-def scan_layers(body, carry, layers, xs=None):
-    """`lax.scan(body, carry, (layers, xs))` over stacked layers, or a Python loop over a
-    tuple of per-layer params (see `unstack_layers`); returns (carry, stacked ys)."""
+def scan_layers(body, carry, layers, with_index: bool = False):
+    """`lax.scan(body, carry, layers)` over stacked layers, or a Python loop over a tuple
+    of per-layer params (see `unstack_layers`); returns (carry, stacked ys).
+
+    with_index: the body receives (layer params, layer index); the index is a traced int32
+    under scan and a Python int in the loop, so per-layer tuples can be indexed with it.
+    """
     if not isinstance(layers, tuple):
-        return jax.lax.scan(body, carry, layers if xs is None else (layers, xs))
+        if with_index:
+            n = jax.tree.leaves(layers)[0].shape[0]
+            return jax.lax.scan(body, carry, (layers, jnp.arange(n, dtype=jnp.int32)))
+        return jax.lax.scan(body, carry, layers)
     ys = []
     for i, lp in enumerate(layers):
-        carry, y = body(carry, lp if xs is None else (lp, jax.tree.map(lambda a: a[i], xs)))
+        carry, y = body(carry, (lp, i) if with_index else lp)
         ys.append(y)
     stacked = None if ys[0] is None else jax.tree.map(lambda *a: jnp.stack(a), *ys)
     return carry, stacked

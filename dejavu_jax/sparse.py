@@ -24,7 +24,8 @@ from flax import struct
 
 from dejavu_jax import kernels, ops
 from dejavu_jax.config import ModelConfig
-from dejavu_jax.model import DecodeState, cached_attention, embed, unembed, write_kv
+from dejavu_jax.model import (DecodeState, cache_layer, cached_attention, embed,
+                              set_cache_layer, unembed, write_kv)
 from dejavu_jax.params import ModelParams
 
 F32 = jnp.float32
@@ -130,11 +131,11 @@ class SparseState:
 
 
 def init_sparse_state(config: ModelConfig, scfg: SparseConfig, batch: int, max_len: int,
-                      dtype) -> SparseState:
-    """An empty sparse decode state."""
+                      dtype, per_layer: bool = False) -> SparseState:
+    """An empty sparse decode state (per_layer: per-layer cache buffers, see DecodeState)."""
     from dejavu_jax.model import init_state
     return SparseState(
-        dense=init_state(config, batch, max_len, dtype),
+        dense=init_state(config, batch, max_len, dtype, per_layer),
         written=jnp.zeros((batch, config.n_layers, config.n_kv_heads, max_len), bool),
         history=jnp.zeros((batch, config.n_layers, scfg.kv_window, config.hidden), dtype))
 
@@ -198,7 +199,7 @@ def _layer_view(params: ModelParams, layer) -> _LayerView:
 
 def _recompute_missing(config, scfg, view, io: _LayerIO, layer, groups, step):
     """Recompute cache entries of KV `groups` in the window that are still unwritten."""
-    B = io.k.shape[0]
+    B = io.written.shape[0]
     W = scfg.kv_window
     slot, valid, positions = step["slot"], step["valid"], step["positions"]
     slots = slot - (W - 1) + jnp.arange(W)                       # [W]
@@ -231,7 +232,12 @@ def _recompute_missing(config, scfg, view, io: _LayerIO, layer, groups, step):
         sel = need.transpose(0, 1, 2)[..., None]                 # [B, n, W, 1]
 
         def merge(cache, new):
-            old = cache[b_i, layer, g_i, s_i]                    # [B, n, W, hd]
+            if isinstance(cache, tuple):
+                c = cache[layer]
+                old = c[b_i, g_i, s_i]                           # [B, n, W, hd]
+                upd = jnp.where(sel, new.transpose(0, 2, 1, 3).astype(c.dtype), old)
+                return set_cache_layer(cache, layer, c.at[b_i, g_i, s_i].set(upd))
+            old = cache[b_i, layer, g_i, s_i]
             upd = jnp.where(sel, new.transpose(0, 2, 1, 3).astype(cache.dtype), old)
             return cache.at[b_i, layer, g_i, s_i].set(upd)
 
@@ -256,13 +262,13 @@ def _sparse_attention(config, scfg, view, io: _LayerIO, layer, y, groups, step):
                                                     all_groups, step),
                       lambda io: _recompute_missing(config, scfg, view, io, layer,
                                                     groups, step), io)
-    B, _, Hk, S, hd = io.k.shape
+    B, S, hd = io.written.shape[0], io.written.shape[-1], config.head_dim
     rope = None
     if config.family == "llama":
         rope = ops.rope_tables(step["positions"], config.head_dim, config.rope_theta)
     lp_flat = view.flat
     if view.unrolled:
-        k_in, v_in, head_idx = io.k[:, layer], io.v[:, layer], groups
+        k_in, v_in, head_idx = cache_layer(io.k, layer), cache_layer(io.v, layer), groups
     else:
         k_in, v_in = io.k.reshape(B, -1, S, hd), io.v.reshape(B, -1, S, hd)
         head_idx = layer * config.n_kv_heads + groups
@@ -271,8 +277,8 @@ def _sparse_attention(config, scfg, view, io: _LayerIO, layer, y, groups, step):
         lp_flat["bk"], lp_flat["wv"], lp_flat["bv"], lp_flat["wo"], view.lp.bo,
         k_in, v_in, slot, head_idx, rope=rope, kv_mask=step["valid"], impl=scfg.impl)
     if view.unrolled:
-        return out.astype(F32), io.replace(k=io.k.at[:, layer].set(k_out),
-                                           v=io.v.at[:, layer].set(v_out))
+        return out.astype(F32), io.replace(k=set_cache_layer(io.k, layer, k_out),
+                                           v=set_cache_layer(io.v, layer, v_out))
     return out.astype(F32), io.replace(k=k_out.reshape(io.k.shape),
                                        v=v_out.reshape(io.v.shape))
 
@@ -289,7 +295,7 @@ def _sparse_mlp(config, scfg, view, y, neurons):
     return out.astype(F32)
 
 
-def _dense_layer(config, view, io: _LayerIO, layer, x, step, oracle_k=None):
+def _dense_layer(config, view, io: _LayerIO, layer, x, step, oracle_k=None, reduce=None):
     """A dense layer on the decode path (also the oracle: dense, then top-k masking)."""
     lp = view.lp
     state = {}
@@ -298,8 +304,8 @@ def _dense_layer(config, view, io: _LayerIO, layer, x, step, oracle_k=None):
         q, k, v = ops.project_qkv(config, lp, y, step["positions"])
         state["k"] = write_kv(io.k, layer, step["slot"], k)
         state["v"] = write_kv(io.v, layer, step["slot"], v)
-        heads = cached_attention(config, q, state["k"][:, layer], state["v"][:, layer],
-                                 step["valid"])
+        heads = cached_attention(config, q, cache_layer(state["k"], layer),
+                                 cache_layer(state["v"], layer), step["valid"])
         if oracle_k is not None:
             from dejavu_jax.model import head_output_norms
             from dejavu_jax.train.predict import group_scores, select_top_k
@@ -307,7 +313,7 @@ def _dense_layer(config, view, io: _LayerIO, layer, x, step, oracle_k=None):
             keep = select_top_k(scores, oracle_k[1])
             mask = jnp.zeros(config.n_kv_heads, bool).at[keep].set(True)
             heads = heads * jnp.repeat(mask, config.group_size)[None, :, None]
-        return ops.out_project(lp, heads)
+        return _reduced(reduce, ops.out_project(lp, heads))
 
     def mlp(y):
         hidden = ops.mlp_hidden(config, lp, y)
@@ -315,7 +321,7 @@ def _dense_layer(config, view, io: _LayerIO, layer, x, step, oracle_k=None):
             from dejavu_jax.train.predict import select_top_k
             keep = select_top_k(jnp.abs(hidden), oracle_k[0])
             hidden = hidden * jnp.zeros(config.ffn, hidden.dtype).at[keep].set(1)[None]
-        return ops.mlp_output(lp, hidden)
+        return _reduced(reduce, ops.mlp_output(lp, hidden))
 
     h = ops.residual(config, x, attn, lp.attn_norm_scale, lp.attn_norm_bias)
     x = ops.residual(config, h, mlp, lp.mlp_norm_scale, lp.mlp_norm_bias)
@@ -324,19 +330,25 @@ def _dense_layer(config, view, io: _LayerIO, layer, x, step, oracle_k=None):
     return x, io.replace(k=state["k"], v=state["v"], written=written)
 
 
-def _sparse_layer(config, scfg, view, io, layer, x, neurons, groups, step):
+def _sparse_layer(config, scfg, view, io, layer, x, neurons, groups, step, reduce=None):
     """One DejaVu layer: head-sparse attention, then the sparse MLP."""
     box = {}
 
     def attn(y):
         out, box["io"] = _sparse_attention(config, scfg, view, io, layer, y, groups, step)
-        return out
+        return _reduced(reduce, out)
 
     lp = view.lp
     h = ops.residual(config, x, attn, lp.attn_norm_scale, lp.attn_norm_bias)
-    x = ops.residual(config, h, lambda y: _sparse_mlp(config, scfg, view, y, neurons),
+    x = ops.residual(config, h,
+                     lambda y: _reduced(reduce, _sparse_mlp(config, scfg, view, y, neurons)),
                      lp.mlp_norm_scale, lp.mlp_norm_bias)
     return x, box["io"]
+
+
+def _reduced(reduce, out: jax.Array) -> jax.Array:
+    """`reduce(out)`, or out when there is no reduce hook (one device)."""
+    return out if reduce is None else reduce(out)
 
 
 def _layer_loop(body, carry, start: int, stop: int, unrolled: bool):
@@ -349,8 +361,13 @@ def _layer_loop(body, carry, start: int, stop: int, unrolled: bool):
 
 
 def sparse_layers(config: ModelConfig, scfg: SparseConfig, params: ModelParams,
-                  select: Selector, selector_params, x: jax.Array, io: _LayerIO, step: dict):
-    """Run every layer for one token per row; returns (x, io)."""
+                  select: Selector, selector_params, x: jax.Array, io: _LayerIO, step: dict,
+                  reduce=None):
+    """Run every layer for one token per row; returns (x, io).
+
+    reduce: applied to each attention and MLP output before the residual add (tensor
+    parallelism passes a psum over the mesh axis, see `dejavu_jax.tp_decode`).
+    """
     unrolled = isinstance(params.layers, tuple)
     prev_input = x  # the input of the layer before the segment (lookahead source)
     for start, stop, dense, k_mlp, k_heads in scfg.segments(config):
@@ -360,7 +377,7 @@ def sparse_layers(config: ModelConfig, scfg: SparseConfig, params: ModelParams,
             def dense_body(carry, layer, oracle_k=oracle_k):
                 x, io, _ = carry
                 x_next, io = _dense_layer(config, _layer_view(params, layer), io, layer, x,
-                                          step, oracle_k)
+                                          step, oracle_k, reduce)
                 return (x_next, io, x), None
 
             x, io, prev_input = _layer_loop(dense_body, (x, io, prev_input), start, stop,
@@ -375,7 +392,7 @@ def sparse_layers(config: ModelConfig, scfg: SparseConfig, params: ModelParams,
             nxt = jnp.minimum(jnp.asarray(layer, jnp.int32) + 1, config.n_layers - 1)
             idx_next = select(selector_params, nxt, x, k_mlp, k_heads)  # lookahead
             x_next, io = _sparse_layer(config, scfg, _layer_view(params, layer), io, layer, x,
-                                       neurons, groups, step)
+                                       neurons, groups, step, reduce)
             return (x_next, io, idx_next, x), None
 
         x, io, _, prev_input = _layer_loop(sparse_body, (x, io, idx, prev_input), start, stop,
@@ -384,10 +401,11 @@ def sparse_layers(config: ModelConfig, scfg: SparseConfig, params: ModelParams,
 
 
 def sparse_step_fn(config: ModelConfig, scfg: SparseConfig, select: Selector,
-                   params: tuple, state: SparseState, tokens: jax.Array):
+                   params: tuple, state: SparseState, tokens: jax.Array, layers_fn=None):
     """One sparse decode step for tokens [B]: returns (logits [B, V] fp32, new state).
 
-    params is (model params, selector params).
+    params is (model params, selector params). layers_fn replaces `sparse_layers` (same
+    signature; `dejavu_jax.tp_decode` runs it per shard under shard_map).
     """
     params, selector_params = params
     dense = state.dense
@@ -396,7 +414,8 @@ def sparse_step_fn(config: ModelConfig, scfg: SparseConfig, select: Selector,
     step = {"slot": dense.slot, "valid": valid, "positions": dense.positions}
     x = embed(config, params, tokens, dense.positions)
     io = _LayerIO(k=dense.k, v=dense.v, written=state.written, history=state.history)
-    x, io = sparse_layers(config, scfg, params, select, selector_params, x, io, step)
+    x, io = (layers_fn or sparse_layers)(config, scfg, params, select, selector_params, x, io,
+                                         step)
     new_dense = DecodeState(k=io.k, v=io.v, valid=valid, slot=dense.slot + 1,
                             positions=dense.positions + 1)
     return unembed(config, params, x), SparseState(dense=new_dense, written=io.written,
@@ -404,15 +423,28 @@ def sparse_step_fn(config: ModelConfig, scfg: SparseConfig, select: Selector,
 
 
 def predictor_selector(group_size: int,
-                       union_capacity: tuple[int | None, int | None] | None = None) -> Selector:
-    """A Selector whose parameters are trained predictors (`dejavu_jax.train.predict`)."""
+                       union_capacity: tuple[int | None, int | None] | None = None,
+                       method: str = "exact") -> Selector:
+    """A Selector whose parameters are trained predictors (`dejavu_jax.train.predict`).
+
+    method: "exact" (`lax.top_k`) or "threshold" (`topk.threshold_top_k`, sort-free; used
+    for a single row; batches take the union through `select_top_k` either way).
+    """
+    from dejavu_jax.topk import threshold_top_k
     from dejavu_jax.train.predict import group_scores, predictor_scores, select_top_k
+    if method not in ("exact", "threshold"):
+        raise ValueError(f"unknown selection method {method!r}")
+
+    def top(scores, k, capacity):
+        if method == "threshold" and scores.shape[0] == 1 and capacity in (None, k):
+            return threshold_top_k(scores[0], k)
+        return select_top_k(scores, k, capacity)
 
     def select(pred_params, layer, x, k_mlp, k_heads):
         mlp, heads = predictor_scores(pred_params, layer, x)
         cap_mlp, cap_heads = union_capacity or (None, None)
-        return (select_top_k(mlp, k_mlp, cap_mlp),
-                select_top_k(group_scores(heads, group_size), k_heads, cap_heads))
+        return (top(mlp, k_mlp, cap_mlp),
+                top(group_scores(heads, group_size), k_heads, cap_heads))
 
     return select
 

@@ -15,6 +15,7 @@ from __future__ import annotations
 import argparse
 import datetime
 import json
+import os
 import platform
 import time
 from pathlib import Path
@@ -101,7 +102,7 @@ def time_decode(step, params, state, tokens, warmup: int, steps: int):
 
 
 def run_model(name, contexts, mlp_densities, head_densities, batch, rank, dense_layers,
-              warmup, steps, bar, log, layout="unrolled"):
+              warmup, steps, bar, log, layout="unrolled", select_methods=("exact",)):
     """All rows for one model preset, with the layers stacked (scan) or unrolled."""
     config = config_lib.preset(name)
     t0 = time.perf_counter()
@@ -119,7 +120,7 @@ def run_model(name, contexts, mlp_densities, head_densities, batch, rank, dense_
         mask = jnp.ones_like(prompt)
 
         def fresh_dense():
-            st = model.init_state(config, batch, max_len, BF16)
+            st = model.init_state(config, batch, max_len, BF16, per_layer=layout == "unrolled")
             return model.prefill(config, params, prompt, mask, st)[1]
 
         step = jax.jit(lambda p, s, t: model.decode_step_fn(config, p, s, t), donate_argnums=1)
@@ -138,13 +139,15 @@ def run_model(name, contexts, mlp_densities, head_densities, batch, rank, dense_
         for md in mlp_densities:
             for hdn in head_densities:
                 scfg = sparse.sparse_config(config, md, hdn, dense_layers=dense_layers)
-                variants = [("predictor", sparse.predictor_selector(config.group_size), preds)]
+                variants = [(f"predictor-{m}", sparse.predictor_selector(config.group_size,
+                                                                         method=m), preds)
+                            for m in select_methods]
                 if hdn == 0.5 and ctx == contexts[0]:
                     variants.append(("fixed", sparse.fixed_selector, random_sets(config, scfg)))
                 for kind, select, sel_params in variants:
                     eng = sparse.sparse_engine(config, scfg, select)
                     t = time.perf_counter()
-                    st = eng.init_state(batch, max_len, BF16)
+                    st = eng.init_state(batch, max_len, BF16, per_layer=layout == "unrolled")
                     st = jax.jit(eng.prefill, donate_argnums=3)((params, sel_params), prompt,
                                                                mask, st)[1]
                     sstep = jax.jit(eng.step, donate_argnums=1)
@@ -155,7 +158,7 @@ def run_model(name, contexts, mlp_densities, head_densities, batch, rank, dense_
                         log(f"FAILED {name} ctx={ctx} mlp={md} heads={hdn} {kind}: "
                             f"{type(e).__name__}: {str(e)[:400]}")
                         continue
-                    nbytes = step_bytes(config, scfg, ctx, batch, rank, kind == "predictor")
+                    nbytes = step_bytes(config, scfg, ctx, batch, rank, kind.startswith("predictor"))
                     rows.append(dict(model=name, layout=layout, mode="sparse", context=ctx, batch=batch,
                                      mlp=md, heads=hdn, indices=kind, ms=med * 1e3,
                                      p90_ms=p90 * 1e3, bytes=nbytes, gbs=nbytes / med / 1e9,
@@ -196,6 +199,7 @@ def main(argv=None) -> int:
     p.add_argument("--steps", type=int, default=20)
     p.add_argument("--layouts", default="unrolled",
                    help="stacked (lax.scan over stacked layers), unrolled, or both")
+    p.add_argument("--select", default="exact", help="predictor top-k: exact, threshold or both")
     p.add_argument("--out", default="eval/results")
     args = p.parse_args(argv)
     out = Path(args.out)
@@ -210,6 +214,7 @@ def main(argv=None) -> int:
                 device=str(jax.devices()[0].device_kind), backend=jax.default_backend(),
                 jax=jax.__version__, jaxlib=jax.lib.__version__ if hasattr(jax, "lib") else "",
                 python=platform.python_version(), rank=args.rank,
+                xla_flags=os.environ.get("XLA_FLAGS", ""),
                 dense_layers=args.dense_layers)
     log_file = open(out / "bench_decode.log", "a")
 
@@ -226,7 +231,8 @@ def main(argv=None) -> int:
     for name in models:
         for layout in split(args.layouts, str):
             rows += run_model(name, contexts, mlps, heads, args.batch, args.rank,
-                              args.dense_layers, args.warmup, args.steps, bar, log, layout)
+                              args.dense_layers, args.warmup, args.steps, bar, log, layout,
+                              tuple(split(args.select, str)))
         (out / "bench_decode.json").write_text(json.dumps(dict(meta=meta, rows=rows), indent=1))
     table = markdown(rows, meta["roofline_gbs"])
     (out / "bench_decode.md").write_text(
