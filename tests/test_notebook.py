@@ -1,0 +1,78 @@
+"""Executes notebooks/sparsity_per_layer.ipynb headlessly on a tiny random model.
+
+The notebook reads its parameters from DEJAVU_NOTEBOOK_* environment variables in its first
+code cell; here it runs `preset:opt-tiny` on a few hundred tokens, with tiny predictors
+trained in the test and a made-up evaluation file, so every section executes. Any cell
+error (for example a changed public API) fails the test. The kernel is this interpreter
+(a kernelspec written for sys.executable), so it sees the same installed dejavu_jax.
+"""
+
+import json
+import sys
+from pathlib import Path
+
+import pytest
+
+nbformat = pytest.importorskip("nbformat")
+nbclient = pytest.importorskip("nbclient")
+pytest.importorskip("ipykernel")
+pytest.importorskip("matplotlib")
+
+NOTEBOOK = Path(__file__).resolve().parents[1] / "notebooks" / "sparsity_per_layer.ipynb"
+KERNEL = "dejavu-notebook-test"
+
+
+def tiny_predictors(tmp_path: Path) -> Path | None:
+    """Predictors for preset:opt-tiny (seed 0, the notebook's default), or None without data."""
+    from dejavu_jax.paths import opt_tokenizer_dir
+    from dejavu_jax.train import collect, predictors
+    if not opt_tokenizer_dir().exists():
+        return None
+    text = tmp_path / "corpus.txt"
+    text.write_text("".join(f"Line {i}: the river carried {i % 7} stones past the mill.\n"
+                            for i in range(300)))
+    assert collect.main(["--preset", "opt-tiny", "--corpus", str(text), "--tokens", "600",
+                         "--window", "32", "--out", str(tmp_path / "records"),
+                         "--no-progress"]) == 0
+    assert predictors.main(["--records", str(tmp_path / "records"), "--out",
+                            str(tmp_path / "pred"), "--epochs", "1", "--batch-size", "128",
+                            "--rank", "16", "--no-progress", "--no-output-metric"]) == 0
+    return tmp_path / "pred"
+
+
+def test_notebook_runs_on_tiny_model(tmp_path, monkeypatch):
+    kernel_dir = tmp_path / "jupyter" / "kernels" / KERNEL
+    kernel_dir.mkdir(parents=True)
+    (kernel_dir / "kernel.json").write_text(json.dumps({
+        "argv": [sys.executable, "-m", "ipykernel_launcher", "-f", "{connection_file}"],
+        "display_name": "dejavu test", "language": "python"}))
+    monkeypatch.setenv("JUPYTER_PATH", str(tmp_path / "jupyter"))
+    monkeypatch.setenv("JAX_PLATFORMS", "cpu")
+    monkeypatch.delenv("MPLBACKEND", raising=False)  # the kernel draws inline
+
+    pred = tiny_predictors(tmp_path)
+    evals = tmp_path / "eval"
+    evals.mkdir()
+    (evals / "sweep.json").write_text(json.dumps({"runs": [
+        {"mode": "oracle", "mlp_density": d, "head_density": 1.0, "perplexity": 20 + 10 * (1 - d)}
+        for d in (1.0, 0.5, 0.25)]}))
+    monkeypatch.setenv("DEJAVU_NOTEBOOK_MODEL", "preset:opt-tiny")
+    monkeypatch.setenv("DEJAVU_NOTEBOOK_WINDOWS", "32")
+    monkeypatch.setenv("DEJAVU_NOTEBOOK_WINDOW", "13")
+    monkeypatch.setenv("DEJAVU_NOTEBOOK_PREDICTORS", str(pred) if pred else "")
+    monkeypatch.setenv("DEJAVU_NOTEBOOK_EVAL", str(evals / "*.json"))
+
+    nb = nbformat.read(NOTEBOOK, as_version=4)
+    client = nbclient.NotebookClient(nb, kernel_name=KERNEL, timeout=120,
+                                     resources={"metadata": {"path": str(tmp_path)}})
+    client.execute()  # raises CellExecutionError on the first failing cell
+
+    outputs = [o for c in nb.cells if c.cell_type == "code" for o in c.get("outputs", [])]
+    assert not [o for o in outputs if o.output_type == "error"]
+    text = "".join(o.get("text", "") for o in outputs if o.output_type == "stream")
+    assert "opt-tiny (random weights, seed 0)" in text
+    assert "recorded 32 windows x 12 tokens" in text
+    images = sum("image/png" in o.get("data", {}) for o in outputs)
+    assert images >= 6  # sections 1-4 and 6 always plot, 7 plots the made-up sweep
+    if pred is not None:
+        assert "on this notebook's tokens" in text  # section 5 ran the trained predictors
