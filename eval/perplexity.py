@@ -1,0 +1,143 @@
+"""Sliding-window perplexity (the standard fixed-window, strided method) in any mode.
+
+    python -m dejavu_jax.eval.perplexity                          # SmolLM2, WikiText-2 test
+    python -m dejavu_jax.eval.perplexity --mode sparse --mlp-density 0.5 --max-tokens 16384
+    python -m dejavu_jax.eval.perplexity --text file.txt --window 1024 --stride 512
+    python -m dejavu_jax.eval.perplexity --text hf:wikitext:wikitext-2-raw-v1:test
+
+Windows of `window` tokens start every `stride` tokens; each token (except the first of
+the text) is scored exactly once, in the first window that predicts it after the previous
+window's scored span, so after the first window every scored token sees at least
+window - stride tokens of context. Sparse and oracle modes run
+`sparse_scoring.token_scores`, which equals the token-by-token sparse decode step.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import sys
+import time
+from pathlib import Path
+
+import jax.numpy as jnp
+import numpy as np
+
+from dejavu_jax.eval import common
+from dejavu_jax.eval.sparse_scoring import EvalMode, token_scores
+from dejavu_jax.paths import data_root
+
+
+def wikitext2_path() -> Path:
+    """The offline WikiText-2 raw test file."""
+    return data_root() / "eval" / "wikitext-2" / "wiki.test.raw"
+
+
+def load_text(source: str | None) -> str:
+    """Text of a file path, or of a Hugging Face dataset 'hf:NAME[:CONFIG[:SPLIT]]'
+    (rows joined by blank lines, as in the HF perplexity guide); default WikiText-2 test."""
+    if source and source.startswith("hf:"):
+        from datasets import load_dataset
+        name, config, split = (source[3:].split(":") + [None, "test"])[:3]
+        rows = load_dataset(name, config, split=split or "test")
+        return "\n\n".join(rows["text"])
+    path = Path(source) if source else wikitext2_path()
+    return path.read_text(encoding="utf-8").replace("\r\n", "\n")
+
+
+def plan_windows(n_tokens: int, window: int, stride: int) -> list[tuple[int, int, int]]:
+    """(begin, end, first_scored) per window over a token stream of n_tokens.
+
+    A window's inputs are tokens [begin, end) and it predicts tokens begin+1 .. end; it
+    scores the targets from first_scored to end (inclusive). Every target 1..n-1 is
+    scored exactly once.
+    """
+    if not 0 < stride <= window:
+        raise ValueError(f"need 0 < stride <= window, got stride={stride} window={window}")
+    plans, scored_until, begin = [], 1, 0
+    while scored_until < n_tokens:
+        end = min(begin + window, n_tokens - 1)
+        plans.append((begin, end, scored_until))
+        scored_until = end + 1
+        begin += stride
+    return plans
+
+
+def score_windows(config, mode: EvalMode, params, pred_params, ids: np.ndarray,
+                  window: int, stride: int, batch_tokens: int = 4096, dense_prefix: int = 1,
+                  show_progress: bool = False) -> dict:
+    """Total NLL and token count of `ids` under `mode`, windows batched into one shape."""
+    plans = plan_windows(len(ids), window, stride)
+    rows_per_call = max(1, batch_tokens // window)
+    length = min(window, len(ids) - 1)
+    nll, count, greedy = 0.0, 0, 0
+    batches = [plans[i:i + rows_per_call] for i in range(0, len(plans), rows_per_call)]
+    for batch in common.progress(batches, len(batches), f"perplexity ({mode.name})",
+                                 not show_progress):
+        inputs = common.pad_rows([ids[b:e] for b, e, _ in batch], length, rows_per_call)
+        targets = common.pad_rows([ids[b + 1:e + 1] for b, e, _ in batch], length,
+                                  rows_per_call)
+        weight = np.zeros((rows_per_call, length), bool)
+        mask = np.zeros((rows_per_call, length), np.int32)
+        for r, (b, e, first) in enumerate(batch):
+            mask[r, :e - b] = 1
+            weight[r, first - b - 1:e - b] = True  # position i predicts token b + i + 1
+        logp, hit = token_scores(config, mode.scfg, params, pred_params, jnp.asarray(inputs),
+                                 jnp.asarray(mask),
+                                 jnp.full((rows_per_call,), dense_prefix, jnp.int32),
+                                 jnp.asarray(targets))
+        logp, hit = np.asarray(logp, np.float64), np.asarray(hit)
+        nll -= float(logp[weight].sum())
+        greedy += int(hit[weight].sum())
+        count += int(weight.sum())
+    return {"tokens": count, "nll": nll / count, "perplexity": math.exp(nll / count),
+            "total_nll": nll, "greedy_accuracy": greedy / count, "windows": len(plans)}
+
+
+def perplexity(config, mode: EvalMode, params, pred_params, ids, window: int = 1024,
+               stride: int = 512, batch_tokens: int = 4096, dense_prefix: int = 1,
+               show_progress: bool = False) -> dict:
+    """Perplexity result dict (tokens, nll, perplexity, timing, settings) for token ids."""
+    ids = np.asarray(ids, np.int32)
+    start = time.perf_counter()
+    result = score_windows(config, mode, params, pred_params, ids, window, stride,
+                           batch_tokens, dense_prefix, show_progress)
+    result.update(seconds=round(time.perf_counter() - start, 2), window=window, stride=stride,
+                  dense_prefix=dense_prefix, text_tokens=int(len(ids)),
+                  **mode.describe(config))
+    return result
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="python -m dejavu_jax.eval.perplexity",
+                                description=__doc__.split("\n")[0])
+    p.add_argument("--text", help="text file, or hf:NAME[:CONFIG[:SPLIT]] "
+                   "(default: WikiText-2 raw test from the data folder)")
+    p.add_argument("--window", type=int, default=1024)
+    p.add_argument("--stride", type=int, default=512)
+    p.add_argument("--max-tokens", type=int, help="score only the first N tokens of the text")
+    p.add_argument("--out", help="write the result as JSON here")
+    common.add_model_args(p)
+    return p
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    config, params, tok = common.load_model(args)
+    mode, pred = common.mode_from_args(args, config)
+    ids = tok(load_text(args.text), add_special_tokens=False)["input_ids"]
+    if args.max_tokens:
+        ids = ids[:args.max_tokens]
+    result = perplexity(config, mode, params, pred, ids, args.window, args.stride,
+                        args.batch_tokens, args.dense_prefix, not args.no_progress)
+    result["text"] = args.text or str(wikitext2_path())
+    print(f"{result['mode']}: {result['tokens']} tokens, NLL {result['nll']:.4f}, "
+          f"perplexity {result['perplexity']:.3f} ({result['seconds']:.0f} s)")
+    if args.out:
+        Path(args.out).write_text(json.dumps(result, indent=1))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,202 @@
+"""Quality against sparsity: dense plus a grid of (MLP density, head density) per mode.
+
+    python -m dejavu_jax.eval.sweep --out eval/results/smollm2 \
+        --mlp 1.0,0.9,0.8,0.7,0.6,0.5 --heads 1.0,0.67 --modes sparse,oracle \
+        --ppl-tokens 4096 --tasks all --limit 20
+
+Writes sweep.json (every point, rewritten after each so a long run can be resumed with
+--resume), sweep.md (a table) and sweep.png (perplexity and mean task accuracy against
+total sparsity, one line per mode and head density, like the paper's Figure 6).
+Total sparsity is the fraction of attention + MLP block weights a token does not read,
+over all layers (dense layers count as read).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+
+from dejavu_jax.eval import common, perplexity as ppl_mod, tasks as tasks_mod
+from dejavu_jax.eval.sparse_scoring import EvalMode, make_mode
+
+
+def total_sparsity(config, mode: EvalMode) -> float:
+    """Fraction of attention and MLP weights skipped per token, over all layers."""
+    if mode.scfg is None:
+        return 0.0
+    mlp_w = (3 if config.gated_mlp else 2) * config.hidden * config.ffn
+    attn_w = config.hidden * config.head_dim * (2 * config.n_heads + 2 * config.n_kv_heads)
+    skipped = sum((1 - km / config.ffn) * mlp_w + (1 - kh / config.n_kv_heads) * attn_w
+                  for km, kh in zip(mode.scfg.mlp_k, mode.scfg.head_k))
+    return skipped / (config.n_layers * (mlp_w + attn_w))
+
+
+def grid(mlp: list[float], heads: list[float], modes: list[str]) -> list[tuple[str, float, float]]:
+    """Dense first, then every (mode, mlp, heads) point of the cartesian grid except
+    (1.0, 1.0), which computes exactly the dense figures (tests/test_eval.py)."""
+    points = [("dense", 1.0, 1.0)]
+    for m in modes:
+        points += [(m, a, h) for h in heads for a in mlp if (a, h) != (1.0, 1.0)]
+    return points
+
+
+def _key(p: dict) -> tuple:
+    return (p["mode"], round(p["mlp_density_set"], 4), round(p["head_density_set"], 4))
+
+
+def markdown(points: list[dict]) -> str:
+    """A markdown table of the sweep."""
+    task_names = sorted({t for p in points for t in p.get("tasks", {})})
+    head = ["mode", "MLP dens.", "head dens.", "total sparsity", "perplexity", "Δppl %"]
+    head += task_names + (["task mean"] if task_names else [])
+    dense = next((p for p in points if p["mode"] == "dense"), None)
+    lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
+    for p in points:
+        ppl = p.get("perplexity")
+        rel = (f"{100 * (ppl / dense['perplexity'] - 1):+.1f}" if ppl and dense
+               and dense.get("perplexity") else "")
+        row = [p["mode"], f"{p['mlp_density_set']:.2f}", f"{p['head_density_set']:.2f}",
+               f"{p['total_sparsity']:.1%}", f"{ppl:.3f}" if ppl else "", rel]
+        row += [f"{100 * p['tasks'][t]['acc']:.1f}" if t in p.get("tasks", {}) else ""
+                for t in task_names]
+        if task_names:
+            row.append(f"{100 * p['task_mean']:.1f}" if "task_mean" in p else "")
+        lines.append("| " + " | ".join(row) + " |")
+    return "\n".join(lines) + "\n"
+
+
+def plot(points: list[dict], path: Path, title: str) -> None:
+    """Perplexity and mean task accuracy against total sparsity, one line per series."""
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    has_tasks = any("task_mean" in p for p in points)
+    fig, axes = plt.subplots(1, 2 if has_tasks else 1, figsize=(11 if has_tasks else 6, 4.2),
+                             squeeze=False)
+    series: dict[str, list[dict]] = {}
+    for p in points:
+        if p["mode"] == "dense":
+            continue
+        label = {"sparse": "predictors", "oracle": "oracle top-k"}[p["mode"]]
+        series.setdefault(f"{label}, heads {p['head_density_set']:.2f}", []).append(p)
+    dense = next((p for p in points if p["mode"] == "dense"), None)
+    panels = [("perplexity", "WikiText-2 perplexity", True)]
+    if has_tasks:
+        panels.append(("task_mean", "mean zero-shot accuracy", False))
+    for ax, (key, ylabel, log) in zip(axes[0], panels):
+        for label, ps in sorted(series.items()):
+            ps = sorted((p for p in ps if key in p), key=lambda p: p["total_sparsity"])
+            if dense and key in dense:
+                ps = [dense] + ps
+            if ps:
+                ax.plot([100 * p["total_sparsity"] for p in ps], [p[key] for p in ps],
+                        marker="o", label=label)
+        if dense and key in dense:
+            ax.axhline(dense[key], color="gray", ls="--", lw=0.8, label="dense")
+        ax.set_xlabel("total sparsity (% of attention + MLP weights skipped)")
+        ax.set_ylabel(ylabel)
+        if log:
+            ax.set_yscale("log")
+        ax.grid(alpha=0.3)
+        ax.legend(fontsize=8)
+    fig.suptitle(title)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+
+
+def write_outputs(points: list[dict], out: Path, title: str, meta: dict) -> None:
+    """sweep.json, sweep.md and sweep.png in `out`."""
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "sweep.json").write_text(json.dumps({"meta": meta, "points": points}, indent=1))
+    (out / "sweep.md").write_text(markdown(points))
+    plot(points, out / "sweep.png", title)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="python -m dejavu_jax.eval.sweep",
+                                description=__doc__.split("\n")[0])
+    p.add_argument("--out", required=True, help="output folder")
+    p.add_argument("--mlp", default="1.0,0.9,0.8,0.7,0.6,0.5", help="MLP densities")
+    p.add_argument("--heads", default="1.0", help="head (KV group) densities")
+    p.add_argument("--modes", default="sparse,oracle", help="sparse (predictors), oracle")
+    p.add_argument("--points", help="explicit extra points mode:mlp:heads,... (added)")
+    p.add_argument("--text", help="perplexity text (default WikiText-2 test)")
+    p.add_argument("--ppl-tokens", type=int, default=4096,
+                   help="perplexity on the first N tokens (0: the whole text; -1: skip)")
+    p.add_argument("--window", type=int, default=1024)
+    p.add_argument("--stride", type=int, default=1024)
+    p.add_argument("--tasks", default="", help="task names/paths (see eval.tasks), '' = none")
+    p.add_argument("--limit", type=int, help="items per task")
+    p.add_argument("--task-points", help="only these points get tasks: mode:mlp:heads,...")
+    p.add_argument("--resume", action="store_true", help="skip points already in sweep.json")
+    common.add_model_args(p)
+    return p
+
+
+def _floats(text: str) -> list[float]:
+    return [float(x) for x in text.split(",") if x]
+
+
+def _parse_points(text: str | None) -> list[tuple[str, float, float]]:
+    out = []
+    for part in (text or "").split(","):
+        if part:
+            m, a, h = part.split(":")
+            out.append((m, float(a), float(h)))
+    return out
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    out = Path(args.out)
+    config, params, tok = common.load_model(args)
+    modes = [m for m in args.modes.split(",") if m]
+    points = grid(_floats(args.mlp), _floats(args.heads), modes) + _parse_points(args.points)
+    pred = (common.load_predictor_params(args.predictors, config)
+            if any(m == "sparse" for m, _, _ in points) else None)
+    ids = None
+    if args.ppl_tokens >= 0:
+        ids = tok(ppl_mod.load_text(args.text), add_special_tokens=False)["input_ids"]
+        ids = ids[:args.ppl_tokens] if args.ppl_tokens else ids
+    prepared = (tasks_mod.prepare(tok, tasks_mod.parse_tasks(args.tasks), args.limit)
+                if args.tasks else {})
+    task_points = {(m, round(a, 4), round(h, 4)) for m, a, h in _parse_points(args.task_points)}
+    meta = {"model": config.name, "predictors": args.predictors, "ppl_tokens": args.ppl_tokens,
+            "text": args.text or str(ppl_mod.wikitext2_path()), "window": args.window,
+            "stride": args.stride, "tasks": list(prepared), "limit": args.limit,
+            "dense_layers": args.dense_layers, "dense_prefix": args.dense_prefix}
+    done: list[dict] = []
+    if args.resume and (out / "sweep.json").exists():
+        done = json.loads((out / "sweep.json").read_text())["points"]
+    seen = {_key(p) for p in done}
+    for name, mlp, heads in points:
+        key = (name, round(mlp, 4), round(heads, 4))
+        if key in seen:
+            continue
+        seen.add(key)
+        mode = make_mode(config, name, mlp, heads, args.dense_layers)
+        rec = {"mode": name, "mlp_density_set": mlp, "head_density_set": heads,
+               "total_sparsity": total_sparsity(config, mode), **mode.describe(config)}
+        rec.pop("mode_name", None)
+        if ids is not None:
+            r = ppl_mod.perplexity(config, mode, params, pred, ids, args.window, args.stride,
+                                   args.batch_tokens, args.dense_prefix, not args.no_progress)
+            rec.update(perplexity=r["perplexity"], nll=r["nll"], ppl_tokens=r["tokens"],
+                       ppl_seconds=r["seconds"])
+        if prepared and (not task_points or key in task_points or name == "dense"):
+            r = tasks_mod.evaluate(config, mode, params, pred, prepared, args.batch_tokens,
+                                   args.dense_prefix, not args.no_progress)
+            rec.update(tasks=r["tasks"], task_mean=r["mean_acc"], task_seconds=r["seconds"])
+        done.append(rec)
+        print(json.dumps({k: v for k, v in rec.items() if k not in ("mlp_k", "head_k")}),
+              flush=True)
+        write_outputs(done, out, f"{config.name}: quality vs sparsity", meta)
+    write_outputs(done, out, f"{config.name}: quality vs sparsity", meta)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,283 @@
+"""Zero-shot tasks, scored by log-likelihood as lm-eval-harness does, in any mode.
+
+    python -m dejavu_jax.eval.tasks --tasks copa,piqa --limit 100
+    python -m dejavu_jax.eval.tasks --tasks all --mode oracle --mlp-density 0.5
+    python -m dejavu_jax.eval.tasks --tasks path/to/new_task.jsonl
+
+A task is a file; its format is recognised from its content (see data/README.md):
+  *.jsonl {"query", "choices", "gold"}            multiple choice (COPA, PIQA, OpenBookQA)
+  *.jsonl {"context_options", "continuation", "gold"}  partial scoring (Winogrande)
+  *.jsonl {"context", "continuation"}             greedy last-word accuracy (LAMBADA)
+  *.txt[.bz2] 6 lines per item: context, gold index, 4 endings (HellaSwag)
+  *.tsv sentence1, sentence2, label (0 = entailment) (RTE: " True" / " False")
+A continuation is joined to its context by one space unless either side already has
+whitespace there. Multiple choice reports accuracy and length-normalised accuracy
+(log-likelihood per character of the continuation, lm-eval's acc_norm); greedy tasks
+report accuracy (every continuation token is the argmax) and continuation perplexity.
+"""
+
+from __future__ import annotations
+
+import argparse
+import bz2
+import csv
+import dataclasses
+import json
+import math
+import sys
+import time
+from pathlib import Path
+
+import jax.numpy as jnp
+import numpy as np
+
+from dejavu_jax.eval import common
+from dejavu_jax.eval.sparse_scoring import EvalMode, token_scores
+from dejavu_jax.paths import data_root
+
+TASK_FILES = {
+    "copa": "copa.jsonl", "piqa": "piqa.jsonl", "openbookqa": "openbook_qa.jsonl",
+    "winogrande": "winogrande.jsonl", "lambada": "lambada_openai.jsonl",
+    "hellaswag": "hellaswag_val.txt.bz2", "rte": "rte_dev.tsv",
+}
+BUCKETS = (32, 64, 128, 256, 512, 1024)
+
+
+@dataclasses.dataclass(frozen=True)
+class Item:
+    """One example: (context, continuation) pairs to score, the gold pair, the kind."""
+
+    pairs: tuple[tuple[str, str], ...]
+    gold: int
+    kind: str  # "choice" (pick the best pair) or "greedy" (one pair, argmax match)
+
+
+def join(context: str, choice: str) -> str:
+    """The continuation string for `choice` after `context` (adds the separating space)."""
+    if context and choice and not context[-1].isspace() and not choice[0].isspace():
+        return " " + choice
+    return choice
+
+
+def _read_jsonl(path: Path) -> list[dict]:
+    with open(path, encoding="utf-8") as f:
+        return [json.loads(line) for line in f if line.strip()]
+
+
+def _jsonl_items(rows: list[dict], path: Path) -> list[Item]:
+    keys = set(rows[0]) if rows else set()
+    if {"query", "choices", "gold"} <= keys:
+        return [Item(tuple((r["query"], join(r["query"], c)) for c in r["choices"]),
+                     int(r["gold"]), "choice") for r in rows]
+    if {"context_options", "continuation", "gold"} <= keys:
+        return [Item(tuple((c, join(c, r["continuation"])) for c in r["context_options"]),
+                     int(r["gold"]), "choice") for r in rows]
+    if {"context", "continuation"} <= keys:
+        return [Item(((r["context"], join(r["context"], r["continuation"])),), 0, "greedy")
+                for r in rows]
+    raise ValueError(f"{path}: unknown jsonl task format with keys {sorted(keys)}")
+
+
+def _hellaswag_items(path: Path) -> list[Item]:
+    opener = bz2.open if path.suffix == ".bz2" else open
+    with opener(path, "rt", encoding="utf-8") as f:
+        lines = f.read().split("\n")
+    while lines and not lines[-1].strip():
+        lines.pop()
+    if len(lines) % 6:
+        raise ValueError(f"{path}: {len(lines)} lines is not a multiple of 6")
+    items = []
+    for i in range(0, len(lines), 6):
+        ctx, gold, endings = lines[i], int(lines[i + 1]), lines[i + 2:i + 6]
+        items.append(Item(tuple((ctx, join(ctx, e)) for e in endings), gold, "choice"))
+    return items
+
+
+def _rte_items(path: Path) -> list[Item]:
+    with open(path, encoding="utf-8", newline="") as f:
+        rows = list(csv.DictReader(f, delimiter="\t", quoting=csv.QUOTE_NONE))
+    items = []
+    for r in rows:
+        ctx = f"{r['sentence1']}\nQuestion: {r['sentence2']} True or False?\nAnswer:"
+        items.append(Item(((ctx, " True"), (ctx, " False")), int(r["label"]), "choice"))
+    return items
+
+
+def task_path(name_or_path: str) -> Path:
+    """A known task name (TASK_FILES, in data_root()/eval/tasks) or a file path."""
+    if name_or_path in TASK_FILES:
+        return data_root() / "eval" / "tasks" / TASK_FILES[name_or_path]
+    return Path(name_or_path)
+
+
+def task_name(path: Path) -> str:
+    """The task's name: a known name for the known files, else the file name's stem."""
+    for name, file in TASK_FILES.items():
+        if path.name == file:
+            return name
+    return path.name.split(".")[0]
+
+
+def load_task(name_or_path: str, limit: int | None = None) -> list[Item]:
+    """The items of a task file (format recognised from the file), the first `limit`."""
+    path = task_path(name_or_path)
+    if path.suffix == ".tsv":
+        items = _rte_items(path)
+    elif path.suffix == ".bz2" or path.suffix == ".txt":
+        items = _hellaswag_items(path)
+    else:
+        items = _jsonl_items(_read_jsonl(path), path)
+    return items[:limit] if limit else items
+
+
+def encode_pair(tok, context: str, continuation: str) -> tuple[list[int], list[int]]:
+    """(context ids, continuation ids) as lm-eval does: trailing spaces of the context move
+    to the continuation, the whole string is encoded once and split at the context's length."""
+    n = len(context) - len(context.rstrip())
+    if n:
+        context, continuation = context[:-n], context[-n:] + continuation
+    whole = tok(context + continuation, add_special_tokens=False)["input_ids"]
+    n_ctx = len(tok(context, add_special_tokens=False)["input_ids"])
+    n_ctx = min(n_ctx, len(whole) - 1)
+    return whole[:n_ctx], whole[n_ctx:]
+
+
+def encode_items(tok, items: list[Item]) -> list[tuple[list[int], list[int]]]:
+    """Token pairs of every item's pairs, flattened in order."""
+    return [encode_pair(tok, c, x) for item in items for c, x in item.pairs]
+
+
+def _bucket(n: int) -> int:
+    for b in BUCKETS:
+        if n <= b:
+            return b
+    return BUCKETS[-1]
+
+
+def score_requests(config, mode: EvalMode, params, pred_params, requests, batch_tokens=4096,
+                   dense_prefix: int = 1, max_len: int = 1024, show_progress=False):
+    """(log-likelihood [N], all-greedy [N]) of each (context, continuation) token pair.
+
+    Requests are sorted by length and batched in a few padded shapes (one compile each).
+    """
+    seqs = []
+    for ctx, cont in requests:
+        whole = (ctx + cont)[-(max_len + 1):]
+        seqs.append((whole, len(cont)))
+    order = sorted(range(len(seqs)), key=lambda i: len(seqs[i][0]))
+    batches, i = [], 0
+    while i < len(order):
+        length = _bucket(len(seqs[order[i]][0]) - 1)
+        rows = max(1, batch_tokens // length)
+        group = [j for j in order[i:i + rows] if len(seqs[j][0]) - 1 <= length]
+        batches.append((length, rows, group))
+        i += len(group)
+    loglik = np.zeros(len(seqs))
+    greedy = np.zeros(len(seqs), bool)
+    for length, rows, group in common.progress(batches, len(batches), f"tasks ({mode.name})",
+                                               not show_progress):
+        inputs = common.pad_rows([seqs[j][0][:-1] for j in group], length, rows)
+        targets = common.pad_rows([seqs[j][0][1:] for j in group], length, rows)
+        mask = (np.arange(length)[None] < np.asarray(
+            [len(seqs[j][0]) - 1 for j in group] + [0] * (rows - len(group)))[:, None])
+        logp, hit = token_scores(config, mode.scfg, params, pred_params, jnp.asarray(inputs),
+                                 jnp.asarray(mask.astype(np.int32)),
+                                 jnp.full((rows,), dense_prefix, jnp.int32),
+                                 jnp.asarray(targets))
+        logp, hit = np.asarray(logp, np.float64), np.asarray(hit)
+        for r, j in enumerate(group):
+            n_in, n_cont = len(seqs[j][0]) - 1, seqs[j][1]
+            span = slice(n_in - n_cont, n_in)
+            loglik[j] = logp[r, span].sum()
+            greedy[j] = hit[r, span].all()
+    return loglik, greedy
+
+
+def task_metrics(items: list[Item], loglik: np.ndarray, greedy: np.ndarray,
+                 n_tokens: list[int] | None = None) -> dict:
+    """Accuracy (and acc_norm, or greedy perplexity) from per-pair scores in item order."""
+    acc, acc_norm, k = [], [], 0
+    nll_tokens = 0
+    for item in items:
+        n = len(item.pairs)
+        ll = loglik[k:k + n]
+        if item.kind == "greedy":
+            acc.append(bool(greedy[k]))
+            if n_tokens is not None:
+                nll_tokens += n_tokens[k]
+        else:
+            chars = np.asarray([max(1, len(cont)) for _, cont in item.pairs])
+            acc.append(int(np.argmax(ll)) == item.gold)
+            acc_norm.append(int(np.argmax(ll / chars)) == item.gold)
+        k += n
+    out = {"items": len(items), "acc": float(np.mean(acc))}
+    if acc_norm:
+        out["acc_norm"] = float(np.mean(acc_norm))
+    elif n_tokens is not None:
+        out["perplexity"] = math.exp(-float(loglik.sum()) / max(1, nll_tokens))
+    return out
+
+
+def evaluate(config, mode: EvalMode, params, pred_params, prepared: dict, batch_tokens=4096,
+             dense_prefix: int = 1, show_progress=False) -> dict:
+    """Metrics per task for prepared = {name: (items, requests)}, plus the mean accuracy."""
+    names = list(prepared)
+    requests = [r for n in names for r in prepared[n][1]]
+    start = time.perf_counter()
+    loglik, greedy = score_requests(config, mode, params, pred_params, requests, batch_tokens,
+                                    dense_prefix, show_progress=show_progress)
+    results, k = {}, 0
+    for n in names:
+        items, reqs = prepared[n]
+        sl = slice(k, k + len(reqs))
+        results[n] = task_metrics(items, loglik[sl], greedy[sl], [len(c) for _, c in reqs])
+        k += len(reqs)
+    return {"tasks": results, "mean_acc": float(np.mean([r["acc"] for r in results.values()])),
+            "seconds": round(time.perf_counter() - start, 2), "dense_prefix": dense_prefix,
+            **mode.describe(config)}
+
+
+def prepare(tok, task_names: list[str], limit: int | None) -> dict:
+    """{task name: (items, token pairs)} for task names or paths."""
+    out = {}
+    for t in task_names:
+        items = load_task(t, limit)
+        out[task_name(task_path(t))] = (items, encode_items(tok, items))
+    return out
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="python -m dejavu_jax.eval.tasks",
+                                description=__doc__.split("\n")[0])
+    p.add_argument("--tasks", default="all",
+                   help=f"comma list of names ({', '.join(TASK_FILES)}) or task file paths")
+    p.add_argument("--limit", type=int, help="score only the first N items of each task")
+    p.add_argument("--out", help="write the result as JSON here")
+    common.add_model_args(p)
+    return p
+
+
+def parse_tasks(text: str) -> list[str]:
+    """Task names/paths from a comma list ('all': every known task)."""
+    return list(TASK_FILES) if text == "all" else [t for t in text.split(",") if t]
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    config, params, tok = common.load_model(args)
+    mode, pred = common.mode_from_args(args, config)
+    prepared = prepare(tok, parse_tasks(args.tasks), args.limit)
+    result = evaluate(config, mode, params, pred, prepared, args.batch_tokens,
+                      args.dense_prefix, not args.no_progress)
+    result["limit"] = args.limit
+    for name, r in result["tasks"].items():
+        extra = "  ".join(f"{k} {v:.4f}" for k, v in r.items() if k not in ("items", "acc"))
+        print(f"{name:12s} n={r['items']:5d}  acc {r['acc']:.4f}  {extra}")
+    print(f"mean acc {result['mean_acc']:.4f}  ({result['seconds']:.0f} s, {result['mode']})")
+    if args.out:
+        Path(args.out).write_text(json.dumps(result, indent=1))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
