@@ -9,6 +9,8 @@ Absent parts (biases of Llama, OPT's projections, a tied LM head) are None.
 
 from __future__ import annotations
 
+import dataclasses
+
 import jax
 import jax.numpy as jnp
 from flax import struct
@@ -142,15 +144,26 @@ def cast_params(params: ModelParams, dtype) -> ModelParams:
     return jax.tree.map(lambda x: x.astype(dtype), params)
 
 
-def unstack_layers(params: ModelParams) -> ModelParams:
+def unstack_layers(params: ModelParams, free_stacked: bool = False) -> ModelParams:
     """The same weights with `layers` as a tuple of per-layer LayerParams.
 
     Layer loops then unroll in Python and every kernel reads a layer's own buffer;
     stacked weights run under `lax.scan`, whose per-layer slices XLA may copy.
+    free_stacked: delete each stacked array once it is split, so the peak memory is the
+    model plus one weight kind rather than two models (the caller's stacked params are
+    unusable afterwards).
     """
+    fields = [f.name for f in dataclasses.fields(LayerParams)]
     n = jax.tree.leaves(params.layers)[0].shape[0]
-    layers = tuple(jax.tree.map(lambda w: w[i], params.layers) for i in range(n))
-    return params.replace(layers=layers)
+    per_layer = [dict() for _ in range(n)]
+    for name in fields:
+        stacked = getattr(params.layers, name)
+        for i in range(n):
+            per_layer[i][name] = None if stacked is None else stacked[i]
+        if free_stacked and stacked is not None:
+            jax.block_until_ready([d[name] for d in per_layer])
+            stacked.delete()
+    return params.replace(layers=tuple(LayerParams(**d) for d in per_layer))
 
 
 def scan_layers(body, carry, layers, with_index: bool = False):

@@ -108,7 +108,7 @@ def run_model(name, contexts, mlp_densities, head_densities, batch, rank, dense_
     t0 = time.perf_counter()
     params = init_params(config, jax.random.key(0), BF16)
     if layout == "unrolled":
-        params = unstack_layers(params)
+        params = unstack_layers(params, free_stacked=True)
     jax.block_until_ready(params)
     log(f"{name}: {param_bytes(params) / 1e9:.1f} GB weights, init {time.perf_counter() - t0:.1f}s")
     preds = random_predictors(config, rank, jax.random.key(1))
