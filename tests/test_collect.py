@@ -209,3 +209,32 @@ def test_label_rules():
         rec.LabelRule.parse("top:2")
     bits = np.random.default_rng(0).random((2, 3, 13)) > 0.5
     np.testing.assert_array_equal(rec.unpack_labels(rec.pack_labels(bits), 13), bits)
+
+
+def test_unreachable_dataset_is_a_clear_corpus_error(monkeypatch, tmp_path):
+    from dejavu_jax.train import corpus as corpus_lib
+    monkeypatch.setenv("DEJAVU_CACHE", str(tmp_path))
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    monkeypatch.setenv("HF_DATASETS_OFFLINE", "1")
+    import pytest as _pytest
+    with _pytest.raises(corpus_lib.CorpusError, match="no-such-dataset-xyz"):
+        corpus_lib.dataset_to_file("no-such-dataset-xyz/abc")
+
+
+def test_dataset_rows_are_written_to_a_cached_corpus_file(monkeypatch, tmp_path):
+    import datasets
+
+    from dejavu_jax.train import corpus as corpus_lib
+    monkeypatch.setenv("DEJAVU_CACHE", str(tmp_path))
+    rows = [{"text": "first line of a document\n"}, {"text": "second document"}]
+    calls = []
+
+    def fake_load(name, config, split, streaming):
+        calls.append((name, config, split, streaming))
+        return iter(rows)
+
+    monkeypatch.setattr(datasets, "load_dataset", fake_load)
+    path = corpus_lib.dataset_to_file("some/corpus:en:validation")
+    assert calls == [("some/corpus", "en", "validation", True)]
+    assert path.read_text() == "first line of a document\nsecond document\n"
+    assert corpus_lib.dataset_to_file("some/corpus:en:validation") == path and len(calls) == 1

@@ -210,6 +210,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--dtype", choices=sorted(DTYPES), default="float32")
     p.add_argument("--corpus", action="append", help="text file, folder or glob (repeat); "
                    "default: <data root>/corpus/*.txt")
+    p.add_argument("--dataset", help="Hugging Face dataset NAME[:CONFIG[:SPLIT]] instead of "
+                   "--corpus (needs a reachable hub; cached as a text file)")
     p.add_argument("--tokenizer", help="tokenizer folder or .gguf (default: the model's)")
     p.add_argument("--tokens", type=int, default=100_000, help="tokens to record")
     p.add_argument("--window", type=int, default=256, help="tokens per window (with BOS)")
@@ -229,7 +231,10 @@ def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     out = Path(args.out).expanduser()
     try:
-        files = corpus_lib.resolve_files(args.corpus or corpus_lib.default_corpus())
+        if args.dataset:
+            files = [corpus_lib.dataset_to_file(args.dataset)]
+        else:
+            files = corpus_lib.resolve_files(args.corpus or corpus_lib.default_corpus())
         corpus_lib.corpus_chunks(files, args.window)  # fail fast, before loading weights
         source = ModelSource(path=str(Path(args.model).expanduser().resolve())
                              if args.model else None,

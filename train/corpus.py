@@ -103,3 +103,39 @@ def token_windows(tokenizer, files: list[Path], window: int, seed: int,
 def describe_files(files: list[Path]) -> list[dict]:
     """Name and size of each corpus file, for manifests."""
     return [{"path": str(f), "bytes": os.path.getsize(f)} for f in files]
+
+
+def dataset_to_file(spec: str, max_chars: int = 50_000_000) -> Path:
+    """Text of a Hugging Face dataset, written once to a cached .txt file for collection.
+
+    spec is NAME, NAME:CONFIG or NAME:CONFIG:SPLIT (split defaults to "train"; the text
+    column is "text"). Needs the `datasets` package and a reachable hub (or its cache).
+    """
+    from dejavu_jax.paths import cache_root
+    name, config, split = (spec.split(":") + [None, None])[:3]
+    target = cache_root() / "corpora" / (spec.replace("/", "__").replace(":", "--") + ".txt")
+    if target.is_file():
+        return target
+    try:
+        import datasets
+        ds = datasets.load_dataset(name, config or None, split=split or "train", streaming=True)
+    except ImportError:
+        raise CorpusError("reading a Hugging Face dataset needs the `datasets` package") from None
+    except Exception as e:  # hub and dataset errors come in many types
+        raise CorpusError(f"dataset {spec!r}: cannot load it ({type(e).__name__}: {e})") from None
+    target.parent.mkdir(parents=True, exist_ok=True)
+    part = target.with_suffix(".part")
+    written = 0
+    with open(part, "w", encoding="utf-8") as f:
+        for row in ds:
+            text = row.get("text")
+            if text is None:
+                raise CorpusError(f"dataset {spec!r} has no 'text' column: {sorted(row)}")
+            f.write(text.rstrip("\n") + "\n")
+            written += len(text)
+            if written >= max_chars:
+                break
+    if written == 0:
+        raise CorpusError(f"dataset {spec!r} yielded no text")
+    part.replace(target)
+    return target
