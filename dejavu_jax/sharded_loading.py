@@ -1,0 +1,130 @@
+"""Loading checkpoints straight into the tensor-parallel layout.
+
+Every weight is built with `jax.make_array_from_callback`: for each device the callback
+reads only that device's slice from the checkpoint (safetensors are numpy memmaps, so
+the layout changes of `loading.py` are views and slicing reads just the shard's bytes),
+converts it and hands it to the device. The full model is never assembled on one device
+(nor in host memory beyond one tensor's shard at a time). Works with several processes
+(`jax.distributed.initialize()`): each process fills only its addressable devices.
+
+  mesh = sharding.make_mesh(tp=2)
+  config, params = load_pretrained_sharded("path/to/opt-30b", mesh)
+"""
+
+from __future__ import annotations
+
+import json
+import os
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax.sharding import Mesh
+
+from dejavu_jax import loading, sharding
+from dejavu_jax.checkpoint_files import CheckpointError, DictSource, TensorSource, open_tensors
+from dejavu_jax.config import ModelConfig, from_hf_config
+from dejavu_jax.params import LayerParams, ModelParams, layer_shapes, model_shapes
+
+
+def _name_maps(config: ModelConfig, source: TensorSource):
+    if config.family == "opt":
+        return (loading._canonical_opt_names(source), loading.OPT_TOP, loading.OPT_LAYER)
+    return {k: k for k in source.keys()}, loading.LLAMA_TOP, loading.LLAMA_LAYER
+
+
+def params_from_tensors_sharded(config: ModelConfig, source: TensorSource, mesh: Mesh,
+                                dtype=jnp.bfloat16) -> ModelParams:
+    """Like `loading.params_from_tensors`, but each device receives only its shard.
+
+    Raises CheckpointError for missing tensors or shapes that do not fit the config, and
+    sharding.ShardingError when the mesh does not divide the heads and neurons.
+    """
+    sharding.check_tp(config, sharding.tp_size(mesh))
+    names, top_spec, layer_spec = _name_maps(config, source)
+    np_dtype = loading._numpy_dtype(dtype)
+    origin = next(iter(source.keys()), None)
+    origin_file = source.file_of(origin) if origin else "<empty checkpoint>"
+
+    def view(canon, transform, want):
+        """The tensor in our layout, as a (memory-mapped) view; checked against `want`."""
+        key = names.get(canon)
+        if key is None:
+            raise CheckpointError(f"{origin_file}: missing tensor {canon!r} for "
+                                  f"{config.family} model {config.name!r}")
+        raw = source.get(key)
+        arr = transform(raw, config)
+        if tuple(arr.shape) != tuple(want):
+            raise CheckpointError(
+                f"{source.file_of(key)}: tensor {key!r} has shape {tuple(raw.shape)}, which "
+                f"does not fit the config (expected {want} after layout change)")
+        return arr
+
+    shapes = {**model_shapes(config), **layer_shapes(config)}
+    structs = {n: None if s is None else jax.ShapeDtypeStruct(s, dtype) for n, s in shapes.items()}
+    layer_names = list(layer_shapes(config))
+    template = ModelParams(layers=LayerParams(**{n: structs[n] for n in layer_names}),
+                           **{n: structs[n] for n in model_shapes(config)})
+    shards = sharding.param_shardings(template, mesh)
+    prefix = loading.LAYER_PREFIX[config.family]
+
+    def top_leaf(name, shape):
+        canon, transform = top_spec[name]
+        view(canon, transform, shape)  # check before any device work
+
+        def read(index):
+            return np.asarray(view(canon, transform, shape)[index], dtype=np_dtype)
+
+        return jax.make_array_from_callback(shape, getattr(shards, name), read, dtype=dtype)
+
+    def layer_leaf(name, shape):
+        suffix, transform = layer_spec[name]
+        for i in range(config.n_layers):
+            view(prefix.format(i=i) + suffix, transform, shape[1:])
+
+        def read(index):
+            layers = range(config.n_layers)[index[0]]
+            return np.stack([np.asarray(view(prefix.format(i=i) + suffix, transform,
+                                             shape[1:])[index[1:]], dtype=np_dtype)
+                             for i in layers])
+
+        return jax.make_array_from_callback(shape, getattr(shards.layers, name), read,
+                                            dtype=dtype)
+
+    top = {n: None if s is None else top_leaf(n, s) for n, s in model_shapes(config).items()}
+    layers = {n: None if s is None else layer_leaf(n, s) for n, s in layer_shapes(config).items()}
+    return ModelParams(layers=LayerParams(**layers), **top)
+
+
+def load_pretrained_sharded(path: str | os.PathLike, mesh: Mesh,
+                            dtype=None) -> tuple[ModelConfig, ModelParams]:
+    """`loading.load_pretrained` into the tensor-parallel layout of `mesh`.
+
+    A HF directory (config.json + safetensors / pytorch_model.bin), a hub id or a .gguf
+    file (GGUF tensors are dequantised in host memory first, then placed per shard).
+    """
+    dtype = dtype or loading.default_dtype()
+    location = loading._resolve_directory(path)
+    if location.is_file() and location.suffix == ".gguf":
+        from dejavu_jax.gguf_loader import load_gguf
+        hf_config, tensors = load_gguf(location)
+        try:
+            config = from_hf_config(hf_config, name=location.stem)
+        except (ValueError, KeyError) as e:
+            raise CheckpointError(f"{location}: {e}") from None
+        return config, params_from_tensors_sharded(config, DictSource(tensors, location), mesh,
+                                                   dtype)
+    if location.is_file():
+        raise CheckpointError(f"{location}: expected a checkpoint directory or a .gguf file")
+    config_path = location / "config.json"
+    try:
+        hf_config = json.loads(config_path.read_text())
+    except FileNotFoundError:
+        raise CheckpointError(f"{config_path}: missing config.json") from None
+    except json.JSONDecodeError as e:
+        raise CheckpointError(f"{config_path}: invalid JSON ({e})") from None
+    try:
+        config = from_hf_config(hf_config, name=location.name)
+    except (ValueError, KeyError) as e:
+        raise CheckpointError(f"{config_path}: {e}") from None
+    return config, params_from_tensors_sharded(config, open_tensors(location), mesh, dtype)
