@@ -116,6 +116,8 @@ def build_parser() -> argparse.ArgumentParser:
                     help="fraction of KV-head groups per layer, same forms (default 1.0)")
     sp.add_argument("--dense-layers", type=int, default=2,
                     help="first layers that always run dense (default 2)")
+    from dejavu_jax import multidevice  # --devices / --mesh (tensor parallel)
+    multidevice.add_mesh_arguments(p)
     return p
 
 
@@ -153,7 +155,10 @@ def main(argv: list[str] | None = None) -> int:
     if args.prompt and args.prompt_ids:
         print("error: give --prompt or --prompt-ids, not both", file=sys.stderr)
         return 2
-    config, params, model_path, label = load_model(args)
+    from dejavu_jax import multidevice
+    mesh = multidevice.mesh_from_args(args)  # None: one device
+    config, params, model_path, label = (load_model(args) if mesh is None
+                                         else multidevice.load_model(args, mesh))
     tokenizer = (load_tokenizer(args.tokenizer) if args.tokenizer
                  else default_tokenizer_for(config, model_path))
     if args.prompt_ids:
@@ -185,7 +190,8 @@ def main(argv: list[str] | None = None) -> int:
 
     if stream:
         sys.stdout.write(tokenizer.decode(prompts[0], skip_special_tokens=True))
-    engine, engine_params, scfg = build_engine(args, config, params)
+    engine, engine_params, scfg = (build_engine(args, config, params) if mesh is None
+                                   else multidevice.build_engine(args, config, params, mesh))
     result = generate_tokens(engine, engine_params, prompts, args.max_new_tokens,
                              sampling, seed=args.seed, on_token=on_token if stream else None)
     if stream:

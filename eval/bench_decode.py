@@ -201,7 +201,14 @@ def main(argv=None) -> int:
                    help="stacked (lax.scan over stacked layers), unrolled, or both")
     p.add_argument("--select", default="exact", help="predictor top-k: exact, threshold or both")
     p.add_argument("--out", default="eval/results")
+    p.add_argument("--mesh", help="tensor-parallel mesh, e.g. 'tp=2' (rows from eval/bench_tp.py)")
+    p.add_argument("--devices", type=int, help="shorthand for --mesh tp=N")
     args = p.parse_args(argv)
+    mesh = None
+    if args.mesh or args.devices:  # tensor parallel (dejavu_jax.sharding)
+        from dejavu_jax import sharding
+        sizes = sharding.parse_mesh(args.mesh) if args.mesh else {"data": 1, "tp": args.devices}
+        mesh = sharding.make_mesh(**sizes)
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     split = lambda s, f: [f(v) for v in s.split(",") if v]  # noqa: E731
@@ -215,7 +222,8 @@ def main(argv=None) -> int:
                 jax=jax.__version__, jaxlib=jax.lib.__version__ if hasattr(jax, "lib") else "",
                 python=platform.python_version(), rank=args.rank,
                 xla_flags=os.environ.get("XLA_FLAGS", ""),
-                dense_layers=args.dense_layers)
+                dense_layers=args.dense_layers,
+                mesh=None if mesh is None else dict(mesh.shape))
     log_file = open(out / "bench_decode.log", "a")
 
     def log(msg):
@@ -230,11 +238,20 @@ def main(argv=None) -> int:
     rows = []
     for name in models:
         for layout in split(args.layouts, str):
+            if mesh is not None:
+                from dejavu_jax.eval.bench_tp import run_model_tp
+                rows += run_model_tp(name, contexts, mlps, heads, args.batch, args.rank,
+                                     args.dense_layers, args.warmup, args.steps, bar, log,
+                                     layout, tuple(split(args.select, str)), mesh)
+                continue
             rows += run_model(name, contexts, mlps, heads, args.batch, args.rank,
                               args.dense_layers, args.warmup, args.steps, bar, log, layout,
                               tuple(split(args.select, str)))
         (out / "bench_decode.json").write_text(json.dumps(dict(meta=meta, rows=rows), indent=1))
     table = markdown(rows, meta["roofline_gbs"])
+    if mesh is not None:
+        from dejavu_jax.eval.bench_tp import markdown_tp
+        table = markdown_tp(rows, meta["roofline_gbs"])
     (out / "bench_decode.md").write_text(
         f"# Decode benchmark\n\n{json.dumps(meta, indent=1)}\n\n{table}\n")
     print(table)
