@@ -24,10 +24,40 @@ N_DEVICES = 8
 HF = Path(__file__).parent / "fixtures" / "hf"
 TOL = 1e-5
 
+def _free_port() -> int:
+    import socket
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@pytest.mark.skipif(os.environ.get("DEJAVU_SHARDING_INNER") == "1", reason="outer run only")
+def test_two_processes_with_jax_distributed(tmp_path):
+    """Multi-host, on one machine: 2 processes x 2 CPU devices joined by
+    jax.distributed.initialize (gloo collectives), loading straight into shards; their
+    tp=4 logits equal one device's."""
+    worker = Path(__file__).parent / "multihost_worker.py"
+    port, out = str(_free_port()), tmp_path / "logits.npy"
+    env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
+    procs = [subprocess.Popen([sys.executable, str(worker), str(i), "2", port,
+                               str(HF / "opt-preln"), str(out)], env=env,
+                              stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+             for i in range(2)]
+    logs = [p.communicate(timeout=300)[0] for p in procs]
+    assert all(p.returncode == 0 for p in procs), "\n".join(l[-3000:] for l in logs)
+    config, params = dj.load_pretrained(HF / "opt-preln", dtype=jnp.float32, progress=False)
+    engine = dj.dense_engine(config)
+    ids = jnp.asarray([[5, 9, 14, 3]])
+    state = engine.init_state(1, 16, jnp.float32)
+    first, state = jax.jit(engine.prefill)(params, ids, jnp.ones_like(ids), state)
+    second, _ = jax.jit(engine.step)(params, state, jnp.asarray([7]))
+    np.testing.assert_allclose(np.load(out), np.stack([first, second]), atol=TOL, rtol=0)
+
+
 if jax.device_count() < N_DEVICES:
 
     def test_sharding_suite_on_8_fake_cpu_devices():
-        env = dict(os.environ, JAX_PLATFORMS="cpu",
+        env = dict(os.environ, JAX_PLATFORMS="cpu", DEJAVU_SHARDING_INNER="1",
                    XLA_FLAGS=(os.environ.get("XLA_FLAGS", "") +
                               f" --xla_force_host_platform_device_count={N_DEVICES}").strip())
         proc = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider",
