@@ -9,6 +9,7 @@ README, "Multi-GPU"); `--devices` then counts devices over all hosts.
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 
 import jax
@@ -23,14 +24,27 @@ def add_mesh_arguments(parser: argparse.ArgumentParser) -> None:
                    help="split heads and neurons over N devices (shorthand for --mesh tp=N)")
     g.add_argument("--mesh", help="device mesh, e.g. 'tp=2' or 'data=2,tp=4' (batch on data)")
     g.add_argument("--distributed", action="store_true",
-                   help="call jax.distributed.initialize() first (one process per host; "
-                        "coordinator from the environment, e.g. SLURM or JAX_COORDINATOR_*)")
+                   help="call jax.distributed.initialize() first (one process per host). "
+                        "Slurm / Open MPI are detected; otherwise set JAX_COORDINATOR_ADDRESS, "
+                        "DEJAVU_NUM_PROCESSES and DEJAVU_PROCESS_ID")
+
+
+def initialize_distributed() -> None:
+    """`jax.distributed.initialize()`, with the process count and id taken from
+    DEJAVU_NUM_PROCESSES / DEJAVU_PROCESS_ID when set (jax itself reads
+    JAX_COORDINATOR_ADDRESS, and detects Slurm, Open MPI and TPU pods)."""
+    kw = {}
+    if "DEJAVU_NUM_PROCESSES" in os.environ:
+        kw["num_processes"] = int(os.environ["DEJAVU_NUM_PROCESSES"])
+    if "DEJAVU_PROCESS_ID" in os.environ:
+        kw["process_id"] = int(os.environ["DEJAVU_PROCESS_ID"])
+    jax.distributed.initialize(**kw)
 
 
 def mesh_from_args(args) -> "jax.sharding.Mesh | None":
     """The mesh the CLI options ask for, or None for one device."""
     if getattr(args, "distributed", False):
-        jax.distributed.initialize()
+        initialize_distributed()
     if not (args.mesh or args.devices):
         return None
     if args.mesh and args.devices:
