@@ -234,29 +234,50 @@ def write_kv(cache, layer, slot: jax.Array, new: jax.Array):
     return jax.lax.dynamic_update_slice(cache, upd, (0, layer, 0, slot, 0))
 
 
+def decode_layer(config: ModelConfig, lp, x: jax.Array, k_all, v_all, layer, step: dict,
+                 mask_heads=None, mask_neurons=None, reduce=None):
+    """One dense layer for one new token per row; returns (x, k_all, v_all) with this
+    layer's K/V written at step["slot"].
+
+    step holds "slot", "positions" [B] and "valid" [B, S] (the current slot included).
+    mask_heads(lp, heads [B,H,hd]) and mask_neurons(hidden [B,F]) may zero units before the
+    output projections (the sparse engine's oracle mode). reduce, when given, is applied to
+    the attention and MLP outputs before the residual add (a psum under tensor parallelism).
+    """
+    reduce = reduce or (lambda out: out)
+    box = {}
+
+    def attn(y):
+        q, k, v = ops.project_qkv(config, lp, y, step["positions"])
+        box["k"] = write_kv(k_all, layer, step["slot"], k)
+        box["v"] = write_kv(v_all, layer, step["slot"], v)
+        heads = cached_attention(config, q, cache_layer(box["k"], layer),
+                                 cache_layer(box["v"], layer), step["valid"])
+        if mask_heads is not None:
+            heads = mask_heads(lp, heads)
+        return reduce(ops.out_project(lp, heads))
+
+    def mlp(y):
+        hidden = ops.mlp_hidden(config, lp, y)
+        if mask_neurons is not None:
+            hidden = mask_neurons(hidden)
+        return reduce(ops.mlp_output(lp, hidden))
+
+    h = ops.residual(config, x, attn, lp.attn_norm_scale, lp.attn_norm_bias)
+    x = ops.residual(config, h, mlp, lp.mlp_norm_scale, lp.mlp_norm_bias)
+    return x, box["k"], box["v"]
+
+
 def decode_layers(config: ModelConfig, params: ModelParams, x: jax.Array,
                   state: DecodeState):
-    """All layers for one new token per row: x [B, d] -> (x, k, v) with the cache updated."""
+    """All layers for one new token per row: x [B, d] -> (x, state) with the cache updated."""
     valid = jax.lax.dynamic_update_slice(
         state.valid, jnp.ones((state.valid.shape[0], 1), bool), (0, state.slot))
+    step = {"slot": state.slot, "positions": state.positions, "valid": valid}
 
     def layer(carry, inputs):
-        x, k_all, v_all = carry
-        lp, index = inputs
-
-        def attn(y):
-            q, k, v = ops.project_qkv(config, lp, y, state.positions)
-            nonlocal_kv[0] = write_kv(k_all, index, state.slot, k)
-            nonlocal_kv[1] = write_kv(v_all, index, state.slot, v)
-            heads = cached_attention(config, q, cache_layer(nonlocal_kv[0], index),
-                                     cache_layer(nonlocal_kv[1], index), valid)
-            return ops.out_project(lp, heads)
-
-        nonlocal_kv = [k_all, v_all]
-        h = ops.residual(config, x, attn, lp.attn_norm_scale, lp.attn_norm_bias)
-        x = ops.residual(config, h, lambda y: ops.mlp(config, lp, y),
-                         lp.mlp_norm_scale, lp.mlp_norm_bias)
-        return (x, nonlocal_kv[0], nonlocal_kv[1]), None
+        (lp, index), (x, k_all, v_all) = inputs, carry
+        return decode_layer(config, lp, x, k_all, v_all, index, step), None
 
     (x, k, v), _ = scan_layers(layer, (x, state.k, state.v), params.layers, with_index=True)
     return x, DecodeState(k=k, v=v, valid=valid, slot=state.slot + 1,

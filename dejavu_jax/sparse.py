@@ -24,8 +24,8 @@ from flax import struct
 
 from dejavu_jax import kernels, ops
 from dejavu_jax.config import ModelConfig
-from dejavu_jax.model import (DecodeState, cache_layer, cached_attention, embed,
-                              set_cache_layer, unembed, write_kv)
+from dejavu_jax.model import (DecodeState, cache_layer, decode_layer, embed,
+                              head_output_norms, set_cache_layer, unembed)
 from dejavu_jax.params import ModelParams
 
 F32 = jnp.float32
@@ -297,37 +297,24 @@ def _sparse_mlp(config, scfg, view, y, neurons):
 
 def _dense_layer(config, view, io: _LayerIO, layer, x, step, oracle_k=None, reduce=None):
     """A dense layer on the decode path (also the oracle: dense, then top-k masking)."""
-    lp = view.lp
-    state = {}
-
-    def attn(y):
-        q, k, v = ops.project_qkv(config, lp, y, step["positions"])
-        state["k"] = write_kv(io.k, layer, step["slot"], k)
-        state["v"] = write_kv(io.v, layer, step["slot"], v)
-        heads = cached_attention(config, q, cache_layer(state["k"], layer),
-                                 cache_layer(state["v"], layer), step["valid"])
-        if oracle_k is not None:
-            from dejavu_jax.model import head_output_norms
-            from dejavu_jax.train.predict import group_scores, select_top_k
+    from dejavu_jax.train.predict import group_scores, select_top_k
+    mask_heads = mask_neurons = None
+    if oracle_k is not None:
+        def mask_heads(lp, heads):
             scores = group_scores(head_output_norms(lp, heads), config.group_size)
-            keep = select_top_k(scores, oracle_k[1])
-            mask = jnp.zeros(config.n_kv_heads, bool).at[keep].set(True)
-            heads = heads * jnp.repeat(mask, config.group_size)[None, :, None]
-        return _reduced(reduce, ops.out_project(lp, heads))
+            chosen = select_top_k(scores, oracle_k[1])
+            keep = jnp.zeros(config.n_kv_heads, bool).at[chosen].set(True)
+            return heads * jnp.repeat(keep, config.group_size)[None, :, None]
 
-    def mlp(y):
-        hidden = ops.mlp_hidden(config, lp, y)
-        if oracle_k is not None:
-            from dejavu_jax.train.predict import select_top_k
+        def mask_neurons(hidden):
             keep = select_top_k(jnp.abs(hidden), oracle_k[0])
-            hidden = hidden * jnp.zeros(config.ffn, hidden.dtype).at[keep].set(1)[None]
-        return _reduced(reduce, ops.mlp_output(lp, hidden))
+            return hidden * jnp.zeros(config.ffn, hidden.dtype).at[keep].set(1)[None]
 
-    h = ops.residual(config, x, attn, lp.attn_norm_scale, lp.attn_norm_bias)
-    x = ops.residual(config, h, mlp, lp.mlp_norm_scale, lp.mlp_norm_bias)
+    x, k, v = decode_layer(config, view.lp, x, io.k, io.v, layer, step, mask_heads,
+                           mask_neurons, reduce)
     all_written = jnp.ones((io.written.shape[0], 1, config.n_kv_heads, 1), bool)
     written = jax.lax.dynamic_update_slice(io.written, all_written, (0, layer, 0, step["slot"]))
-    return x, io.replace(k=state["k"], v=state["v"], written=written)
+    return x, io.replace(k=k, v=v, written=written)
 
 
 def _sparse_layer(config, scfg, view, io, layer, x, neurons, groups, step, reduce=None):
