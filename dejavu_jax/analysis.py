@@ -46,7 +46,7 @@ SMOLLM2 = "smollm2"
 
 # --------------------------------------------------------------------------- model and text
 
-def load_model(spec: str, dtype=jnp.float32):
+def load_model(spec: str, dtype=jnp.float32, tokenizer: bool = True):
     """(config, params, tokenizer or None, description) for a model spec.
 
     spec: "smollm2" (SmolLM2-135M-Instruct GGUF, fetched once into the cache),
@@ -54,6 +54,7 @@ def load_model(spec: str, dtype=jnp.float32):
     convention of `dejavu_jax.train.collect --preset`), or a checkpoint path / hub id
     for `dejavu_jax.load_pretrained`. A preset gets its family's offline tokenizer when
     one is found (OPT: the shared OPT tokenizer; Llama: the cached SmolLM2 GGUF's).
+    tokenizer=False skips looking for one (the third item is then None).
     """
     from dejavu_jax.loading import load_pretrained
     from dejavu_jax.tokenizer import default_tokenizer_for, load_tokenizer
@@ -62,13 +63,13 @@ def load_model(spec: str, dtype=jnp.float32):
         name, _, seed = spec[len("preset:"):].partition("@")
         config = preset(name)
         params = init_params(config, jax.random.key(int(seed or 0)), dtype)
-        tokenizer = default_tokenizer_for(config, None)
-        if tokenizer is None and config.family == "llama":
+        tok = default_tokenizer_for(config, None) if tokenizer else None
+        if tokenizer and tok is None and config.family == "llama":
             from dejavu_jax.gguf_loader import smollm2_cache_path
             gguf = smollm2_cache_path()
             if gguf.is_file() and config.vocab_size == 49152:
-                tokenizer = load_tokenizer(gguf)
-        return config, params, tokenizer, f"{name} (random weights, seed {int(seed or 0)})"
+                tok = load_tokenizer(gguf)
+        return config, params, tok, f"{name} (random weights, seed {int(seed or 0)})"
     if spec == SMOLLM2:
         from dejavu_jax.gguf_loader import fetch_smollm2
         path = fetch_smollm2()
@@ -76,8 +77,8 @@ def load_model(spec: str, dtype=jnp.float32):
         path = Path(spec).expanduser()
     config, params = load_pretrained(str(path), dtype=dtype, progress=False)
     local = Path(path) if Path(path).exists() else None
-    tokenizer = default_tokenizer_for(config, local)
-    return config, params, tokenizer, f"{config.name} ({path})"
+    tok = default_tokenizer_for(config, local) if tokenizer else None
+    return config, params, tok, f"{config.name} ({path})"
 
 
 def text_windows(tokenizer, config: ModelConfig, n_windows: int, window: int, seed: int = 0,

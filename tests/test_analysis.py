@@ -108,7 +108,8 @@ def test_eval_points(tmp_path):
 
 @pytest.fixture(scope="module")
 def tiny():
-    config, params, _, _ = an.load_model("preset:llama-tiny@3")
+    config, params, tok, described = an.load_model("preset:llama-tiny@3", tokenizer=False)
+    assert tok is None and described == "llama-tiny (random weights, seed 3)"
     return config, params
 
 
