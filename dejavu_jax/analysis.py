@@ -365,8 +365,8 @@ def predictor_recall(pred_params, manifest: dict, records: dict[str, np.ndarray]
 
 _SPARSITY_KEYS = ("total_sparsity", "sparsity")
 _DENSITY_KEYS = ("total_density", "density")
-_METRIC_KEYS = ("perplexity", "ppl", "avg_accuracy", "mean_accuracy", "accuracy", "acc",
-                "task_average")
+_METRIC_KEYS = ("perplexity", "ppl", "task_mean", "avg_accuracy", "mean_accuracy", "accuracy",
+                "acc", "task_average")
 
 
 def _number(value):
@@ -380,7 +380,7 @@ def eval_points(paths) -> list[dict]:
     The evaluation writes its own schema; this reads it leniently: every JSON object
     (at any depth) with a sparsity (`total_sparsity`/`sparsity`, or 1 - `total_density`/
     `density`, or the mean of 1 - `mlp_density` and 1 - `head_density`) and a metric
-    (`perplexity`/`ppl`, or an accuracy key) becomes a point {file, mode, sparsity,
+    (`perplexity`/`ppl`, `task_mean`, or an accuracy key) becomes a point {file, mode, sparsity,
     metric, value}. `mode` is the object's `mode` (or `predictor`/`method`), else the
     nearest enclosing key. Unreadable files are skipped. Returns [] when nothing fits.
     """

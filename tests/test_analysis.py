@@ -106,6 +106,17 @@ def test_eval_points(tmp_path):
     assert an.eval_points([]) == []
 
 
+def test_eval_points_reads_the_sweep_schema(tmp_path):
+    # the layout of eval/results/smollm2/sweep.json (dejavu_jax.eval sweep)
+    (tmp_path / "sweep.json").write_text(json.dumps({"meta": {"model": "m"}, "points": [
+        {"mode": "oracle", "total_sparsity": 0.3, "mlp_density": 0.5, "head_density": 0.9,
+         "perplexity": 24.0, "task_mean": 0.42,
+         "tasks": {"lambada": {"acc": 0.3, "perplexity": 27.0}}}]}))
+    pts = an.eval_points([tmp_path / "sweep.json"])
+    assert {(p["mode"], p["metric"], p["sparsity"], p["value"]) for p in pts} == {
+        ("oracle", "perplexity", 0.3, 24.0), ("oracle", "task_mean", 0.3, 0.42)}
+
+
 @pytest.fixture(scope="module")
 def tiny():
     config, params, tok, described = an.load_model("preset:llama-tiny@3", tokenizer=False)
