@@ -47,6 +47,8 @@ class SparseConfig:
     instead of predicted sets (research mode: computes densely, then masks).
     kv_window: tokens of layer inputs kept for missing-KV recomputation.
     impl: kernel implementation (None: Pallas on GPU, jnp reference on CPU).
+    kv_recompute: False skips missing-KV recomputation (selected heads then see zeros for
+    entries they missed). Inexact: a diagnostic that isolates its cost in benchmarks.
     """
 
     mlp_k: tuple[int, ...]
@@ -55,6 +57,7 @@ class SparseConfig:
     oracle: bool = False
     kv_window: int = 16
     impl: str | None = None
+    kv_recompute: bool = True
 
     def __post_init__(self):
         if len(self.mlp_k) != len(self.head_k):
@@ -255,13 +258,14 @@ def _sparse_attention(config, scfg, view, io: _LayerIO, layer, y, groups, step):
     history = jax.lax.dynamic_update_slice(
         io.history, y.astype(io.history.dtype)[:, None, None, :], (0, layer, slot % W, 0))
     io = io.replace(history=history)
-    all_groups = jnp.arange(config.n_kv_heads, dtype=jnp.int32)
-    refresh = (slot + 1) % W == 0
-    io = jax.lax.cond(refresh,
-                      lambda io: _recompute_missing(config, scfg, view, io, layer,
-                                                    all_groups, step),
-                      lambda io: _recompute_missing(config, scfg, view, io, layer,
-                                                    groups, step), io)
+    if scfg.kv_recompute:
+        all_groups = jnp.arange(config.n_kv_heads, dtype=jnp.int32)
+        refresh = (slot + 1) % W == 0
+        io = jax.lax.cond(refresh,
+                          lambda io: _recompute_missing(config, scfg, view, io, layer,
+                                                        all_groups, step),
+                          lambda io: _recompute_missing(config, scfg, view, io, layer,
+                                                        groups, step), io)
     B, S, hd = io.written.shape[0], io.written.shape[-1], config.head_dim
     rope = None
     if config.family == "llama":

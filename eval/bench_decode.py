@@ -13,6 +13,7 @@ predictor), which isolates the predictor's cost.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import datetime
 import json
 import os
@@ -102,7 +103,8 @@ def time_decode(step, params, state, tokens, warmup: int, steps: int):
 
 
 def run_model(name, contexts, mlp_densities, head_densities, batch, rank, dense_layers,
-              warmup, steps, bar, log, layout="unrolled", select_methods=("exact",)):
+              warmup, steps, bar, log, layout="unrolled", select_methods=("exact",),
+              kv_recompute_off=False):
     """All rows for one model preset, with the layers stacked (scan) or unrolled."""
     config = config_lib.preset(name)
     t0 = time.perf_counter()
@@ -144,8 +146,13 @@ def run_model(name, contexts, mlp_densities, head_densities, batch, rank, dense_
                             for m in select_methods]
                 if hdn == 0.5 and ctx == contexts[0]:
                     variants.append(("fixed", sparse.fixed_selector, random_sets(config, scfg)))
+                    if kv_recompute_off:  # diagnostic: the step without missing-KV recompute
+                        variants.append(("fixed/no-kv-recompute", sparse.fixed_selector,
+                                         random_sets(config, scfg)))
                 for kind, select, sel_params in variants:
-                    eng = sparse.sparse_engine(config, scfg, select)
+                    run_cfg = (dataclasses.replace(scfg, kv_recompute=False)
+                               if kind.endswith("no-kv-recompute") else scfg)
+                    eng = sparse.sparse_engine(config, run_cfg, select)
                     t = time.perf_counter()
                     st = eng.init_state(batch, max_len, BF16, per_layer=layout == "unrolled")
                     st = jax.jit(eng.prefill, donate_argnums=3)((params, sel_params), prompt,
@@ -200,6 +207,8 @@ def main(argv=None) -> int:
     p.add_argument("--layouts", default="unrolled",
                    help="stacked (lax.scan over stacked layers), unrolled, or both")
     p.add_argument("--select", default="exact", help="predictor top-k: exact, threshold or both")
+    p.add_argument("--diagnose-kv-recompute", action="store_true",
+                   help="add a fixed-index row without missing-KV recomputation (inexact)")
     p.add_argument("--out", default="eval/results")
     p.add_argument("--mesh", help="tensor-parallel mesh, e.g. 'tp=2' (rows from eval/bench_tp.py)")
     p.add_argument("--devices", type=int, help="shorthand for --mesh tp=N")
@@ -246,7 +255,7 @@ def main(argv=None) -> int:
                 continue
             rows += run_model(name, contexts, mlps, heads, args.batch, args.rank,
                               args.dense_layers, args.warmup, args.steps, bar, log, layout,
-                              tuple(split(args.select, str)))
+                              tuple(split(args.select, str)), args.diagnose_kv_recompute)
         (out / "bench_decode.json").write_text(json.dumps(dict(meta=meta, rows=rows), indent=1))
     table = markdown(rows, meta["roofline_gbs"])
     if mesh is not None:
