@@ -82,7 +82,7 @@ def plot(points: list[dict], path: Path, title: str) -> None:
         label = {"sparse": "predictors", "oracle": "oracle top-k"}[p["mode"]]
         series.setdefault(f"{label}, heads {p['head_density_set']:.2f}", []).append(p)
     dense = next((p for p in points if p["mode"] == "dense"), None)
-    panels = [("perplexity", "WikiText-2 perplexity", True)]
+    panels = [("perplexity", "WikiText-2 perplexity", False)]
     if has_tasks:
         panels.append(("task_mean", "mean zero-shot accuracy", False))
     for ax, (key, ylabel, log) in zip(axes[0], panels):
