@@ -22,6 +22,9 @@ from dejavu_jax.eval import common, perplexity as ppl_mod, tasks as tasks_mod
 from dejavu_jax.eval.sparse_scoring import EvalMode, make_mode
 
 
+LABELS = {"dense": "dense", "sparse": "predictors", "oracle": "oracle top-k"}
+
+
 def total_sparsity(config, mode: EvalMode) -> float:
     """Fraction of attention and MLP weights skipped per token, over all layers."""
     if mode.scfg is None:
@@ -53,11 +56,13 @@ def markdown(points: list[dict]) -> str:
     head += task_names + (["task mean"] if task_names else [])
     dense = next((p for p in points if p["mode"] == "dense"), None)
     lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
-    for p in points:
+    order = {"dense": 0, "sparse": 1, "oracle": 2}
+    for p in sorted(points, key=lambda p: (order[p["mode"]], -p["head_density_set"],
+                                           p["total_sparsity"])):
         ppl = p.get("perplexity")
         rel = (f"{100 * (ppl / dense['perplexity'] - 1):+.1f}" if ppl and dense
                and dense.get("perplexity") else "")
-        row = [p["mode"], f"{p['mlp_density_set']:.2f}", f"{p['head_density_set']:.2f}",
+        row = [LABELS[p["mode"]], f"{p['mlp_density_set']:.2f}", f"{p['head_density_set']:.2f}",
                f"{p['total_sparsity']:.1%}", f"{ppl:.3f}" if ppl else "", rel]
         row += [f"{100 * p['tasks'][t]['acc']:.1f}" if t in p.get("tasks", {}) else ""
                 for t in task_names]
@@ -79,7 +84,7 @@ def plot(points: list[dict], path: Path, title: str) -> None:
     for p in points:
         if p["mode"] == "dense":
             continue
-        label = {"sparse": "predictors", "oracle": "oracle top-k"}[p["mode"]]
+        label = LABELS[p["mode"]]
         series.setdefault(f"{label}, heads {p['head_density_set']:.2f}", []).append(p)
     dense = next((p for p in points if p["mode"] == "dense"), None)
     panels = [("perplexity", "WikiText-2 perplexity", False)]
