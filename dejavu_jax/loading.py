@@ -186,22 +186,19 @@ def default_dtype():
     return jnp.float32 if jax.default_backend() == "cpu" else jnp.bfloat16
 
 
-def load_pretrained(path: str | os.PathLike, dtype=None,
-                    progress: bool = True) -> tuple[ModelConfig, ModelParams]:
-    """Load a checkpoint: a HF directory (config.json + weights), a hub id, or a .gguf file.
+def open_checkpoint(path: str | os.PathLike) -> tuple[ModelConfig, TensorSource]:
+    """(config, tensors) of a HF directory (config.json + weights), a hub id, or a .gguf file.
 
-    Returns (config, params). `dtype` defaults to float32 on CPU and bfloat16 on GPU.
+    Nothing is loaded yet: tensors are read (memory-mapped where possible) on demand.
     """
-    dtype = dtype or default_dtype()
     location = _resolve_directory(path)
     if location.is_file() and location.suffix == ".gguf":
         from dejavu_jax.gguf_loader import load_gguf
         hf_config, tensors = load_gguf(location)
         try:
-            config = from_hf_config(hf_config, name=location.stem)
+            return from_hf_config(hf_config, name=location.stem), DictSource(tensors, location)
         except (ValueError, KeyError) as e:
             raise CheckpointError(f"{location}: {e}") from None
-        return config, params_from_tensors(config, DictSource(tensors, location), dtype, progress)
     if location.is_file():
         raise CheckpointError(f"{location}: expected a checkpoint directory or a .gguf file")
     config_path = location / "config.json"
@@ -215,4 +212,14 @@ def load_pretrained(path: str | os.PathLike, dtype=None,
         config = from_hf_config(hf_config, name=location.name)
     except (ValueError, KeyError) as e:
         raise CheckpointError(f"{config_path}: {e}") from None
-    return config, params_from_tensors(config, open_tensors(location), dtype, progress)
+    return config, open_tensors(location)
+
+
+def load_pretrained(path: str | os.PathLike, dtype=None,
+                    progress: bool = True) -> tuple[ModelConfig, ModelParams]:
+    """Load a checkpoint: a HF directory (config.json + weights), a hub id, or a .gguf file.
+
+    Returns (config, params). `dtype` defaults to float32 on CPU and bfloat16 on GPU.
+    """
+    config, tensors = open_checkpoint(path)
+    return config, params_from_tensors(config, tensors, dtype or default_dtype(), progress)

@@ -13,7 +13,6 @@ converts it and hands it to the device. The full model is never assembled on one
 
 from __future__ import annotations
 
-import json
 import os
 
 import jax
@@ -22,8 +21,8 @@ import numpy as np
 from jax.sharding import Mesh
 
 from dejavu_jax import loading, sharding
-from dejavu_jax.checkpoint_files import CheckpointError, DictSource, TensorSource, open_tensors
-from dejavu_jax.config import ModelConfig, from_hf_config
+from dejavu_jax.checkpoint_files import CheckpointError, TensorSource
+from dejavu_jax.config import ModelConfig
 from dejavu_jax.params import LayerParams, ModelParams, layer_shapes, model_shapes
 
 
@@ -103,28 +102,6 @@ def load_pretrained_sharded(path: str | os.PathLike, mesh: Mesh,
     A HF directory (config.json + safetensors / pytorch_model.bin), a hub id or a .gguf
     file (GGUF tensors are dequantised in host memory first, then placed per shard).
     """
-    dtype = dtype or loading.default_dtype()
-    location = loading._resolve_directory(path)
-    if location.is_file() and location.suffix == ".gguf":
-        from dejavu_jax.gguf_loader import load_gguf
-        hf_config, tensors = load_gguf(location)
-        try:
-            config = from_hf_config(hf_config, name=location.stem)
-        except (ValueError, KeyError) as e:
-            raise CheckpointError(f"{location}: {e}") from None
-        return config, params_from_tensors_sharded(config, DictSource(tensors, location), mesh,
-                                                   dtype)
-    if location.is_file():
-        raise CheckpointError(f"{location}: expected a checkpoint directory or a .gguf file")
-    config_path = location / "config.json"
-    try:
-        hf_config = json.loads(config_path.read_text())
-    except FileNotFoundError:
-        raise CheckpointError(f"{config_path}: missing config.json") from None
-    except json.JSONDecodeError as e:
-        raise CheckpointError(f"{config_path}: invalid JSON ({e})") from None
-    try:
-        config = from_hf_config(hf_config, name=location.name)
-    except (ValueError, KeyError) as e:
-        raise CheckpointError(f"{config_path}: {e}") from None
-    return config, params_from_tensors_sharded(config, open_tensors(location), mesh, dtype)
+    config, tensors = loading.open_checkpoint(path)
+    return config, params_from_tensors_sharded(config, tensors, mesh,
+                                               dtype or loading.default_dtype())

@@ -302,20 +302,18 @@ def _sparse_mlp(config, scfg, view, y, neurons):
 def _dense_layer(config, view, io: _LayerIO, layer, x, step, oracle_k=None, reduce=None):
     """A dense layer on the decode path (also the oracle: dense, then top-k masking)."""
     from dejavu_jax.train.predict import group_scores, select_top_k
-    mask_heads = mask_neurons = None
-    if oracle_k is not None:
-        def mask_heads(lp, heads):
-            scores = group_scores(head_output_norms(lp, heads), config.group_size)
-            chosen = select_top_k(scores, oracle_k[1])
-            keep = jnp.zeros(config.n_kv_heads, bool).at[chosen].set(True)
-            return heads * jnp.repeat(keep, config.group_size)[None, :, None]
+    def mask_heads(lp, heads):
+        scores = group_scores(head_output_norms(lp, heads), config.group_size)
+        chosen = select_top_k(scores, oracle_k[1])
+        keep = jnp.zeros(config.n_kv_heads, bool).at[chosen].set(True)
+        return heads * jnp.repeat(keep, config.group_size)[None, :, None]
 
-        def mask_neurons(hidden):
-            keep = select_top_k(jnp.abs(hidden), oracle_k[0])
-            return hidden * jnp.zeros(config.ffn, hidden.dtype).at[keep].set(1)[None]
+    def mask_neurons(hidden):
+        keep = select_top_k(jnp.abs(hidden), oracle_k[0])
+        return hidden * jnp.zeros(config.ffn, hidden.dtype).at[keep].set(1)[None]
 
-    x, k, v = decode_layer(config, view.lp, x, io.k, io.v, layer, step, mask_heads,
-                           mask_neurons, reduce)
+    masks = (None, None) if oracle_k is None else (mask_heads, mask_neurons)
+    x, k, v = decode_layer(config, view.lp, x, io.k, io.v, layer, step, *masks, reduce)
     all_written = jnp.ones((io.written.shape[0], 1, config.n_kv_heads, 1), bool)
     written = jax.lax.dynamic_update_slice(io.written, all_written, (0, layer, 0, step["slot"]))
     return x, io.replace(k=k, v=v, written=written)

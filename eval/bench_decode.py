@@ -174,7 +174,6 @@ def run_model(name, contexts, mlp_densities, head_densities, batch, rank, dense_
                     log(json.dumps(rows[-1]))
                     bar.update()
                     del st
-    del params
     return rows
 
 

@@ -172,7 +172,7 @@ def _numpy_masked_dense(config, params, ids, n_prompt, k_mlp, k_heads, dense_lay
     p = jax.tree.map(lambda a: np.asarray(a, np.float64), params)
     lay = p.layers
     T = len(ids)
-    H, hd = config.n_heads, config.head_dim
+    hd = config.head_dim
 
     def ln(x, s, b):
         m = x.mean(-1, keepdims=True)

@@ -19,7 +19,6 @@ import functools
 import math
 import sys
 import time
-from pathlib import Path
 
 import jax
 import jax.numpy as jnp
