@@ -59,6 +59,22 @@ def random_sets(config, scfg, seed: int = 0):
     return jnp.asarray(neurons, jnp.int32), jnp.asarray(groups, jnp.int32)
 
 
+def sparse_variants(config, preds, select_methods, fixed_sets=None,
+                    diagnose_kv_recompute=False):
+    """(row label, selector, selector params) for the sparse rows of one setting.
+
+    One predictor row per top-k method; with fixed_sets, a row with precomputed indices
+    (and optionally the same without missing-KV recomputation, a diagnostic).
+    """
+    variants = [(f"predictor-{m}", sparse.predictor_selector(config.group_size, method=m), preds)
+                for m in select_methods]
+    if fixed_sets is not None:
+        variants.append(("fixed", sparse.fixed_selector, fixed_sets))
+        if diagnose_kv_recompute:
+            variants.append(("fixed/no-kv-recompute", sparse.fixed_selector, fixed_sets))
+    return variants
+
+
 def step_bytes(config, scfg, context: int, batch: int, rank: int, predictors: bool) -> int:
     """Bytes a decode step must read: selected weights, their KV, predictors, embeddings."""
     d, hd, G, b = config.hidden, config.head_dim, config.group_size, 2
@@ -141,14 +157,10 @@ def run_model(name, contexts, mlp_densities, head_densities, batch, rank, dense_
         for md in mlp_densities:
             for hdn in head_densities:
                 scfg = sparse.sparse_config(config, md, hdn, dense_layers=dense_layers)
-                variants = [(f"predictor-{m}", sparse.predictor_selector(config.group_size,
-                                                                         method=m), preds)
-                            for m in select_methods]
-                if hdn == 0.5 and ctx == contexts[0]:
-                    variants.append(("fixed", sparse.fixed_selector, random_sets(config, scfg)))
-                    if kv_recompute_off:  # diagnostic: the step without missing-KV recompute
-                        variants.append(("fixed/no-kv-recompute", sparse.fixed_selector,
-                                         random_sets(config, scfg)))
+                fixed = (random_sets(config, scfg) if hdn == 0.5 and ctx == contexts[0]
+                         else None)
+                variants = sparse_variants(config, preds, select_methods, fixed,
+                                           kv_recompute_off)
                 for kind, select, sel_params in variants:
                     run_cfg = (dataclasses.replace(scfg, kv_recompute=False)
                                if kind.endswith("no-kv-recompute") else scfg)

@@ -60,7 +60,8 @@ def random_local_sets(config, scfg, tp: int, seed: int = 0):
 def run_model_tp(name, contexts, mlp_densities, head_densities, batch, rank, dense_layers,
                  warmup, steps, bar, log, layout, select_methods, mesh):
     """All rows for one preset on `mesh` (see `bench_decode.run_model` for the columns)."""
-    from dejavu_jax.eval.bench_decode import random_predictors, step_bytes, time_decode
+    from dejavu_jax.eval.bench_decode import (random_predictors, sparse_variants, step_bytes,
+                                              time_decode)
     config = config_lib.preset(name)
     tp = sharding.tp_size(mesh)
     t0 = time.perf_counter()
@@ -111,12 +112,9 @@ def run_model_tp(name, contexts, mlp_densities, head_densities, batch, rank, den
         for md in mlp_densities:
             for hdn in head_densities:
                 scfg = sparse.sparse_config(config, md, hdn, dense_layers=dense_layers)
-                variants = [(f"predictor-{m}", sparse.predictor_selector(config.group_size,
-                                                                         method=m), preds)
-                            for m in select_methods]
-                if hdn == 0.5 and ctx == contexts[0]:
-                    variants.append(("fixed", sparse.fixed_selector,
-                                     random_local_sets(config, scfg, tp)))
+                fixed = (random_local_sets(config, scfg, tp)
+                         if hdn == 0.5 and ctx == contexts[0] else None)
+                variants = sparse_variants(config, preds, select_methods, fixed)
                 for kind, select, sel_params in variants:
                     t = time.perf_counter()
                     try:
