@@ -7,10 +7,12 @@ layer's input while this layer computes (DejaVu's lookahead).
 
 Missing KV: a head that is skipped at token t has no K/V for t. Every layer keeps the
 normed attention inputs of the last `kv_window` tokens ([B, L, W, d]) and a bitmap of
-written cache entries ([B, L, Hk, S]). When a head is selected, its unwritten entries in
-the window are recomputed from those inputs before attention. Every `kv_window` tokens a
-refresh step computes all heads' missing entries of the window, so no entry ever leaves
-the window unwritten: with that, every selected head attends over exactly the dense KV.
+written cache entries ([B, L, Hk, S]). At every token the selected heads, plus `kv_refresh`
+KV groups taken round-robin, recompute their unwritten entries in the window before
+attention. This rides on the projection launch that reads those heads' K/V rows anyway
+(`kernels.KVWindow`): no weight is read twice, and there is no branch, so the step never
+waits on the host. Each group is refreshed at least once every W tokens, so no entry
+leaves the window unwritten: every selected head attends over exactly the dense KV.
 """
 
 from __future__ import annotations
@@ -49,6 +51,9 @@ class SparseConfig:
     impl: kernel implementation (None: Pallas on GPU, jnp reference on CPU).
     kv_recompute: False skips missing-KV recomputation (selected heads then see zeros for
     entries they missed). Inexact: a diagnostic that isolates its cost in benchmarks.
+    kv_refresh: KV groups refreshed per token besides the selected ones (None: the fewest
+    that keeps every entry exact, ceil(n_kv_heads / kv_window); 0: none, so entries missed
+    for longer than the window stay missing).
     """
 
     mlp_k: tuple[int, ...]
@@ -58,10 +63,21 @@ class SparseConfig:
     kv_window: int = 16
     impl: str | None = None
     kv_recompute: bool = True
+    kv_refresh: int | None = None
 
     def __post_init__(self):
         if len(self.mlp_k) != len(self.head_k):
             raise ValueError("mlp_k and head_k must have one entry per layer")
+        if self.kv_window < 1:
+            raise ValueError(f"kv_window must be >= 1, got {self.kv_window}")
+        if self.kv_refresh is not None and self.kv_refresh < 0:
+            raise ValueError(f"kv_refresh must be >= 0, got {self.kv_refresh}")
+
+    def refresh_groups(self, config: ModelConfig) -> int:
+        """KV groups refreshed per token (see `kv_refresh`)."""
+        if self.kv_refresh is not None:
+            return min(self.kv_refresh, config.n_kv_heads)
+        return -(-config.n_kv_heads // self.kv_window)
 
     def segments(self, config: ModelConfig) -> list[tuple[int, int, bool, int, int]]:
         """(start, stop, dense, k_mlp, k_heads) runs of consecutive layers run alike."""
@@ -200,55 +216,40 @@ def _layer_view(params: ModelParams, layer) -> _LayerView:
     return _LayerView(lp, flat, layer, False)
 
 
-def _recompute_missing(config, scfg, view, io: _LayerIO, layer, groups, step):
-    """Recompute cache entries of KV `groups` in the window that are still unwritten."""
-    B = io.written.shape[0]
+def _window_step(config: ModelConfig, scfg: SparseConfig, step: dict) -> dict:
+    """Per-token window bookkeeping shared by every layer: slots, validity, ring indices of
+    the previous inputs, the round-robin refresh groups and the window's rotary tables."""
     W = scfg.kv_window
-    slot, valid, positions = step["slot"], step["valid"], step["positions"]
-    slots = slot - (W - 1) + jnp.arange(W)                       # [W]
-    in_range = slots >= 0
+    slot, valid = step["slot"], step["valid"]
+    slots = slot - (W - 1) + jnp.arange(W, dtype=jnp.int32)
     slots_c = jnp.maximum(slots, 0)
-    row_valid = valid[:, slots_c] & in_range[None]               # [B, W]
-    written = io.written[:, layer][:, groups][:, :, slots_c]     # [B, n, W]
-    need = ~written & row_valid[:, None, :]
+    out = {"slots": slots_c, "row_valid": valid[:, slots_c] & (slots >= 0)[None],
+           "ring_prev": slots_c[:-1] % W, "refresh": None, "cos": None, "sin": None}
+    n_refresh = scfg.refresh_groups(config)
+    if n_refresh:
+        out["refresh"] = ((slot * n_refresh + jnp.arange(n_refresh, dtype=jnp.int32))
+                          % config.n_kv_heads).astype(jnp.int32)
+    if config.family == "llama":
+        pos_w = step["positions"][:, None] - (W - 1) + jnp.arange(W)
+        out["cos"], out["sin"] = ops.rope_tables(jnp.maximum(pos_w, 0), config.head_dim,
+                                                 config.rope_theta)
+    return out
 
-    def compute(io):
-        hist = io.history[:, layer][:, slots_c % W]              # [B, W, d]
-        heads = view.base * config.n_kv_heads + groups
-        lp_flat = view.flat
-        pos_w = positions[:, None] - (slot - slots)[None]        # [B, W]
 
-        def project(w, b):
-            out = jnp.einsum("bwd,nkd->bwnk", hist.astype(w.dtype), w[heads],
-                             preferred_element_type=F32)
-            return ops.add_bias(out, None if b is None else b[heads])
-
-        k_new = project(lp_flat["wk"], lp_flat["bk"])
-        v_new = project(lp_flat["wv"], lp_flat["bv"])
-        if config.family == "llama":
-            cos, sin = ops.rope_tables(jnp.maximum(pos_w, 0), config.head_dim,
-                                       config.rope_theta)
-            k_new = ops.apply_rope(k_new, cos, sin)
-        b_i = jnp.arange(B)[:, None, None]
-        g_i = groups[None, :, None]
-        s_i = slots_c[None, None, :]
-        sel = need.transpose(0, 1, 2)[..., None]                 # [B, n, W, 1]
-
-        def merge(cache, new):
-            if isinstance(cache, tuple):
-                c = cache[layer]
-                old = c[b_i, g_i, s_i]                           # [B, n, W, hd]
-                upd = jnp.where(sel, new.transpose(0, 2, 1, 3).astype(c.dtype), old)
-                return set_cache_layer(cache, layer, c.at[b_i, g_i, s_i].set(upd))
-            old = cache[b_i, layer, g_i, s_i]
-            upd = jnp.where(sel, new.transpose(0, 2, 1, 3).astype(cache.dtype), old)
-            return cache.at[b_i, layer, g_i, s_i].set(upd)
-
-        return io.replace(
-            k=merge(io.k, k_new), v=merge(io.v, v_new),
-            written=io.written.at[b_i, layer, g_i, s_i].set(written | need))
-
-    return jax.lax.cond(need.any(), compute, lambda io: io, io)
+def _missing_kv_window(config, view, io: _LayerIO, layer, groups, win: dict):
+    """The KVWindow for this layer (selected + refresh groups) and the updated bitmap."""
+    kv_groups = groups if win["refresh"] is None else jnp.concatenate([groups, win["refresh"]])
+    slots = win["slots"]
+    b_i = jnp.arange(io.written.shape[0])[:, None, None]
+    g_i, s_i = kv_groups[None, :, None], slots[None, None, :]
+    was = io.written[b_i, layer, g_i, s_i]                       # [B, n, W]
+    need = ~was & win["row_valid"][:, None, :]
+    base = view.base * config.n_kv_heads
+    window = kernels.KVWindow(
+        x_prev=io.history[:, layer][:, win["ring_prev"]],
+        extra_ids=None if win["refresh"] is None else base + win["refresh"],
+        need=need, slots=slots, cos=win["cos"], sin=win["sin"])
+    return window, io.written.at[b_i, layer, g_i, s_i].set(was | need)
 
 
 def _sparse_attention(config, scfg, view, io: _LayerIO, layer, y, groups, step):
@@ -258,14 +259,10 @@ def _sparse_attention(config, scfg, view, io: _LayerIO, layer, y, groups, step):
     history = jax.lax.dynamic_update_slice(
         io.history, y.astype(io.history.dtype)[:, None, None, :], (0, layer, slot % W, 0))
     io = io.replace(history=history)
+    window = None
     if scfg.kv_recompute:
-        all_groups = jnp.arange(config.n_kv_heads, dtype=jnp.int32)
-        refresh = (slot + 1) % W == 0
-        io = jax.lax.cond(refresh,
-                          lambda io: _recompute_missing(config, scfg, view, io, layer,
-                                                        all_groups, step),
-                          lambda io: _recompute_missing(config, scfg, view, io, layer,
-                                                        groups, step), io)
+        window, written = _missing_kv_window(config, view, io, layer, groups, step["window"])
+        io = io.replace(written=written)
     B, S, hd = io.written.shape[0], io.written.shape[-1], config.head_dim
     rope = None
     if config.family == "llama":
@@ -279,7 +276,8 @@ def _sparse_attention(config, scfg, view, io: _LayerIO, layer, y, groups, step):
     out, k_out, v_out = kernels.head_sparse_attention(
         y.astype(lp_flat["wq"].dtype), lp_flat["wq"], lp_flat["bq"], lp_flat["wk"],
         lp_flat["bk"], lp_flat["wv"], lp_flat["bv"], lp_flat["wo"], view.lp.bo,
-        k_in, v_in, slot, head_idx, rope=rope, kv_mask=step["valid"], impl=scfg.impl)
+        k_in, v_in, slot, head_idx, rope=rope, kv_mask=step["valid"], impl=scfg.impl,
+        window=window)
     if view.unrolled:
         return out.astype(F32), io.replace(k=set_cache_layer(io.k, layer, k_out),
                                            v=set_cache_layer(io.v, layer, v_out))
@@ -358,6 +356,7 @@ def sparse_layers(config: ModelConfig, scfg: SparseConfig, params: ModelParams,
     parallelism passes a psum over the mesh axis, see `dejavu_jax.tp_decode`).
     """
     unrolled = isinstance(params.layers, tuple)
+    step = {**step, "window": _window_step(config, scfg, step)}  # this (shard's) config
     prev_input = x  # the input of the layer before the segment (lookahead source)
     for start, stop, dense, k_mlp, k_heads in scfg.segments(config):
         if dense or scfg.oracle:

@@ -135,8 +135,8 @@ def sharded_layers_fn(mesh: Mesh):
             return sparse.sparse_layers(lconfig, lscfg, local, select, sel, x, io, step,
                                         reduce=lambda y: jax.lax.psum(y, TP))
 
-        # check_vma=False: the missing-KV `lax.cond` takes per-shard predicates, which would
-        # mark the (truly replicated) hidden state and history as varying over "tp".
+        # check_vma=False: per-shard index sets and missing-KV bookkeeping would mark the
+        # (truly replicated) hidden state and history as varying over "tp".
         run = jax.shard_map(
             body, mesh=mesh, check_vma=False,
             in_specs=(layer_specs, selector_specs(selector_params, mesh), x_spec, io_specs,

@@ -6,9 +6,9 @@
 Both take ``impl`` = None (auto: Pallas on GPU, reference elsewhere), "pallas",
 "interpret" or "reference".
 """
-from .head_attention import (AttnConfig, head_sparse_attention,
+from .head_attention import (AttnConfig, KVWindow, head_sparse_attention,
                              head_sparse_attention_reference)
 from .sparse_mlp import MLPConfig, sparse_mlp, sparse_mlp_reference
 
 __all__ = ["sparse_mlp", "sparse_mlp_reference", "MLPConfig", "head_sparse_attention",
-           "head_sparse_attention_reference", "AttnConfig"]
+           "head_sparse_attention_reference", "AttnConfig", "KVWindow"]

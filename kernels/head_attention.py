@@ -60,6 +60,29 @@ class AttnConfig:
     max_fused_splits: int = 4              # merge splits in the out-projection up to this
 
 
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass(frozen=True)
+class KVWindow:
+    """Missing-KV recomputation riding on the projection launch (see module docstring).
+
+    x_prev: ``[B, W-1, d]`` normed inputs of the W-1 tokens before the current one, oldest
+      first; with the current token they make the window of W tokens.
+    extra_ids: ``[R]`` int32 KV heads recomputed besides ``head_idx`` (a refresh set;
+      they get no attention, only K/V), or None.
+    need: ``[B, Kh + R, W]`` bool, which (head, window token) cache entries to write, for
+      the heads ``concat(head_idx, extra_ids)``.
+    slots: ``[W]`` int32 cache slots of the window tokens (entries with need False may
+      hold any in-range slot).
+    cos, sin: ``[B, W, hd]`` fp32 rotary tables of the window tokens, or None.
+    """
+    x_prev: jax.Array
+    extra_ids: jax.Array | None
+    need: jax.Array
+    slots: jax.Array
+    cos: jax.Array | None = None
+    sin: jax.Array | None = None
+
+
 # ----------------------------------------------------------------------------
 # helpers shared by both paths
 # ----------------------------------------------------------------------------
@@ -150,8 +173,49 @@ def _validate(x, wq, bq, wk, bk, wv, bv, wo, bo, k_cache, v_cache, pos, head_idx
 # reference
 # ----------------------------------------------------------------------------
 
+def window_heads(head_idx, window: KVWindow):
+    """The KV heads a window recomputes: ``concat(head_idx, window.extra_ids)``."""
+    head_idx = head_idx.astype(jnp.int32)
+    if window.extra_ids is None:
+        return head_idx
+    return jnp.concatenate([head_idx, window.extra_ids.astype(jnp.int32)])
+
+
+def _window_rope(t, window: KVWindow):
+    """Rotary embedding of window K ``[B, n, W, hd]`` at the window tokens' positions."""
+    if window.cos is None:
+        return t
+    cos, sin = window.cos[:, None], window.sin[:, None]
+    return t * cos + rotate_half(t) * sin
+
+
+def merge_window(cache, new, ids, window: KVWindow):
+    """Write ``new [B, n, W, hd]`` into ``cache [B, n_kv, S, hd]`` at (ids, window.slots)
+    where ``window.need``; other entries keep their value."""
+    B = cache.shape[0]
+    b_i = jnp.arange(B)[:, None, None]
+    g_i = ids[None, :, None]
+    s_i = window.slots[None, None, :]
+    old = cache[b_i, g_i, s_i]
+    upd = jnp.where(window.need[..., None], new.astype(cache.dtype), old)
+    return cache.at[b_i, g_i, s_i].set(upd)
+
+
+def _window_kv_reference(x, wk, bk, wv, bv, ids, window: KVWindow):
+    f32 = jnp.float32
+    hi = lax.Precision.HIGHEST
+    xs = jnp.concatenate([window.x_prev.astype(f32), x.astype(f32)[:, None]], axis=1)
+
+    def proj(w, b):
+        t = jnp.einsum("bwd,nkd->bnwk", xs, w[ids].astype(f32), precision=hi)
+        return t if b is None else t + b[ids].astype(f32)[None, :, None]
+
+    return _window_rope(proj(wk, bk), window), proj(wv, bv)
+
+
 def head_sparse_attention_reference(x, wq, bq, wk, bk, wv, bv, wo, bo, k_cache, v_cache,
-                                    pos, head_idx, *, rope=None, kv_mask=None):
+                                    pos, head_idx, *, rope=None, kv_mask=None,
+                                    window: KVWindow | None = None):
     """Pure-jnp reference of :func:`head_sparse_attention` (same signature and result)."""
     f32 = jnp.float32
     hi = lax.Precision.HIGHEST
@@ -173,6 +237,11 @@ def head_sparse_attention_reference(x, wq, bq, wk, bk, wv, bv, wo, bo, k_cache, 
     q = apply_rope(proj(wq, bq, hq), rope) * (hd ** -0.5)
     k = apply_rope(proj(wk, bk, head_idx), rope)
     v = proj(wv, bv, head_idx)
+    if window is not None:
+        ids = window_heads(head_idx, window)
+        k_win, v_win = _window_kv_reference(x, wk, bk, wv, bv, ids, window)
+        k_cache = merge_window(k_cache, k_win, ids, window)
+        v_cache = merge_window(v_cache, v_win, ids, window)
     k_cache = k_cache.at[:, head_idx, pos, :].set(k.astype(k_cache.dtype))
     v_cache = v_cache.at[:, head_idx, pos, :].set(v.astype(v_cache.dtype))
     positions = jnp.arange(S)
@@ -319,7 +388,7 @@ def _decode_attention_kernel(*refs, nds, has_bq, has_bk, has_bv, has_rope, has_m
 
 def decode_attention(qp, kp, vp, head_idx, pos, k_cache, v_cache, *, group, bq=None, bk=None,
                      bv=None, cos=None, sin=None, kv_mask=None, block_s=64, seq_splits=None,
-                     target_programs=8 * N_SM, num_warps=4, interpret=False):
+                     target_programs=8 * N_SM, num_warps=4, batch=None, interpret=False):
     """Flash-decoding over the selected KV heads, writing the new k/v rows in place.
 
     Args:
@@ -330,12 +399,15 @@ def decode_attention(qp, kp, vp, head_idx, pos, k_cache, v_cache, *, group, bq=N
       bq, bk, bv: optional flat biases ``[H*hd]`` / ``[n_kv*hd]``.
       cos, sin: optional ``[B, hd]`` fp32 rotary tables for the current position.
       kv_mask: optional ``[B, S]`` int32 (nonzero = attend).
+      batch: rows B to attend for (default: the partials' row count); the partials may
+        hold more rows (the missing-KV window's), which are ignored here.
     Returns:
       ``(o [ns, B, Kh*G, hd], m [ns, B, Kh*G], l [ns, B, Kh*G], k_cache, v_cache)``:
       unnormalised split partials (merged by :func:`merged_attention_loader` or
       :func:`merge_splits`) and the caches.
     """
     nds, B, _ = qp.shape
+    B = batch or B
     Kh = head_idx.shape[0]
     G = group
     Hs = Kh * G
@@ -418,13 +490,40 @@ def merged_attention_loader(act_refs, r, valid, rows, *, ns, B, Bp, hd):
 # Pallas pipeline and public entry point
 # ----------------------------------------------------------------------------
 
+def _merge_window_partials(kp, vp, bk, bv, kv_ids, window: KVWindow, k_cache, v_cache,
+                           B: int, hd: int):
+    """Finish the window rows of the K/V projection partials and write the needed entries.
+
+    Partial rows: ``0..B-1`` the current tokens, then ``B * (W-1)`` previous tokens
+    (batch-major, oldest first); columns: ``kv_ids`` heads of ``hd`` each.
+    """
+    n = kv_ids.shape[0]
+    W = window.x_prev.shape[1] + 1
+
+    def finish(parts, bias):
+        t = parts.sum(0)[:, : n * hd]
+        cur = t[:B].reshape(B, 1, n, hd)
+        prev = t[B:].reshape(B, W - 1, n, hd)
+        t = jnp.concatenate([prev, cur], axis=1).transpose(0, 2, 1, 3)   # [B, n, W, hd]
+        return t if bias is None else t + bias[kv_ids].astype(jnp.float32)[None, :, None]
+
+    k_win = _window_rope(finish(kp, bk), window)
+    v_win = finish(vp, bv)
+    return (merge_window(k_cache, k_win, kv_ids, window),
+            merge_window(v_cache, v_win, kv_ids, window))
+
+
 def head_sparse_attention_pallas(x, wq, bq, wk, bk, wv, bv, wo, bo, k_cache, v_cache, pos,
                                  head_idx, *, rope=None, kv_mask=None, interpret=False,
-                                 config: AttnConfig | None = None):
+                                 config: AttnConfig | None = None,
+                                 window: KVWindow | None = None):
     """Pallas path of :func:`head_sparse_attention` (no validation).
 
     Three Pallas launches (q/k/v projection, attention, out-projection) and one tiny XLA
-    reduction; with a callable ``rope`` the q/k finishing runs in XLA instead.
+    reduction; with a callable ``rope`` the q/k finishing runs in XLA instead. With a
+    ``window``, the projection launch also multiplies the window's previous inputs (extra
+    rows of x) and the extra heads' K/V rows, and a small XLA scatter writes the needed
+    entries before attention: the missing-KV recomputation reads no weight twice.
     """
     cfg = config or AttnConfig()
     f32 = jnp.float32
@@ -435,18 +534,27 @@ def head_sparse_attention_pallas(x, wq, bq, wk, bk, wv, bv, wo, bo, k_cache, v_c
     Kh = head_idx.shape[0]
     head_idx = head_idx.astype(jnp.int32)
     pos = jnp.asarray(pos, jnp.int32).reshape(1)
+    kv_ids, x_rows = head_idx, x
+    if window is not None:
+        kv_ids = window_heads(head_idx, window)
+        W = window.x_prev.shape[1] + 1
+        x_rows = jnp.concatenate([x, window.x_prev.reshape(B * (W - 1), d).astype(x.dtype)])
     segs = [Segment(wq.reshape(H * hd, d), head_idx, G * hd),
-            Segment(wk.reshape(n_kv * hd, d), head_idx, hd),
-            Segment(wv.reshape(n_kv * hd, d), head_idx, hd)]
-    bk_rows = cfg.proj_block_rows if B == 1 else max(16, cfg.proj_block_rows)
-    bd = min(cfg.proj_block_d, 1 << (d.bit_length() - 1))
+            Segment(wk.reshape(n_kv * hd, d), kv_ids, hd),
+            Segment(wv.reshape(n_kv * hd, d), kv_ids, hd)]
+    Bp = batch_pad(x_rows.shape[0])
+    bk_rows = cfg.proj_block_rows if Bp == 1 else max(16, cfg.proj_block_rows)
+    bd = min(cfg.proj_block_d, 1 << (d.bit_length() - 1), max(32, 8192 // Bp))
     chunks = cfg.proj_d_chunks
     if chunks is None:
-        tiles = cdiv(Kh * (G + 2) * hd, bk_rows) * cdiv(d, bd)
+        tiles = cdiv(Kh * G * hd + 2 * kv_ids.shape[0] * hd, bk_rows) * cdiv(d, bd)
         chunks = max(1, min(cdiv(d, bd), tiles // cfg.target_programs))
-    qp, kp, vp = gather_matvec(x, segs, block_rows=bk_rows, block_d=bd, d_chunks=chunks,
+    qp, kp, vp = gather_matvec(x_rows, segs, block_rows=bk_rows, block_d=bd, d_chunks=chunks,
                                num_warps=cfg.num_warps, num_stages=cfg.num_stages,
                                interpret=interpret)
+    if window is not None:
+        k_cache, v_cache = _merge_window_partials(kp, vp, bk, bv, kv_ids, window, k_cache,
+                                                  v_cache, B, hd)
     flat = lambda t: None if t is None else t.reshape(-1)
     biases = dict(bq=flat(bq), bk=flat(bk), bv=flat(bv))
     cos = sin = None
@@ -466,7 +574,7 @@ def head_sparse_attention_pallas(x, wq, bq, wk, bk, wv, bv, wo, bo, k_cache, v_c
     o, m, l, k_cache, v_cache = decode_attention(
         qp, kp, vp, head_idx, pos, k_cache, v_cache, group=G, cos=cos, sin=sin,
         kv_mask=mask, block_s=cfg.block_s, seq_splits=cfg.seq_splits,
-        target_programs=cfg.attn_target_programs, num_warps=cfg.attn_num_warps,
+        target_programs=cfg.attn_target_programs, num_warps=cfg.attn_num_warps, batch=B,
         interpret=interpret, **biases)
 
     ns = o.shape[0]
@@ -496,20 +604,44 @@ def head_sparse_attention_pallas(x, wq, bq, wk, bk, wv, bv, wo, bo, k_cache, v_c
 
 @functools.partial(jax.jit, static_argnames=("impl", "config", "rope_fn"))
 def _attn_jit(x, wq, bq, wk, bk, wv, bv, wo, bo, k_cache, v_cache, pos, head_idx, rope_arr,
-              kv_mask, *, impl, config, rope_fn):
+              kv_mask, window, *, impl, config, rope_fn):
     rope = rope_fn if rope_fn is not None else rope_arr
     if impl == "reference":
         return head_sparse_attention_reference(x, wq, bq, wk, bk, wv, bv, wo, bo, k_cache,
                                                v_cache, pos, head_idx, rope=rope,
-                                               kv_mask=kv_mask)
+                                               kv_mask=kv_mask, window=window)
     return head_sparse_attention_pallas(x, wq, bq, wk, bk, wv, bv, wo, bo, k_cache, v_cache,
                                         pos, head_idx, rope=rope, kv_mask=kv_mask,
-                                        interpret=impl == "interpret", config=config)
+                                        interpret=impl == "interpret", config=config,
+                                        window=window)
+
+
+def _validate_window(window, x, k_cache, head_idx):
+    if not isinstance(window, KVWindow):
+        raise TypeError(f"window must be a KVWindow, got {type(window).__name__}")
+    B, d = x.shape
+    hd = k_cache.shape[3]
+    check_array("window.x_prev", window.x_prev, ndim=3, floating=True)
+    if window.x_prev.shape[0] != B or window.x_prev.shape[2] != d:
+        raise ValueError(f"window.x_prev must be [B, W-1, d] = [{B}, W-1, {d}], got "
+                         f"{tuple(window.x_prev.shape)}")
+    W = window.x_prev.shape[1] + 1
+    n = head_idx.shape[0]
+    if window.extra_ids is not None:
+        check_indices("window.extra_ids", window.extra_ids, k_cache.shape[1])
+        n += window.extra_ids.shape[0]
+    check_array("window.need", window.need, shape=(B, n, W))
+    check_array("window.slots", window.slots, shape=(W,))
+    if (window.cos is None) != (window.sin is None):
+        raise ValueError("window.cos and window.sin must be given together")
+    if window.cos is not None:
+        check_array("window.cos", window.cos, shape=(B, W, hd))
+        check_array("window.sin", window.sin, shape=(B, W, hd))
 
 
 def head_sparse_attention(x, wq, bq, wk, bk, wv, bv, wo, bo, k_cache, v_cache, pos, head_idx,
                           *, rope=None, kv_mask=None, impl: str | None = None,
-                          config: AttnConfig | None = None):
+                          config: AttnConfig | None = None, window: KVWindow | None = None):
     """One decode step of attention over the selected heads only.
 
     Args:
@@ -529,15 +661,21 @@ def head_sparse_attention(x, wq, bq, wk, bk, wv, bv, wo, bo, k_cache, v_cache, p
         position is always attended.
       impl: None (auto), "pallas", "interpret" or "reference".
       config: optional :class:`AttnConfig` (Pallas paths only).
+      window: optional :class:`KVWindow`: before attending, recompute K/V of the window's
+        tokens for ``head_idx`` and ``window.extra_ids`` from their stored inputs and
+        write the entries ``window.need`` marks (missing-KV recomputation). On the
+        Pallas path this rides on the projection launch, reading each weight row once.
     Returns:
       ``(out [B, d] in x.dtype, k_cache, v_cache)``: ``out = sum over selected query
       heads of softmax(q kᵀ / sqrt(hd)) v @ wo[h] + bo``; unselected heads add 0.
     """
     _validate(x, wq, bq, wk, bk, wv, bv, wo, bo, k_cache, v_cache, pos, head_idx, rope,
               kv_mask)
+    if window is not None:
+        _validate_window(window, x, k_cache, head_idx)
     impl = resolve_impl(impl)
     rope_fn = rope if callable(rope) else None
     rope_arr = None if (rope is None or callable(rope)) else tuple(rope)
     pos = jnp.asarray(pos, jnp.int32).reshape(())
     return _attn_jit(x, wq, bq, wk, bk, wv, bv, wo, bo, k_cache, v_cache, pos, head_idx,
-                     rope_arr, kv_mask, impl=impl, config=config, rope_fn=rope_fn)
+                     rope_arr, kv_mask, window, impl=impl, config=config, rope_fn=rope_fn)

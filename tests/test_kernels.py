@@ -214,6 +214,91 @@ def test_head_sparse_attention_matches_numpy(rng, impl, B, d, H, n_kv, hd, S, Kh
         np.testing.assert_array_equal(got[keep], want[keep])
 
 
+WINDOW_CASES = [  # B, d, H, n_kv, hd, S, W, pos, Kh, extra, rope, biases
+    (1, 64, 8, 4, 16, 24, 4, 9, 2, (1,), True, False),       # GQA, rope, a refresh head
+    (2, 96, 6, 6, 16, 30, 5, 12, 3, None, False, True),      # MHA, biases, no extra heads
+    (2, 96, 6, 6, 16, 30, 5, 12, 2, (0, 4), False, True),    # extra heads, one also selected
+]
+
+
+@pytest.mark.parametrize("B,d,H,n_kv,hd,S,W,pos,Kh,extra,rope,biases", WINDOW_CASES)
+@pytest.mark.parametrize("impl", ["interpret", "reference"])
+def test_window_recompute_writes_needed_entries_then_attends(rng, impl, B, d, H, n_kv, hd, S,
+                                                             W, pos, Kh, extra, rope, biases):
+    """Missing-KV recomputation: the needed window entries equal numpy's projections of the
+    stored inputs, other entries keep their values, and attention sees the new entries."""
+    from dejavu_jax.kernels import KVWindow
+    r = lambda *s: rng.standard_normal(s)
+    hidx = rng.permutation(n_kv)[:Kh].astype(np.int32)
+    if extra is not None and 4 in extra:
+        hidx[0] = 4                                           # overlap with the refresh set
+    ids = np.concatenate([hidx, np.asarray(extra or (), np.int32)])
+    x, x_prev = r(B, d), r(B, W - 1, d)
+    wq, wo = r(H, hd, d) / np.sqrt(d), r(H, hd, d) / np.sqrt(H * hd)
+    wk, wv = r(n_kv, hd, d) / np.sqrt(d), r(n_kv, hd, d) / np.sqrt(d)
+    bq, bk, bv, bo = ((r(*s) if biases else None) for s in ((H, hd), (n_kv, hd), (n_kv, hd), (d,)))
+    kc, vc = r(B, n_kv, S, hd), r(B, n_kv, S, hd)
+    kc[:, :, pos + 1:] = np.nan                               # never read
+    vc[:, :, pos + 1:] = np.nan
+    slots = np.arange(pos - W + 1, pos + 1).astype(np.int32)
+    need = rng.random((B, len(ids), W)) > 0.5
+    need[:, :, -1] = True                                     # the current token is missing
+    first = {}
+    for i, h in enumerate(ids):                               # duplicates agree on need
+        need[:, i] = need[:, first.setdefault(int(h), i)]
+    cos = sin = None
+    if rope:
+        ang = r(B, W, hd // 2)
+        cos, sin = np.cos(np.concatenate([ang, ang], -1)), np.sin(np.concatenate([ang, ang], -1))
+    # numpy: write the needed entries, then attend (the current token through _np_attention)
+    xs = np.concatenate([x_prev, x[:, None]], axis=1)
+    want_k, want_v = kc.copy(), vc.copy()
+    for b in range(B):
+        for i, h in enumerate(ids):
+            for w in range(W):
+                if need[b, i, w]:
+                    k = xs[b, w] @ wk[h].T + (0 if bk is None else bk[h])
+                    if rope:
+                        k = k * cos[b, w] + _rotate_half(k) * sin[b, w]
+                    want_k[b, h, slots[w]] = k
+                    want_v[b, h, slots[w]] = xs[b, w] @ wv[h].T + (0 if bv is None else bv[h])
+    ref, want_k, want_v = _np_attention(x, wq, bq, wk, bk, wv, bv, wo, bo, want_k, want_v, pos,
+                                        hidx, None if cos is None else cos[:, -1],
+                                        None if sin is None else sin[:, -1], None)
+    f = lambda a: None if a is None else jnp.asarray(a, F32)
+    window = KVWindow(x_prev=f(x_prev), extra_ids=None if extra is None else jnp.asarray(extra, jnp.int32),
+                      need=jnp.asarray(need), slots=jnp.asarray(slots), cos=f(cos), sin=f(sin))
+    rope_arg = None if cos is None else (f(cos[:, -1]), f(sin[:, -1]))
+    out, k2, v2 = head_sparse_attention(f(x), f(wq), f(bq), f(wk), f(bk), f(wv), f(bv), f(wo),
+                                        f(bo), f(kc), f(vc), jnp.int32(pos), jnp.asarray(hidx),
+                                        rope=rope_arg, impl=impl, window=window)
+    assert _rel(out, ref) < 1e-5
+    for got, want in ((k2, want_k), (v2, want_v)):
+        got = np.asarray(got, np.float64)
+        np.testing.assert_allclose(got[:, :, :pos + 1], want[:, :, :pos + 1], rtol=1e-5, atol=1e-5)
+        assert np.isnan(got[:, :, pos + 1:]).all()
+
+
+def test_window_validation(rng):
+    from dejavu_jax.kernels import KVWindow
+    B, d, H, hd, S = 1, 32, 4, 8, 16
+    f = lambda *s: jnp.asarray(rng.standard_normal(s), F32)
+    args = (f(B, d), f(H, hd, d), None, f(H, hd, d), None, f(H, hd, d), None, f(H, hd, d), None,
+            f(B, H, S, hd), f(B, H, S, hd), jnp.int32(5), jnp.asarray([0, 2], jnp.int32))
+    ok = dict(x_prev=f(B, 3, d), extra_ids=None, need=jnp.ones((B, 2, 4), bool),
+              slots=jnp.arange(2, 6, dtype=jnp.int32))
+    head_sparse_attention(*args, window=KVWindow(**ok))
+    with pytest.raises(ValueError, match="need"):
+        head_sparse_attention(*args, window=KVWindow(**{**ok, "need": jnp.ones((B, 3, 4), bool)}))
+    with pytest.raises(ValueError, match="x_prev"):
+        head_sparse_attention(*args, window=KVWindow(**{**ok, "x_prev": f(B, 3, d + 1)}))
+    with pytest.raises(ValueError, match="extra_ids"):
+        head_sparse_attention(*args, window=KVWindow(**{**ok, "extra_ids": jnp.asarray([9], jnp.int32),
+                                                        "need": jnp.ones((B, 3, 4), bool)}))
+    with pytest.raises(TypeError, match="KVWindow"):
+        head_sparse_attention(*args, window=(1, 2))
+
+
 def test_head_sparse_attention_traced_pos_in_jit(rng):
     B, d, H, hd, S, Kh = 2, 96, 6, 16, 30, 2
     hidx, arrs = _attn_inputs(rng, B, d, H, H, hd, S, Kh, S, F32, True)  # no position poisoned

@@ -78,8 +78,11 @@ def test_missing_kv_is_recomputed_when_a_head_returns():
     params = _silence_group0(config, dj.init_params(config, jax.random.key(3), jnp.float32,
                                                     std=0.1))
     L, F, H = config.n_layers, config.ffn, config.n_heads
-    scfg = sparse.SparseConfig((F,) * L, (H - 1,) * L + (), dense_layers=1, kv_window=16)
-    scfg_all = sparse.SparseConfig((F,) * L, (H,) * L, dense_layers=1, kv_window=16)
+    # no round-robin refresh, so head 0's entries stay missing until it is selected
+    scfg = sparse.SparseConfig((F,) * L, (H - 1,) * L + (), dense_layers=1, kv_window=16,
+                               kv_refresh=0)
+    scfg_all = sparse.SparseConfig((F,) * L, (H,) * L, dense_layers=1, kv_window=16,
+                                   kv_refresh=0)
     skip = (jnp.tile(jnp.arange(F, dtype=jnp.int32), (L, 1)),
             jnp.tile(jnp.arange(1, H, dtype=jnp.int32), (L, 1)))  # head 0 never selected
     ids = jnp.asarray([[5, 9, 14, 3]])
@@ -106,14 +109,17 @@ def test_missing_kv_is_recomputed_when_a_head_returns():
     np.testing.assert_allclose(np.asarray(state.dense.v), np.asarray(d_state.v), atol=1e-5)
 
 
-def test_bounded_window_refresh_keeps_kv_exact():
-    config = dj.preset("llama-tiny")
+@pytest.mark.parametrize("preset,refresh", [("llama-tiny", None), ("opt-tiny", 1)])
+def test_bounded_window_refresh_keeps_kv_exact(preset, refresh):
+    config = dj.preset(preset)
     params = _silence_group0(config, dj.init_params(config, jax.random.key(4), jnp.float32,
                                                     std=0.1))
     L, F, Hk = config.n_layers, config.ffn, config.n_kv_heads
+    W = 4 if refresh is None else Hk  # the round-robin covers every group within W tokens
     skip = (jnp.tile(jnp.arange(F, dtype=jnp.int32), (L, 1)),
             jnp.tile(jnp.arange(1, Hk, dtype=jnp.int32), (L, 1)))
-    scfg = sparse.SparseConfig((F,) * L, (Hk - 1,) * L, dense_layers=1, kv_window=4)
+    scfg = sparse.SparseConfig((F,) * L, (Hk - 1,) * L, dense_layers=1, kv_window=W,
+                               kv_refresh=refresh)
     eng = sparse.sparse_engine(config, scfg, sparse.fixed_selector)
     ids = jnp.asarray([[5, 9, 14]])
     state = eng.init_state(1, 64, jnp.float32)
@@ -121,18 +127,18 @@ def test_bounded_window_refresh_keeps_kv_exact():
     _, state = eng.prefill((params, skip), ids, jnp.ones_like(ids), state)
     _, d_state = model.prefill(config, params, ids, jnp.ones_like(ids), d_state)
     step = jax.jit(eng.step)
-    for tok in range(20, 31):  # 11 steps, window 4: entries older than the window exist
+    for tok in range(20, 20 + 3 * W):  # entries older than the window exist
         _, state = step((params, skip), state, jnp.asarray([tok]))
         _, d_state = model.decode_step(config, params, d_state, jnp.asarray([tok]))
-    # entries that left the window were refreshed: they equal the dense cache
+    # every entry that left the window was refreshed: it equals the dense cache
     k_sparse, k_dense = np.asarray(state.dense.k), np.asarray(d_state.k)
-    last_refresh = (int(state.dense.slot) // 4) * 4
-    assert last_refresh >= 8
-    np.testing.assert_allclose(k_sparse[:, :, :, :last_refresh],
-                               k_dense[:, :, :, :last_refresh], atol=1e-5)
-    assert np.asarray(state.written)[0, :, :, :last_refresh].all()
-    # the newest entries of the skipped group are still missing (not yet refreshed)
-    assert not np.asarray(state.written)[0, 1:, 0, last_refresh:int(state.dense.slot)].any()
+    v_sparse, v_dense = np.asarray(state.dense.v), np.asarray(d_state.v)
+    last = int(state.dense.slot) - 1               # the last token's slot
+    old = last - W + 2                             # slots < old have left the window
+    np.testing.assert_allclose(k_sparse[:, :, :, :old], k_dense[:, :, :, :old], atol=1e-5)
+    np.testing.assert_allclose(v_sparse[:, :, :, :old], v_dense[:, :, :, :old], atol=1e-5)
+    # group 0 is never selected, so its entries were written by refreshes alone
+    assert np.asarray(state.written)[0, :, :, :old].all()
 
 
 def test_lookahead_uses_the_previous_layers_input():

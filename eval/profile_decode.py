@@ -1,0 +1,229 @@
+"""Profile one decode step on the accelerator: where the time of a token goes.
+
+  python -m dejavu_jax.eval.profile_decode --model opt-13b --modes dense,sparse-fixed \
+      --out eval/results/profile
+
+For every mode it reports
+- ms/token with the host synchronising after every step (what `bench_decode` measures),
+- ms/token with N steps chained inside one jitted `lax.fori_loop` (no host round trip
+  between tokens), whose difference from the first is host launch and sync overhead,
+- a device trace of a few steps (`jax.profiler`), summarised per kernel name: launches per
+  token, device µs per token, and the fraction of the step's wall time the device is busy.
+
+Random bf16 weights of a preset's shapes, unrolled layers with per-layer cache buffers
+unless `--layout stacked`.
+"""
+
+from __future__ import annotations
+
+import argparse
+import collections
+import dataclasses
+import glob
+import gzip
+import json
+import os
+import time
+from pathlib import Path
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from dejavu_jax import config as config_lib
+from dejavu_jax import model, sparse
+from dejavu_jax.params import init_params, unstack_layers
+
+BF16 = jnp.bfloat16
+
+
+def trace_kernels(trace_dir: str) -> dict:
+    """Per-kernel device time from the newest perfetto trace under `trace_dir`.
+
+    Returns {"kernels": {name: [count, total_us]}, "span_us": first start to last end,
+    "busy_us": summed kernel time, "processes": device process names seen}.
+    """
+    files = sorted(glob.glob(os.path.join(trace_dir, "**", "perfetto_trace.json.gz"),
+                             recursive=True), key=os.path.getmtime)
+    if not files:
+        raise FileNotFoundError(f"no perfetto_trace.json.gz under {trace_dir}")
+    with gzip.open(files[-1], "rt") as f:
+        trace = json.load(f)
+    events = trace["traceEvents"] if isinstance(trace, dict) else trace
+    names = {e["pid"]: e.get("args", {}).get("name", "") for e in events
+             if e.get("ph") == "M" and e.get("name") == "process_name"}
+    device_pids = {pid for pid, n in names.items() if "GPU" in n or "gpu" in n or "TPU" in n}
+    kernels = collections.defaultdict(lambda: [0, 0.0])
+    starts, ends = [], []
+    for e in events:
+        if e.get("ph") != "X" or e.get("pid") not in device_pids:
+            continue
+        k = kernels[e.get("name", "?")]
+        k[0] += 1
+        k[1] += float(e.get("dur", 0.0))
+        starts.append(float(e["ts"]))
+        ends.append(float(e["ts"]) + float(e.get("dur", 0.0)))
+    return {"kernels": dict(kernels), "span_us": (max(ends) - min(starts)) if starts else 0.0,
+            "busy_us": sum(v[1] for v in kernels.values()),
+            "processes": sorted(names[p] for p in device_pids)}
+
+
+def category(name: str) -> str:
+    """A coarse kernel class from its name (for the per-token breakdown)."""
+    n = name.lower()
+    for key, label in (("gemv", "gemv"), ("gemm", "gemm"), ("cublas", "gemm"),
+                       ("sm90", "gemm"), ("cutlass", "gemm"), ("triton", "triton/fusion"),
+                       ("gather_matvec", "pallas"), ("sparse", "pallas"),
+                       ("head_sparse", "pallas"), ("sort", "sort/topk"), ("topk", "sort/topk"),
+                       ("cub", "sort/topk"), ("memcpy", "memcpy"), ("memset", "memset"),
+                       ("fusion", "fusion"), ("scatter", "scatter"), ("gather", "gather")):
+        if key in n:
+            return label
+    return "other"
+
+
+def time_steps(step, params, state, tokens, steps: int):
+    """(median seconds per step with a host sync after each, state)."""
+    times = []
+    for _ in range(steps):
+        t = time.perf_counter()
+        _, state = step(params, state, tokens)
+        jax.block_until_ready(state)
+        times.append(time.perf_counter() - t)
+    return float(np.median(times)), state
+
+
+def time_device_loop(step_fn, params, state, tokens, steps: int):
+    """(seconds per step of `steps` steps chained in one jitted fori_loop, state)."""
+    def loop(params, state, tokens):
+        def body(_, carry):
+            state, tok = carry
+            logits, state = step_fn(params, state, tok)
+            return state, jnp.argmax(logits, -1).astype(tok.dtype)
+        return jax.lax.fori_loop(0, steps, body, (state, tokens))
+
+    run = jax.jit(loop, donate_argnums=1)
+    state, tokens = run(params, state, tokens)          # compile and warm
+    jax.block_until_ready(state)
+    t = time.perf_counter()
+    state, tokens = run(params, state, tokens)
+    jax.block_until_ready(state)
+    return (time.perf_counter() - t) / steps, state
+
+
+def mode_engine(config, mode: str, mlp: float, heads: float, dense_layers: int, rank: int):
+    """(step_fn(params, state, tokens), params extra, init_state, prefill) for a mode."""
+    from dejavu_jax.eval.bench_decode import random_predictors, random_sets
+    if mode == "dense":
+        return None
+    scfg = sparse.sparse_config(config, mlp, heads, dense_layers=dense_layers)
+    if mode.endswith("no-kv-recompute"):
+        scfg = dataclasses.replace(scfg, kv_recompute=False)
+    if mode.startswith("sparse-fixed"):
+        return sparse.sparse_engine(config, scfg, sparse.fixed_selector), random_sets(config, scfg)
+    if mode.startswith("sparse-predictor"):
+        sel = sparse.predictor_selector(config.group_size)
+        return sparse.sparse_engine(config, scfg, sel), random_predictors(
+            config, rank, jax.random.key(1))
+    raise ValueError(f"unknown mode {mode!r}")
+
+
+def profile_mode(config, params, mode, args, out: Path, log) -> dict:
+    """Timings and kernel summary of one mode."""
+    B, ctx = args.batch, args.context
+    max_len = ctx + 4 * args.steps + 64
+    unrolled = args.layout == "unrolled"
+    prompt = jax.random.randint(jax.random.key(2), (B, ctx), 3, config.vocab_size)
+    mask = jnp.ones_like(prompt)
+    tokens = jnp.full((B,), 42, jnp.int32)
+    eng = mode_engine(config, mode, args.mlp, args.heads, args.dense_layers, args.rank)
+    if eng is None:
+        step_fn = lambda p, s, t: model.decode_step_fn(config, p, s, t)  # noqa: E731
+        run_params = params
+
+        def fresh():
+            st = model.init_state(config, B, max_len, BF16, per_layer=unrolled)
+            return model.prefill(config, params, prompt, mask, st)[1]
+    else:
+        eng, extra = eng
+        step_fn, run_params = eng.step, (params, extra)
+
+        def fresh():
+            st = eng.init_state(B, max_len, BF16, per_layer=unrolled)
+            return jax.jit(eng.prefill, donate_argnums=3)(run_params, prompt, mask, st)[1]
+
+    step = jax.jit(step_fn, donate_argnums=1)
+    state = fresh()
+    t = time.perf_counter()
+    _, state = step(run_params, state, tokens)
+    jax.block_until_ready(state)
+    compile_s = time.perf_counter() - t
+    _, state = time_steps(step, run_params, state, tokens, 3)
+    synced, state = time_steps(step, run_params, state, tokens, args.steps)
+    trace_dir = out / f"trace_{mode}"
+    with jax.profiler.trace(str(trace_dir), create_perfetto_trace=True):
+        _, state = time_steps(step, run_params, state, tokens, args.trace_steps)
+    del state
+    looped, state = time_device_loop(step_fn, run_params, fresh(), tokens, args.steps)
+    del state
+    summary = trace_kernels(str(trace_dir))
+    n = args.trace_steps
+    per_token = sorted(((name, c / n, us / n) for name, (c, us) in summary["kernels"].items()),
+                       key=lambda r: -r[2])
+    cats = collections.defaultdict(lambda: [0.0, 0.0])
+    for name, c, us in per_token:
+        cats[category(name)][0] += c
+        cats[category(name)][1] += us
+    row = dict(mode=mode, model=args.model, layout=args.layout, context=ctx, batch=B,
+               mlp=args.mlp, heads=args.heads, compile_s=compile_s,
+               ms_synced=synced * 1e3, ms_device_loop=looped * 1e3,
+               launches_per_token=sum(c for _, c, _ in per_token),
+               device_busy_ms_per_token=summary["busy_us"] / n / 1e3,
+               categories={k: dict(launches=v[0], us=v[1]) for k, v in cats.items()},
+               top_kernels=[dict(name=nm[:120], launches=c, us=us) for nm, c, us in per_token[:25]],
+               processes=summary["processes"])
+    log(json.dumps(row))
+    return row
+
+
+def main(argv=None) -> int:
+    """Profile the requested modes; writes profile.json into --out."""
+    p = argparse.ArgumentParser(prog="python -m dejavu_jax.eval.profile_decode")
+    p.add_argument("--model", default="opt-13b")
+    p.add_argument("--modes", default="dense,sparse-fixed,sparse-fixed-no-kv-recompute,"
+                                      "sparse-predictor")
+    p.add_argument("--layout", default="unrolled", choices=("unrolled", "stacked"))
+    p.add_argument("--context", type=int, default=128)
+    p.add_argument("--batch", type=int, default=1)
+    p.add_argument("--mlp", type=float, default=0.1)
+    p.add_argument("--heads", type=float, default=0.5)
+    p.add_argument("--dense-layers", type=int, default=2)
+    p.add_argument("--rank", type=int, default=256)
+    p.add_argument("--steps", type=int, default=20)
+    p.add_argument("--trace-steps", type=int, default=3)
+    p.add_argument("--out", default="eval/results/profile")
+    args = p.parse_args(argv)
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    config = config_lib.preset(args.model)
+    params = init_params(config, jax.random.key(0), BF16)
+    if args.layout == "unrolled":
+        params = unstack_layers(params, free_stacked=True)
+    rows = []
+
+    def log(msg):
+        print(msg, flush=True)
+
+    for mode in args.modes.split(","):
+        try:
+            rows.append(profile_mode(config, params, mode, args, out, log))
+        except Exception as e:  # report and go on with the other modes
+            log(f"FAILED {mode}: {type(e).__name__}: {str(e)[:600]}")
+    meta = dict(device=str(jax.devices()[0].device_kind), jax=jax.__version__,
+                xla_flags=os.environ.get("XLA_FLAGS", ""))
+    (out / "profile.json").write_text(json.dumps(dict(meta=meta, rows=rows), indent=1))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
