@@ -410,22 +410,31 @@ def sparse_step_fn(config: ModelConfig, scfg: SparseConfig, select: Selector,
                                                    history=io.history)
 
 
+SELECT_METHODS = ("exact", "threshold", "radix")
+
+
 def predictor_selector(group_size: int,
                        union_capacity: tuple[int | None, int | None] | None = None,
-                       method: str = "exact") -> Selector:
+                       method: str = "exact", impl: str | None = None) -> Selector:
     """A Selector whose parameters are trained predictors (`dejavu_jax.train.predict`).
 
-    method: "exact" (`lax.top_k`) or "threshold" (`topk.threshold_top_k`, sort-free; used
-    for a single row; batches take the union through `select_top_k` either way).
+    method, for a single row (batches take the union through `select_top_k` either way):
+    "exact" (`lax.top_k`, a sort on the GPU), "threshold" (`topk.threshold_top_k`,
+    sort-free jnp), or "radix" (`kernels.top_k_indices`: one Pallas launch, exact top-k of
+    the scores at bfloat16 precision, ties to the lower id; impl picks its kernel path).
     """
+    from dejavu_jax.kernels.top_k import top_k_indices
     from dejavu_jax.topk import threshold_top_k
     from dejavu_jax.train.predict import group_scores, predictor_scores, select_top_k
-    if method not in ("exact", "threshold"):
-        raise ValueError(f"unknown selection method {method!r}")
+    if method not in SELECT_METHODS:
+        raise ValueError(f"unknown selection method {method!r}; choose from {SELECT_METHODS}")
 
     def top(scores, k, capacity):
-        if method == "threshold" and scores.shape[0] == 1 and capacity in (None, k):
-            return threshold_top_k(scores[0], k)
+        if scores.shape[0] == 1 and capacity in (None, k):
+            if method == "threshold":
+                return threshold_top_k(scores[0], k)
+            if method == "radix":
+                return top_k_indices(scores[0], k, impl=impl)
         return select_top_k(scores, k, capacity)
 
     def select(pred_params, layer, x, k_mlp, k_heads):

@@ -122,7 +122,8 @@ def mode_engine(config, mode: str, mlp: float, heads: float, dense_layers: int, 
     if mode.startswith("sparse-fixed"):
         return sparse.sparse_engine(config, scfg, sparse.fixed_selector), random_sets(config, scfg)
     if mode.startswith("sparse-predictor"):
-        sel = sparse.predictor_selector(config.group_size)
+        method = mode.removeprefix("sparse-predictor").lstrip("-") or "exact"
+        sel = sparse.predictor_selector(config.group_size, method=method)
         return sparse.sparse_engine(config, scfg, sel), random_predictors(
             config, rank, jax.random.key(1))
     raise ValueError(f"unknown mode {mode!r}")
@@ -191,7 +192,9 @@ def main(argv=None) -> int:
     p = argparse.ArgumentParser(prog="python -m dejavu_jax.eval.profile_decode")
     p.add_argument("--model", default="opt-13b")
     p.add_argument("--modes", default="dense,sparse-fixed,sparse-fixed-no-kv-recompute,"
-                                      "sparse-predictor")
+                                      "sparse-predictor-exact,sparse-predictor-radix",
+                   help="dense, sparse-fixed[-no-kv-recompute], sparse-predictor[-METHOD] "
+                        "(METHOD: exact, threshold, radix)")
     p.add_argument("--layout", default="unrolled", choices=("unrolled", "stacked"))
     p.add_argument("--context", type=int, default=128)
     p.add_argument("--batch", type=int, default=1)

@@ -401,3 +401,39 @@ def test_head_sparse_attention_many_splits(rng, max_fused):
     out, _, _ = head_sparse_attention(*(None if a is None else jnp.asarray(a, F32) for a in arrs),
                                       pos, jnp.asarray(hidx), impl="interpret", config=cfg)
     assert _rel(out, ref) < 1e-5
+
+
+# ----------------------------------------------------------------------------
+# top-k selection
+# ----------------------------------------------------------------------------
+
+def _np_top_k(scores, k):
+    """Numpy: top-k of the scores truncated to their upper 16 bits, ties to the lower id."""
+    trunc = (np.asarray(scores, np.float32).view(np.int32) & np.int32(-65536)).view(np.float32)
+    trunc = trunc.astype(np.float64) + 0.0              # one zero: -0.0 ties with +0.0
+    order = np.lexsort((np.arange(len(trunc)), -trunc))
+    return np.sort(order[:k])
+
+
+@pytest.mark.parametrize("n,k,ties", [(1000, 100, False), (37, 1, False), (37, 37, False),
+                                      (4096, 410, True), (300, 150, True)])
+@pytest.mark.parametrize("impl", ["interpret", "reference"])
+def test_top_k_indices_matches_numpy(rng, impl, n, k, ties):
+    from dejavu_jax.kernels.top_k import top_k_indices
+    scores = rng.standard_normal(n).astype(np.float32) * 3
+    if ties:  # many equal scores straddle the k-th
+        scores = np.round(scores * 2) / 2
+    got = np.asarray(top_k_indices(jnp.asarray(scores), k, impl=impl))
+    assert got.dtype == np.int32 and got.shape == (k,)
+    np.testing.assert_array_equal(got, _np_top_k(scores, k))
+    if not ties:  # away from ties the set is the exact top-k of the fp32 scores
+        exact = np.sort(np.argsort(-scores, kind="stable")[:k])
+        assert len(np.intersect1d(got, exact)) >= k - 1
+
+
+def test_top_k_indices_validation():
+    from dejavu_jax.kernels.top_k import top_k_indices
+    with pytest.raises(ValueError, match="k=0"):
+        top_k_indices(jnp.ones(5), 0)
+    with pytest.raises(ValueError, match="rank 1"):
+        top_k_indices(jnp.ones((2, 5)), 1)

@@ -28,3 +28,31 @@ def test_threshold_top_k_with_ties_keeps_k_distinct_best(rng):
 def test_threshold_top_k_rejects_bad_k():
     with pytest.raises(ValueError):
         threshold_top_k(jnp.zeros(5), 6)
+
+
+@pytest.mark.parametrize("method", ["radix", "threshold", "exact"])
+def test_predictor_selector_methods_pick_the_top_scores(rng, method):
+    """Each selection method returns the top-k of the predictor's own scores (radix: at
+    bfloat16 precision) for the next layer, neurons and KV groups."""
+    from dejavu_jax import sparse
+    from dejavu_jax.config import preset
+    from dejavu_jax.eval.bench_decode import random_predictors
+    from dejavu_jax.train.predict import group_scores, predictor_scores
+    config = preset("llama-tiny")
+    preds = random_predictors(config, 16, jax.random.key(int(rng.integers(1 << 30))))
+    preds = jax.tree.map(lambda a: a.astype(jnp.float32), preds)
+    select = sparse.predictor_selector(config.group_size, method=method, impl="interpret")
+    x = jnp.asarray(rng.standard_normal((1, config.hidden)), jnp.float32)
+    layer = jnp.int32(1)
+    neurons, groups = jax.jit(select, static_argnums=(3, 4))(preds, layer, x, 40, 2)
+    mlp, heads = predictor_scores(preds, layer, x)
+    for got, scores, k in ((neurons, mlp[0], 40),
+                           (groups, group_scores(heads, config.group_size)[0], 2)):
+        scores = np.asarray(scores, np.float32)
+        if method == "radix":
+            scores = (scores.view(np.int32) & np.int32(-65536)).view(np.float32)
+        got = np.asarray(got)
+        assert len(set(got.tolist())) == k and (np.diff(got) > 0).all()
+        # every chosen score is >= every score left out
+        left = np.setdiff1d(np.arange(len(scores)), got)
+        assert scores[got].min() >= (scores[left].max() if len(left) else -np.inf)
