@@ -1,13 +1,30 @@
-"""Decode latency benchmark: dense against DejaVu sparse, per token, batch 1 and up.
+"""Decode latency benchmark: dense (ours) against DejaVu sparse (ours) and Hugging Face peers.
 
   python -m dejavu_jax.eval.bench_decode --models opt-6.7b,opt-13b --contexts 128,1024 \
+      --batch 1,4,16 --modes dense,sparse,hf-eager,hf-compiled \
       --mlp 0.05,0.1,0.15 --heads 0.25,0.5,1.0 --out results/
 
-Random weights (bf16) and random predictors of rank `--rank`. Every row reports the median
-ms/token over timed steps, the bytes a step must read (weights of the selected units,
-their KV, predictors) and the achieved GB/s; `roofline_gbs` is a large dense GEMV
-measured in the same run. Rows marked `indices=fixed` use precomputed index sets (no
-predictor), which isolates the predictor's cost.
+Random weights (bf16) and random predictors of rank `--rank`. Modes:
+  dense        our dense decode step (`generation.dense_engine`)
+  sparse       our sparse engine per (--mlp, --heads) density: one row per predictor top-k
+               method (`--select`), plus rows with precomputed index sets
+               (`indices=fixed`, no predictor) at head density 0.5 and the first context,
+               which isolates the predictor's cost
+  hf-eager     transformers, eager PyTorch with its dynamic cache (`bench_hf`)
+  hf-compiled  transformers, static cache + torch.compile(mode="reduce-overhead")
+The HF modes run in a child process (`bench_hf.py`, under `--hf-python`) before JAX
+touches the accelerator, since JAX preallocates most of its memory; without torch they are
+skipped with a log line.
+
+Every row of ours reports (`measure_engine`): `ms` / `p90_ms`, ms per token with the host
+synchronising after every step; `ms_loop`, ms per token with `--steps` steps chained in one
+jitted `lax.fori_loop` (no host round trip; the difference is launch and sync overhead);
+`prefill_ms`; compile seconds (`compile_s`, split into prefill, step and loop); the device
+peak memory (`peak_bytes`; a process-lifetime peak, null on CPU) and XLA's estimate for the
+step (`step_peak_bytes`); the bytes a step must read (`step_bytes`), and GB/s and tokens/s
+from `ms_loop`. `roofline_gbs` is a large dense GEMV measured in the same run (the faster
+orientation; both in `roofline_detail`). Speedups: sparse against dense-ours of the same
+(model, context, batch), and every row of ours against the HF rows of the same setting.
 """
 
 from __future__ import annotations
@@ -15,9 +32,12 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import datetime
+import functools
 import json
 import os
 import platform
+import subprocess
+import sys
 import time
 from pathlib import Path
 
@@ -27,13 +47,17 @@ import numpy as np
 from tqdm.auto import tqdm
 
 from dejavu_jax import config as config_lib
-from dejavu_jax import model, sparse
+from dejavu_jax import sparse
+from dejavu_jax.eval import bench_hf
+from dejavu_jax.eval.bench_hf import cache_len
 from dejavu_jax.params import init_params, param_bytes, unstack_layers
 from dejavu_jax.train.predictor_model import Predictor, PredictorParams
 
 BF16 = jnp.bfloat16
+MODES = ("dense", "sparse") + bench_hf.HF_MODES
 
 
+@functools.partial(jax.jit, static_argnums=(0, 1))
 def random_predictors(config, rank: int, key) -> PredictorParams:
     """Random bf16 predictors of the shapes a trained set would have."""
     L, d = config.n_layers, config.hidden
@@ -76,34 +100,66 @@ def sparse_variants(config, preds, select_methods, fixed_sets=None,
 
 
 def step_bytes(config, scfg, context: int, batch: int, rank: int, predictors: bool) -> int:
-    """Bytes a decode step must read: selected weights, their KV, predictors, embeddings."""
-    d, hd, G, b = config.hidden, config.head_dim, config.group_size, 2
-    mlp_rows = 3 if config.gated_mlp else 2
-    total = config.vocab_size * config.embed_dim * b + batch * d * b  # LM head, embedding rows
-    for layer in range(config.n_layers):
-        km = config.ffn if scfg is None else scfg.mlp_k[layer]
-        kh = config.n_kv_heads if scfg is None else scfg.head_k[layer]
-        total += km * mlp_rows * d * b
-        total += kh * (2 * G + 2) * hd * d * b
-        total += batch * kh * 2 * context * hd * b
+    """Bytes (bf16) a decode step must read at least.
+
+    Every weight a step uses, once: the LM head (the embedding when tied), project_in/out,
+    the final norm; per layer both norms, the q/o rows of the selected KV groups' query
+    heads and their k/v rows, their biases, `bo`, the selected neurons' `w_in` (`w_gate`),
+    `w_out_t` rows and `b_in`, and `b_out`. Gathered rows: the `batch` embedding rows of the
+    new tokens and (OPT) their position rows. The selected KV groups' K and V over `context`
+    tokens per row (the new token's and the cache's padding slots are not counted), and, for
+    predictor rows, both predictors of every sparse layer. scfg None: dense. At density 1.0
+    this is the model's weight bytes minus the position table plus the gathered rows plus
+    the KV (tests/test_bench.py checks it against the parameter arrays).
+    """
+    c = config
+    d, E, hd, G = c.hidden, c.embed_dim, c.head_dim, c.group_size
+    layer_norm = c.family == "opt"
+    total = c.vocab_size * E + batch * E  # LM head; embedding rows of the new tokens
+    if c.family == "opt":
+        total += batch * d  # learned position rows
+    if c.has_projections:
+        total += 2 * d * E
+    if c.final_norm:
+        total += d * (2 if layer_norm else 1)
+    mlp_mats = 3 if c.gated_mlp else 2
+    for layer in range(c.n_layers):
+        km = c.ffn if scfg is None else scfg.mlp_k[layer]
+        kh = c.n_kv_heads if scfg is None else scfg.head_k[layer]
+        total += 2 * d * (2 if layer_norm else 1)  # attention and MLP norms
+        total += kh * (2 * G + 2) * hd * d  # q and o of the group's query heads, k, v
+        if c.attention_bias:
+            total += kh * (G + 2) * hd + d  # bq, bk, bv of the selected groups; bo
+        total += km * mlp_mats * d
+        if c.mlp_bias:
+            total += km + d  # b_in of the selected neurons; b_out
+        total += batch * kh * 2 * context * hd  # K and V
         if predictors and scfg is not None and layer >= scfg.dense_layers:
-            total += (d * rank + rank * (config.ffn + config.n_heads)) * b
-    return total
+            # both predictors (`random_predictors`): w1 [d, r] and w2 [r, n] bf16, mean and
+            # inv_std [d] and b2 [n] fp32 (2 bf16 units each), n = ffn and n_heads
+            total += 2 * d * rank + rank * (c.ffn + c.n_heads)
+            total += 2 * (4 * d + c.ffn + c.n_heads)
+    return total * 2
 
 
-def measure_roofline(gb: float = 4.0) -> float:
-    """GB/s of XLA's dense GEMV on a matrix of `gb` GB (bf16), median of 20 calls."""
+def measure_roofline(gb: float = 4.0, detail: dict | None = None) -> float:
+    """GB/s of XLA's dense GEMV on a matrix of `gb` GB (bf16): the faster of `W @ x` and
+    `x @ W`, median of 20 calls each (`detail` receives both)."""
     n = int((gb * 1e9 / 2) ** 0.5) // 128 * 128
     w = jax.random.normal(jax.random.key(0), (n, n), BF16)
     x = jax.random.normal(jax.random.key(1), (n,), BF16)
-    f = jax.jit(lambda w, x: w @ x)
-    f(w, x).block_until_ready()
-    times = []
-    for _ in range(20):
-        t = time.perf_counter()
+    rates = {}
+    for label, f in (("W@x", jax.jit(lambda w, x: w @ x)), ("x@W", jax.jit(lambda w, x: x @ w))):
         f(w, x).block_until_ready()
-        times.append(time.perf_counter() - t)
-    return n * n * 2 / float(np.median(times)) / 1e9
+        times = []
+        for _ in range(20):
+            t = time.perf_counter()
+            f(w, x).block_until_ready()
+            times.append(time.perf_counter() - t)
+        rates[label] = n * n * 2 / float(np.median(times)) / 1e9
+    if detail is not None:
+        detail.update(rates)
+    return max(rates.values())
 
 
 def time_decode(step, params, state, tokens, warmup: int, steps: int):
@@ -118,11 +174,118 @@ def time_decode(step, params, state, tokens, warmup: int, steps: int):
     return float(np.median(times)), float(np.percentile(times, 90)), state
 
 
-def run_model(name, contexts, mlp_densities, head_densities, batch, rank, dense_layers,
+def time_loop(step_fn, params, state, tokens, steps: int):
+    """(seconds per step, compile seconds, state) with `steps` decode steps chained inside
+    one jitted `lax.fori_loop`, the state donated: no host round trip between tokens (each
+    step feeds the argmax of its logits to the next). Compiled ahead of time, run once to
+    warm, then timed once."""
+    def loop(params, state, tokens):
+        def body(_, carry):
+            state, tok = carry
+            logits, state = step_fn(params, state, tok)
+            return state, jnp.argmax(logits, -1).astype(tok.dtype)
+        return jax.lax.fori_loop(0, steps, body, (state, tokens))
+
+    t = time.perf_counter()
+    run = jax.jit(loop, donate_argnums=1).lower(params, state, tokens).compile()
+    compile_s = time.perf_counter() - t
+    state, out = run(params, state, tokens)
+    jax.block_until_ready(state)
+    t = time.perf_counter()
+    state, out = run(params, state, tokens)
+    jax.block_until_ready((state, out))
+    return (time.perf_counter() - t) / steps, compile_s, state
+
+
+def device_peak_bytes() -> int | None:
+    """`peak_bytes_in_use` of the local devices (the largest), None where the backend
+    keeps no memory stats (CPU). A process-lifetime peak: JAX cannot reset it."""
+    peaks = []
+    for dev in jax.local_devices():
+        try:
+            stats = dev.memory_stats()
+        except Exception:  # backends without memory stats
+            stats = None
+        if stats and "peak_bytes_in_use" in stats:
+            peaks.append(int(stats["peak_bytes_in_use"]))
+    return max(peaks) if peaks else None
+
+
+def compiled_peak_bytes(compiled) -> int | None:
+    """XLA's peak memory estimate of one compiled executable (arguments, outputs and
+    temporaries; per device), None where unavailable."""
+    try:
+        return int(compiled.memory_analysis().peak_memory_in_bytes)
+    except Exception:  # no memory analysis on this backend/version
+        return None
+
+
+def measure_engine(engine, params, prompt, mask, tokens, max_len: int, warmup: int,
+                   steps: int, init_kwargs: dict, prefill_reps: int = 3) -> dict:
+    """Timings of one engine at one (context, batch).
+
+    Prefill, step and device loop are compiled ahead of time, and each compile is timed
+    on its own (`compile_prefill_s`, `compile_step_s`, `compile_loop_s`; `compile_s` is
+    their sum). prefill_ms: median of `prefill_reps` prefills of a fresh cache after a
+    warm one. ms / p90_ms: the decode step with the host synchronising after every token
+    (`time_decode`); ms_loop: steps chained on the device (`time_loop`), on the same
+    cache. peak_bytes: the devices' peak so far (`device_peak_bytes`); step_peak_bytes:
+    XLA's estimate for the step executable.
+    """
+    batch = prompt.shape[0]
+
+    def fresh():
+        return engine.init_state(batch, max_len, BF16, **init_kwargs)
+
+    res = {}
+    state = fresh()
+    t = time.perf_counter()
+    prefill = jax.jit(engine.prefill, donate_argnums=3).lower(params, prompt, mask,
+                                                               state).compile()
+    res["compile_prefill_s"] = time.perf_counter() - t
+    times = []
+    for i in range(1 + prefill_reps):
+        if i:
+            del state
+            state = fresh()
+            jax.block_until_ready(state)
+        t = time.perf_counter()
+        _, state = prefill(params, prompt, mask, state)
+        jax.block_until_ready(state)
+        times.append(time.perf_counter() - t)
+    res["prefill_ms"] = float(np.median(times[1:] or times)) * 1e3
+    t = time.perf_counter()
+    step = jax.jit(engine.step, donate_argnums=1).lower(params, state, tokens).compile()
+    res["compile_step_s"] = time.perf_counter() - t
+    res["step_peak_bytes"] = compiled_peak_bytes(step)
+    med, p90, state = time_decode(step, params, state, tokens, warmup, steps)
+    res.update(ms=med * 1e3, p90_ms=p90 * 1e3)
+    per_step, res["compile_loop_s"], state = time_loop(engine.step, params, state, tokens,
+                                                       steps)
+    res["ms_loop"] = per_step * 1e3
+    res["compile_s"] = res["compile_prefill_s"] + res["compile_step_s"] + res["compile_loop_s"]
+    res["peak_bytes"] = device_peak_bytes()
+    del state
+    return res
+
+
+def rates(nbytes: int, batch: int, ms: float, ms_loop: float | None) -> dict:
+    """GB/s and tokens/s of a row: from ms_loop (device-chained steps) where measured,
+    else from the synchronised ms (HF rows); gbs_synced always from ms."""
+    per_token = ms_loop if ms_loop else ms
+    return dict(bytes=nbytes, gbs=nbytes / per_token / 1e6, gbs_synced=nbytes / ms / 1e6,
+                tokens_per_s=batch * 1e3 / per_token)
+
+
+def run_model(name, contexts, mlp_densities, head_densities, batches, rank, dense_layers,
               warmup, steps, bar, log, layout="unrolled", select_methods=("exact",),
-              kv_recompute_off=False):
-    """All rows for one model preset, with the layers stacked (scan) or unrolled."""
+              kv_recompute_off=False, modes=("dense", "sparse"), prefill_reps=3):
+    """All rows for one model preset, with the layers stacked (scan) or unrolled: for every
+    context and batch, dense (ours) and the sparse variants (`sparse_variants`)."""
+    from dejavu_jax.generation import dense_engine
     config = config_lib.preset(name)
+    if isinstance(batches, int):
+        batches = [batches]
     t0 = time.perf_counter()
     params = init_params(config, jax.random.key(0), BF16)
     if layout == "unrolled":
@@ -130,77 +293,189 @@ def run_model(name, contexts, mlp_densities, head_densities, batch, rank, dense_
     jax.block_until_ready(params)
     log(f"{name}: {param_bytes(params) / 1e9:.1f} GB weights, init {time.perf_counter() - t0:.1f}s")
     preds = random_predictors(config, rank, jax.random.key(1))
-    tokens = jnp.ones((batch,), jnp.int32) * 42
+    init_kwargs = dict(per_layer=layout == "unrolled")
     rows = []
     for ctx in contexts:
-        max_len = ctx + warmup + steps + 64
-        prompt = jax.random.randint(jax.random.key(2), (batch, ctx), 3, config.vocab_size)
-        mask = jnp.ones_like(prompt)
+        max_len = cache_len(ctx, warmup, steps)
+        for batch in batches:
+            prompt = jax.random.randint(jax.random.key(2), (batch, ctx), 3, config.vocab_size)
+            mask = jnp.ones_like(prompt)
+            tokens = jnp.full((batch,), 42, jnp.int32)
+            base = dict(model=name, layout=layout, context=ctx, batch=batch, cache_len=max_len)
 
-        def fresh_dense():
-            st = model.init_state(config, batch, max_len, BF16, per_layer=layout == "unrolled")
-            return model.prefill(config, params, prompt, mask, st)[1]
+            def measure(what, engine, engine_params):
+                try:
+                    return measure_engine(engine, engine_params, prompt, mask, tokens, max_len,
+                                          warmup, steps, init_kwargs, prefill_reps)
+                except Exception as e:  # report (OOM, lowering errors) and go on
+                    log(f"FAILED {name} {layout} ctx={ctx} batch={batch} {what}: "
+                        f"{type(e).__name__}: {str(e)[:400]}")
+                    return None
 
-        step = jax.jit(lambda p, s, t: model.decode_step_fn(config, p, s, t), donate_argnums=1)
-        t = time.perf_counter()
-        state = fresh_dense()
-        med, p90, state = time_decode(step, params, state, tokens, warmup, steps)
-        compile_s = time.perf_counter() - t
-        dense_ms = med * 1e3
-        nbytes = step_bytes(config, None, ctx, batch, rank, False)
-        rows.append(dict(model=name, layout=layout, mode="dense", context=ctx, batch=batch, mlp=1.0, heads=1.0,
-                         indices="-", ms=dense_ms, p90_ms=p90 * 1e3, bytes=nbytes,
-                         gbs=nbytes / med / 1e9, speedup=1.0, wall_s=compile_s))
-        log(json.dumps(rows[-1]))
-        bar.update()
-        del state
-        for md in mlp_densities:
-            for hdn in head_densities:
-                scfg = sparse.sparse_config(config, md, hdn, dense_layers=dense_layers)
-                fixed = (random_sets(config, scfg) if hdn == 0.5 and ctx == contexts[0]
-                         else None)
-                variants = sparse_variants(config, preds, select_methods, fixed,
-                                           kv_recompute_off)
-                for kind, select, sel_params in variants:
-                    run_cfg = (dataclasses.replace(scfg, kv_recompute=False)
-                               if kind.endswith("no-kv-recompute") else scfg)
-                    eng = sparse.sparse_engine(config, run_cfg, select)
-                    t = time.perf_counter()
-                    st = eng.init_state(batch, max_len, BF16, per_layer=layout == "unrolled")
-                    st = jax.jit(eng.prefill, donate_argnums=3)((params, sel_params), prompt,
-                                                               mask, st)[1]
-                    sstep = jax.jit(eng.step, donate_argnums=1)
-                    try:
-                        med, p90, st = time_decode(sstep, (params, sel_params), st, tokens,
-                                                   warmup, steps)
-                    except Exception as e:  # report and go on with the other rows
-                        log(f"FAILED {name} ctx={ctx} mlp={md} heads={hdn} {kind}: "
-                            f"{type(e).__name__}: {str(e)[:400]}")
-                        continue
-                    nbytes = step_bytes(config, scfg, ctx, batch, rank, kind.startswith("predictor"))
-                    rows.append(dict(model=name, layout=layout, mode="sparse", context=ctx, batch=batch,
-                                     mlp=md, heads=hdn, indices=kind, ms=med * 1e3,
-                                     p90_ms=p90 * 1e3, bytes=nbytes, gbs=nbytes / med / 1e9,
-                                     speedup=dense_ms / (med * 1e3),
-                                     wall_s=time.perf_counter() - t))
+            if "dense" in modes:
+                res = measure("dense", dense_engine(config), params)
+                if res is not None:
+                    nbytes = step_bytes(config, None, ctx, batch, rank, False)
+                    rows.append(dict(base, mode="dense", mlp=1.0, heads=1.0, indices="-",
+                                     **res, **rates(nbytes, batch, res["ms"], res["ms_loop"])))
                     log(json.dumps(rows[-1]))
-                    bar.update()
-                    del st
+                bar.update()
+            if "sparse" not in modes:
+                continue
+            for md in mlp_densities:
+                for hdn in head_densities:
+                    scfg = sparse.sparse_config(config, md, hdn, dense_layers=dense_layers)
+                    fixed = (random_sets(config, scfg) if hdn == 0.5 and ctx == contexts[0]
+                             else None)
+                    variants = sparse_variants(config, preds, select_methods, fixed,
+                                               kv_recompute_off)
+                    for kind, select, sel_params in variants:
+                        run_cfg = (dataclasses.replace(scfg, kv_recompute=False)
+                                   if kind.endswith("no-kv-recompute") else scfg)
+                        eng = sparse.sparse_engine(config, run_cfg, select)
+                        res = measure(f"mlp={md} heads={hdn} {kind}", eng, (params, sel_params))
+                        bar.update()
+                        if res is None:
+                            continue
+                        nbytes = step_bytes(config, scfg, ctx, batch, rank,
+                                            kind.startswith("predictor"))
+                        rows.append(dict(base, mode="sparse", mlp=md, heads=hdn, indices=kind,
+                                         **res, **rates(nbytes, batch, res["ms"],
+                                                        res["ms_loop"])))
+                        log(json.dumps(rows[-1]))
+    del params
     return rows
 
 
-def markdown(rows, roofline) -> str:
-    """A markdown table of the rows."""
-    head = ("| model | layers | mode | ctx | batch | mlp | heads | indices | ms/token | p90 | "
-            "GB read | GB/s | % roofline | speedup vs dense |\n|" + "---|" * 14)
-    lines = [head]
+MODE_ORDER = {"hf-eager": 0, "hf-compiled": 1, "dense": 2, "sparse": 3}
+
+
+def add_speedups(rows) -> list[dict]:
+    """Rows sorted by (model, context, batch, mode), with speedups filled in.
+
+    Ours (dense and sparse): `speedup` = dense ms / ms and `speedup_loop` = dense ms_loop /
+    ms_loop against dense-ours of the same (model, layout, context, batch);
+    `speedup_vs_hf_eager` / `speedup_vs_hf_compiled` = the HF row's ms / ms (both
+    host-synchronised per token) of the same (model, context, batch), where present.
+    """
+    rows = sorted(rows, key=lambda r: (r["model"], r["context"], r["batch"],
+                                       MODE_ORDER.get(r["mode"], 9)))
+    dense = {(r["model"], r.get("layout"), r["context"], r["batch"]): r
+             for r in rows if r["mode"] == "dense"}
+    hf = {(r["mode"], r["model"], r["context"], r["batch"]): r
+          for r in rows if r["mode"] in bench_hf.HF_MODES}
     for r in rows:
-        lines.append(
-            f"| {r['model']} | {r.get('layout', 'stacked')} | {r['mode']} | {r['context']} | {r['batch']} | {r['mlp']:.2f} | "
-            f"{r['heads']:.2f} | {r['indices']} | {r['ms']:.3f} | {r['p90_ms']:.3f} | "
-            f"{r['bytes'] / 1e9:.2f} | {r['gbs']:.0f} | {100 * r['gbs'] / roofline:.0f}% | "
-            f"{r['speedup']:.2f}x |")
+        if r["mode"] not in ("dense", "sparse"):
+            continue
+        d = dense.get((r["model"], r.get("layout"), r["context"], r["batch"]))
+        r["speedup"] = d["ms"] / r["ms"] if d else None
+        r["speedup_loop"] = (d["ms_loop"] / r["ms_loop"]
+                             if d and d.get("ms_loop") and r.get("ms_loop") else None)
+        for m in bench_hf.HF_MODES:
+            h = hf.get((m, r["model"], r["context"], r["batch"]))
+            r["speedup_vs_" + m.replace("-", "_")] = h["ms"] / r["ms"] if h else None
+    return rows
+
+
+def _f(value, spec: str, suffix: str = "") -> str:
+    """`value` formatted, or an en dash for None."""
+    return "–" if value is None else f"{value:{spec}}{suffix}"
+
+
+def write_table(out: Path, meta: dict, rows, log=print):
+    """bench_decode.md: the meta and the table; tensor-parallel rows in their own table
+    (`bench_tp.markdown_tp`) after the others."""
+    tables = []
+    single = [r for r in rows if "tp" not in r]
+    if single or not rows:
+        tables.append(markdown(single, meta["roofline_gbs"]))
+    if len(single) < len(rows):
+        from dejavu_jax.eval.bench_tp import markdown_tp
+        tables.append(markdown_tp([r for r in rows if "tp" in r], meta["roofline_gbs"]))
+    table = "\n\n".join(tables)
+    (out / "bench_decode.md").write_text(
+        f"# Decode benchmark\n\n{json.dumps(meta, indent=1)}\n\n{table}\n")
+    log(table)
+
+
+def merge_runs(dirs, out: Path, argv_text: str, log) -> int:
+    """One JSON and table from the bench_decode.json of several runs (say one per model,
+    or HF rows from a separate run): rows concatenated, speedups recomputed across runs."""
+    metas, rows = [], []
+    for d in dirs:
+        run = json.loads((d / "bench_decode.json").read_text())
+        metas.append(dict(run["meta"], source=str(d)))
+        rows += [dict(r, roofline_gbs=r.get("roofline_gbs", run["meta"].get("roofline_gbs")))
+                 for r in run["rows"]]
+    known = [m["roofline_gbs"] for m in metas if m.get("roofline_gbs")]
+    meta = dict(command="python -m dejavu_jax.eval.bench_decode " + argv_text,
+                date=datetime.datetime.now().isoformat(timespec="seconds"),
+                roofline_gbs=max(known) if known else None, merged=metas)
+    rows = add_speedups(rows)
+    (out / "bench_decode.json").write_text(json.dumps(dict(meta=meta, rows=rows), indent=1))
+    write_table(out, meta, rows, log)
+    return 0
+
+
+def markdown(rows, roofline) -> str:
+    """A markdown table of the rows (see `add_speedups` for the speedup columns)."""
+    cols = ("model", "layers", "mode", "ctx", "batch", "mlp", "heads", "indices",
+            "ms (synced)", "ms_loop", "p90", "tokens/s", "GB read", "GB/s", "% roofline",
+            "prefill ms", "compile s", "peak GB", "vs dense (synced / loop)", "vs hf-eager",
+            "vs hf-compiled")
+    lines = ["| " + " | ".join(cols) + " |", "|" + "---|" * len(cols)]
+    for r in rows:
+        peak = r.get("peak_bytes")
+        vs_dense = ("–" if r.get("speedup") is None else
+                    f"{r['speedup']:.2f}x / {_f(r.get('speedup_loop'), '.2f', 'x')}")
+        cells = (r["model"], r.get("layout", "stacked"), r["mode"], r["context"], r["batch"],
+                 f"{r['mlp']:.2f}", f"{r['heads']:.2f}", r["indices"], f"{r['ms']:.3f}",
+                 _f(r.get("ms_loop"), ".3f"), f"{r['p90_ms']:.3f}",
+                 _f(r.get("tokens_per_s"), ".0f"), _f(r.get("bytes") and r["bytes"] / 1e9, ".2f"),
+                 _f(r.get("gbs"), ".0f"),
+                 _f(r.get("gbs") and 100 * r["gbs"] / (r.get("roofline_gbs") or roofline),
+                    ".0f", "%"),
+                 _f(r.get("prefill_ms"), ".1f"), _f(r.get("compile_s"), ".1f"),
+                 _f(peak and peak / 1e9, ".1f"), vs_dense,
+                 _f(r.get("speedup_vs_hf_eager"), ".2f", "x"),
+                 _f(r.get("speedup_vs_hf_compiled"), ".2f", "x"))
+        lines.append("| " + " | ".join(str(c) for c in cells) + " |")
     return "\n".join(lines)
+
+
+def run_hf(python: str, models, contexts, batches, modes, warmup: int, steps: int, out: Path,
+           log, device: str = "cuda", compile_mode: str = "reduce-overhead",
+           attn: str = "sdpa") -> dict | None:
+    """The HF rows from a child process (`bench_hf`, run by path under `python`), before
+    this process touches the accelerator. None (and a log line) when it gives no result."""
+    out_file = out / "bench_hf.json"
+    out_file.unlink(missing_ok=True)
+    cmd = [python, str(Path(__file__).resolve().with_name("bench_hf.py")),
+           "--models", ",".join(models), "--contexts", ",".join(map(str, contexts)),
+           "--batch", ",".join(map(str, batches)), "--modes", ",".join(modes),
+           "--warmup", str(warmup), "--steps", str(steps), "--device", device,
+           "--compile-mode", compile_mode, "--attn", attn, "--out", str(out_file)]
+    # the child must not grab the accelerator through JAX (importing dejavu_jax imports it)
+    env = dict(os.environ, JAX_PLATFORMS="cpu", XLA_PYTHON_CLIENT_PREALLOCATE="false")
+    log("HF rows: " + " ".join(cmd))
+    try:
+        proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                                text=True, env=env)
+    except OSError as e:
+        log(f"{', '.join(modes)} skipped: cannot start {python}: {e}")
+        return None
+    for line in proc.stdout:
+        log("[hf] " + line.rstrip())
+    rc = proc.wait()
+    if rc != 0 or not out_file.exists():
+        log(f"{', '.join(modes)} skipped: the HF child process exited with status {rc}")
+        return None
+    result = json.loads(out_file.read_text())
+    if result["meta"].get("skipped"):
+        log(f"{', '.join(modes)} skipped: {result['meta']['skipped']}")
+    for err in result.get("errors", []):
+        log(f"HF row skipped: {json.dumps({k: v for k, v in err.items() if k != 'traceback'})}")
+    return result
 
 
 def main(argv=None) -> int:
@@ -208,42 +483,43 @@ def main(argv=None) -> int:
     p = argparse.ArgumentParser(prog="python -m dejavu_jax.eval.bench_decode")
     p.add_argument("--models", default="opt-6.7b,opt-13b,opt-30b")
     p.add_argument("--contexts", default="128,1024")
+    p.add_argument("--modes", default="dense,sparse",
+                   help=f"comma-separated, of: {', '.join(MODES)}")
     p.add_argument("--mlp", default="0.05,0.1,0.15")
     p.add_argument("--heads", default="0.25,0.5,1.0")
-    p.add_argument("--batch", type=int, default=1)
+    p.add_argument("--batch", default="1", help="comma-separated batch sizes, e.g. 1,4,16")
     p.add_argument("--rank", type=int, default=256, help="predictor hidden width r")
     p.add_argument("--dense-layers", type=int, default=2)
     p.add_argument("--warmup", type=int, default=3)
     p.add_argument("--steps", type=int, default=20)
+    p.add_argument("--prefill-reps", type=int, default=3)
     p.add_argument("--layouts", default="unrolled",
                    help="stacked (lax.scan over stacked layers), unrolled, or both")
     p.add_argument("--select", default="exact", help="predictor top-k: exact, threshold or both")
     p.add_argument("--diagnose-kv-recompute", action="store_true",
                    help="add a fixed-index row without missing-KV recomputation (inexact)")
+    p.add_argument("--hf-python", default=sys.executable,
+                   help="interpreter with torch + transformers for the HF modes")
+    p.add_argument("--hf-device", default="cuda")
+    p.add_argument("--hf-compile-mode", default="reduce-overhead")
+    p.add_argument("--hf-attn", default="sdpa")
+    p.add_argument("--merge", help="comma-separated --out directories of earlier runs: one "
+                   "table of all their rows (speedups across runs), written to --out; "
+                   "runs nothing")
     p.add_argument("--out", default="eval/results")
     p.add_argument("--mesh", help="tensor-parallel mesh, e.g. 'tp=2' (rows from eval/bench_tp.py)")
     p.add_argument("--devices", type=int, help="shorthand for --mesh tp=N")
     args = p.parse_args(argv)
-    mesh = None
-    if args.mesh or args.devices:  # tensor parallel (dejavu_jax.sharding)
-        from dejavu_jax import sharding
-        sizes = sharding.parse_mesh(args.mesh) if args.mesh else {"data": 1, "tp": args.devices}
-        mesh = sharding.make_mesh(**sizes)
-    out = Path(args.out)
-    out.mkdir(parents=True, exist_ok=True)
     split = lambda s, f: [f(v) for v in s.split(",") if v]  # noqa: E731
     models, contexts = split(args.models, str), split(args.contexts, int)
     mlps, heads = split(args.mlp, float), split(args.heads, float)
-    import sys
-    argv_text = " ".join(sys.argv[1:] if argv is None else argv)
-    meta = dict(command="python -m dejavu_jax.eval.bench_decode " + argv_text,
-                date=datetime.datetime.now().isoformat(timespec="seconds"),
-                device=str(jax.devices()[0].device_kind), backend=jax.default_backend(),
-                jax=jax.__version__, jaxlib=jax.lib.__version__ if hasattr(jax, "lib") else "",
-                python=platform.python_version(), rank=args.rank,
-                xla_flags=os.environ.get("XLA_FLAGS", ""),
-                dense_layers=args.dense_layers,
-                mesh=None if mesh is None else dict(mesh.shape))
+    batches, modes = split(args.batch, int), split(args.modes, str)
+    unknown = [m for m in modes if m not in MODES]
+    if unknown:
+        p.error(f"unknown modes {unknown}; known: {', '.join(MODES)}")
+    hf_modes = [m for m in modes if m in bench_hf.HF_MODES]
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
     log_file = open(out / "bench_decode.log", "a")
 
     def log(msg):
@@ -251,30 +527,72 @@ def main(argv=None) -> int:
         log_file.write(msg + "\n")
         log_file.flush()
 
-    meta["roofline_gbs"] = measure_roofline(4.0 if jax.default_backend() == "gpu" else 0.05)
-    log(f"roofline (dense GEMV) {meta['roofline_gbs']:.0f} GB/s")
-    n_rows = len(models) * len(contexts) * (1 + len(mlps) * len(heads)) + len(models) * len(mlps)
+    argv_text = " ".join(sys.argv[1:] if argv is None else argv)
+    log(f"python -m dejavu_jax.eval.bench_decode {argv_text}")
+    if args.merge:
+        return merge_runs(split(args.merge, Path), out, argv_text, log)
+    hf = None
+    if hf_modes:  # first: JAX has not touched (nor preallocated) the accelerator yet
+        hf = run_hf(args.hf_python, models, contexts, batches, hf_modes, args.warmup,
+                    args.steps, out, log, args.hf_device, args.hf_compile_mode, args.hf_attn)
+    mesh = None
+    if args.mesh or args.devices:  # tensor parallel (dejavu_jax.sharding)
+        from dejavu_jax import sharding
+        sizes = sharding.parse_mesh(args.mesh) if args.mesh else {"data": 1, "tp": args.devices}
+        mesh = sharding.make_mesh(**sizes)
+    meta = dict(command="python -m dejavu_jax.eval.bench_decode " + argv_text,
+                date=datetime.datetime.now().isoformat(timespec="seconds"),
+                device=str(jax.devices()[0].device_kind), backend=jax.default_backend(),
+                jax=jax.__version__, jaxlib=jax.lib.__version__ if hasattr(jax, "lib") else "",
+                python=platform.python_version(), rank=args.rank,
+                xla_flags=os.environ.get("XLA_FLAGS", ""),
+                dense_layers=args.dense_layers, modes=modes, batches=batches,
+                warmup=args.warmup, steps=args.steps,
+                mesh=None if mesh is None else dict(mesh.shape),
+                hf=None if hf is None else hf["meta"],
+                hf_errors=None if hf is None else hf.get("errors"))
+    detail = {}
+    meta["roofline_gbs"] = measure_roofline(4.0 if jax.default_backend() == "gpu" else 0.01,
+                                            detail)
+    meta["roofline_detail"] = detail
+    log(f"roofline (dense GEMV) {meta['roofline_gbs']:.0f} GB/s {detail}")
+    ours = [m for m in modes if m in ("dense", "sparse")]
+    n_sparse = len(mlps) * len(heads) * len(split(args.select, str)) if "sparse" in ours else 0
+    n_fixed = (len(mlps) * (0.5 in heads) * (1 + (args.diagnose_kv_recompute and mesh is None))
+               if "sparse" in ours else 0)
+    n_rows = (len(models) * len(split(args.layouts, str)) * len(batches)
+              * (len(contexts) * (("dense" in ours) + n_sparse) + n_fixed))
     bar = tqdm(total=n_rows, desc="decode benchmark")
     rows = []
-    for name in models:
+    for r in (hf or {}).get("rows", []):
+        config = config_lib.preset(r["model"])
+        nbytes = step_bytes(config, None, r["context"], r["batch"], args.rank, False)
+        rows.append(dict(r, **rates(nbytes, r["batch"], r["ms"], None)))
+
+    def write():
+        for r in rows:  # what this row's % roofline refers to (kept through --merge)
+            r.setdefault("roofline_gbs", meta["roofline_gbs"])
+        (out / "bench_decode.json").write_text(
+            json.dumps(dict(meta=meta, rows=add_speedups(rows)), indent=1))
+
+    for name in models if ours else []:
         for layout in split(args.layouts, str):
             if mesh is not None:
                 from dejavu_jax.eval.bench_tp import run_model_tp
-                rows += run_model_tp(name, contexts, mlps, heads, args.batch, args.rank,
+                rows += run_model_tp(name, contexts, mlps, heads, batches, args.rank,
                                      args.dense_layers, args.warmup, args.steps, bar, log,
-                                     layout, tuple(split(args.select, str)), mesh)
+                                     layout, tuple(split(args.select, str)), mesh, ours,
+                                     args.prefill_reps)
                 continue
-            rows += run_model(name, contexts, mlps, heads, args.batch, args.rank,
+            rows += run_model(name, contexts, mlps, heads, batches, args.rank,
                               args.dense_layers, args.warmup, args.steps, bar, log, layout,
-                              tuple(split(args.select, str)), args.diagnose_kv_recompute)
-        (out / "bench_decode.json").write_text(json.dumps(dict(meta=meta, rows=rows), indent=1))
-    table = markdown(rows, meta["roofline_gbs"])
-    if mesh is not None:
-        from dejavu_jax.eval.bench_tp import markdown_tp
-        table = markdown_tp(rows, meta["roofline_gbs"])
-    (out / "bench_decode.md").write_text(
-        f"# Decode benchmark\n\n{json.dumps(meta, indent=1)}\n\n{table}\n")
-    print(table)
+                              tuple(split(args.select, str)), args.diagnose_kv_recompute,
+                              ours, args.prefill_reps)
+        write()
+    bar.close()
+    write()
+    write_table(out, meta, add_speedups(rows), print)
+    log_file.close()
     return 0
 
 

@@ -1,0 +1,171 @@
+"""The decode benchmark (eval/bench_decode.py) on CPU: its rows, their batches and timings,
+the bytes-per-step formula against the parameter arrays, the HF config mapping, and the
+HF modes skipped with a log line where torch is missing."""
+
+import dataclasses
+import json
+import math
+import os
+
+import jax
+import jax.numpy as jnp
+import pytest
+
+from dejavu_jax import config as config_lib
+from dejavu_jax import model, sparse
+from dejavu_jax.eval import bench_decode, bench_hf
+from dejavu_jax.params import init_params
+
+BF16 = jnp.bfloat16
+
+
+def nbytes(x) -> int:
+    return math.prod(x.shape) * jnp.dtype(x.dtype).itemsize
+
+
+def counted_step_bytes(config, context: int, batch: int) -> int:
+    """What a dense decode step reads, counted from the arrays the benchmark allocates:
+    every weight once, except that the embedding (when the LM head is separate) and the
+    position table are only gathered for the `batch` new tokens (the tied embedding is read
+    whole as the LM head, plus those rows), plus the K/V cache of `context` tokens."""
+    params = jax.eval_shape(lambda k: init_params(config, k, BF16), jax.random.key(0))
+    total = sum(nbytes(x) for x in jax.tree.leaves(params.layers))
+    for field in dataclasses.fields(params):
+        x = getattr(params, field.name)
+        if field.name == "layers" or x is None:
+            continue
+        if field.name == "pos_embed":
+            total += batch * x.shape[1] * jnp.dtype(x.dtype).itemsize
+        elif field.name == "embed":
+            rows = batch * x.shape[1] * jnp.dtype(x.dtype).itemsize
+            total += rows + (nbytes(x) if params.lm_head is None else 0)
+        else:
+            total += nbytes(x)
+    cache = jax.eval_shape(lambda: model.init_state(config, batch, context, BF16))
+    return total + nbytes(cache.k) + nbytes(cache.v)
+
+
+@pytest.mark.parametrize("name", ["opt-tiny", "opt-350m", "opt-6.7b", "llama-tiny",
+                                  "smollm2-135m"])
+def test_step_bytes_counts_every_weight(name):
+    config = config_lib.preset(name)
+    for context, batch in ((8, 1), (1024, 4)):
+        dense = bench_decode.step_bytes(config, None, context, batch, 64, False)
+        assert dense == counted_step_bytes(config, context, batch)
+        # the sparse formula at full density, all layers sparse, is the dense one
+        full = sparse.sparse_config(config, 1.0, 1.0, dense_layers=0)
+        assert bench_decode.step_bytes(config, full, context, batch, 64, False) == dense
+    # predictor rows add both predictors of every sparse layer, as allocated
+    rank, dense_layers = 64, 1
+    preds = jax.eval_shape(lambda k: bench_decode.random_predictors(config, rank, k),
+                           jax.random.key(1))
+    per_layer = sum(nbytes(x) for x in jax.tree.leaves(preds)) // config.n_layers
+    scfg = sparse.sparse_config(config, 1.0, 1.0, dense_layers=dense_layers)
+    with_preds = bench_decode.step_bytes(config, scfg, 8, 1, rank, True)
+    without = bench_decode.step_bytes(config, scfg, 8, 1, rank, False)
+    assert with_preds - without == per_layer * (config.n_layers - dense_layers)
+    # fewer units read fewer bytes
+    half = sparse.sparse_config(config, 0.5, 0.5, dense_layers=dense_layers)
+    assert bench_decode.step_bytes(config, half, 8, 1, rank, False) < without
+
+
+@pytest.mark.parametrize("name", sorted(config_lib.PRESETS))
+def test_hf_config_round_trips(name):
+    """bench_hf builds the HF peers from our presets: reading the HF config back gives the
+    preset (every field: sizes, norms, biases, tying, rope)."""
+    pytest.importorskip("transformers")
+    config = config_lib.preset(name)
+    hf = bench_hf.hf_config(config).to_dict()
+    assert config_lib.from_hf_config(hf, name=name) == config
+
+
+def test_cache_len_holds_every_step():
+    # prompt + synchronised warmup and steps + the two device-loop runs, with a margin
+    assert bench_hf.cache_len(128, 3, 20) == 128 + 3 + 20 + 2 * 20 + 64
+
+
+def test_bench_decode_cli(tmp_path, monkeypatch):
+    # a torch that cannot be imported, for the HF child process (CI has none anyway)
+    fake = tmp_path / "no_torch"
+    fake.mkdir()
+    (fake / "torch.py").write_text("raise ModuleNotFoundError(\"No module named 'torch'\")\n")
+    monkeypatch.setenv("PYTHONPATH", os.pathsep.join(
+        [str(fake)] + [p for p in [os.environ.get("PYTHONPATH")] if p]))
+    out = tmp_path / "bench"
+    ctx = 8
+    assert bench_decode.main([
+        "--models", "opt-tiny", "--contexts", str(ctx), "--batch", "1,2", "--steps", "2",
+        "--warmup", "1", "--prefill-reps", "1", "--mlp", "0.5", "--heads", "0.25",
+        "--layouts", "stacked", "--modes", "dense,sparse,hf-eager,hf-compiled",
+        "--out", str(out)]) == 0
+
+    log = (out / "bench_decode.log").read_text()
+    assert ("hf-eager, hf-compiled skipped: torch/transformers not importable in" in log
+            and "No module named 'torch'" in log)
+    result = json.loads((out / "bench_decode.json").read_text())
+    meta, rows = result["meta"], result["rows"]
+    assert meta["hf"]["skipped"] and meta["batches"] == [1, 2]
+    assert set(meta["roofline_detail"]) == {"W@x", "x@W"}
+    assert meta["roofline_gbs"] == max(meta["roofline_detail"].values())
+
+    assert sorted((r["mode"], r["batch"]) for r in rows) == [
+        ("dense", 1), ("dense", 2), ("sparse", 1), ("sparse", 2)]
+    config = config_lib.preset("opt-tiny")
+    weights = sum(nbytes(x) for x in jax.tree.leaves(
+        jax.eval_shape(lambda k: init_params(config, k, BF16), jax.random.key(0))))
+    by = {(r["mode"], r["batch"]): r for r in rows}
+    for r in rows:
+        assert r["model"] == "opt-tiny" and r["context"] == ctx and r["layout"] == "stacked"
+        for key in ("ms", "p90_ms", "ms_loop", "prefill_ms", "compile_s", "compile_step_s",
+                    "compile_loop_s", "compile_prefill_s"):
+            assert math.isfinite(r[key]) and r[key] > 0, (key, r)
+        assert r["compile_s"] == pytest.approx(
+            r["compile_prefill_s"] + r["compile_step_s"] + r["compile_loop_s"])
+        assert r["peak_bytes"] is None  # CPU keeps no memory stats
+        assert r["step_peak_bytes"] > 0
+        assert r["cache_len"] == bench_hf.cache_len(ctx, 1, 2)
+        assert r["gbs"] == pytest.approx(r["bytes"] / r["ms_loop"] / 1e6)
+        assert r["tokens_per_s"] == pytest.approx(r["batch"] * 1e3 / r["ms_loop"])
+        assert r["speedup_vs_hf_eager"] is None and r["speedup_vs_hf_compiled"] is None
+    for batch in (1, 2):
+        dense, sp = by["dense", batch], by["sparse", batch]
+        assert dense["bytes"] == counted_step_bytes(config, ctx, batch)
+        assert dense["step_peak_bytes"] >= weights  # XLA's estimate includes the arguments
+        assert sp["indices"] == "predictor-exact" and (sp["mlp"], sp["heads"]) == (0.5, 0.25)
+        scfg = sparse.sparse_config(config, 0.5, 0.25, dense_layers=2)
+        assert sp["bytes"] == bench_decode.step_bytes(config, scfg, ctx, batch, 256, True)
+        assert sp["speedup"] == pytest.approx(dense["ms"] / sp["ms"])
+        assert sp["speedup_loop"] == pytest.approx(dense["ms_loop"] / sp["ms_loop"])
+        assert dense["speedup"] == 1.0
+
+    table = (out / "bench_decode.md").read_text()
+    for column in ("ms (synced)", "ms_loop", "tokens/s", "prefill ms", "compile s",
+                   "peak GB", "vs dense (synced / loop)", "vs hf-eager", "vs hf-compiled"):
+        assert column in table
+    assert sum(line.startswith("| opt-tiny |") for line in table.splitlines()) == 4
+
+    # --merge: these rows with an HF run's (made up here; torch is not needed)
+    hf_dir = tmp_path / "hf"
+    hf_dir.mkdir()
+    hf_row = dict(model="opt-tiny", layout="hf", mode="hf-eager", context=ctx, batch=2,
+                  mlp=1.0, heads=1.0, indices="-", ms=7.0, p90_ms=8.0, ms_loop=None,
+                  prefill_ms=3.0, compile_s=None, peak_bytes=2_000_000_000)
+    (hf_dir / "bench_decode.json").write_text(json.dumps(
+        dict(meta=dict(roofline_gbs=None), rows=[hf_row])))
+    merged = tmp_path / "merged"
+    assert bench_decode.main(["--merge", f"{out},{hf_dir}", "--out", str(merged)]) == 0
+    rows = json.loads((merged / "bench_decode.json").read_text())["rows"]
+    assert [r["mode"] for r in rows if r["batch"] == 2] == ["hf-eager", "dense", "sparse"]
+    for r in rows:
+        if r["mode"] != "hf-eager":
+            if r["batch"] == 2:
+                assert r["speedup_vs_hf_eager"] == pytest.approx(7.0 / r["ms"])
+            else:
+                assert r["speedup_vs_hf_eager"] is None
+            assert r["roofline_gbs"] == meta["roofline_gbs"]
+    assert "| opt-tiny | hf | hf-eager | 8 | 2 |" in (merged / "bench_decode.md").read_text()
+
+
+def test_unknown_mode_is_an_error(tmp_path):
+    with pytest.raises(SystemExit):
+        bench_decode.main(["--modes", "dense,hf-fast", "--out", str(tmp_path)])
