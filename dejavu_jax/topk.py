@@ -1,9 +1,13 @@
-"""Sort-free top-k for one score vector, for selection inside a decode step.
+"""Top-k alternatives for one score vector, for selection inside a decode step.
 
-XLA's `top_k` of thousands of elements lowers to a multi-pass sort on the GPU, which
-costs tens of microseconds per call, twice per layer per token. `threshold_top_k`
-instead brackets the k-th largest score with a few vectorised counting passes and
-gathers the winners with a cumulative sum: a handful of small fused kernels.
+XLA's `top_k` of thousands of elements lowers to a sort of (value, index) pairs with a
+custom comparator on the GPU, tens of microseconds per call, twice per layer per token.
+
+- `threshold_top_k` brackets the k-th largest score with a few vectorised counting
+  passes and gathers the winners with a cumulative sum: a handful of small fused kernels.
+- `packed_top_k` packs each score's 16-bit order key and its index into one uint32 and
+  sorts those keys alone: a plain single-operand integer sort, which XLA can hand to a
+  radix sort library (CUB) instead of its comparator sort.
 """
 
 from __future__ import annotations
@@ -37,3 +41,21 @@ def threshold_top_k(scores: jax.Array, k: int, levels: int = 3,
     room = k - jnp.sum(definite)
     chosen = definite | (marginal & (jnp.cumsum(marginal) <= room))
     return jnp.nonzero(chosen, size=k, fill_value=0)[0].astype(jnp.int32)
+
+
+def packed_top_k(scores: jax.Array, k: int) -> jax.Array:
+    """Indices [k] (int32, ascending) of the k largest of scores [n], n <= 65536.
+
+    Scores compare at bfloat16 precision (their upper 16 bits), ties to the lower index:
+    the same set as `kernels.top_k.top_k_indices`.
+    """
+    from dejavu_jax.kernels.top_k import score_keys
+    n = scores.shape[-1]
+    if not 0 < k <= n:
+        raise ValueError(f"k={k} must be in 1..{n}")
+    if n > 1 << 16:
+        raise ValueError(f"packed_top_k packs indices in 16 bits; n={n} > 65536")
+    rank = (0xFFFF - score_keys(scores)).astype(jnp.uint32)        # ascending = best first
+    packed = (rank << 16) | jnp.arange(n, dtype=jnp.uint32)
+    best = jax.lax.sort(packed)[:k]
+    return jnp.sort((best & 0xFFFF).astype(jnp.int32))

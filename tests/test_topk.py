@@ -30,7 +30,20 @@ def test_threshold_top_k_rejects_bad_k():
         threshold_top_k(jnp.zeros(5), 6)
 
 
-@pytest.mark.parametrize("method", ["radix", "threshold", "exact"])
+@pytest.mark.parametrize("n,k", [(20480, 2048), (300, 150), (7, 7), (50, 1)])
+def test_packed_top_k_equals_the_radix_kernel_set(rng, n, k):
+    from dejavu_jax.kernels.top_k import top_k_indices
+    from dejavu_jax.topk import packed_top_k
+    for scores in (rng.normal(size=n), np.round(rng.normal(size=n) * 2) / 2):
+        s = jnp.asarray(scores, jnp.float32)
+        got = np.asarray(jax.jit(packed_top_k, static_argnums=1)(s, k))
+        trunc = (np.asarray(scores, np.float32).view(np.int32) & np.int32(-65536)).view(np.float32)
+        order = np.lexsort((np.arange(n), -(trunc.astype(np.float64) + 0.0)))
+        np.testing.assert_array_equal(got, np.sort(order[:k]))
+        np.testing.assert_array_equal(got, np.asarray(top_k_indices(s, k, impl="reference")))
+
+
+@pytest.mark.parametrize("method", ["radix", "packed", "threshold", "exact"])
 def test_predictor_selector_methods_pick_the_top_scores(rng, method):
     """Each selection method returns the top-k of the predictor's own scores (radix: at
     bfloat16 precision) for the next layer, neurons and KV groups."""
@@ -49,7 +62,7 @@ def test_predictor_selector_methods_pick_the_top_scores(rng, method):
     for got, scores, k in ((neurons, mlp[0], 40),
                            (groups, group_scores(heads, config.group_size)[0], 2)):
         scores = np.asarray(scores, np.float32)
-        if method == "radix":
+        if method in ("radix", "packed"):
             scores = (scores.view(np.int32) & np.int32(-65536)).view(np.float32)
         got = np.asarray(got)
         assert len(set(got.tolist())) == k and (np.diff(got) > 0).all()
