@@ -1,9 +1,10 @@
 """Autoregressive generation over any decode engine (dense or sparse).
 
 An engine is a set of pure functions: prefill, step and init_state. Generation jits
-"step then sample" once per engine and sampling setting, with the state donated so the
-KV cache is updated in place, and keeps one host round trip per token for streaming
-and stop checks.
+"`chunk` steps of decode-then-sample" as one `lax.scan` per engine and sampling setting,
+with the state donated so the KV cache is updated in place: the tokens of a chunk are
+produced on the device without a host round trip, and the host streams them and checks
+the stop ids once per chunk. chunk=1 is one round trip per token.
 """
 
 from __future__ import annotations
@@ -55,10 +56,20 @@ def _prefill_and_sample(engine, params, input_ids, mask, state, sampling, key):
     return sample(logits, key, sampling), state
 
 
-@functools.partial(jax.jit, static_argnums=(0, 4), donate_argnums=(2,))
-def _step_and_sample(engine, params, state, tokens, sampling, key):
-    logits, state = engine.step(params, state, tokens)
-    return sample(logits, key, sampling), state
+@functools.partial(jax.jit, static_argnums=(0, 4, 6), donate_argnums=(2,))
+def _steps_and_sample(engine, params, state, tokens, sampling, key, n):
+    """n decode steps on the device: (tokens [n, B], last tokens, state, key). The key is
+    split once per step exactly as a per-token loop would, so chunking never changes the
+    sampled tokens."""
+    def body(carry, _):
+        state, tokens, key = carry
+        key, sub = jax.random.split(key)
+        logits, state = engine.step(params, state, tokens)
+        tokens = sample(logits, sub, sampling)
+        return (state, tokens, key), tokens
+
+    (state, tokens, key), out = jax.lax.scan(body, (state, tokens, key), None, length=n)
+    return out, tokens, state, key
 
 
 def _unstacked(params) -> bool:
@@ -71,19 +82,25 @@ def _unstacked(params) -> bool:
 
 @dataclasses.dataclass
 class GenerationResult:
-    """Generated ids per prompt (stopping tokens included) and timings in seconds."""
+    """Generated ids per prompt (stopping tokens included) and timings in seconds.
+
+    first_step_seconds is the first decode call (its compile included: `chunk` steps);
+    decode_seconds and timed_steps cover the calls after it.
+    """
 
     tokens: list[list[int]]
     prefill_seconds: float
     decode_seconds: float
     decode_steps: int
     first_step_seconds: float
+    timed_steps: int = 0
 
     @property
     def tokens_per_second(self) -> float:
-        """Decode throughput per sequence, compile of the first step excluded."""
-        timed = self.decode_steps - 1
-        return timed / self.decode_seconds if timed > 0 and self.decode_seconds > 0 else 0.0
+        """Decode throughput per sequence, the first (compiling) call excluded."""
+        if self.timed_steps > 0 and self.decode_seconds > 0:
+            return self.timed_steps / self.decode_seconds
+        return 0.0
 
 
 def left_pad(prompts: Sequence[Sequence[int]], pad_id: int = 0):
@@ -114,14 +131,19 @@ def generate_tokens(engine: Engine, params, prompts: Sequence[Sequence[int]],
                     max_new_tokens: int = 32, sampling: SamplingConfig = SamplingConfig(),
                     seed: int = 0, stop_ids: Sequence[int] | None = None,
                     on_token: Callable[[np.ndarray], None] | None = None,
-                    cache_dtype=None) -> GenerationResult:
+                    cache_dtype=None, chunk: int = 8) -> GenerationResult:
     """Generate up to `max_new_tokens` per prompt; rows stop at any of `stop_ids`.
 
-    `on_token(tokens [B])` is called after every step, for streaming output.
+    chunk: decode steps per device call (a `lax.scan`; the host sees tokens once per
+    chunk). Results do not depend on it; a row's tokens after its stop id are dropped.
+    `on_token(tokens [B])` is called once per generated position (-1 for finished rows),
+    for streaming output.
     """
     config = engine.config
     if max_new_tokens < 1:
         raise ValueError(f"max_new_tokens must be >= 1, got {max_new_tokens}")
+    if chunk < 1:
+        raise ValueError(f"chunk must be >= 1, got {chunk}")
     for p in prompts:
         bad = [t for t in p if not 0 <= int(t) < config.vocab_size]
         if bad:
@@ -132,12 +154,24 @@ def generate_tokens(engine: Engine, params, prompts: Sequence[Sequence[int]],
     ids, mask = left_pad(prompts, config.pad_token_id or 0)
     B, T = ids.shape
     dtype = cache_dtype or jax.tree.leaves(params)[0].dtype
-    state = engine.init_state(B, cache_length(config, T, max_new_tokens), dtype,
-                              per_layer=_unstacked(params))
+    chunk = min(chunk, max(max_new_tokens - 1, 1))
+    calls = -(-(max_new_tokens - 1) // chunk)
+    # full chunks only (one compile): room for the steps past max_new_tokens they run
+    slots = max(cache_length(config, T, max_new_tokens), T + 1 + calls * chunk)
+    state = engine.init_state(B, -(-slots // 64) * 64, dtype, per_layer=_unstacked(params))
     key = jax.random.key(seed)
     stop = np.asarray(list(stop_ids), np.int64)
     done = np.zeros(B, bool)
     out: list[list[int]] = [[] for _ in range(B)]
+
+    def emit(host) -> None:
+        nonlocal done
+        for row in range(B):
+            if not done[row]:
+                out[row].append(int(host[row]))
+        if on_token is not None:
+            on_token(np.where(done, -1, host))
+        done = done | np.isin(host, stop)
 
     t0 = time.perf_counter()
     key, sub = jax.random.split(key)
@@ -145,23 +179,24 @@ def generate_tokens(engine: Engine, params, prompts: Sequence[Sequence[int]],
                                         state, sampling, sub)
     host = np.asarray(tokens)
     prefill_seconds = time.perf_counter() - t0
-    steps, first_step, t_steps = 0, 0.0, time.perf_counter()
-    for produced in range(1, max_new_tokens + 1):
-        for row in range(B):
-            if not done[row]:
-                out[row].append(int(host[row]))
-        if on_token is not None:
-            on_token(np.where(done, -1, host))
-        done |= np.isin(host, stop)
-        if done.all() or produced == max_new_tokens:
-            break
-        key, sub = jax.random.split(key)
-        t_step = time.perf_counter()
-        tokens, state = _step_and_sample(engine, params, state, tokens, sampling, sub)
-        host = np.asarray(tokens)
-        steps += 1
-        if steps == 1:
-            first_step = time.perf_counter() - t_step
+    emit(host)
+    produced, steps, timed, first_call = 1, 0, 0, 0.0
+    t_steps = time.perf_counter()
+    while produced < max_new_tokens and not done.all():
+        t_call = time.perf_counter()
+        block, tokens, state, key = _steps_and_sample(engine, params, state, tokens, sampling,
+                                                      key, chunk)
+        block = np.asarray(block)
+        if steps == 0:
+            first_call = time.perf_counter() - t_call
             t_steps = time.perf_counter()
-    decode_seconds = time.perf_counter() - t_steps if steps > 1 else 0.0
-    return GenerationResult(out, prefill_seconds, decode_seconds, steps, first_step)
+        else:
+            timed += chunk
+        steps += chunk
+        for host in block:
+            if produced == max_new_tokens or done.all():
+                break
+            emit(host)
+            produced += 1
+    decode_seconds = time.perf_counter() - t_steps if timed else 0.0
+    return GenerationResult(out, prefill_seconds, decode_seconds, steps, first_call, timed)

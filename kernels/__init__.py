@@ -1,7 +1,9 @@
 """Pallas GPU kernels for contextually-sparse decoding, with pure-jnp references.
 
 * :func:`sparse_mlp` -- MLP over a selected set of neurons (fused gather + GEMV).
-* :func:`head_sparse_attention` -- one decode step over a selected set of heads.
+* :func:`head_sparse_attention` -- one decode step over a selected set of heads, with
+  optional missing-KV recomputation (:class:`KVWindow`).
+* :func:`top_k_indices` -- the top-k unit ids of a score vector in one launch.
 
 Both take ``impl`` = None (auto: Pallas on GPU, reference elsewhere), "pallas",
 "interpret" or "reference".
@@ -9,6 +11,8 @@ Both take ``impl`` = None (auto: Pallas on GPU, reference elsewhere), "pallas",
 from .head_attention import (AttnConfig, KVWindow, head_sparse_attention,
                              head_sparse_attention_reference)
 from .sparse_mlp import MLPConfig, sparse_mlp, sparse_mlp_reference
+from .top_k import top_k_indices, top_k_indices_reference
 
 __all__ = ["sparse_mlp", "sparse_mlp_reference", "MLPConfig", "head_sparse_attention",
-           "head_sparse_attention_reference", "AttnConfig", "KVWindow"]
+           "head_sparse_attention_reference", "AttnConfig", "KVWindow", "top_k_indices",
+           "top_k_indices_reference"]

@@ -102,6 +102,44 @@ def test_generation_stops_at_eos():
     assert stopped.tokens[0] == free.tokens[0][:free.tokens[0].index(stop_token) + 1]
 
 
+@pytest.mark.parametrize("sampling", [dj.SamplingConfig(),
+                                      dj.SamplingConfig(temperature=0.8, top_p=0.9)])
+def test_chunked_generation_equals_a_per_token_loop(sampling):
+    """Tokens made `chunk` steps per device call equal a plain host loop over prefill and
+    decode_step with the same key splits; stop ids end rows mid-chunk."""
+    from dejavu_jax.generation import left_pad
+    from dejavu_jax.sampling import sample
+    config = dj.preset("llama-tiny")
+    params = dj.init_params(config, jax.random.key(7), jnp.float32, std=0.3)
+    prompts, n_new = [[5, 9, 14, 3], [8, 2]], 11
+    ids, mask = left_pad(prompts)
+    state = model.init_state(config, 2, 64, jnp.float32)
+    key = jax.random.key(3)
+    key, sub = jax.random.split(key)
+    logits, state = model.prefill(config, params, jnp.asarray(ids), jnp.asarray(mask), state)
+    tok = sample(logits, sub, sampling)
+    want = [np.asarray(tok)]
+    for _ in range(n_new - 1):
+        key, sub = jax.random.split(key)
+        logits, state = model.decode_step(config, params, state, tok)
+        tok = sample(logits, sub, sampling)
+        want.append(np.asarray(tok))
+    want = np.stack(want, 1)                                    # [B, n_new]
+    seen = []
+    for chunk in (1, 4, 32):
+        got = generate_tokens(dense_engine(config), params, prompts, n_new, sampling, seed=3,
+                              stop_ids=[], chunk=chunk, on_token=seen.append)
+        assert got.tokens == want.tolist(), chunk
+    assert len(seen) == 3 * n_new
+    stop = int(want[0, 5])                                      # row 0 ends mid-chunk
+    got = generate_tokens(dense_engine(config), params, prompts, n_new, sampling, seed=3,
+                          stop_ids=[stop], chunk=4)
+    for row in range(2):
+        full = want[row].tolist()
+        end = full.index(stop) + 1 if stop in full else n_new
+        assert got.tokens[row] == full[:end]
+
+
 def test_decode_step_updates_cache_in_place():
     config = dj.preset("opt-tiny").replace(n_layers=6)
     params = dj.init_params(config, jax.random.key(0), jnp.float32)
