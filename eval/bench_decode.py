@@ -521,11 +521,16 @@ def main(argv=None) -> int:
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     log_file = open(out / "bench_decode.log", "a")
+    measured = []           # rows of the model in progress, so a cut-short run keeps them
+    save = [lambda: None]   # set once meta exists
 
     def log(msg):
         print(msg, flush=True)
         log_file.write(msg + "\n")
         log_file.flush()
+        if msg.startswith("{"):
+            measured.append(json.loads(msg))
+            save[0]()
 
     argv_text = " ".join(sys.argv[1:] if argv is None else argv)
     log(f"python -m dejavu_jax.eval.bench_decode {argv_text}")
@@ -570,10 +575,13 @@ def main(argv=None) -> int:
         rows.append(dict(r, **rates(nbytes, r["batch"], r["ms"], None)))
 
     def write():
-        for r in rows:  # what this row's % roofline refers to (kept through --merge)
+        done = rows + measured
+        for r in done:  # what this row's % roofline refers to (kept through --merge)
             r.setdefault("roofline_gbs", meta["roofline_gbs"])
         (out / "bench_decode.json").write_text(
-            json.dumps(dict(meta=meta, rows=add_speedups(rows)), indent=1))
+            json.dumps(dict(meta=meta, rows=add_speedups(done)), indent=1))
+
+    save[0] = write
 
     for name in models if ours else []:
         for layout in split(args.layouts, str):
@@ -583,11 +591,13 @@ def main(argv=None) -> int:
                                      args.dense_layers, args.warmup, args.steps, bar, log,
                                      layout, tuple(split(args.select, str)), mesh, ours,
                                      args.prefill_reps)
+                measured.clear()
                 continue
             rows += run_model(name, contexts, mlps, heads, batches, args.rank,
                               args.dense_layers, args.warmup, args.steps, bar, log, layout,
                               tuple(split(args.select, str)), args.diagnose_kv_recompute,
                               ours, args.prefill_reps)
+            measured.clear()
         write()
     bar.close()
     write()
