@@ -13,6 +13,8 @@ score vector in registers and
 
 The result is exactly the top-k of the truncated scores, ties broken toward the lower
 index: :func:`top_k_indices_reference` computes the same set with a stable sort.
+:func:`top_k_indices_chunked` computes it again in three launches whose programs each own
+a chunk of the scores, instead of one program doing 16 dependent counting passes.
 """
 from __future__ import annotations
 
@@ -98,3 +100,130 @@ def top_k_indices(scores: jax.Array, k: int, *, impl: str | None = None) -> jax.
     if n > 1 << 17:
         raise ValueError(f"top_k_indices holds the scores in one program; n={n} > 131072")
     return _top_k_jit(scores, k=int(k), impl=resolve_impl(impl))
+
+
+# ----------------------------------------------------------------------------
+# chunked: three parallel launches, no single-program bottleneck
+# ----------------------------------------------------------------------------
+#
+# The 16-bit key splits into a coarse byte (key >> 8) and a fine byte (key & 255).
+# 1. every chunk of C scores counts, for each coarse value b, its keys with coarse >= b;
+# 2. every chunk finds the coarse byte b* of the k-th largest key from the summed counts
+#    and counts, for each fine value f, its keys in b*'s bucket with fine >= f;
+# 3. every chunk finds the k-th key T = (b*, f*) the same way, computes from the two count
+#    tables how many ids the chunks before it contribute (keys above T, then ties in id
+#    order up to the quota), and writes its own chosen ids at that offset.
+
+CHUNK = 1024
+BINS = 256
+
+
+def _chunk_keys(s_ref, n, C):
+    p = pl.program_id(0)
+    ids = p * C + jnp.arange(C, dtype=jnp.int32)
+    valid = ids < n
+    s = plgpu.load(s_ref.at[ids], mask=valid, other=0.0)
+    return ids, jnp.where(valid, score_keys(s), -1)
+
+
+def _suffix_counts(values, mask, o_ref, p):
+    """o_ref[p, b] = #(values >= b and mask) for b in 0..255, 16 thresholds at a time."""
+    for j in range(BINS // 16):
+        thr = j * 16 + jnp.arange(16, dtype=jnp.int32)
+        hit = (values[:, None] >= thr[None, :]) & mask[:, None]
+        o_ref[p, pl.ds(j * 16, 16)] = jnp.sum(hit.astype(jnp.int32), axis=0)
+
+
+def _totals(ref, P, Pp):
+    rows = jnp.arange(Pp, dtype=jnp.int32)
+    cols = jnp.arange(BINS, dtype=jnp.int32)
+    t = plgpu.load(ref.at[rows[:, None], cols[None, :]], mask=(rows < P)[:, None], other=0)
+    return jnp.sum(t, axis=0)
+
+
+def _pick(vec, i):
+    """vec[i] for a traced scalar i (0 when i is out of range)."""
+    return jnp.sum(jnp.where(jnp.arange(vec.shape[0], dtype=jnp.int32) == i, vec, 0))
+
+
+def _last_at_least(counts, k):
+    """The largest b with counts[b] >= k (counts non-increasing, counts[0] >= k)."""
+    b = jnp.arange(counts.shape[0], dtype=jnp.int32)
+    return jnp.max(jnp.where(counts >= k, b, 0))
+
+
+def _coarse_kernel(s_ref, o_ref, *, n, C):
+    _, key = _chunk_keys(s_ref, n, C)
+    _suffix_counts(key >> 8, key >= 0, o_ref, pl.program_id(0))
+
+
+def _fine_kernel(s_ref, coarse_ref, o_ref, *, n, k, C, P, Pp):
+    bstar = _last_at_least(_totals(coarse_ref, P, Pp), k)
+    _, key = _chunk_keys(s_ref, n, C)
+    _suffix_counts(key & 255, (key >> 8) == bstar, o_ref, pl.program_id(0))
+
+
+def _compact_kernel(s_ref, coarse_ref, fine_ref, o_ref, *, n, k, C, P, Pp):
+    p = pl.program_id(0)
+    coarse = _totals(coarse_ref, P, Pp)
+    bstar = _last_at_least(coarse, k)
+    above_bucket = _pick(coarse, bstar + 1)
+    fine = _totals(fine_ref, P, Pp)
+    fstar = _last_at_least(fine, k - above_bucket)
+    kth = bstar * BINS + fstar
+    room = k - above_bucket - _pick(fine, fstar + 1)         # ties of kth to take
+    # per chunk q: keys above kth, and ties
+    q = jnp.arange(Pp, dtype=jnp.int32)
+    before = q < p
+
+    def column(ref, c):
+        cc = jnp.full((Pp,), c, jnp.int32)
+        ok = (q < P) & (c < BINS)
+        return plgpu.load(ref.at[q, jnp.minimum(cc, BINS - 1)], mask=ok, other=0)
+
+    gt_q = column(coarse_ref, bstar + 1) + column(fine_ref, fstar + 1)
+    tie_q = column(fine_ref, fstar) - column(fine_ref, fstar + 1)
+    ties_before = jnp.sum(jnp.where(before, tie_q, 0))
+    offset = jnp.sum(jnp.where(before, gt_q, 0)) + jnp.minimum(ties_before, room)
+    ids, key = _chunk_keys(s_ref, n, C)
+    tie = key == kth
+    chosen = (key > kth) | (tie & (ties_before + jnp.cumsum(tie.astype(jnp.int32)) <= room))
+    # chosen ids go to their place among the k; every other lane to a slot of its own
+    slot = jnp.where(chosen, offset + jnp.cumsum(chosen.astype(jnp.int32)) - 1, k + ids)
+    plgpu.store(o_ref.at[slot], ids)
+
+
+@functools.partial(jax.jit, static_argnames=("k", "interpret"))
+def _top_k_chunked(scores, *, k: int, interpret: bool):
+    n = scores.shape[0]
+    C = min(CHUNK, next_pow2(n))
+    P = -(-n // C)
+    Pp = next_pow2(P)
+    scores = scores.astype(jnp.float32)
+    params = plgpu.CompilerParams(num_warps=4, num_stages=1)
+    table = jax.ShapeDtypeStruct((P, BINS), jnp.int32)
+    coarse = pl.pallas_call(functools.partial(_coarse_kernel, n=n, C=C), grid=(P,),
+                            out_shape=table, compiler_params=params, interpret=interpret,
+                            name="top_k_coarse_counts")(scores)
+    fine = pl.pallas_call(functools.partial(_fine_kernel, n=n, k=k, C=C, P=P, Pp=Pp),
+                          grid=(P,), out_shape=table, compiler_params=params,
+                          interpret=interpret, name="top_k_fine_counts")(scores, coarse)
+    out = pl.pallas_call(functools.partial(_compact_kernel, n=n, k=k, C=C, P=P, Pp=Pp),
+                         grid=(P,), out_shape=jax.ShapeDtypeStruct((k + P * C,), jnp.int32),
+                         compiler_params=params, interpret=interpret,
+                         name="top_k_compact")(scores, coarse, fine)
+    return out[:k]
+
+
+def top_k_indices_chunked(scores: jax.Array, k: int, *, impl: str | None = None) -> jax.Array:
+    """The same set as :func:`top_k_indices` in three parallel launches over chunks of
+    1024 scores (counts of the key's high byte, of its low byte within the k-th key's
+    bucket, then each chunk writes its chosen ids at an offset read off the counts)."""
+    check_array("scores", scores, ndim=1, floating=True)
+    n = scores.shape[0]
+    if not 0 < k <= n:
+        raise ValueError(f"k={k} must be in 1..{n}")
+    impl = resolve_impl(impl)
+    if impl == "reference":
+        return _top_k_jit(scores, k=int(k), impl="reference")
+    return _top_k_chunked(scores, k=int(k), interpret=impl == "interpret")

@@ -416,14 +416,16 @@ def _np_top_k(scores, k):
 
 
 @pytest.mark.parametrize("n,k,ties", [(1000, 100, False), (37, 1, False), (37, 37, False),
-                                      (4096, 410, True), (300, 150, True)])
+                                      (4096, 410, True), (300, 150, True), (3000, 1500, True)])
 @pytest.mark.parametrize("impl", ["interpret", "reference"])
-def test_top_k_indices_matches_numpy(rng, impl, n, k, ties):
-    from dejavu_jax.kernels.top_k import top_k_indices
+@pytest.mark.parametrize("kernel", ["radix", "chunked"])
+def test_top_k_indices_matches_numpy(rng, kernel, impl, n, k, ties):
+    from dejavu_jax.kernels.top_k import top_k_indices, top_k_indices_chunked
+    select = top_k_indices if kernel == "radix" else top_k_indices_chunked
     scores = rng.standard_normal(n).astype(np.float32) * 3
     if ties:  # many equal scores straddle the k-th
         scores = np.round(scores * 2) / 2
-    got = np.asarray(top_k_indices(jnp.asarray(scores), k, impl=impl))
+    got = np.asarray(select(jnp.asarray(scores), k, impl=impl))
     assert got.dtype == np.int32 and got.shape == (k,)
     np.testing.assert_array_equal(got, _np_top_k(scores, k))
     if not ties:  # away from ties the set is the exact top-k of the fp32 scores

@@ -43,7 +43,7 @@ def test_packed_top_k_equals_the_radix_kernel_set(rng, n, k):
         np.testing.assert_array_equal(got, np.asarray(top_k_indices(s, k, impl="reference")))
 
 
-@pytest.mark.parametrize("method", ["radix", "packed", "threshold", "exact"])
+@pytest.mark.parametrize("method", ["radix", "chunked", "packed", "threshold", "exact"])
 def test_predictor_selector_methods_pick_the_top_scores(rng, method):
     """Each selection method returns the top-k of the predictor's own scores (radix: at
     bfloat16 precision) for the next layer, neurons and KV groups."""
@@ -62,7 +62,7 @@ def test_predictor_selector_methods_pick_the_top_scores(rng, method):
     for got, scores, k in ((neurons, mlp[0], 40),
                            (groups, group_scores(heads, config.group_size)[0], 2)):
         scores = np.asarray(scores, np.float32)
-        if method in ("radix", "packed"):
+        if method in ("radix", "chunked", "packed"):
             scores = (scores.view(np.int32) & np.int32(-65536)).view(np.float32)
         got = np.asarray(got)
         assert len(set(got.tolist())) == k and (np.diff(got) > 0).all()
