@@ -4,24 +4,30 @@
     python -m dejavu_jax.eval.perplexity --mode sparse --mlp-density 0.5 --max-tokens 16384
     python -m dejavu_jax.eval.perplexity --text file.txt --window 1024 --stride 512
     python -m dejavu_jax.eval.perplexity --text hf:wikitext:wikitext-2-raw-v1:test
+    python -m dejavu_jax.eval.perplexity --model path/to/opt-30b --devices 4
 
 Windows of `window` tokens start every `stride` tokens; each token (except the first of
 the text) is scored exactly once, in the first window that predicts it after the previous
 window's scored span, so after the first window every scored token sees at least
 window - stride tokens of context. Sparse and oracle modes run
 `sparse_scoring.token_scores`, which equals the token-by-token sparse decode step.
+
+--devices N / --mesh tp=N[,data=M]: weights go straight into the tensor-parallel layout and
+the same jitted scorer runs under GSPMD (dense figures equal one device's); windows are
+split over "data". Sparse and oracle modes then select per shard, ceil(k / tp) of each
+device's own units, as the tensor-parallel decode engine does.
 """
 
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import math
 import sys
 import time
 from pathlib import Path
 
-import jax.numpy as jnp
 import numpy as np
 
 from dejavu_jax.eval import common
@@ -66,10 +72,13 @@ def plan_windows(n_tokens: int, window: int, stride: int) -> list[tuple[int, int
 
 def score_windows(config, mode: EvalMode, params, pred_params, ids: np.ndarray,
                   window: int, stride: int, batch_tokens: int = 4096, dense_prefix: int = 1,
-                  show_progress: bool = False) -> dict:
-    """Total NLL and token count of `ids` under `mode`, windows batched into one shape."""
+                  show_progress: bool = False, mesh=None) -> dict:
+    """Total NLL and token count of `ids` under `mode`, windows batched into one shape.
+
+    mesh: params placed on it (`common.load_weights`); rows split over its "data" axis.
+    """
     plans = plan_windows(len(ids), window, stride)
-    rows_per_call = max(1, batch_tokens // window)
+    rows_per_call = common.mesh_rows(max(1, batch_tokens // window), mesh)
     length = min(window, len(ids) - 1)
     nll, count, greedy = 0.0, 0, 0
     batches = [plans[i:i + rows_per_call] for i in range(0, len(plans), rows_per_call)]
@@ -83,11 +92,11 @@ def score_windows(config, mode: EvalMode, params, pred_params, ids: np.ndarray,
         for r, (b, e, first) in enumerate(batch):
             mask[r, :e - b] = 1
             weight[r, first - b - 1:e - b] = True  # position i predicts token b + i + 1
-        logp, hit = token_scores(config, mode.scfg, params, pred_params, jnp.asarray(inputs),
-                                 jnp.asarray(mask),
-                                 jnp.full((rows_per_call,), dense_prefix, jnp.int32),
-                                 jnp.asarray(targets))
-        logp, hit = np.asarray(logp, np.float64), np.asarray(hit)
+        put = functools.partial(common.put_batch, mesh)
+        logp, hit = token_scores(config, mode.scfg, params, pred_params, put(inputs), put(mask),
+                                 put(np.full((rows_per_call,), dense_prefix, np.int32)),
+                                 put(targets), shards=mode.shards)
+        logp, hit = common.to_host(logp, np.float64), common.to_host(hit)
         nll -= float(logp[weight].sum())
         greedy += int(hit[weight].sum())
         count += int(weight.sum())
@@ -97,15 +106,20 @@ def score_windows(config, mode: EvalMode, params, pred_params, ids: np.ndarray,
 
 def perplexity(config, mode: EvalMode, params, pred_params, ids, window: int = 1024,
                stride: int = 512, batch_tokens: int = 4096, dense_prefix: int = 1,
-               show_progress: bool = False) -> dict:
-    """Perplexity result dict (tokens, nll, perplexity, timing, settings) for token ids."""
+               show_progress: bool = False, mesh=None) -> dict:
+    """Perplexity result dict (tokens, nll, perplexity, timing, settings) for token ids.
+
+    mesh: the ("data", "tp") mesh the params are placed on (None: one device).
+    """
     ids = np.asarray(ids, np.int32)
     start = time.perf_counter()
     result = score_windows(config, mode, params, pred_params, ids, window, stride,
-                           batch_tokens, dense_prefix, show_progress)
+                           batch_tokens, dense_prefix, show_progress, mesh)
     result.update(seconds=round(time.perf_counter() - start, 2), window=window, stride=stride,
                   dense_prefix=dense_prefix, text_tokens=int(len(ids)),
                   **mode.describe(config))
+    if mesh is not None:
+        result["mesh"] = dict(mesh.shape)
     return result
 
 
@@ -119,22 +133,25 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--max-tokens", type=int, help="score only the first N tokens of the text")
     p.add_argument("--out", help="write the result as JSON here")
     common.add_model_args(p)
+    common.add_mesh_args(p)
     return p
 
 
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
-    config, params, tok = common.load_model(args)
-    mode, pred = common.mode_from_args(args, config)
+    mesh = common.mesh_from_args(args)  # None: one device
+    config, params, tok = common.load_model(args, mesh)
+    mode, pred = common.mode_from_args(args, config, mesh)
     ids = tok(load_text(args.text), add_special_tokens=False)["input_ids"]
     if args.max_tokens:
         ids = ids[:args.max_tokens]
     result = perplexity(config, mode, params, pred, ids, args.window, args.stride,
-                        args.batch_tokens, args.dense_prefix, not args.no_progress)
+                        args.batch_tokens, args.dense_prefix, not args.no_progress, mesh)
     result["text"] = args.text or str(wikitext2_path())
     print(f"{result['mode']}: {result['tokens']} tokens, NLL {result['nll']:.4f}, "
-          f"perplexity {result['perplexity']:.3f} ({result['seconds']:.0f} s)")
-    if args.out:
+          f"perplexity {result['perplexity']:.3f} ({result['seconds']:.0f} s"
+          f"{common.mesh_label(mesh)})")
+    if args.out and common.is_main_process():
         Path(args.out).write_text(json.dumps(result, indent=1))
     return 0
 

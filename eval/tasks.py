@@ -3,6 +3,7 @@
     python -m dejavu_jax.eval.tasks --tasks copa,piqa --limit 100
     python -m dejavu_jax.eval.tasks --tasks all --mode oracle --mlp-density 0.5
     python -m dejavu_jax.eval.tasks --tasks path/to/new_task.jsonl
+    python -m dejavu_jax.eval.tasks --tasks copa --model path/to/opt-30b --devices 4
 
 A task is a file; its format is recognised from its content (see data/README.md):
   *.jsonl {"query", "choices", "gold"}            multiple choice (COPA, PIQA, OpenBookQA)
@@ -14,6 +15,7 @@ A continuation is joined to its context by one space unless either side already 
 whitespace there. Multiple choice reports accuracy and length-normalised accuracy
 (log-likelihood per character of the continuation, lm-eval's acc_norm); greedy tasks
 report accuracy (every continuation token is the argmax) and continuation perplexity.
+--devices N / --mesh tp=N[,data=M] run the scorer tensor-parallel, as in `perplexity`.
 """
 
 from __future__ import annotations
@@ -22,13 +24,13 @@ import argparse
 import bz2
 import csv
 import dataclasses
+import functools
 import json
 import math
 import sys
 import time
 from pathlib import Path
 
-import jax.numpy as jnp
 import numpy as np
 
 from dejavu_jax.eval import common
@@ -155,10 +157,12 @@ def _bucket(n: int) -> int:
 
 
 def score_requests(config, mode: EvalMode, params, pred_params, requests, batch_tokens=4096,
-                   dense_prefix: int = 1, max_len: int = 1024, show_progress=False):
+                   dense_prefix: int = 1, max_len: int = 1024, show_progress=False,
+                   mesh=None):
     """(log-likelihood [N], all-greedy [N]) of each (context, continuation) token pair.
 
     Requests are sorted by length and batched in a few padded shapes (one compile each).
+    mesh: params placed on it (`common.load_weights`); rows split over its "data" axis.
     """
     seqs = []
     for ctx, cont in requests:
@@ -168,7 +172,7 @@ def score_requests(config, mode: EvalMode, params, pred_params, requests, batch_
     batches, i = [], 0
     while i < len(order):
         length = _bucket(len(seqs[order[i]][0]) - 1)
-        rows = max(1, batch_tokens // length)
+        rows = common.mesh_rows(max(1, batch_tokens // length), mesh)
         group = [j for j in order[i:i + rows] if len(seqs[j][0]) - 1 <= length]
         batches.append((length, rows, group))
         i += len(group)
@@ -180,11 +184,12 @@ def score_requests(config, mode: EvalMode, params, pred_params, requests, batch_
         targets = common.pad_rows([seqs[j][0][1:] for j in group], length, rows)
         mask = (np.arange(length)[None] < np.asarray(
             [len(seqs[j][0]) - 1 for j in group] + [0] * (rows - len(group)))[:, None])
-        logp, hit = token_scores(config, mode.scfg, params, pred_params, jnp.asarray(inputs),
-                                 jnp.asarray(mask.astype(np.int32)),
-                                 jnp.full((rows,), dense_prefix, jnp.int32),
-                                 jnp.asarray(targets))
-        logp, hit = np.asarray(logp, np.float64), np.asarray(hit)
+        put = functools.partial(common.put_batch, mesh)
+        logp, hit = token_scores(config, mode.scfg, params, pred_params, put(inputs),
+                                 put(mask.astype(np.int32)),
+                                 put(np.full((rows,), dense_prefix, np.int32)), put(targets),
+                                 shards=mode.shards)
+        logp, hit = common.to_host(logp, np.float64), common.to_host(hit)
         for r, j in enumerate(group):
             n_in, n_cont = len(seqs[j][0]) - 1, seqs[j][1]
             span = slice(n_in - n_cont, n_in)
@@ -219,22 +224,28 @@ def task_metrics(items: list[Item], loglik: np.ndarray, greedy: np.ndarray,
 
 
 def evaluate(config, mode: EvalMode, params, pred_params, prepared: dict, batch_tokens=4096,
-             dense_prefix: int = 1, show_progress=False) -> dict:
-    """Metrics per task for prepared = {name: (items, requests)}, plus the mean accuracy."""
+             dense_prefix: int = 1, show_progress=False, mesh=None) -> dict:
+    """Metrics per task for prepared = {name: (items, requests)}, plus the mean accuracy.
+
+    mesh: the ("data", "tp") mesh the params are placed on (None: one device).
+    """
     names = list(prepared)
     requests = [r for n in names for r in prepared[n][1]]
     start = time.perf_counter()
     loglik, greedy = score_requests(config, mode, params, pred_params, requests, batch_tokens,
-                                    dense_prefix, show_progress=show_progress)
+                                    dense_prefix, show_progress=show_progress, mesh=mesh)
     results, k = {}, 0
     for n in names:
         items, reqs = prepared[n]
         sl = slice(k, k + len(reqs))
         results[n] = task_metrics(items, loglik[sl], greedy[sl], [len(c) for _, c in reqs])
         k += len(reqs)
-    return {"tasks": results, "mean_acc": float(np.mean([r["acc"] for r in results.values()])),
-            "seconds": round(time.perf_counter() - start, 2), "dense_prefix": dense_prefix,
-            **mode.describe(config)}
+    out = {"tasks": results, "mean_acc": float(np.mean([r["acc"] for r in results.values()])),
+           "seconds": round(time.perf_counter() - start, 2), "dense_prefix": dense_prefix,
+           **mode.describe(config)}
+    if mesh is not None:
+        out["mesh"] = dict(mesh.shape)
+    return out
 
 
 def prepare(tok, task_names: list[str], limit: int | None) -> dict:
@@ -254,6 +265,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--limit", type=int, help="score only the first N items of each task")
     p.add_argument("--out", help="write the result as JSON here")
     common.add_model_args(p)
+    common.add_mesh_args(p)
     return p
 
 
@@ -264,17 +276,19 @@ def parse_tasks(text: str) -> list[str]:
 
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
-    config, params, tok = common.load_model(args)
-    mode, pred = common.mode_from_args(args, config)
+    mesh = common.mesh_from_args(args)  # None: one device
+    config, params, tok = common.load_model(args, mesh)
+    mode, pred = common.mode_from_args(args, config, mesh)
     prepared = prepare(tok, parse_tasks(args.tasks), args.limit)
     result = evaluate(config, mode, params, pred, prepared, args.batch_tokens,
-                      args.dense_prefix, not args.no_progress)
+                      args.dense_prefix, not args.no_progress, mesh)
     result["limit"] = args.limit
     for name, r in result["tasks"].items():
         extra = "  ".join(f"{k} {v:.4f}" for k, v in r.items() if k not in ("items", "acc"))
         print(f"{name:12s} n={r['items']:5d}  acc {r['acc']:.4f}  {extra}")
-    print(f"mean acc {result['mean_acc']:.4f}  ({result['seconds']:.0f} s, {result['mode']})")
-    if args.out:
+    print(f"mean acc {result['mean_acc']:.4f}  ({result['seconds']:.0f} s, {result['mode']}"
+          f"{common.mesh_label(mesh)})")
+    if args.out and common.is_main_process():
         Path(args.out).write_text(json.dumps(result, indent=1))
     return 0
 
