@@ -205,7 +205,7 @@ def main(argv: list[str] | None = None) -> int:
             print(f"[{row}] " + tokenizer.decode(list(prompt) + out, skip_special_tokens=True))
         if args.greedy or tokenizer is None:
             print(f"[{row}] generated ids: {','.join(map(str, out))}")
-    print(f"prefill (incl. compile) {result.prefill_seconds:.2f} s; first {args.chunk}-step "
+    print(f"prefill (incl. compile) {result.prefill_seconds:.2f} s; first {result.chunk}-step "
           f"call (compile) {result.first_step_seconds:.2f} s; decode "
           f"{result.tokens_per_second:.1f} tokens/s per sequence over {result.timed_steps} "
           f"steps, batch {len(prompts)} [{engine.name}]")

@@ -85,7 +85,8 @@ class GenerationResult:
     """Generated ids per prompt (stopping tokens included) and timings in seconds.
 
     first_step_seconds is the first decode call (its compile included: `chunk` steps);
-    decode_seconds and timed_steps cover the calls after it.
+    decode_seconds and timed_steps cover the calls after it (none when one call made every
+    token, and tokens_per_second is then 0). chunk is the steps per call used.
     """
 
     tokens: list[list[int]]
@@ -94,6 +95,7 @@ class GenerationResult:
     decode_steps: int
     first_step_seconds: float
     timed_steps: int = 0
+    chunk: int = 1
 
     @property
     def tokens_per_second(self) -> float:
@@ -187,9 +189,9 @@ def generate_tokens(engine: Engine, params, prompts: Sequence[Sequence[int]],
         block, tokens, state, key = _steps_and_sample(engine, params, state, tokens, sampling,
                                                       key, chunk)
         block = np.asarray(block)
-        if steps == 0:
+        first = steps == 0
+        if first:
             first_call = time.perf_counter() - t_call
-            t_steps = time.perf_counter()
         else:
             timed += chunk
         steps += chunk
@@ -198,5 +200,8 @@ def generate_tokens(engine: Engine, params, prompts: Sequence[Sequence[int]],
                 break
             emit(host)
             produced += 1
+        if first:  # the timed span starts after the first call's tokens are out
+            t_steps = time.perf_counter()
     decode_seconds = time.perf_counter() - t_steps if timed else 0.0
-    return GenerationResult(out, prefill_seconds, decode_seconds, steps, first_call, timed)
+    return GenerationResult(out, prefill_seconds, decode_seconds, steps, first_call, timed,
+                            chunk)

@@ -52,8 +52,9 @@ class SparseConfig:
     kv_recompute: False skips missing-KV recomputation (selected heads then see zeros for
     entries they missed). Inexact: a diagnostic that isolates its cost in benchmarks.
     kv_refresh: KV groups refreshed per token besides the selected ones (None: the fewest
-    that keeps every entry exact, ceil(n_kv_heads / kv_window); 0: none, so entries missed
-    for longer than the window stay missing).
+    that keeps every entry exact, ceil(n_kv_heads / kv_window); fewer, 0 included, gives
+    up exactness: entries missed for longer than the window stay missing). Under tensor
+    parallelism both count per shard, over the shard's own KV groups.
     """
 
     mlp_k: tuple[int, ...]
@@ -240,16 +241,18 @@ def _missing_kv_window(config, view, io: _LayerIO, layer, groups, win: dict):
     """The KVWindow for this layer (selected + refresh groups) and the updated bitmap."""
     kv_groups = groups if win["refresh"] is None else jnp.concatenate([groups, win["refresh"]])
     slots = win["slots"]
-    b_i = jnp.arange(io.written.shape[0])[:, None, None]
+    B, S = io.written.shape[0], io.written.shape[-1]
+    b_i = jnp.arange(B)[:, None, None]
     g_i, s_i = kv_groups[None, :, None], slots[None, None, :]
-    was = io.written[b_i, layer, g_i, s_i]                       # [B, n, W]
-    need = ~was & win["row_valid"][:, None, :]
+    need = ~io.written[b_i, layer, g_i, s_i] & win["row_valid"][:, None, :]   # [B, n, W]
     base = view.base * config.n_kv_heads
     window = kernels.KVWindow(
         x_prev=io.history[:, layer][:, win["ring_prev"]],
         extra_ids=None if win["refresh"] is None else base + win["refresh"],
         need=need, slots=slots, cos=win["cos"], sin=win["sin"])
-    return window, io.written.at[b_i, layer, g_i, s_i].set(was | need)
+    # mark only the needed entries (others go to slot S, dropped): clamped early slots repeat
+    written = io.written.at[b_i, layer, g_i, jnp.where(need, s_i, S)].set(True, mode="drop")
+    return window, written
 
 
 def _sparse_attention(config, scfg, view, io: _LayerIO, layer, y, groups, step):

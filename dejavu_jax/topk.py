@@ -50,6 +50,8 @@ def packed_top_k(scores: jax.Array, k: int) -> jax.Array:
     the same set as `kernels.top_k.top_k_indices`.
     """
     from dejavu_jax.kernels.top_k import score_keys
+    if scores.ndim != 1:
+        raise ValueError(f"packed_top_k takes one score vector, got shape {scores.shape}")
     n = scores.shape[-1]
     if not 0 < k <= n:
         raise ValueError(f"k={k} must be in 1..{n}")

@@ -72,8 +72,10 @@ class KVWindow:
     need: ``[B, Kh + R, W]`` bool, which (head, window token) cache entries to write, for
       the heads ``concat(head_idx, extra_ids)``.
     slots: ``[W]`` int32 cache slots of the window tokens (entries with need False may
-      hold any in-range slot).
-    cos, sin: ``[B, W, hd]`` fp32 rotary tables of the window tokens, or None.
+      hold any in-range slot; they are never written).
+    cos, sin: ``[B, W, hd]`` fp32 rotary tables of the window tokens: required when the
+      attention has a rotary embedding (given as tables; a callable ``rope`` cannot be
+      combined with a window), None otherwise.
     """
     x_prev: jax.Array
     extra_ids: jax.Array | None
@@ -191,14 +193,13 @@ def _window_rope(t, window: KVWindow):
 
 def merge_window(cache, new, ids, window: KVWindow):
     """Write ``new [B, n, W, hd]`` into ``cache [B, n_kv, S, hd]`` at (ids, window.slots)
-    where ``window.need``; other entries keep their value."""
-    B = cache.shape[0]
+    where ``window.need``; nothing else is written (entries without need go to slot S and
+    are dropped, so a slot repeated in the window keeps the needed value)."""
+    B, S = cache.shape[0], cache.shape[2]
     b_i = jnp.arange(B)[:, None, None]
     g_i = ids[None, :, None]
-    s_i = window.slots[None, None, :]
-    old = cache[b_i, g_i, s_i]
-    upd = jnp.where(window.need[..., None], new.astype(cache.dtype), old)
-    return cache.at[b_i, g_i, s_i].set(upd)
+    s_i = jnp.where(window.need, window.slots[None, None, :], S)
+    return cache.at[b_i, g_i, s_i].set(new.astype(cache.dtype), mode="drop")
 
 
 def _window_kv_reference(x, wk, bk, wv, bv, ids, window: KVWindow):
@@ -616,9 +617,15 @@ def _attn_jit(x, wq, bq, wk, bk, wv, bv, wo, bo, k_cache, v_cache, pos, head_idx
                                         window=window)
 
 
-def _validate_window(window, x, k_cache, head_idx):
+def _validate_window(window, x, k_cache, head_idx, rope):
     if not isinstance(window, KVWindow):
         raise TypeError(f"window must be a KVWindow, got {type(window).__name__}")
+    if callable(rope):
+        raise ValueError("a window needs the rotary embedding as (cos, sin) tables: a "
+                         "callable rope cannot rotate the window's keys")
+    if (rope is None) != (window.cos is None):
+        raise ValueError("window.cos/sin must be given exactly when rope is: the window's "
+                         "keys take the same rotary embedding at their own positions")
     B, d = x.shape
     hd = k_cache.shape[3]
     check_array("window.x_prev", window.x_prev, ndim=3, floating=True)
@@ -672,7 +679,7 @@ def head_sparse_attention(x, wq, bq, wk, bk, wv, bv, wo, bo, k_cache, v_cache, p
     _validate(x, wq, bq, wk, bk, wv, bv, wo, bo, k_cache, v_cache, pos, head_idx, rope,
               kv_mask)
     if window is not None:
-        _validate_window(window, x, k_cache, head_idx)
+        _validate_window(window, x, k_cache, head_idx, rope)
     impl = resolve_impl(impl)
     rope_fn = rope if callable(rope) else None
     rope_arr = None if (rope is None or callable(rope)) else tuple(rope)

@@ -223,6 +223,9 @@ def top_k_indices_chunked(scores: jax.Array, k: int, *, impl: str | None = None)
     n = scores.shape[0]
     if not 0 < k <= n:
         raise ValueError(f"k={k} must be in 1..{n}")
+    if n > 1 << 17:
+        raise ValueError(f"top_k_indices_chunked sums per-chunk count tables in every "
+                         f"program; n={n} > 131072")
     impl = resolve_impl(impl)
     if impl == "reference":
         return _top_k_jit(scores, k=int(k), impl="reference")

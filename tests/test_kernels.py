@@ -218,6 +218,7 @@ WINDOW_CASES = [  # B, d, H, n_kv, hd, S, W, pos, Kh, extra, rope, biases
     (1, 64, 8, 4, 16, 24, 4, 9, 2, (1,), True, False),       # GQA, rope, a refresh head
     (2, 96, 6, 6, 16, 30, 5, 12, 3, None, False, True),      # MHA, biases, no extra heads
     (2, 96, 6, 6, 16, 30, 5, 12, 2, (0, 4), False, True),    # extra heads, one also selected
+    (2, 64, 8, 4, 16, 24, 5, 2, 2, (3,), True, True),        # early step: slots clamp to 0
 ]
 
 
@@ -230,7 +231,7 @@ def test_window_recompute_writes_needed_entries_then_attends(rng, impl, B, d, H,
     from dejavu_jax.kernels import KVWindow
     r = lambda *s: rng.standard_normal(s)
     hidx = rng.permutation(n_kv)[:Kh].astype(np.int32)
-    if extra is not None and 4 in extra:
+    if extra is not None and 4 in extra and 4 not in hidx:
         hidx[0] = 4                                           # overlap with the refresh set
     ids = np.concatenate([hidx, np.asarray(extra or (), np.int32)])
     x, x_prev = r(B, d), r(B, W - 1, d)
@@ -240,9 +241,12 @@ def test_window_recompute_writes_needed_entries_then_attends(rng, impl, B, d, H,
     kc, vc = r(B, n_kv, S, hd), r(B, n_kv, S, hd)
     kc[:, :, pos + 1:] = np.nan                               # never read
     vc[:, :, pos + 1:] = np.nan
-    slots = np.arange(pos - W + 1, pos + 1).astype(np.int32)
+    raw = np.arange(pos - W + 1, pos + 1)
+    slots = np.maximum(raw, 0).astype(np.int32)               # early steps repeat slot 0
     need = rng.random((B, len(ids), W)) > 0.5
     need[:, :, -1] = True                                     # the current token is missing
+    need[:, :, raw == 0] = True                               # the real slot 0 is needed ...
+    need[:, :, raw < 0] = False                               # ... its clamped copies not
     first = {}
     for i, h in enumerate(ids):                               # duplicates agree on need
         need[:, i] = need[:, first.setdefault(int(h), i)]
@@ -439,3 +443,17 @@ def test_top_k_indices_validation():
         top_k_indices(jnp.ones(5), 0)
     with pytest.raises(ValueError, match="rank 1"):
         top_k_indices(jnp.ones((2, 5)), 1)
+
+
+def test_window_rejects_a_callable_rope_and_missing_tables(rng):
+    from dejavu_jax.kernels import KVWindow
+    B, d, H, hd, S = 1, 32, 4, 8, 16
+    f = lambda *s: jnp.asarray(rng.standard_normal(s), F32)
+    args = (f(B, d), f(H, hd, d), None, f(H, hd, d), None, f(H, hd, d), None, f(H, hd, d), None,
+            f(B, H, S, hd), f(B, H, S, hd), jnp.int32(5), jnp.asarray([0, 2], jnp.int32))
+    window = KVWindow(x_prev=f(B, 3, d), extra_ids=None, need=jnp.ones((B, 2, 4), bool),
+                      slots=jnp.arange(2, 6, dtype=jnp.int32))
+    with pytest.raises(ValueError, match="callable rope"):
+        head_sparse_attention(*args, rope=lambda t: t, window=window)
+    with pytest.raises(ValueError, match="exactly when rope"):
+        head_sparse_attention(*args, rope=(jnp.ones(hd), jnp.zeros(hd)), window=window)

@@ -73,16 +73,21 @@ def _silence_group0(config, params):
     return params.replace(layers=params.layers.replace(wo=wo))
 
 
-def test_missing_kv_is_recomputed_when_a_head_returns():
+@pytest.mark.parametrize("impl", [None, "interpret"])
+def test_missing_kv_is_recomputed_when_a_head_returns(impl):
+    """Through the jnp reference and through the Pallas kernels (interpreted), where the
+    window rides on the projection launch."""
     config = dj.preset("opt-tiny")
+    if impl == "interpret":
+        config = config.replace(n_layers=2)
     params = _silence_group0(config, dj.init_params(config, jax.random.key(3), jnp.float32,
                                                     std=0.1))
     L, F, H = config.n_layers, config.ffn, config.n_heads
     # no round-robin refresh, so head 0's entries stay missing until it is selected
     scfg = sparse.SparseConfig((F,) * L, (H - 1,) * L + (), dense_layers=1, kv_window=16,
-                               kv_refresh=0)
+                               kv_refresh=0, impl=impl)
     scfg_all = sparse.SparseConfig((F,) * L, (H,) * L, dense_layers=1, kv_window=16,
-                                   kv_refresh=0)
+                                   kv_refresh=0, impl=impl)
     skip = (jnp.tile(jnp.arange(F, dtype=jnp.int32), (L, 1)),
             jnp.tile(jnp.arange(1, H, dtype=jnp.int32), (L, 1)))  # head 0 never selected
     ids = jnp.asarray([[5, 9, 14, 3]])
