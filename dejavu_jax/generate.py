@@ -67,8 +67,15 @@ def build_engine(args, config, params):
         raise SystemExit("error: --sparse needs --predictors DIR (or use --oracle)")
     from dejavu_jax.train.predict import load_predictors
     predictors, _ = load_predictors(args.predictors, config)
-    engine = sparse.sparse_engine(config, scfg, sparse.predictor_selector(config.group_size))
+    select = sparse.predictor_selector(config.group_size, method=args.select)
+    engine = sparse.sparse_engine(config, scfg, select)
     return engine, (params, predictors), scfg
+
+
+def sparse_select_methods() -> tuple[str, ...]:
+    """The predictor top-k methods `--select` accepts (`sparse.SELECT_METHODS`)."""
+    from dejavu_jax import sparse
+    return sparse.SELECT_METHODS
 
 
 def describe_sparsity(config, scfg) -> str:
@@ -119,6 +126,10 @@ def build_parser() -> argparse.ArgumentParser:
                     help="fraction of KV-head groups per layer, same forms (default 1.0)")
     sp.add_argument("--dense-layers", type=int, default=2,
                     help="first layers that always run dense (default 2)")
+    sp.add_argument("--select", default="exact", choices=sparse_select_methods(),
+                    help="top-k of the predictor scores: exact (lax.top_k, default), radix "
+                         "or chunked (Pallas, the top-k at bfloat16 precision; faster on the "
+                         "GPU), packed, threshold")
     from dejavu_jax import multidevice  # --devices / --mesh (tensor parallel)
     multidevice.add_mesh_arguments(p)
     return p

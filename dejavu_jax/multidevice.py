@@ -97,6 +97,6 @@ def build_engine(args, config, params, mesh):
     if args.oracle:
         select = sparse.no_selector
     else:
-        select = sparse.predictor_selector(config.group_size)
+        select = sparse.predictor_selector(config.group_size, method=args.select)
         predictors = tp_decode.shard_predictors(predictors, mesh)
     return tp_decode.tp_sparse_engine(config, scfg, select, mesh), (params, predictors), scfg
