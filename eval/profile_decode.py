@@ -32,6 +32,7 @@ import numpy as np
 
 from dejavu_jax import config as config_lib
 from dejavu_jax import model, sparse
+from dejavu_jax.eval.bench_decode import time_loop
 from dejavu_jax.params import init_params, unstack_layers
 
 BF16 = jnp.bfloat16
@@ -93,24 +94,6 @@ def time_steps(step, params, state, tokens, steps: int):
     return float(np.median(times)), state
 
 
-def time_device_loop(step_fn, params, state, tokens, steps: int):
-    """(seconds per step of `steps` steps chained in one jitted fori_loop, state)."""
-    def loop(params, state, tokens):
-        def body(_, carry):
-            state, tok = carry
-            logits, state = step_fn(params, state, tok)
-            return state, jnp.argmax(logits, -1).astype(tok.dtype)
-        return jax.lax.fori_loop(0, steps, body, (state, tokens))
-
-    run = jax.jit(loop, donate_argnums=1)
-    state, tokens = run(params, state, tokens)          # compile and warm
-    jax.block_until_ready(state)
-    t = time.perf_counter()
-    state, tokens = run(params, state, tokens)
-    jax.block_until_ready(state)
-    return (time.perf_counter() - t) / steps, state
-
-
 def mode_engine(config, mode: str, mlp: float, heads: float, dense_layers: int, rank: int):
     """(step_fn(params, state, tokens), params extra, init_state, prefill) for a mode."""
     from dejavu_jax.eval.bench_decode import random_predictors, random_sets
@@ -165,7 +148,7 @@ def profile_mode(config, params, mode, args, out: Path, log) -> dict:
     with jax.profiler.trace(str(trace_dir), create_perfetto_trace=True):
         _, state = time_steps(step, run_params, state, tokens, args.trace_steps)
     del state
-    looped, state = time_device_loop(step_fn, run_params, fresh(), tokens, args.steps)
+    looped, _, state = time_loop(step_fn, run_params, fresh(), tokens, args.steps)
     del state
     summary = trace_kernels(str(trace_dir))
     n = args.trace_steps

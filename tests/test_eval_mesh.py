@@ -13,8 +13,6 @@ XLA_FLAGS=--xla_force_host_platform_device_count=8, as tests/test_sharding.py do
 
 import json
 import os
-import subprocess
-import sys
 
 import jax
 import jax.numpy as jnp
@@ -54,12 +52,8 @@ def test_block_top_k_mask_equals_numpy_rule():
 if jax.device_count() < N_DEVICES:
 
     def test_eval_mesh_suite_on_8_fake_cpu_devices():
-        env = dict(os.environ, JAX_PLATFORMS="cpu", DEJAVU_EVAL_MESH_INNER="1",
-                   XLA_FLAGS=(os.environ.get("XLA_FLAGS", "") +
-                              f" --xla_force_host_platform_device_count={N_DEVICES}").strip())
-        proc = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider",
-                               __file__], env=env, capture_output=True, text=True, timeout=600)
-        assert proc.returncode == 0, proc.stdout[-6000:] + proc.stderr[-3000:]
+        from conftest import run_on_fake_devices
+        run_on_fake_devices(__file__, N_DEVICES, "DEJAVU_EVAL_MESH_INNER", 600)
 
 else:
     import dejavu_jax as dj

@@ -283,12 +283,18 @@ def test_window_recompute_writes_needed_entries_then_attends(rng, impl, B, d, H,
         assert np.isnan(got[:, :, pos + 1:]).all()
 
 
+def _window_call(rng, B=1, d=32, H=4, hd=8, S=16):
+    """Positional head_sparse_attention arguments (no biases, heads 0 and 2, pos 5) and a
+    random-array maker."""
+    f = lambda *s: jnp.asarray(rng.standard_normal(s), F32)
+    return (f(B, d), f(H, hd, d), None, f(H, hd, d), None, f(H, hd, d), None, f(H, hd, d), None,
+            f(B, H, S, hd), f(B, H, S, hd), jnp.int32(5), jnp.asarray([0, 2], jnp.int32)), f
+
+
 def test_window_validation(rng):
     from dejavu_jax.kernels import KVWindow
-    B, d, H, hd, S = 1, 32, 4, 8, 16
-    f = lambda *s: jnp.asarray(rng.standard_normal(s), F32)
-    args = (f(B, d), f(H, hd, d), None, f(H, hd, d), None, f(H, hd, d), None, f(H, hd, d), None,
-            f(B, H, S, hd), f(B, H, S, hd), jnp.int32(5), jnp.asarray([0, 2], jnp.int32))
+    B, d = 1, 32
+    args, f = _window_call(rng)
     ok = dict(x_prev=f(B, 3, d), extra_ids=None, need=jnp.ones((B, 2, 4), bool),
               slots=jnp.arange(2, 6, dtype=jnp.int32))
     head_sparse_attention(*args, window=KVWindow(**ok))
@@ -447,10 +453,8 @@ def test_top_k_indices_validation():
 
 def test_window_rejects_a_callable_rope_and_missing_tables(rng):
     from dejavu_jax.kernels import KVWindow
-    B, d, H, hd, S = 1, 32, 4, 8, 16
-    f = lambda *s: jnp.asarray(rng.standard_normal(s), F32)
-    args = (f(B, d), f(H, hd, d), None, f(H, hd, d), None, f(H, hd, d), None, f(H, hd, d), None,
-            f(B, H, S, hd), f(B, H, S, hd), jnp.int32(5), jnp.asarray([0, 2], jnp.int32))
+    B, d, hd = 1, 32, 8
+    args, f = _window_call(rng)
     window = KVWindow(x_prev=f(B, 3, d), extra_ids=None, need=jnp.ones((B, 2, 4), bool),
                       slots=jnp.arange(2, 6, dtype=jnp.int32))
     with pytest.raises(ValueError, match="callable rope"):

@@ -57,12 +57,8 @@ def test_two_processes_with_jax_distributed(tmp_path):
 if jax.device_count() < N_DEVICES:
 
     def test_sharding_suite_on_8_fake_cpu_devices():
-        env = dict(os.environ, JAX_PLATFORMS="cpu", DEJAVU_SHARDING_INNER="1",
-                   XLA_FLAGS=(os.environ.get("XLA_FLAGS", "") +
-                              f" --xla_force_host_platform_device_count={N_DEVICES}").strip())
-        proc = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider",
-                               __file__], env=env, capture_output=True, text=True, timeout=900)
-        assert proc.returncode == 0, proc.stdout[-6000:] + proc.stderr[-3000:]
+        from conftest import run_on_fake_devices
+        run_on_fake_devices(__file__, N_DEVICES, "DEJAVU_SHARDING_INNER", 900)
 
 else:
 
