@@ -1,0 +1,34 @@
+#!/usr/bin/env bash
+# Run benchmark pieces on the device machine, each under its own timeout, and pack every
+# result into one archive under $OUT (the device tool returns at most 8 files).
+#
+#   bash scripts/device_bench.sh "NAME SECONDS MODULE ARGS..." ["NAME SECONDS MODULE ARGS..." ...]
+#
+# e.g. bash scripts/device_bench.sh \
+#   "opt30b 280 eval.bench_decode --models opt-30b --contexts 128,1024 --mlp 0.1 --heads 0.5" \
+#   "prof13 150 eval.profile_decode --model opt-13b --modes dense,sparse-predictor-chunked"
+#
+# MODULE is run as `python -m dejavu_jax.MODULE ARGS --out RESULTS/NAME`; its output goes to
+# RESULTS/NAME.out. A piece cut by its timeout keeps what it wrote (bench_decode rewrites its
+# JSON after every row); profile traces stay behind (their summary is profile.json).
+# Python runs from /tmp: in the repository root it would import the checkout's dejavu_jax/,
+# which lacks the mapped kernels/, train/ and eval/ packages.
+set -u
+root=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)
+# shellcheck source=/dev/null
+source "$root/scripts/device_env.sh"
+export XLA_PYTHON_CLIENT_MEM_FRACTION=${XLA_PYTHON_CLIENT_MEM_FRACTION:-0.95} PYTHONUNBUFFERED=1
+results=/tmp/device_results
+mkdir -p "$results"
+cd /tmp || exit 1
+nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv > "$results/gpus.csv" 2>&1
+for piece in "$@"; do
+  read -r name seconds module args <<< "$piece"
+  echo "== $name ($seconds s): python -m dejavu_jax.$module $args"
+  # shellcheck disable=SC2086
+  timeout "$seconds" python -m "dejavu_jax.$module" $args --out "$results/$name" \
+    > "$results/$name.out" 2>&1
+  echo "   exit $? ; $(grep -c '^{' "$results/$name.out" 2>/dev/null) rows logged"
+done
+tar czf "${OUT:-/tmp}/device_results.tgz" --exclude="trace_*" -C /tmp device_results  # traces: large
+echo "packed into ${OUT:-/tmp}/device_results.tgz"
