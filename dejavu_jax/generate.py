@@ -216,10 +216,12 @@ def main(argv: list[str] | None = None) -> int:
             print(f"[{row}] " + tokenizer.decode(list(prompt) + out, skip_special_tokens=True))
         if args.greedy or tokenizer is None:
             print(f"[{row}] generated ids: {','.join(map(str, out))}")
+    speed = (f"decode {result.tokens_per_second:.1f} tokens/s per sequence over "
+             f"{result.timed_steps} steps" if result.timed_steps else
+             "decode speed not measured: every token came from the first call")
     print(f"prefill (incl. compile) {result.prefill_seconds:.2f} s; first {result.chunk}-step "
-          f"call (compile) {result.first_step_seconds:.2f} s; decode "
-          f"{result.tokens_per_second:.1f} tokens/s per sequence over {result.timed_steps} "
-          f"steps, batch {len(prompts)} [{engine.name}]")
+          f"call (compile) {result.first_step_seconds:.2f} s; {speed}, batch {len(prompts)} "
+          f"[{engine.name}]")
     if scfg is not None:
         print(describe_sparsity(config, scfg))
     return 0
