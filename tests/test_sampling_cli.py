@@ -37,7 +37,11 @@ def test_sampling_config_validates():
 def test_cli_runs_a_random_preset(capsys):
     assert cli.main(["--max-new-tokens", "4", "--preset", "opt-tiny"]) == 0
     out = capsys.readouterr().out
-    assert "tokens/s" in out
+    assert "every token came from the first call" in out       # 3 steps: one 3-step call
+    assert cli.main(["--max-new-tokens", "12", "--chunk", "4", "--preset", "opt-tiny",
+                     "--prompt-ids", "2,100,200", "--greedy"]) == 0
+    out = capsys.readouterr().out
+    assert "tokens/s per sequence over 8 steps" in out          # 3 calls, the first untimed
 
 
 def test_cli_greedy_prompt_ids_prints_ids(capsys):
