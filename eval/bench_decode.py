@@ -277,6 +277,64 @@ def rates(nbytes: int, batch: int, ms: float, ms_loop: float | None) -> dict:
                 tokens_per_s=batch * 1e3 / per_token)
 
 
+def measure_rows(config, params, preds, contexts, mlp_densities, head_densities, batches,
+                 rank, dense_layers, warmup, steps, bar, log, select_methods, modes,
+                 prefill_reps, *, init_kwargs, label, dense, sparse_engine, fixed_sets,
+                 make_row, kv_recompute_off=False) -> list[dict]:
+    """The rows of one model for every context and batch: the `dense` engine, then for each
+    density pair the sparse variants (`sparse_variants`) built by `sparse_engine(scfg,
+    select)`; precomputed sets come from `fixed_sets(scfg)` (at heads 0.5, first context).
+    `make_row(columns)` completes each row (model, layout, device columns); every row is
+    logged as one JSON line. A setting that fails (OOM, lowering) is logged and skipped."""
+    rows = []
+    for ctx in contexts:
+        max_len = cache_len(ctx, warmup, steps)
+        for batch in batches:
+            prompt = jax.random.randint(jax.random.key(2), (batch, ctx), 3, config.vocab_size)
+            mask = jnp.ones_like(prompt)
+            tokens = jnp.full((batch,), 42, jnp.int32)
+
+            def measure(what, engine, engine_params):
+                try:
+                    return measure_engine(engine, engine_params, prompt, mask, tokens, max_len,
+                                          warmup, steps, init_kwargs, prefill_reps)
+                except Exception as e:  # report (OOM, lowering errors) and go on
+                    log(f"FAILED {label} ctx={ctx} batch={batch} {what}: "
+                        f"{type(e).__name__}: {str(e)[:400]}")
+                    return None
+
+            def add(res, nbytes, **columns):
+                rows.append(make_row(dict(columns, context=ctx, batch=batch, cache_len=max_len,
+                                          **res, **rates(nbytes, batch, res["ms"],
+                                                         res["ms_loop"]))))
+                log(json.dumps(rows[-1]))
+
+            if "dense" in modes:
+                res = measure("dense", dense, params)
+                if res is not None:
+                    add(res, step_bytes(config, None, ctx, batch, rank, False), mode="dense",
+                        mlp=1.0, heads=1.0, indices="-")
+                bar.update()
+            if "sparse" not in modes:
+                continue
+            for md in mlp_densities:
+                for hdn in head_densities:
+                    scfg = sparse.sparse_config(config, md, hdn, dense_layers=dense_layers)
+                    fixed = fixed_sets(scfg) if hdn == 0.5 and ctx == contexts[0] else None
+                    for kind, select, sel_params in sparse_variants(
+                            config, preds, select_methods, fixed, kv_recompute_off):
+                        run_cfg = (dataclasses.replace(scfg, kv_recompute=False)
+                                   if kind.endswith("no-kv-recompute") else scfg)
+                        res = measure(f"mlp={md} heads={hdn} {kind}",
+                                      sparse_engine(run_cfg, select), (params, sel_params))
+                        bar.update()
+                        if res is not None:
+                            add(res, step_bytes(config, scfg, ctx, batch, rank,
+                                                kind.startswith("predictor")),
+                                mode="sparse", mlp=md, heads=hdn, indices=kind)
+    return rows
+
+
 def run_model(name, contexts, mlp_densities, head_densities, batches, rank, dense_layers,
               warmup, steps, bar, log, layout="unrolled", select_methods=("exact",),
               kv_recompute_off=False, modes=("dense", "sparse"), prefill_reps=3):
@@ -293,56 +351,14 @@ def run_model(name, contexts, mlp_densities, head_densities, batches, rank, dens
     jax.block_until_ready(params)
     log(f"{name}: {param_bytes(params) / 1e9:.1f} GB weights, init {time.perf_counter() - t0:.1f}s")
     preds = random_predictors(config, rank, jax.random.key(1))
-    init_kwargs = dict(per_layer=layout == "unrolled")
-    rows = []
-    for ctx in contexts:
-        max_len = cache_len(ctx, warmup, steps)
-        for batch in batches:
-            prompt = jax.random.randint(jax.random.key(2), (batch, ctx), 3, config.vocab_size)
-            mask = jnp.ones_like(prompt)
-            tokens = jnp.full((batch,), 42, jnp.int32)
-            base = dict(model=name, layout=layout, context=ctx, batch=batch, cache_len=max_len)
-
-            def measure(what, engine, engine_params):
-                try:
-                    return measure_engine(engine, engine_params, prompt, mask, tokens, max_len,
-                                          warmup, steps, init_kwargs, prefill_reps)
-                except Exception as e:  # report (OOM, lowering errors) and go on
-                    log(f"FAILED {name} {layout} ctx={ctx} batch={batch} {what}: "
-                        f"{type(e).__name__}: {str(e)[:400]}")
-                    return None
-
-            if "dense" in modes:
-                res = measure("dense", dense_engine(config), params)
-                if res is not None:
-                    nbytes = step_bytes(config, None, ctx, batch, rank, False)
-                    rows.append(dict(base, mode="dense", mlp=1.0, heads=1.0, indices="-",
-                                     **res, **rates(nbytes, batch, res["ms"], res["ms_loop"])))
-                    log(json.dumps(rows[-1]))
-                bar.update()
-            if "sparse" not in modes:
-                continue
-            for md in mlp_densities:
-                for hdn in head_densities:
-                    scfg = sparse.sparse_config(config, md, hdn, dense_layers=dense_layers)
-                    fixed = (random_sets(config, scfg) if hdn == 0.5 and ctx == contexts[0]
-                             else None)
-                    variants = sparse_variants(config, preds, select_methods, fixed,
-                                               kv_recompute_off)
-                    for kind, select, sel_params in variants:
-                        run_cfg = (dataclasses.replace(scfg, kv_recompute=False)
-                                   if kind.endswith("no-kv-recompute") else scfg)
-                        eng = sparse.sparse_engine(config, run_cfg, select)
-                        res = measure(f"mlp={md} heads={hdn} {kind}", eng, (params, sel_params))
-                        bar.update()
-                        if res is None:
-                            continue
-                        nbytes = step_bytes(config, scfg, ctx, batch, rank,
-                                            kind.startswith("predictor"))
-                        rows.append(dict(base, mode="sparse", mlp=md, heads=hdn, indices=kind,
-                                         **res, **rates(nbytes, batch, res["ms"],
-                                                        res["ms_loop"])))
-                        log(json.dumps(rows[-1]))
+    rows = measure_rows(
+        config, params, preds, contexts, mlp_densities, head_densities, batches, rank,
+        dense_layers, warmup, steps, bar, log, select_methods, modes, prefill_reps,
+        init_kwargs=dict(per_layer=layout == "unrolled"), label=f"{name} {layout}",
+        dense=dense_engine(config), sparse_engine=functools.partial(sparse.sparse_engine, config),
+        fixed_sets=lambda scfg: random_sets(config, scfg),
+        make_row=lambda r: dict(model=name, layout=layout, **r),
+        kv_recompute_off=kv_recompute_off)
     del params
     return rows
 

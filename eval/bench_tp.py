@@ -11,7 +11,6 @@ are latency-bound).
 
 from __future__ import annotations
 
-import json
 import time
 
 import jax
@@ -20,7 +19,7 @@ import numpy as np
 from jax.sharding import PartitionSpec as P
 
 from dejavu_jax import config as config_lib
-from dejavu_jax import sharding, sparse, tp_decode
+from dejavu_jax import sharding, tp_decode
 from dejavu_jax.params import param_bytes, unstack_layers
 
 BF16 = jnp.bfloat16
@@ -65,9 +64,7 @@ def run_model_tp(name, contexts, mlp_densities, head_densities, batches, rank, d
     """All rows for one preset on `mesh` (see `bench_decode.run_model` and
     `bench_decode.measure_engine` for the columns; GB/s per device and the all-reduce share
     come from ms_loop)."""
-    from dejavu_jax.eval.bench_decode import (measure_engine, random_predictors, rates,
-                                              sparse_variants, step_bytes)
-    from dejavu_jax.eval.bench_hf import cache_len
+    from dejavu_jax.eval.bench_decode import measure_rows, random_predictors
     config = config_lib.preset(name)
     tp = sharding.tp_size(mesh)
     if isinstance(batches, int):
@@ -86,59 +83,20 @@ def run_model_tp(name, contexts, mlp_densities, head_densities, batches, rank, d
         allreduce[batch] = measure_allreduce(mesh, batch, config.hidden)
         log(f"all-reduce [{batch}, {config.hidden}] fp32 over tp={tp}: "
             f"{allreduce[batch] * 1e6:.1f} us")
-    init_kwargs = dict(per_layer=True) if layout == "unrolled" else {}
-    rows = []
+    def make_row(r):
+        ar = allreduce[r["batch"]]
+        return dict(model=name, layout=layout, tp=tp, **r, gbs_per_device=r["gbs"] / tp,
+                    allreduce_us=ar * 1e6, allreduce_ms_per_layer=2 * ar * 1e3,
+                    allreduce_share=2 * config.n_layers * ar / (r["ms_loop"] / 1e3))
 
-    def row(mode, ctx, batch, md, hdn, kind, res, nbytes, max_len):
-        ar = allreduce[batch]
-        r = dict(model=name, layout=layout, mode=mode, context=ctx, batch=batch,
-                 cache_len=max_len, mlp=md, heads=hdn, indices=kind, tp=tp, **res,
-                 **rates(nbytes, batch, res["ms"], res["ms_loop"]))
-        r.update(gbs_per_device=r["gbs"] / tp, allreduce_us=ar * 1e6,
-                 allreduce_ms_per_layer=2 * ar * 1e3,
-                 allreduce_share=2 * config.n_layers * ar / (res["ms_loop"] / 1e3))
-        rows.append(r)
-        log(json.dumps(r))
-
-    for ctx in contexts:
-        max_len = cache_len(ctx, warmup, steps)
-        for batch in batches:
-            prompt = jax.random.randint(jax.random.key(2), (batch, ctx), 3, config.vocab_size)
-            mask = jnp.ones_like(prompt)
-            tokens = jnp.full((batch,), 42, jnp.int32)
-
-            def measure(what, engine, engine_params):
-                try:
-                    return measure_engine(engine, engine_params, prompt, mask, tokens, max_len,
-                                          warmup, steps, init_kwargs, prefill_reps)
-                except Exception as e:  # report and go on with the other rows
-                    log(f"FAILED {name} tp={tp} ctx={ctx} batch={batch} {what}: "
-                        f"{type(e).__name__}: {str(e)[:400]}")
-                    return None
-
-            if "dense" in modes:
-                res = measure("dense", tp_decode.tp_dense_engine(config, mesh), params)
-                bar.update()
-                if res is not None:
-                    row("dense", ctx, batch, 1.0, 1.0, "-", res,
-                        step_bytes(config, None, ctx, batch, rank, False), max_len)
-            if "sparse" not in modes:
-                continue
-            for md in mlp_densities:
-                for hdn in head_densities:
-                    scfg = sparse.sparse_config(config, md, hdn, dense_layers=dense_layers)
-                    fixed = (random_local_sets(config, scfg, tp)
-                             if hdn == 0.5 and ctx == contexts[0] else None)
-                    variants = sparse_variants(config, preds, select_methods, fixed)
-                    for kind, select, sel_params in variants:
-                        res = measure(f"mlp={md} heads={hdn} {kind}",
-                                      tp_decode.tp_sparse_engine(config, scfg, select, mesh),
-                                      (params, sel_params))
-                        bar.update()
-                        if res is not None:
-                            row("sparse", ctx, batch, md, hdn, kind, res,
-                                step_bytes(config, scfg, ctx, batch, rank,
-                                           kind.startswith("predictor")), max_len)
+    rows = measure_rows(
+        config, params, preds, contexts, mlp_densities, head_densities, batches, rank,
+        dense_layers, warmup, steps, bar, log, select_methods, modes, prefill_reps,
+        init_kwargs=dict(per_layer=True) if layout == "unrolled" else {},
+        label=f"{name} tp={tp}", dense=tp_decode.tp_dense_engine(config, mesh),
+        sparse_engine=lambda scfg, select: tp_decode.tp_sparse_engine(config, scfg, select,
+                                                                      mesh),
+        fixed_sets=lambda scfg: random_local_sets(config, scfg, tp), make_row=make_row)
     del params
     return rows
 
