@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import json
 import sys
 from pathlib import Path
 
@@ -168,6 +169,12 @@ def mesh_label(mesh) -> str:
 def is_main_process() -> bool:
     """True in the process that writes results (process 0 of a --distributed run)."""
     return jax.process_index() == 0
+
+
+def save_result(path: str | None, result: dict) -> None:
+    """Write `result` as JSON to `path` (if given) from the main process only."""
+    if path and is_main_process():
+        Path(path).write_text(json.dumps(result, indent=1))
 
 
 def pad_rows(rows: list[list[int]], length: int, n_rows: int, fill: int = 0) -> np.ndarray:

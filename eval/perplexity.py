@@ -22,7 +22,6 @@ from __future__ import annotations
 
 import argparse
 import functools
-import json
 import math
 import sys
 import time
@@ -151,8 +150,7 @@ def main(argv: list[str] | None = None) -> int:
     print(f"{result['mode']}: {result['tokens']} tokens, NLL {result['nll']:.4f}, "
           f"perplexity {result['perplexity']:.3f} ({result['seconds']:.0f} s"
           f"{common.mesh_label(mesh)})")
-    if args.out and common.is_main_process():
-        Path(args.out).write_text(json.dumps(result, indent=1))
+    common.save_result(args.out, result)
     return 0
 
 

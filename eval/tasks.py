@@ -288,8 +288,7 @@ def main(argv: list[str] | None = None) -> int:
         print(f"{name:12s} n={r['items']:5d}  acc {r['acc']:.4f}  {extra}")
     print(f"mean acc {result['mean_acc']:.4f}  ({result['seconds']:.0f} s, {result['mode']}"
           f"{common.mesh_label(mesh)})")
-    if args.out and common.is_main_process():
-        Path(args.out).write_text(json.dumps(result, indent=1))
+    common.save_result(args.out, result)
     return 0
 
 
