@@ -433,30 +433,41 @@ def merge_runs(dirs, out: Path, argv_text: str, log) -> int:
     return 0
 
 
+def table(cols, rows, cells) -> str:
+    """A markdown table: header `cols`, one line per row from `cells(row)`."""
+    lines = ["| " + " | ".join(cols) + " |", "|" + "---|" * len(cols)]
+    lines += ["| " + " | ".join(str(c) for c in cells(r)) + " |" for r in rows]
+    return "\n".join(lines)
+
+
+def speedup_cells(r) -> tuple[str, str, str]:
+    """The speedup columns: vs dense (synced / loop), vs hf-eager, vs hf-compiled."""
+    vs_dense = ("–" if r.get("speedup") is None else
+                f"{r['speedup']:.2f}x / {_f(r.get('speedup_loop'), '.2f', 'x')}")
+    return (vs_dense, _f(r.get("speedup_vs_hf_eager"), ".2f", "x"),
+            _f(r.get("speedup_vs_hf_compiled"), ".2f", "x"))
+
+
 def markdown(rows, roofline) -> str:
     """A markdown table of the rows (see `add_speedups` for the speedup columns)."""
     cols = ("model", "layers", "mode", "ctx", "batch", "mlp", "heads", "indices",
             "ms (synced)", "ms_loop", "p90", "tokens/s", "GB read", "GB/s", "% roofline",
             "prefill ms", "compile s", "peak GB", "vs dense (synced / loop)", "vs hf-eager",
             "vs hf-compiled")
-    lines = ["| " + " | ".join(cols) + " |", "|" + "---|" * len(cols)]
-    for r in rows:
+
+    def cells(r):
         peak = r.get("peak_bytes")
-        vs_dense = ("–" if r.get("speedup") is None else
-                    f"{r['speedup']:.2f}x / {_f(r.get('speedup_loop'), '.2f', 'x')}")
-        cells = (r["model"], r.get("layout", "stacked"), r["mode"], r["context"], r["batch"],
-                 f"{r['mlp']:.2f}", f"{r['heads']:.2f}", r["indices"], f"{r['ms']:.3f}",
-                 _f(r.get("ms_loop"), ".3f"), f"{r['p90_ms']:.3f}",
-                 _f(r.get("tokens_per_s"), ".0f"), _f(r.get("bytes") and r["bytes"] / 1e9, ".2f"),
-                 _f(r.get("gbs"), ".0f"),
-                 _f(r.get("gbs") and 100 * r["gbs"] / (r.get("roofline_gbs") or roofline),
-                    ".0f", "%"),
-                 _f(r.get("prefill_ms"), ".1f"), _f(r.get("compile_s"), ".1f"),
-                 _f(peak and peak / 1e9, ".1f"), vs_dense,
-                 _f(r.get("speedup_vs_hf_eager"), ".2f", "x"),
-                 _f(r.get("speedup_vs_hf_compiled"), ".2f", "x"))
-        lines.append("| " + " | ".join(str(c) for c in cells) + " |")
-    return "\n".join(lines)
+        return (r["model"], r.get("layout", "stacked"), r["mode"], r["context"], r["batch"],
+                f"{r['mlp']:.2f}", f"{r['heads']:.2f}", r["indices"], f"{r['ms']:.3f}",
+                _f(r.get("ms_loop"), ".3f"), f"{r['p90_ms']:.3f}",
+                _f(r.get("tokens_per_s"), ".0f"), _f(r.get("bytes") and r["bytes"] / 1e9, ".2f"),
+                _f(r.get("gbs"), ".0f"),
+                _f(r.get("gbs") and 100 * r["gbs"] / (r.get("roofline_gbs") or roofline),
+                   ".0f", "%"),
+                _f(r.get("prefill_ms"), ".1f"), _f(r.get("compile_s"), ".1f"),
+                _f(peak and peak / 1e9, ".1f"), *speedup_cells(r))
+
+    return table(cols, rows, cells)
 
 
 def run_hf(python: str, models, contexts, batches, modes, warmup: int, steps: int, out: Path,

@@ -104,26 +104,22 @@ def run_model_tp(name, contexts, mlp_densities, head_densities, batches, rank, d
 def markdown_tp(rows, roofline) -> str:
     """The markdown table of tensor-parallel rows (per-device bandwidth, all-reduce share;
     both from ms_loop). Speedups against HF compare with HF on one GPU."""
-    from dejavu_jax.eval.bench_decode import _f
+    from dejavu_jax.eval.bench_decode import _f, speedup_cells, table
     cols = ("model", "layers", "tp", "mode", "ctx", "batch", "mlp", "heads", "indices",
             "ms (synced)", "ms_loop", "p90", "tokens/s", "GB read (all devices)",
             "GB/s per device", "% roofline", "prefill ms", "compile s", "peak GB per device",
             "all-reduce µs", "all-reduce share", "vs dense (synced / loop)", "vs hf-eager",
             "vs hf-compiled")
-    lines = ["| " + " | ".join(cols) + " |", "|" + "---|" * len(cols)]
-    for r in rows:
+
+    def cells(r):
         peak = r.get("peak_bytes")
-        vs_dense = ("–" if r.get("speedup") is None else
-                    f"{r['speedup']:.2f}x / {_f(r.get('speedup_loop'), '.2f', 'x')}")
-        cells = (r["model"], r["layout"], r["tp"], r["mode"], r["context"], r["batch"],
-                 f"{r['mlp']:.2f}", f"{r['heads']:.2f}", r["indices"], f"{r['ms']:.3f}",
-                 f"{r['ms_loop']:.3f}", f"{r['p90_ms']:.3f}", f"{r['tokens_per_s']:.0f}",
-                 f"{r['bytes'] / 1e9:.2f}", f"{r['gbs_per_device']:.0f}",
-                 f"{100 * r['gbs_per_device'] / (r.get('roofline_gbs') or roofline):.0f}%",
-                 f"{r['prefill_ms']:.1f}",
-                 f"{r['compile_s']:.1f}", _f(peak and peak / 1e9, ".1f"),
-                 f"{r['allreduce_us']:.1f}", f"{100 * r['allreduce_share']:.0f}%", vs_dense,
-                 _f(r.get("speedup_vs_hf_eager"), ".2f", "x"),
-                 _f(r.get("speedup_vs_hf_compiled"), ".2f", "x"))
-        lines.append("| " + " | ".join(str(c) for c in cells) + " |")
-    return "\n".join(lines)
+        return (r["model"], r["layout"], r["tp"], r["mode"], r["context"], r["batch"],
+                f"{r['mlp']:.2f}", f"{r['heads']:.2f}", r["indices"], f"{r['ms']:.3f}",
+                f"{r['ms_loop']:.3f}", f"{r['p90_ms']:.3f}", f"{r['tokens_per_s']:.0f}",
+                f"{r['bytes'] / 1e9:.2f}", f"{r['gbs_per_device']:.0f}",
+                f"{100 * r['gbs_per_device'] / (r.get('roofline_gbs') or roofline):.0f}%",
+                f"{r['prefill_ms']:.1f}", f"{r['compile_s']:.1f}", _f(peak and peak / 1e9, ".1f"),
+                f"{r['allreduce_us']:.1f}", f"{100 * r['allreduce_share']:.0f}%",
+                *speedup_cells(r))
+
+    return table(cols, rows, cells)
