@@ -181,10 +181,6 @@ def _flat(w: jax.Array | None) -> jax.Array | None:
     return None if w is None else w.reshape(-1, *w.shape[2:])
 
 
-def _query_heads(groups: jax.Array, group_size: int) -> jax.Array:
-    return (groups[:, None] * group_size + jnp.arange(group_size)).reshape(-1)
-
-
 class _LayerIO(struct.PyTreeNode):
     """The per-step arrays every layer body reads or writes."""
 
