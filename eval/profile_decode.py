@@ -164,7 +164,7 @@ def profile_mode(config, params, mode, args, out: Path, log) -> dict:
                launches_per_token=sum(c for _, c, _ in per_token),
                device_busy_ms_per_token=summary["busy_us"] / n / 1e3,
                categories={k: dict(launches=v[0], us=v[1]) for k, v in cats.items()},
-               top_kernels=[dict(name=nm[:120], launches=c, us=us) for nm, c, us in per_token[:25]],
+               top_kernels=[dict(name=nm[:120], launches=c, us=us) for nm, c, us in per_token[:60]],
                processes=summary["processes"])
     log(json.dumps(row))
     return row

@@ -65,31 +65,39 @@ def logical_rows(ids_ref, r, valid, m: int):
 
 @dataclasses.dataclass(frozen=True)
 class Segment:
-    """One gathered matrix of :func:`gather_matvec`: weight [R, d], ids [K], rows_per_id."""
+    """One gathered matrix of :func:`gather_matvec`: weight [R, d], ids [K], rows_per_id.
+
+    x: this segment's own input ``[B_s, d]`` (None: the call's shared x); block_rows: its
+    own rows per program (None: the call's). A segment with more input rows (the missing-KV
+    window) takes the tensor-core path while a one-row segment keeps the vector path.
+    """
     w: jax.Array
     ids: jax.Array
     rows_per_id: int = 1
+    x: jax.Array | None = None
+    block_rows: int | None = None
 
     @property
     def n_rows(self) -> int:
         return int(self.ids.shape[0]) * self.rows_per_id
 
 
-def _gather_matvec_kernel(x_ref, *refs, seg_meta, B, Bp, d, bk, bd, chunks):
+def _gather_matvec_kernel(*refs, seg_meta, d, bd, chunks):
     nseg = len(seg_meta)
-    in_refs, out_refs = refs[: 2 * nseg], refs[2 * nseg:]
+    in_refs, out_refs = refs[: 3 * nseg], refs[3 * nseg:]
     i = pl.program_id(0)
     j = pl.program_id(1)
-    kk = jnp.arange(bk, dtype=jnp.int32)
-    brow = jnp.arange(Bp, dtype=jnp.int32)
-    bmask = brow < B
 
-    for s, (start, nb, m, n_rows) in enumerate(seg_meta):
-        ids_ref, w_ref = in_refs[2 * s], in_refs[2 * s + 1]
+    for s, (start, nb, m, n_rows, B, Bp, bk) in enumerate(seg_meta):
+        x_ref, ids_ref, w_ref = in_refs[3 * s: 3 * s + 3]
         o_ref = out_refs[s]
 
         @pl.when((i >= start) & (i < start + nb))
-        def _(ids_ref=ids_ref, w_ref=w_ref, o_ref=o_ref, start=start, m=m, n_rows=n_rows):
+        def _(x_ref=x_ref, ids_ref=ids_ref, w_ref=w_ref, o_ref=o_ref, start=start, m=m,
+              n_rows=n_rows, B=B, Bp=Bp, bk=bk):
+            kk = jnp.arange(bk, dtype=jnp.int32)
+            brow = jnp.arange(Bp, dtype=jnp.int32)
+            bmask = brow < B
             local = (i - start) * bk + kk
             valid = local < n_rows
             rows = logical_rows(ids_ref, local, valid, m)
@@ -126,31 +134,37 @@ def gather_matvec(x: jax.Array, segments: Sequence[Segment], *, block_rows: int 
     """Gathered GEMV partials for one or more matrices sharing the input ``x [B, d]``.
 
     Args:
-      x: ``[B, d]`` input.
-      segments: :class:`Segment` s; all weights are ``[R_s, d]`` and share x.
-      block_rows: selected rows per program (power of two; >= 16 when B > 1).
+      x: ``[B, d]`` input, shared by the segments that bring none of their own.
+      segments: :class:`Segment` s; all weights are ``[R_s, d]``.
+      block_rows: selected rows per program (power of two; >= 16 when B > 1), unless a
+        segment sets its own.
       block_d: columns per load (power of two).
       d_chunks: column chunks per program; the grid has ``cdiv(d, block_d * d_chunks)``
         d-splits.
     Returns:
-      One fp32 array per segment, ``[n_dsplit, B, n_blocks * block_rows]``; summing over
+      One fp32 array per segment, ``[n_dsplit, B_s, n_blocks * block_rows]``; summing over
       axis 0 gives ``x @ W[rows].T`` (rows past ``n_rows`` hold zeros/garbage-free 0).
     """
-    B, d = x.shape
-    Bp = batch_pad(B)
-    bk = block_rows if Bp == 1 else max(16, block_rows)
+    d = x.shape[1]
     bd = block_d
     nds = cdiv(d, bd * d_chunks)
     seg_meta, outs, args = [], [], []
     start = 0
     for seg in segments:
+        xs = x if seg.x is None else seg.x
+        if xs.ndim != 2 or xs.shape[1] != d:
+            raise ValueError(f"segment input has shape {xs.shape}; expected [B, {d}]")
+        B = xs.shape[0]
+        Bp = batch_pad(B)
+        bk = seg.block_rows or block_rows
+        bk = bk if Bp == 1 else max(16, bk)
         nb = cdiv(seg.n_rows, bk)
-        seg_meta.append((start, nb, seg.rows_per_id, seg.n_rows))
+        seg_meta.append((start, nb, seg.rows_per_id, seg.n_rows, B, Bp, bk))
         outs.append(jax.ShapeDtypeStruct((nds, B, nb * bk), jnp.float32))
-        args += [seg.ids.astype(jnp.int32), seg.w]
+        args += [xs, seg.ids.astype(jnp.int32), seg.w]
         start += nb
-    kernel = functools.partial(_gather_matvec_kernel, seg_meta=tuple(seg_meta), B=B, Bp=Bp,
-                               d=d, bk=bk, bd=bd, chunks=d_chunks)
+    kernel = functools.partial(_gather_matvec_kernel, seg_meta=tuple(seg_meta), d=d, bd=bd,
+                               chunks=d_chunks)
     return pl.pallas_call(
         kernel,
         grid=(start, nds),
@@ -158,7 +172,7 @@ def gather_matvec(x: jax.Array, segments: Sequence[Segment], *, block_rows: int 
         compiler_params=plgpu.CompilerParams(num_warps=num_warps, num_stages=num_stages),
         interpret=interpret,
         name="gather_matvec",
-    )(x, *args)
+    )(*args)
 
 
 def _gather_matvec_t_kernel(*refs, n_act, load_act, B, Bp, d, m, n_rows, bk, bd, kblocks):

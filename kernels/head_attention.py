@@ -45,6 +45,7 @@ NEG = -1e30  # finite "minus infinity" for the online softmax
 class AttnConfig:
     """Block sizes for the attention pipeline (None = pick from the problem size)."""
     proj_block_rows: int = 16
+    window_block_rows: int = 32            # K/V rows per program when a window adds inputs
     proj_block_d: int = 512
     proj_d_chunks: int | None = None
     out_block_rows: int = 16
@@ -535,22 +536,24 @@ def head_sparse_attention_pallas(x, wq, bq, wk, bk, wv, bv, wo, bo, k_cache, v_c
     Kh = head_idx.shape[0]
     head_idx = head_idx.astype(jnp.int32)
     pos = jnp.asarray(pos, jnp.int32).reshape(1)
-    kv_ids, x_rows = head_idx, x
+    kv_ids, x_rows, kv_block = head_idx, x, None
     if window is not None:
+        # the window's previous inputs are extra rows for K/V only: q keeps x's rows
         kv_ids = window_heads(head_idx, window)
         W = window.x_prev.shape[1] + 1
         x_rows = jnp.concatenate([x, window.x_prev.reshape(B * (W - 1), d).astype(x.dtype)])
+        kv_block = cfg.window_block_rows
     segs = [Segment(wq.reshape(H * hd, d), head_idx, G * hd),
-            Segment(wk.reshape(n_kv * hd, d), kv_ids, hd),
-            Segment(wv.reshape(n_kv * hd, d), kv_ids, hd)]
+            Segment(wk.reshape(n_kv * hd, d), kv_ids, hd, x=x_rows, block_rows=kv_block),
+            Segment(wv.reshape(n_kv * hd, d), kv_ids, hd, x=x_rows, block_rows=kv_block)]
     Bp = batch_pad(x_rows.shape[0])
-    bk_rows = cfg.proj_block_rows if Bp == 1 else max(16, cfg.proj_block_rows)
+    bk_rows = cfg.proj_block_rows if batch_pad(B) == 1 else max(16, cfg.proj_block_rows)
     bd = min(cfg.proj_block_d, 1 << (d.bit_length() - 1), max(32, 8192 // Bp))
     chunks = cfg.proj_d_chunks
     if chunks is None:
         tiles = cdiv(Kh * G * hd + 2 * kv_ids.shape[0] * hd, bk_rows) * cdiv(d, bd)
         chunks = max(1, min(cdiv(d, bd), tiles // cfg.target_programs))
-    qp, kp, vp = gather_matvec(x_rows, segs, block_rows=bk_rows, block_d=bd, d_chunks=chunks,
+    qp, kp, vp = gather_matvec(x, segs, block_rows=bk_rows, block_d=bd, d_chunks=chunks,
                                num_warps=cfg.num_warps, num_stages=cfg.num_stages,
                                interpret=interpret)
     if window is not None:

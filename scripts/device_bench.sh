@@ -2,12 +2,13 @@
 # Run benchmark pieces on the device machine, each under its own timeout, and pack every
 # result into one archive under $OUT (the device tool returns at most 8 files).
 #
-#   bash scripts/device_bench.sh "NAME SECONDS MODULE ARGS..." ["NAME SECONDS MODULE ARGS..." ...]
+#   bash scripts/device_bench.sh "NAME SECONDS [VAR=VALUE ...] MODULE ARGS..." [...]
 #
 # e.g. bash scripts/device_bench.sh \
 #   "opt30b 280 eval.bench_decode --models opt-30b --contexts 128,1024 --mlp 0.1 --heads 0.5" \
 #   "prof13 150 eval.profile_decode --model opt-13b --modes dense,sparse-predictor-chunked"
 #
+# Leading VAR=VALUE words set the piece's environment (e.g. one XLA_FLAGS=--flag=value).
 # MODULE is run as `python -m dejavu_jax.MODULE ARGS --out RESULTS/NAME`; its output goes to
 # RESULTS/NAME.out. A piece cut by its timeout keeps what it wrote (bench_decode rewrites its
 # JSON after every row); profile traces stay behind (their summary is profile.json).
@@ -23,11 +24,16 @@ mkdir -p "$results"
 cd /tmp || exit 1
 nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv > "$results/gpus.csv" 2>&1
 for piece in "$@"; do
-  read -r name seconds module args <<< "$piece"
-  echo "== $name ($seconds s): python -m dejavu_jax.$module $args"
+  read -r name seconds rest <<< "$piece"
+  envs=()
+  while [[ "$rest" =~ ^([A-Za-z_][A-Za-z0-9_]*=[^ ]*)\ +(.*)$ ]]; do
+    envs+=("${BASH_REMATCH[1]}"); rest=${BASH_REMATCH[2]}
+  done
+  read -r module args <<< "$rest"
+  echo "== $name ($seconds s): ${envs[*]} python -m dejavu_jax.$module $args"
   # shellcheck disable=SC2086
-  timeout "$seconds" python -m "dejavu_jax.$module" $args --out "$results/$name" \
-    > "$results/$name.out" 2>&1
+  timeout "$seconds" env "${envs[@]}" python -m "dejavu_jax.$module" $args \
+    --out "$results/$name" > "$results/$name.out" 2>&1
   echo "   exit $? ; $(grep -c '^{' "$results/$name.out" 2>/dev/null) rows logged"
 done
 tar czf "${OUT:-/tmp}/device_results.tgz" --exclude="trace_*" -C /tmp device_results  # traces: large

@@ -1,0 +1,123 @@
+"""GPU timing of the parts of a sparse decode step that sit beside the weight reads.
+
+  python -m dejavu_jax.kernels.bench_step_parts --model 30b --out results/
+
+* ``attn-window``: head-sparse attention with and without the missing-KV window, for a
+  few ``AttnConfig.window_block_rows`` values (the K/V rows per program of the projection
+  launch once the window's inputs make it a tensor-core product).
+* ``top-k``: the selection of k of the F MLP scores by every method of
+  ``sparse.SELECT_METHODS`` that takes one row, against ``lax.top_k``.
+
+Timing as in :mod:`.bench`: calls chained inside one jitted loop. A top-k call is chained
+through a tiny scatter of its result into the next scores; the ``scatter-only`` row times
+that scatter alone, to subtract.
+"""
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import os
+
+import jax
+import jax.numpy as jnp
+
+from . import bench
+from .bench import HD, MODELS, _rand, _versions, attn_weights, chain_time, disjoint_sets
+from .head_attention import AttnConfig, KVWindow, head_sparse_attention_pallas
+from .top_k import top_k_indices, top_k_indices_chunked
+
+
+def attn_window_point(W, d, H, ctx, frac, *, window, config, seed=0):
+    """µs per call of head-sparse attention at batch 1; window: tokens (0 = none)."""
+    Kh = max(1, round(H * frac / 100))
+    refresh = -(-H // window) if window else 0
+    pos = ctx - 1
+    kk = jax.random.split(jax.random.PRNGKey(seed + 3), 4)
+    x0 = _rand(kk[0], (1, d), jnp.bfloat16, 1.0)
+    kc = _rand(kk[1], (1, H, ctx, HD), jnp.bfloat16, 1.0)
+    vc = _rand(kk[2], (1, H, ctx, HD), jnp.bfloat16, 1.0)
+    x_prev = _rand(kk[3], (1, max(window - 1, 1), d), jnp.bfloat16, 1.0)
+    posa = jnp.asarray(pos, jnp.int32)
+    sets = disjoint_sets(H, Kh, seed=seed)
+    extra = jnp.arange(refresh, dtype=jnp.int32)
+
+    def step(c, W, hidx):
+        x, kc, vc = c
+        win = None
+        if window:
+            win = KVWindow(x_prev=x_prev, extra_ids=extra,
+                           need=jnp.ones((1, Kh + refresh, window), bool),
+                           slots=pos - window + 1 + jnp.arange(window, dtype=jnp.int32))
+        y, kc, vc = head_sparse_attention_pallas(
+            x, W["wq"], W["bq"], W["wk"], W["bk"], W["wv"], W["bv"], W["wo"], W["bo"],
+            kc, vc, posa, hidx, config=config, window=win, interpret=bench.INTERPRET)
+        return y.astype(x.dtype), kc, vc
+
+    need = (4 * Kh + 2 * refresh) * HD * d * 2 + 2 * Kh * ctx * HD * 2
+    t, _ = chain_time(step, (x0, kc, vc), W, sets, est_s=need / 3e12 + 20e-6)
+    return dict(part="attn-window", d=d, H=H, ctx=ctx, frac=frac, Kh=Kh, window=window,
+                refresh=refresh, window_block_rows=config.window_block_rows,
+                bytes=need, time_us=t * 1e6, gbps=need / t / 1e9)
+
+
+def top_k_point(n: int, k: int, method: str, seed=0):
+    """µs per call of one top-k method on n fp32 scores (chained through a scatter)."""
+    from dejavu_jax.topk import packed_top_k
+    fns = {"radix": lambda s: top_k_indices(s, k),
+           "chunked": lambda s: top_k_indices_chunked(s, k),
+           "packed": lambda s: packed_top_k(s, k),
+           "lax.top_k": lambda s: jax.lax.top_k(s, k)[1],
+           "scatter-only": lambda s: jnp.arange(k, dtype=jnp.int32) * (n // k)}
+    select = fns[method]
+    sets = [jax.random.normal(jax.random.PRNGKey(seed + i), (n,), jnp.float32)
+            for i in range(4)]
+
+    def step(c, _, s):
+        idx = select(c + s)
+        return c.at[idx].add(1e-3)
+
+    t, _ = chain_time(step, jnp.zeros((n,), jnp.float32), None, sets, est_s=20e-6)
+    return dict(part="top-k", n=n, k=k, method=method, time_us=t * 1e6)
+
+
+def main(argv=None):
+    """Time the step parts for one model preset; writes JSON lines and a summary JSON."""
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--model", default="30b", choices=sorted(MODELS))
+    p.add_argument("--context", type=int, default=128)
+    p.add_argument("--heads", type=float, default=50, help="head density in percent")
+    p.add_argument("--mlp", type=float, default=10, help="MLP density in percent")
+    p.add_argument("--window", type=int, default=16)
+    p.add_argument("--window-block-rows", default="16,32,64")
+    p.add_argument("--parts", default="attn-window,top-k")
+    p.add_argument("--out", default=os.environ.get("OUT", "."))
+    args = p.parse_args(argv)
+    d, H = MODELS[args.model]
+    rows = []
+
+    def log(row):
+        rows.append(row)
+        print(json.dumps(row), flush=True)
+
+    parts = args.parts.split(",")
+    if "attn-window" in parts:
+        W = attn_weights(d, H)
+        log(attn_window_point(W, d, H, args.context, args.heads, window=0, config=AttnConfig()))
+        for rows_per_prog in map(int, args.window_block_rows.split(",")):
+            cfg = dataclasses.replace(AttnConfig(), window_block_rows=rows_per_prog)
+            log(attn_window_point(W, d, H, args.context, args.heads, window=args.window,
+                                  config=cfg))
+        del W
+    if "top-k" in parts:
+        F = 4 * d
+        k = max(1, round(F * args.mlp / 100))
+        for method in ("scatter-only", "radix", "chunked", "packed", "lax.top_k"):
+            log(top_k_point(F, k, method))
+    os.makedirs(args.out, exist_ok=True)
+    with open(os.path.join(args.out, "bench_step_parts.json"), "w") as f:
+        json.dump({"meta": _versions(), "args": vars(args), "rows": rows}, f, indent=1)
+
+
+if __name__ == "__main__":
+    main()
