@@ -409,7 +409,7 @@ def sparse_step_fn(config: ModelConfig, scfg: SparseConfig, select: Selector,
                                                    history=io.history)
 
 
-SELECT_METHODS = ("exact", "threshold", "radix", "chunked", "packed")
+SELECT_METHODS = ("exact", "threshold", "radix", "chunked", "local", "packed")
 
 
 def predictor_selector(group_size: int,
@@ -422,9 +422,13 @@ def predictor_selector(group_size: int,
     sort-free jnp), "radix" (`kernels.top_k_indices`: one Pallas launch, exact top-k of
     the scores at bfloat16 precision, ties to the lower id; impl picks its kernel path),
     "chunked" (`kernels.top_k.top_k_indices_chunked`: the same set in three parallel
-    launches) or "packed" (`topk.packed_top_k`: the same set through one integer sort).
+    launches), "local" (`kernels.top_k.top_k_indices_local`: the top round(k/P) of each of
+    P chunks of 2048 scores in one launch of parallel programs; approximate, and the set
+    size rounds to a multiple of P) or "packed" (`topk.packed_top_k`: the radix set
+    through one integer sort).
     """
-    from dejavu_jax.kernels.top_k import top_k_indices, top_k_indices_chunked
+    from dejavu_jax.kernels.top_k import (top_k_indices, top_k_indices_chunked,
+                                          top_k_indices_local)
     from dejavu_jax.topk import packed_top_k, threshold_top_k
     from dejavu_jax.train.predict import group_scores, predictor_scores, select_top_k
     if method not in SELECT_METHODS:
@@ -438,6 +442,8 @@ def predictor_selector(group_size: int,
                 return top_k_indices(scores[0], k, impl=impl)
             if method == "chunked":
                 return top_k_indices_chunked(scores[0], k, impl=impl)
+            if method == "local":
+                return top_k_indices_local(scores[0], k, impl=impl)
             if method == "packed" and scores.shape[1] <= 1 << 16:
                 return packed_top_k(scores[0], k)
         return select_top_k(scores, k, capacity)

@@ -230,3 +230,93 @@ def top_k_indices_chunked(scores: jax.Array, k: int, *, impl: str | None = None)
     if impl == "reference":
         return _top_k_jit(scores, k=int(k), impl="reference")
     return _top_k_chunked(scores, k=int(k), interpret=impl == "interpret")
+
+
+# ----------------------------------------------------------------------------
+# local: the top of every chunk, one launch of parallel programs
+# ----------------------------------------------------------------------------
+
+def local_top_k_shape(n: int, k: int, chunk: int) -> tuple[int, int, int]:
+    """(chunks P, chunk length c, ids per chunk k_c) of :func:`top_k_indices_local`."""
+    P = -(-n // chunk)
+    c = -(-n // P)
+    last = n - (P - 1) * c
+    return P, c, max(1, min(round(k / P), last))
+
+
+def top_k_indices_local_reference(scores: jax.Array, k: int, chunk: int = 2048) -> jax.Array:
+    """jnp reference of :func:`top_k_indices_local` (a stable sort per chunk)."""
+    n = scores.shape[0]
+    P, c, kc = local_top_k_shape(n, k, chunk)
+    keys = score_keys(scores)
+    out = []
+    for p in range(P):
+        lo = p * c
+        part = keys[lo:min(lo + c, n)]
+        out.append(lo + jnp.sort(jnp.argsort(-part, stable=True)[:kc]))
+    return jnp.concatenate(out).astype(jnp.int32)
+
+
+def _local_top_k_kernel(s_ref, o_ref, *, n, c, kc, block):
+    p = pl.program_id(0)
+    lane = jnp.arange(block, dtype=jnp.int32)
+    ids = p * c + lane
+    valid = (lane < c) & (ids < n)
+    s = plgpu.load(s_ref.at[ids], mask=valid, other=0.0)
+    key = jnp.where(valid, score_keys(s), -1)
+
+    def halve(_, bounds):
+        lo, hi = bounds
+        mid = (lo + hi) // 2
+        enough = jnp.sum((key >= mid).astype(jnp.int32)) >= kc
+        return jnp.where(enough, mid, lo), jnp.where(enough, hi, mid)
+
+    kth, _ = lax.fori_loop(0, KEY_BITS, halve, (jnp.int32(0), jnp.int32(1 << KEY_BITS)))
+    above = key > kth
+    tie = key == kth
+    room = kc - jnp.sum(above.astype(jnp.int32))
+    chosen = above | (tie & (jnp.cumsum(tie.astype(jnp.int32)) <= room))
+    slot = jnp.where(chosen, jnp.cumsum(chosen.astype(jnp.int32)),
+                     kc + jnp.cumsum((~chosen).astype(jnp.int32))) - 1
+    plgpu.store(o_ref.at[p, slot], ids)
+
+
+@functools.partial(jax.jit, static_argnames=("k", "chunk", "interpret"))
+def _top_k_local(scores, *, k: int, chunk: int, interpret: bool):
+    n = scores.shape[0]
+    P, c, kc = local_top_k_shape(n, k, chunk)
+    block = next_pow2(c)
+    out = pl.pallas_call(
+        functools.partial(_local_top_k_kernel, n=n, c=c, kc=kc, block=block),
+        grid=(P,),
+        out_shape=jax.ShapeDtypeStruct((P, block), jnp.int32),
+        compiler_params=plgpu.CompilerParams(num_warps=min(16, max(4, block // 256)),
+                                             num_stages=1),
+        interpret=interpret,
+        name="top_k_local",
+    )(scores.astype(jnp.float32))
+    return out[:, :kc].reshape(-1)
+
+
+def top_k_indices_local(scores: jax.Array, k: int, *, chunk: int = 2048,
+                        impl: str | None = None) -> jax.Array:
+    """Ids (int32, ascending) of the top ``k_c`` scores of every chunk: an approximate top-k
+    in one launch of parallel programs.
+
+    The n scores split into ``P = ceil(n / chunk)`` chunks of equal length (the last may be
+    shorter); each chunk keeps its ``k_c = round(k / P)`` largest (bfloat16-precision keys,
+    ties to the lower id), so ``P * k_c`` ids come back: within ``P / 2`` of k, unless the
+    last chunk is shorter than ``k_c`` (:func:`local_top_k_shape`). With one chunk it is
+    the exact set of :func:`top_k_indices`; with more, it differs from it only where the
+    exact set is spread unevenly over the chunks.
+    """
+    check_array("scores", scores, ndim=1, floating=True)
+    n = scores.shape[0]
+    if not 0 < k <= n:
+        raise ValueError(f"k={k} must be in 1..{n}")
+    if chunk < 1 or chunk > 1 << 15:
+        raise ValueError(f"chunk={chunk} must be in 1..32768")
+    impl = resolve_impl(impl)
+    if impl == "reference":
+        return top_k_indices_local_reference(scores, int(k), int(chunk))
+    return _top_k_local(scores, k=int(k), chunk=int(chunk), interpret=impl == "interpret")

@@ -43,7 +43,39 @@ def test_packed_top_k_equals_the_radix_kernel_set(rng, n, k):
         np.testing.assert_array_equal(got, np.asarray(top_k_indices(s, k, impl="reference")))
 
 
-@pytest.mark.parametrize("method", ["radix", "chunked", "packed", "threshold", "exact"])
+def _bf16_order(scores):
+    """Indices by descending bfloat16-truncated score, ties to the lower index (numpy)."""
+    trunc = (np.asarray(scores, np.float32).view(np.int32) & np.int32(-65536)).view(np.float32)
+    return np.lexsort((np.arange(len(scores)), -(trunc.astype(np.float64) + 0.0)))
+
+
+@pytest.mark.parametrize("n,k,chunk", [(28672, 2867, 2048), (4097, 300, 1024), (300, 7, 2048),
+                                       (50, 50, 16), (1000, 1, 100)])
+def test_local_top_k_takes_the_top_of_every_chunk(rng, n, k, chunk):
+    from dejavu_jax.kernels.top_k import top_k_indices_local
+    P = -(-n // chunk)
+    c = -(-n // P)
+    kc = max(1, min(round(k / P), n - (P - 1) * c))
+    for scores in (rng.normal(size=n), np.round(rng.normal(size=n) * 2) / 2):
+        want = np.concatenate([lo + np.sort(_bf16_order(scores[lo:lo + c])[:kc])
+                               for lo in range(0, n, c)])
+        for impl in ("interpret", "reference"):
+            got = np.asarray(top_k_indices_local(jnp.asarray(scores, jnp.float32), k,
+                                                 chunk=chunk, impl=impl))
+            np.testing.assert_array_equal(got, want)
+
+
+def test_local_top_k_rejects_bad_arguments():
+    from dejavu_jax.kernels.top_k import top_k_indices_local
+    with pytest.raises(ValueError, match="k=0"):
+        top_k_indices_local(jnp.zeros(10), 0)
+    with pytest.raises(ValueError, match="chunk"):
+        top_k_indices_local(jnp.zeros(10), 3, chunk=0)
+    with pytest.raises(ValueError, match="rank 1"):
+        top_k_indices_local(jnp.zeros((2, 10)), 3)
+
+
+@pytest.mark.parametrize("method", ["radix", "chunked", "local", "packed", "threshold", "exact"])
 def test_predictor_selector_methods_pick_the_top_scores(rng, method):
     """Each selection method returns the top-k of the predictor's own scores (radix: at
     bfloat16 precision) for the next layer, neurons and KV groups."""
@@ -62,7 +94,7 @@ def test_predictor_selector_methods_pick_the_top_scores(rng, method):
     for got, scores, k in ((neurons, mlp[0], 40),
                            (groups, group_scores(heads, config.group_size)[0], 2)):
         scores = np.asarray(scores, np.float32)
-        if method in ("radix", "chunked", "packed"):
+        if method in ("radix", "chunked", "local", "packed"):
             scores = (scores.view(np.int32) & np.int32(-65536)).view(np.float32)
         got = np.asarray(got)
         assert len(set(got.tolist())) == k and (np.diff(got) > 0).all()
