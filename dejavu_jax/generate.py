@@ -66,7 +66,9 @@ def build_engine(args, config, params):
     if not args.predictors:
         raise SystemExit("error: --sparse needs --predictors DIR (or use --oracle)")
     from dejavu_jax.train.predict import load_predictors
+    from dejavu_jax.train.predictor_model import decode_predictors
     predictors, _ = load_predictors(args.predictors, config)
+    predictors = decode_predictors(predictors)  # once: normalisation folded, one first layer
     select = sparse.predictor_selector(config.group_size, method=args.select)
     engine = sparse.sparse_engine(config, scfg, select)
     return engine, (params, predictors), scfg

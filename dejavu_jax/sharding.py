@@ -220,10 +220,18 @@ def constrain_state(state, mesh: Mesh):
 
 
 def predictor_specs(pred_params, mesh: Mesh):
-    """Specs for PredictorParams: the output layer (w2 columns, b2) split by neuron / head
+    """Specs for PredictorParams (or DecodePredictors): the output layer (w2 columns, b2) split by neuron / head
     like the model, the input normalisation and w1 replicated. Then each device scores its
     own units with no communication."""
-    from dejavu_jax.train.predictor_model import Predictor
+    from dejavu_jax.train.predictor_model import DecodePredictors, Predictor
+    if isinstance(pred_params, DecodePredictors):
+        return DecodePredictors(
+            w1=P(), b1=P(),
+            w2_mlp=_spec(("layer", "rank", "mlp"), pred_params.w2_mlp.shape, mesh),
+            b2_mlp=_spec(("layer", "mlp"), pred_params.b2_mlp.shape, mesh),
+            w2_heads=_spec(("layer", "rank", "mlp"), pred_params.w2_heads.shape, mesh),
+            b2_heads=_spec(("layer", "mlp"), pred_params.b2_heads.shape, mesh),
+            activation=pred_params.activation)
 
     def one(p: Predictor) -> Predictor:
         return Predictor(mean=P(), inv_std=P(), w1=P(),

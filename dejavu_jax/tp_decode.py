@@ -68,10 +68,10 @@ def selector_specs(selector_params, mesh: Mesh):
     """PartitionSpecs of selector parameters: predictors split by unit (see
     `sharding.predictor_specs`); fixed index sets [L, tp * k_local] split on their
     columns (each shard's block holds local unit ids); None stays None."""
-    from dejavu_jax.train.predictor_model import PredictorParams
+    from dejavu_jax.train.predictor_model import DecodePredictors, PredictorParams
     if selector_params is None:
         return None
-    if isinstance(selector_params, PredictorParams):
+    if isinstance(selector_params, (PredictorParams, DecodePredictors)):
         return sharding.predictor_specs(selector_params, mesh)
     if isinstance(selector_params, tuple) and len(selector_params) == 2:
         return (P(None, TP), P(None, TP))

@@ -51,7 +51,7 @@ from dejavu_jax import sparse
 from dejavu_jax.eval import bench_hf
 from dejavu_jax.eval.bench_hf import cache_len
 from dejavu_jax.params import init_params, param_bytes, unstack_layers
-from dejavu_jax.train.predictor_model import Predictor, PredictorParams
+from dejavu_jax.train.predictor_model import Predictor, PredictorParams, decode_predictors
 
 BF16 = jnp.bfloat16
 MODES = ("dense", "sparse") + bench_hf.HF_MODES
@@ -350,7 +350,7 @@ def run_model(name, contexts, mlp_densities, head_densities, batches, rank, dens
         params = unstack_layers(params, free_stacked=True)
     jax.block_until_ready(params)
     log(f"{name}: {param_bytes(params) / 1e9:.1f} GB weights, init {time.perf_counter() - t0:.1f}s")
-    preds = random_predictors(config, rank, jax.random.key(1))
+    preds = decode_predictors(random_predictors(config, rank, jax.random.key(1)))
     rows = measure_rows(
         config, params, preds, contexts, mlp_densities, head_densities, batches, rank,
         dense_layers, warmup, steps, bar, log, select_methods, modes, prefill_reps,

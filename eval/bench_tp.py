@@ -65,6 +65,7 @@ def run_model_tp(name, contexts, mlp_densities, head_densities, batches, rank, d
     `bench_decode.measure_engine` for the columns; GB/s per device and the all-reduce share
     come from ms_loop)."""
     from dejavu_jax.eval.bench_decode import measure_rows, random_predictors
+    from dejavu_jax.train.predictor_model import decode_predictors
     config = config_lib.preset(name)
     tp = sharding.tp_size(mesh)
     if isinstance(batches, int):
@@ -77,7 +78,8 @@ def run_model_tp(name, contexts, mlp_densities, head_densities, batches, rank, d
     log(f"{name} tp={tp}: {param_bytes(params) / 1e9:.1f} GB weights "
         f"({param_bytes(params) / tp / 1e9:.1f} GB per device), "
         f"init {time.perf_counter() - t0:.1f}s")
-    preds = tp_decode.shard_predictors(random_predictors(config, rank, jax.random.key(1)), mesh)
+    preds = tp_decode.shard_predictors(
+        decode_predictors(random_predictors(config, rank, jax.random.key(1))), mesh)
     allreduce = {}
     for batch in batches:
         allreduce[batch] = measure_allreduce(mesh, batch, config.hidden)

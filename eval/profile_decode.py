@@ -97,6 +97,7 @@ def time_steps(step, params, state, tokens, steps: int):
 def mode_engine(config, mode: str, mlp: float, heads: float, dense_layers: int, rank: int):
     """(step_fn(params, state, tokens), params extra, init_state, prefill) for a mode."""
     from dejavu_jax.eval.bench_decode import random_predictors, random_sets
+    from dejavu_jax.train.predictor_model import decode_predictors
     if mode == "dense":
         return None
     scfg = sparse.sparse_config(config, mlp, heads, dense_layers=dense_layers)
@@ -107,8 +108,8 @@ def mode_engine(config, mode: str, mlp: float, heads: float, dense_layers: int, 
     if mode.startswith("sparse-predictor"):
         method = mode.removeprefix("sparse-predictor").lstrip("-") or "exact"
         sel = sparse.predictor_selector(config.group_size, method=method)
-        return sparse.sparse_engine(config, scfg, sel), random_predictors(
-            config, rank, jax.random.key(1))
+        return sparse.sparse_engine(config, scfg, sel), decode_predictors(
+            random_predictors(config, rank, jax.random.key(1)))
     raise ValueError(f"unknown mode {mode!r}")
 
 

@@ -194,6 +194,24 @@ def test_predict_jit_and_scan_match_eager(activation):
             np.testing.assert_array_equal(got[1], eager[layer][1])
 
 
+@pytest.mark.parametrize("activation", ["none", "relu"])
+def test_decode_form_scores_and_sets_equal_the_trained_form(activation):
+    from dejavu_jax.train.predictor_model import decode_predictors
+    p = random_params(seed=3, activation=activation)
+    folded = decode_predictors(p)
+    assert folded.w1.shape == (L, D, 16)
+    xs = np.random.default_rng(4).normal(size=(L, 2, D)).astype(np.float32) * 30
+    for layer in range(L):
+        m, h = jax.jit(predictor_scores)(folded, jnp.int32(layer), xs[layer])
+        np.testing.assert_allclose(m, numpy_scores(p.mlp, layer, xs[layer], activation),
+                                   rtol=1e-4, atol=1e-4)
+        np.testing.assert_allclose(h, numpy_scores(p.heads, layer, xs[layer], activation),
+                                   rtol=1e-4, atol=1e-4)
+        for a, b in zip(predict(folded, jnp.int32(layer), xs[layer][:1], 7, 2, group_size=H // KV),
+                        predict(p, jnp.int32(layer), xs[layer][:1], 7, 2, group_size=H // KV)):
+            np.testing.assert_array_equal(a, b)
+
+
 def test_batch_union_matches_numpy_reference():
     rng = np.random.default_rng(2)
     for B, n, k, cap in [(4, 50, 5, None), (3, 40, 6, 10), (5, 30, 8, 25), (2, 9, 4, 9),

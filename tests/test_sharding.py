@@ -185,14 +185,21 @@ else:
         xn = (xn - np.asarray(p.mean[layer])) * np.asarray(p.inv_std[layer])
         return xn @ np.asarray(p.w1[layer]) @ np.asarray(p.w2[layer]) + np.asarray(p.b2[layer])
 
-    def test_per_shard_selection_equals_numpy_rule(tp=2):  # k=17: ceil(17/2) per shard
+    @pytest.mark.parametrize("decode_form", [False, True])
+    def test_per_shard_selection_equals_numpy_rule(decode_form, tp=2):  # k=17: 9 per shard
+        from dejavu_jax.train.predictor_model import decode_predictors
         config = _llama().replace(n_heads=8, n_kv_heads=4, ffn=160)
         mesh = sharding.make_mesh(tp=tp)
         preds = _random_predictors(config, 7)
         x = np.random.default_rng(8).normal(size=(1, config.hidden)).astype(np.float32)
         select = sparse.predictor_selector(config.group_size)
-        sharded = tp_decode.shard_predictors(preds, mesh)
-        assert sharded.mlp.w2.sharding.spec == sharding.P(None, None, "tp")
+        if decode_form:
+            sharded = tp_decode.shard_predictors(decode_predictors(preds), mesh)
+            assert sharded.w2_mlp.sharding.spec == sharding.P(None, None, "tp")
+            assert sharded.b2_heads.sharding.spec == sharding.P(None, "tp")
+        else:
+            sharded = tp_decode.shard_predictors(preds, mesh)
+            assert sharded.mlp.w2.sharding.spec == sharding.P(None, None, "tp")
         for layer, k_mlp, k_heads in [(0, 40, 2), (1, 17, 4)]:
             neurons, groups = tp_decode.select_per_shard(config, select, sharded, mesh, layer,
                                                          jnp.asarray(x), k_mlp, k_heads)

@@ -26,10 +26,16 @@ def predictor_scores(pred_params: PredictorParams, layer: jax.Array,
                      x: jax.Array) -> tuple[jax.Array, jax.Array]:
     """(mlp_scores [B, F], head_scores [B, H]) fp32 logits for residual stream x [B, d].
 
+    pred_params: PredictorParams, or their `decode_predictors` form (same scores, fewer
+    launches per layer).
+
     `layer` selects which layer's predictors run (dynamic indexing into the stacks).
     Feed x as the manifest's `inputs` say (lookahead: layer l-1's attention input).
     """
+    from dejavu_jax.train.predictor_model import DecodePredictors, decode_logits
     layer = jnp.asarray(layer, jnp.int32)
+    if isinstance(pred_params, DecodePredictors):
+        return decode_logits(layer_slice(pred_params, layer), x)
     mlp = predictor_logits(layer_slice(pred_params.mlp, layer), x, pred_params.activation)
     heads = predictor_logits(layer_slice(pred_params.heads, layer), x,
                              pred_params.activation)

@@ -85,6 +85,55 @@ def predictor_logits(p: Predictor, x: jax.Array, activation: str = "none") -> ja
     return out + p.b2.astype(F32)
 
 
+@struct.dataclass
+class DecodePredictors:
+    """Both kinds of predictors in the form a decode step reads (`decode_predictors`).
+
+    The input normalisation is folded into w1 and a bias b1, and both kinds' first layers
+    are one matrix, so one step scores x with one RMS norm and three matrix products.
+    """
+
+    w1: jax.Array        # [L, d, r_mlp + r_heads]: inv_std * w1 of each kind, side by side
+    b1: jax.Array        # [L, r_mlp + r_heads] fp32: -(mean * inv_std) @ w1
+    w2_mlp: jax.Array    # [L, r_mlp, F]
+    b2_mlp: jax.Array    # [L, F]
+    w2_heads: jax.Array  # [L, r_heads, H]
+    b2_heads: jax.Array  # [L, H]
+    activation: str = struct.field(pytree_node=False, default="none")
+
+
+def decode_predictors(pred: PredictorParams) -> DecodePredictors:
+    """The decode form of trained predictors: the same scores as `predictor_logits` up to
+    rounding of the folded w1 in its dtype. Compute it once, when the predictors load."""
+    def fold(p: Predictor):
+        w1 = p.w1.astype(F32)
+        scaled = (p.inv_std[:, :, None] * w1).astype(p.w1.dtype)
+        bias = -jnp.einsum("ld,ldr->lr", p.mean * p.inv_std, w1,
+                           precision=jax.lax.Precision.HIGHEST)
+        return scaled, bias
+
+    (w1m, b1m), (w1h, b1h) = fold(pred.mlp), fold(pred.heads)
+    return DecodePredictors(
+        w1=jnp.concatenate([w1m, w1h], axis=-1), b1=jnp.concatenate([b1m, b1h], axis=-1),
+        w2_mlp=pred.mlp.w2, b2_mlp=pred.mlp.b2, w2_heads=pred.heads.w2,
+        b2_heads=pred.heads.b2, activation=pred.activation)
+
+
+def decode_logits(p: DecodePredictors, x: jax.Array) -> tuple[jax.Array, jax.Array]:
+    """(mlp scores [..., F], head scores [..., H]) of ONE layer (leaves without the layer
+    axis) for residual stream x [..., d]."""
+    h = jnp.einsum("...d,dr->...r", rms_normalise(x).astype(p.w1.dtype), p.w1,
+                   preferred_element_type=F32) + p.b1
+    h = _activation(p.activation, h)
+    r_mlp = p.w2_mlp.shape[0]
+
+    def out(hk, w2, b2):
+        return jnp.einsum("...r,rn->...n", hk.astype(w2.dtype), w2,
+                          preferred_element_type=F32) + b2.astype(F32)
+
+    return out(h[..., :r_mlp], p.w2_mlp, p.b2_mlp), out(h[..., r_mlp:], p.w2_heads, p.b2_heads)
+
+
 def all_layer_logits(p: Predictor, x: jax.Array, activation: str = "none") -> jax.Array:
     """Scores [L, B, n] of every layer's predictor on its own inputs x [L, B, d]."""
     return jax.vmap(lambda q, xi: predictor_logits(q, xi, activation))(p, x)
