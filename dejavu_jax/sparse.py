@@ -6,8 +6,8 @@ holds the hidden state and the index sets for the *next* layer, predicted from t
 layer's input while this layer computes (DejaVu's lookahead).
 
 Missing KV: a head that is skipped at token t has no K/V for t. Every layer keeps the
-normed attention inputs of the last `kv_window` tokens ([B, L, W, d]) and a bitmap of
-written cache entries ([B, L, Hk, S]). At every token the selected heads, plus `kv_refresh`
+normed attention inputs of the last `kv_window` tokens in a ring ([B, W, d] per layer, row
+slot % W) and a bitmap of written cache entries ([B, L, Hk, S]). At every token the selected heads, plus `kv_refresh`
 KV groups taken round-robin, recompute their unwritten entries in the window before
 attention. This rides on the projection launch that reads those heads' K/V rows anyway
 (`kernels.KVWindow`): no weight is read twice, and there is no branch, so the step never
@@ -142,7 +142,8 @@ class SparseState:
     """The dense decode state plus what missing-KV recomputation needs.
 
     written: [B, L, Hk, S] whether a cache entry holds its K/V.
-    history: [B, L, W, d] normed attention inputs of the last W tokens (ring by slot % W).
+    history: [B, L, W, d] normed attention inputs of the last W tokens (ring by slot % W),
+      or a tuple of per-layer [B, W, d] rings (with per-layer cache buffers).
     """
 
     dense: DecodeState
@@ -154,10 +155,13 @@ def init_sparse_state(config: ModelConfig, scfg: SparseConfig, batch: int, max_l
                       dtype, per_layer: bool = False) -> SparseState:
     """An empty sparse decode state (per_layer: per-layer cache buffers, see DecodeState)."""
     from dejavu_jax.model import init_state
+    ring = (batch, scfg.kv_window, config.hidden)
+    history = (tuple(jnp.zeros(ring, dtype) for _ in range(config.n_layers)) if per_layer
+               else jnp.zeros((batch, config.n_layers, *ring[1:]), dtype))
     return SparseState(
         dense=init_state(config, batch, max_len, dtype, per_layer),
         written=jnp.zeros((batch, config.n_layers, config.n_kv_heads, max_len), bool),
-        history=jnp.zeros((batch, config.n_layers, scfg.kv_window, config.hidden), dtype))
+        history=history)
 
 
 def sparse_prefill_fn(config: ModelConfig, scfg: SparseConfig, params: tuple,
@@ -214,27 +218,30 @@ def _layer_view(params: ModelParams, layer) -> _LayerView:
 
 
 def _window_step(config: ModelConfig, scfg: SparseConfig, step: dict) -> dict:
-    """Per-token window bookkeeping shared by every layer: slots, validity, ring indices of
-    the previous inputs, the round-robin refresh groups and the window's rotary tables."""
+    """Per-token window bookkeeping shared by every layer, in ring order (row j holds the
+    token of the last W whose slot is j mod W): cache slots, validity, the current token's
+    row, the round-robin refresh groups and the rotary tables."""
     W = scfg.kv_window
     slot, valid = step["slot"], step["valid"]
-    slots = slot - (W - 1) + jnp.arange(W, dtype=jnp.int32)
+    back = (slot - jnp.arange(W, dtype=jnp.int32)) % W          # tokens before the current
+    slots = slot - back
     slots_c = jnp.maximum(slots, 0)
     out = {"slots": slots_c, "row_valid": valid[:, slots_c] & (slots >= 0)[None],
-           "ring_prev": slots_c[:-1] % W, "refresh": None, "cos": None, "sin": None}
+           "current": slot % W, "refresh": None, "cos": None, "sin": None}
     n_refresh = scfg.refresh_groups(config)
     if n_refresh:
         out["refresh"] = ((slot * n_refresh + jnp.arange(n_refresh, dtype=jnp.int32))
                           % config.n_kv_heads).astype(jnp.int32)
     if config.family == "llama":
-        pos_w = step["positions"][:, None] - (W - 1) + jnp.arange(W)
+        pos_w = step["positions"][:, None] - back[None]
         out["cos"], out["sin"] = ops.rope_tables(jnp.maximum(pos_w, 0), config.head_dim,
                                                  config.rope_theta)
     return out
 
 
-def _missing_kv_window(config, view, io: _LayerIO, layer, groups, win: dict):
-    """The KVWindow for this layer (selected + refresh groups) and the updated bitmap."""
+def _missing_kv_window(config, view, io: _LayerIO, layer, groups, win: dict, ring):
+    """The KVWindow for this layer (selected + refresh groups, `ring` its [B, W, d] inputs)
+    and the updated bitmap."""
     kv_groups = groups if win["refresh"] is None else jnp.concatenate([groups, win["refresh"]])
     slots = win["slots"]
     B, S = io.written.shape[0], io.written.shape[-1]
@@ -243,7 +250,7 @@ def _missing_kv_window(config, view, io: _LayerIO, layer, groups, win: dict):
     need = ~io.written[b_i, layer, g_i, s_i] & win["row_valid"][:, None, :]   # [B, n, W]
     base = view.base * config.n_kv_heads
     window = kernels.KVWindow(
-        x_prev=io.history[:, layer][:, win["ring_prev"]],
+        x=ring, current=win["current"],
         extra_ids=None if win["refresh"] is None else base + win["refresh"],
         need=need, slots=slots, cos=win["cos"], sin=win["sin"])
     # mark only the needed entries (others go to slot S, dropped): clamped early slots repeat
@@ -255,12 +262,19 @@ def _sparse_attention(config, scfg, view, io: _LayerIO, layer, y, groups, step):
     """Head-sparse attention for normed inputs y [B, d] over the selected KV groups."""
     W = scfg.kv_window
     slot = step["slot"]
-    history = jax.lax.dynamic_update_slice(
-        io.history, y.astype(io.history.dtype)[:, None, None, :], (0, layer, slot % W, 0))
-    io = io.replace(history=history)
+    if isinstance(io.history, tuple):
+        ring = jax.lax.dynamic_update_slice(
+            io.history[layer], y.astype(io.history[layer].dtype)[:, None, :], (0, slot % W, 0))
+        io = io.replace(history=io.history[:layer] + (ring,) + io.history[layer + 1:])
+    else:
+        history = jax.lax.dynamic_update_slice(
+            io.history, y.astype(io.history.dtype)[:, None, None, :], (0, layer, slot % W, 0))
+        io = io.replace(history=history)
+        ring = history[:, layer]
     window = None
     if scfg.kv_recompute:
-        window, written = _missing_kv_window(config, view, io, layer, groups, step["window"])
+        window, written = _missing_kv_window(config, view, io, layer, groups, step["window"],
+                                             ring)
         io = io.replace(written=written)
     B, S, hd = io.written.shape[0], io.written.shape[-1], config.head_dim
     rope = None

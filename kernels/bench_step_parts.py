@@ -37,7 +37,7 @@ def attn_window_point(W, d, H, ctx, frac, *, window, config, seed=0):
     x0 = _rand(kk[0], (1, d), jnp.bfloat16, 1.0)
     kc = _rand(kk[1], (1, H, ctx, HD), jnp.bfloat16, 1.0)
     vc = _rand(kk[2], (1, H, ctx, HD), jnp.bfloat16, 1.0)
-    x_prev = _rand(kk[3], (1, max(window - 1, 1), d), jnp.bfloat16, 1.0)
+    ring = _rand(kk[3], (1, max(window, 1), d), jnp.bfloat16, 1.0)
     posa = jnp.asarray(pos, jnp.int32)
     sets = disjoint_sets(H, Kh, seed=seed)
     extra = jnp.arange(refresh, dtype=jnp.int32)
@@ -46,9 +46,10 @@ def attn_window_point(W, d, H, ctx, frac, *, window, config, seed=0):
         x, kc, vc = c
         win = None
         if window:
-            win = KVWindow(x_prev=x_prev, extra_ids=extra,
+            # the current token's input goes into its ring row, as the decode step does
+            win = KVWindow(x=ring.at[:, 0].set(x), current=jnp.int32(0), extra_ids=extra,
                            need=jnp.ones((1, Kh + refresh, window), bool),
-                           slots=pos - window + 1 + jnp.arange(window, dtype=jnp.int32))
+                           slots=pos - jnp.arange(window, dtype=jnp.int32))
         y, kc, vc = head_sparse_attention_pallas(
             x, W["wq"], W["bq"], W["wk"], W["bk"], W["wv"], W["bv"], W["wo"], W["bo"],
             kc, vc, posa, hidx, config=config, window=win, interpret=bench.INTERPRET)

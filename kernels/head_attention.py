@@ -66,19 +66,22 @@ class AttnConfig:
 class KVWindow:
     """Missing-KV recomputation riding on the projection launch (see module docstring).
 
-    x_prev: ``[B, W-1, d]`` normed inputs of the W-1 tokens before the current one, oldest
-      first; with the current token they make the window of W tokens.
+    x: ``[B, W, d]`` normed inputs of the window's W tokens in any order (a ring buffer),
+      the current token's among them: row ``current`` must hold the ``x`` of the call.
+      The K/V projection reads these rows as they lie, so a ring needs no reordering.
+    current: int32 scalar (may be traced), the row of ``x`` holding the current token.
     extra_ids: ``[R]`` int32 KV heads recomputed besides ``head_idx`` (a refresh set;
       they get no attention, only K/V), or None.
-    need: ``[B, Kh + R, W]`` bool, which (head, window token) cache entries to write, for
+    need: ``[B, Kh + R, W]`` bool, which (head, window row) cache entries to write, for
       the heads ``concat(head_idx, extra_ids)``.
-    slots: ``[W]`` int32 cache slots of the window tokens (entries with need False may
+    slots: ``[W]`` int32 cache slots of the window rows (entries with need False may
       hold any in-range slot; they are never written).
-    cos, sin: ``[B, W, hd]`` fp32 rotary tables of the window tokens: required when the
+    cos, sin: ``[B, W, hd]`` fp32 rotary tables of the window rows: required when the
       attention has a rotary embedding (given as tables; a callable ``rope`` cannot be
       combined with a window), None otherwise.
     """
-    x_prev: jax.Array
+    x: jax.Array
+    current: jax.Array
     extra_ids: jax.Array | None
     need: jax.Array
     slots: jax.Array
@@ -203,10 +206,10 @@ def merge_window(cache, new, ids, window: KVWindow):
     return cache.at[b_i, g_i, s_i].set(new.astype(cache.dtype), mode="drop")
 
 
-def _window_kv_reference(x, wk, bk, wv, bv, ids, window: KVWindow):
+def _window_kv_reference(wk, bk, wv, bv, ids, window: KVWindow):
     f32 = jnp.float32
     hi = lax.Precision.HIGHEST
-    xs = jnp.concatenate([window.x_prev.astype(f32), x.astype(f32)[:, None]], axis=1)
+    xs = window.x.astype(f32)
 
     def proj(w, b):
         t = jnp.einsum("bwd,nkd->bnwk", xs, w[ids].astype(f32), precision=hi)
@@ -241,7 +244,7 @@ def head_sparse_attention_reference(x, wq, bq, wk, bk, wv, bv, wo, bo, k_cache, 
     v = proj(wv, bv, head_idx)
     if window is not None:
         ids = window_heads(head_idx, window)
-        k_win, v_win = _window_kv_reference(x, wk, bk, wv, bv, ids, window)
+        k_win, v_win = _window_kv_reference(wk, bk, wv, bv, ids, window)
         k_cache = merge_window(k_cache, k_win, ids, window)
         v_cache = merge_window(v_cache, v_win, ids, window)
     k_cache = k_cache.at[:, head_idx, pos, :].set(k.astype(k_cache.dtype))
@@ -268,9 +271,10 @@ def head_sparse_attention_reference(x, wq, bq, wk, bk, wv, bv, wo, bo, k_cache, 
 # ----------------------------------------------------------------------------
 
 def _decode_attention_kernel(*refs, nds, has_bq, has_bk, has_bv, has_rope, has_mask, G, Gp,
-                             hd, hdp, L, bs, scale):
+                             hd, hdp, L, bs, scale, kv_stride, has_kv_row):
     it = iter(refs)
     qp_ref, kp_ref, vp_ref = next(it), next(it), next(it)
+    kv_row_ref = next(it) if has_kv_row else None
     bq_ref = next(it) if has_bq else None
     bk_ref = next(it) if has_bk else None
     bv_ref = next(it) if has_bv else None
@@ -296,14 +300,16 @@ def _decode_attention_kernel(*refs, nds, has_bq, has_bk, has_bv, has_rope, has_m
     vec = Gp == 1
 
     # -- finish the projections: sum d-split partials, bias, rotary embedding ----------
-    def project(p_ref, b_ref, local0, bias0, rotary, one):
+    kv_b = b if kv_row_ref is None else b * kv_stride + kv_row_ref[0]   # partials' row
+
+    def project(p_ref, b_ref, local0, bias0, rotary, one, row=b):
         # one: a single head's vector [hdp]; else the group's query heads [Gp, hdp]
         def gathered(c):
             sel = c if one else jr[:, None] * hd + c[None, :]
             msk = cm if one else jm[:, None] & cm[None, :]
             t = None
             for k in range(nds):
-                v = plgpu.load(p_ref.at[k, b, local0 + sel], mask=msk, other=0.0)
+                v = plgpu.load(p_ref.at[k, row, local0 + sel], mask=msk, other=0.0)
                 t = v if t is None else t + v
             if b_ref is not None:
                 t = t + plgpu.load(b_ref.at[bias0 + sel], mask=msk, other=0).astype(f32)
@@ -320,8 +326,8 @@ def _decode_attention_kernel(*refs, nds, has_bq, has_bk, has_bv, has_rope, has_m
         return t
 
     q = project(qp_ref, bq_ref, g * (G * hd), hv * (G * hd), True, vec) * scale
-    kn = project(kp_ref, bk_ref, g * hd, hv * hd, True, True).astype(kout_ref.dtype)
-    vn = project(vp_ref, bv_ref, g * hd, hv * hd, False, True).astype(vout_ref.dtype)
+    kn = project(kp_ref, bk_ref, g * hd, hv * hd, True, True, kv_b).astype(kout_ref.dtype)
+    vn = project(vp_ref, bv_ref, g * hd, hv * hd, False, True, kv_b).astype(vout_ref.dtype)
 
     # -- online softmax over this program's split of the cache ------------------------
     def scores_of(k):  # k [n, hdp] -> [n] or [Gp, n]
@@ -390,7 +396,8 @@ def _decode_attention_kernel(*refs, nds, has_bq, has_bk, has_bv, has_rope, has_m
 
 def decode_attention(qp, kp, vp, head_idx, pos, k_cache, v_cache, *, group, bq=None, bk=None,
                      bv=None, cos=None, sin=None, kv_mask=None, block_s=64, seq_splits=None,
-                     target_programs=8 * N_SM, num_warps=4, batch=None, interpret=False):
+                     target_programs=8 * N_SM, num_warps=4, batch=None, kv_rows=None,
+                     interpret=False):
     """Flash-decoding over the selected KV heads, writing the new k/v rows in place.
 
     Args:
@@ -401,8 +408,10 @@ def decode_attention(qp, kp, vp, head_idx, pos, k_cache, v_cache, *, group, bq=N
       bq, bk, bv: optional flat biases ``[H*hd]`` / ``[n_kv*hd]``.
       cos, sin: optional ``[B, hd]`` fp32 rotary tables for the current position.
       kv_mask: optional ``[B, S]`` int32 (nonzero = attend).
-      batch: rows B to attend for (default: the partials' row count); the partials may
-        hold more rows (the missing-KV window's), which are ignored here.
+      batch: rows B to attend for (default: q's partials' row count).
+      kv_rows: ``(stride, row)``: the current token's k/v partials of batch row b lie in
+        row ``b * stride + row[0]`` (row: ``[1]`` int32; the missing-KV window's ring);
+        default: row b.
     Returns:
       ``(o [ns, B, Kh*G, hd], m [ns, B, Kh*G], l [ns, B, Kh*G], k_cache, v_cache)``:
       unnormalised split partials (merged by :func:`merged_attention_loader` or
@@ -410,6 +419,7 @@ def decode_attention(qp, kp, vp, head_idx, pos, k_cache, v_cache, *, group, bq=N
     """
     nds, B, _ = qp.shape
     B = batch or B
+    kv_stride, kv_row = kv_rows if kv_rows is not None else (1, None)
     Kh = head_idx.shape[0]
     G = group
     Hs = Kh * G
@@ -423,8 +433,10 @@ def decode_attention(qp, kp, vp, head_idx, pos, k_cache, v_cache, *, group, bq=N
     kernel = functools.partial(
         _decode_attention_kernel, nds=nds, has_bq=bq is not None, has_bk=bk is not None,
         has_bv=bv is not None, has_rope=cos is not None, has_mask=kv_mask is not None, G=G,
-        Gp=Gp, hd=hd, hdp=next_pow2(hd), L=L, bs=bs, scale=float(hd) ** -0.5)
-    args = [qp, kp, vp] + [t for t in (bq, bk, bv, cos, sin) if t is not None]
+        Gp=Gp, hd=hd, hdp=next_pow2(hd), L=L, bs=bs, scale=float(hd) ** -0.5,
+        kv_stride=kv_stride, has_kv_row=kv_row is not None)
+    args = [qp, kp, vp] + ([] if kv_row is None else [kv_row.astype(jnp.int32).reshape(1)])
+    args += [t for t in (bq, bk, bv, cos, sin) if t is not None]
     args += [head_idx.astype(jnp.int32), pos] + ([kv_mask] if kv_mask is not None else [])
     n_in = len(args)
     args += [k_cache, v_cache]
@@ -496,17 +508,14 @@ def _merge_window_partials(kp, vp, bk, bv, kv_ids, window: KVWindow, k_cache, v_
                            B: int, hd: int):
     """Finish the window rows of the K/V projection partials and write the needed entries.
 
-    Partial rows: ``0..B-1`` the current tokens, then ``B * (W-1)`` previous tokens
-    (batch-major, oldest first); columns: ``kv_ids`` heads of ``hd`` each.
+    Partial rows: the ``B * W`` rows of ``window.x`` (batch-major); columns: ``kv_ids``
+    heads of ``hd`` each.
     """
     n = kv_ids.shape[0]
-    W = window.x_prev.shape[1] + 1
+    W = window.x.shape[1]
 
     def finish(parts, bias):
-        t = parts.sum(0)[:, : n * hd]
-        cur = t[:B].reshape(B, 1, n, hd)
-        prev = t[B:].reshape(B, W - 1, n, hd)
-        t = jnp.concatenate([prev, cur], axis=1).transpose(0, 2, 1, 3)   # [B, n, W, hd]
+        t = parts.sum(0)[:, : n * hd].reshape(B, W, n, hd).transpose(0, 2, 1, 3)
         return t if bias is None else t + bias[kv_ids].astype(jnp.float32)[None, :, None]
 
     k_win = _window_rope(finish(kp, bk), window)
@@ -536,13 +545,14 @@ def head_sparse_attention_pallas(x, wq, bq, wk, bk, wv, bv, wo, bo, k_cache, v_c
     Kh = head_idx.shape[0]
     head_idx = head_idx.astype(jnp.int32)
     pos = jnp.asarray(pos, jnp.int32).reshape(1)
-    kv_ids, x_rows, kv_block = head_idx, x, None
+    kv_ids, x_rows, kv_block, kv_rows = head_idx, x, None, None
     if window is not None:
-        # the window's previous inputs are extra rows for K/V only: q keeps x's rows
+        # K/V read the window's rows (the current token's among them); q keeps x's rows
         kv_ids = window_heads(head_idx, window)
-        W = window.x_prev.shape[1] + 1
-        x_rows = jnp.concatenate([x, window.x_prev.reshape(B * (W - 1), d).astype(x.dtype)])
+        W = window.x.shape[1]
+        x_rows = window.x.reshape(B * W, d).astype(x.dtype)
         kv_block = cfg.window_block_rows
+        kv_rows = (W, window.current)
     segs = [Segment(wq.reshape(H * hd, d), head_idx, G * hd),
             Segment(wk.reshape(n_kv * hd, d), kv_ids, hd, x=x_rows, block_rows=kv_block),
             Segment(wv.reshape(n_kv * hd, d), kv_ids, hd, x=x_rows, block_rows=kv_block)]
@@ -579,7 +589,7 @@ def head_sparse_attention_pallas(x, wq, bq, wk, bk, wv, bv, wo, bo, k_cache, v_c
         qp, kp, vp, head_idx, pos, k_cache, v_cache, group=G, cos=cos, sin=sin,
         kv_mask=mask, block_s=cfg.block_s, seq_splits=cfg.seq_splits,
         target_programs=cfg.attn_target_programs, num_warps=cfg.attn_num_warps, batch=B,
-        interpret=interpret, **biases)
+        kv_rows=kv_rows, interpret=interpret, **biases)
 
     ns = o.shape[0]
     if ns > cfg.max_fused_splits:
@@ -631,11 +641,12 @@ def _validate_window(window, x, k_cache, head_idx, rope):
                          "keys take the same rotary embedding at their own positions")
     B, d = x.shape
     hd = k_cache.shape[3]
-    check_array("window.x_prev", window.x_prev, ndim=3, floating=True)
-    if window.x_prev.shape[0] != B or window.x_prev.shape[2] != d:
-        raise ValueError(f"window.x_prev must be [B, W-1, d] = [{B}, W-1, {d}], got "
-                         f"{tuple(window.x_prev.shape)}")
-    W = window.x_prev.shape[1] + 1
+    check_array("window.x", window.x, ndim=3, floating=True)
+    if window.x.shape[0] != B or window.x.shape[2] != d:
+        raise ValueError(f"window.x must be [B, W, d] = [{B}, W, {d}], got "
+                         f"{tuple(window.x.shape)}")
+    W = window.x.shape[1]
+    check_array("window.current", window.current, shape=())
     n = head_idx.shape[0]
     if window.extra_ids is not None:
         check_indices("window.extra_ids", window.extra_ids, k_cache.shape[1])

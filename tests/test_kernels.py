@@ -223,11 +223,15 @@ WINDOW_CASES = [  # B, d, H, n_kv, hd, S, W, pos, Kh, extra, rope, biases
 
 
 @pytest.mark.parametrize("B,d,H,n_kv,hd,S,W,pos,Kh,extra,rope,biases", WINDOW_CASES)
-@pytest.mark.parametrize("impl", ["interpret", "reference"])
-def test_window_recompute_writes_needed_entries_then_attends(rng, impl, B, d, H, n_kv, hd, S,
-                                                             W, pos, Kh, extra, rope, biases):
+@pytest.mark.parametrize("impl,ring_shift", [("interpret", 0), ("interpret", 3),
+                                             ("reference", 0), ("reference", 2)])
+def test_window_recompute_writes_needed_entries_then_attends(rng, impl, ring_shift, B, d, H,
+                                                             n_kv, hd, S, W, pos, Kh, extra,
+                                                             rope, biases):
     """Missing-KV recomputation: the needed window entries equal numpy's projections of the
-    stored inputs, other entries keep their values, and attention sees the new entries."""
+    stored inputs, other entries keep their values, and attention sees the new entries.
+    The window's rows come rotated by ring_shift (a ring buffer), the current token's in
+    row `current`."""
     from dejavu_jax.kernels import KVWindow
     r = lambda *s: rng.standard_normal(s)
     hidx = rng.permutation(n_kv)[:Kh].astype(np.int32)
@@ -270,8 +274,11 @@ def test_window_recompute_writes_needed_entries_then_attends(rng, impl, B, d, H,
                                         hidx, None if cos is None else cos[:, -1],
                                         None if sin is None else sin[:, -1], None)
     f = lambda a: None if a is None else jnp.asarray(a, F32)
-    window = KVWindow(x_prev=f(x_prev), extra_ids=None if extra is None else jnp.asarray(extra, jnp.int32),
-                      need=jnp.asarray(need), slots=jnp.asarray(slots), cos=f(cos), sin=f(sin))
+    ring = lambda a, axis=1: None if a is None else np.roll(a, ring_shift, axis=axis)
+    window = KVWindow(x=f(ring(xs)), current=jnp.int32((W - 1 + ring_shift) % W),
+                      extra_ids=None if extra is None else jnp.asarray(extra, jnp.int32),
+                      need=jnp.asarray(ring(need, 2)), slots=jnp.asarray(ring(slots, 0)),
+                      cos=f(ring(cos)), sin=f(ring(sin)))
     rope_arg = None if cos is None else (f(cos[:, -1]), f(sin[:, -1]))
     out, k2, v2 = head_sparse_attention(f(x), f(wq), f(bq), f(wk), f(bk), f(wv), f(bv), f(wo),
                                         f(bo), f(kc), f(vc), jnp.int32(pos), jnp.asarray(hidx),
@@ -295,13 +302,15 @@ def test_window_validation(rng):
     from dejavu_jax.kernels import KVWindow
     B, d = 1, 32
     args, f = _window_call(rng)
-    ok = dict(x_prev=f(B, 3, d), extra_ids=None, need=jnp.ones((B, 2, 4), bool),
-              slots=jnp.arange(2, 6, dtype=jnp.int32))
+    ok = dict(x=f(B, 4, d), current=jnp.int32(3), extra_ids=None,
+              need=jnp.ones((B, 2, 4), bool), slots=jnp.arange(2, 6, dtype=jnp.int32))
     head_sparse_attention(*args, window=KVWindow(**ok))
     with pytest.raises(ValueError, match="need"):
         head_sparse_attention(*args, window=KVWindow(**{**ok, "need": jnp.ones((B, 3, 4), bool)}))
-    with pytest.raises(ValueError, match="x_prev"):
-        head_sparse_attention(*args, window=KVWindow(**{**ok, "x_prev": f(B, 3, d + 1)}))
+    with pytest.raises(ValueError, match="window.x"):
+        head_sparse_attention(*args, window=KVWindow(**{**ok, "x": f(B, 4, d + 1)}))
+    with pytest.raises(ValueError, match="current"):
+        head_sparse_attention(*args, window=KVWindow(**{**ok, "current": jnp.zeros(2, jnp.int32)}))
     with pytest.raises(ValueError, match="extra_ids"):
         head_sparse_attention(*args, window=KVWindow(**{**ok, "extra_ids": jnp.asarray([9], jnp.int32),
                                                         "need": jnp.ones((B, 3, 4), bool)}))
@@ -455,8 +464,8 @@ def test_window_rejects_a_callable_rope_and_missing_tables(rng):
     from dejavu_jax.kernels import KVWindow
     B, d, hd = 1, 32, 8
     args, f = _window_call(rng)
-    window = KVWindow(x_prev=f(B, 3, d), extra_ids=None, need=jnp.ones((B, 2, 4), bool),
-                      slots=jnp.arange(2, 6, dtype=jnp.int32))
+    window = KVWindow(x=f(B, 4, d), current=jnp.int32(3), extra_ids=None,
+                      need=jnp.ones((B, 2, 4), bool), slots=jnp.arange(2, 6, dtype=jnp.int32))
     with pytest.raises(ValueError, match="callable rope"):
         head_sparse_attention(*args, rope=lambda t: t, window=window)
     with pytest.raises(ValueError, match="exactly when rope"):

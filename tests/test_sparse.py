@@ -114,11 +114,16 @@ def test_missing_kv_is_recomputed_when_a_head_returns(impl):
     np.testing.assert_allclose(np.asarray(state.dense.v), np.asarray(d_state.v), atol=1e-5)
 
 
-@pytest.mark.parametrize("preset,refresh", [("llama-tiny", None), ("opt-tiny", 1)])
-def test_bounded_window_refresh_keeps_kv_exact(preset, refresh):
+@pytest.mark.parametrize("preset,refresh,unrolled", [("llama-tiny", None, False),
+                                                     ("opt-tiny", 1, False),
+                                                     ("llama-tiny", None, True)])
+def test_bounded_window_refresh_keeps_kv_exact(preset, refresh, unrolled):
+    """Unrolled: per-layer weights, caches and input rings (the GPU layout)."""
+    from dejavu_jax.params import unstack_layers
     config = dj.preset(preset)
     params = _silence_group0(config, dj.init_params(config, jax.random.key(4), jnp.float32,
                                                     std=0.1))
+    d_params = params
     L, F, Hk = config.n_layers, config.ffn, config.n_kv_heads
     W = 4 if refresh is None else Hk  # the round-robin covers every group within W tokens
     skip = (jnp.tile(jnp.arange(F, dtype=jnp.int32), (L, 1)),
@@ -127,17 +132,21 @@ def test_bounded_window_refresh_keeps_kv_exact(preset, refresh):
                                kv_refresh=refresh)
     eng = sparse.sparse_engine(config, scfg, sparse.fixed_selector)
     ids = jnp.asarray([[5, 9, 14]])
-    state = eng.init_state(1, 64, jnp.float32)
+    state = eng.init_state(1, 64, jnp.float32, per_layer=unrolled)
+    if unrolled:
+        params = unstack_layers(params)
+        assert isinstance(state.history, tuple) and state.history[0].shape == (1, W, 64)
     d_state = model.init_state(config, 1, 64, jnp.float32)
     _, state = eng.prefill((params, skip), ids, jnp.ones_like(ids), state)
-    _, d_state = model.prefill(config, params, ids, jnp.ones_like(ids), d_state)
+    _, d_state = model.prefill(config, d_params, ids, jnp.ones_like(ids), d_state)
     step = jax.jit(eng.step)
     for tok in range(20, 20 + 3 * W):  # entries older than the window exist
         _, state = step((params, skip), state, jnp.asarray([tok]))
-        _, d_state = model.decode_step(config, params, d_state, jnp.asarray([tok]))
+        _, d_state = model.decode_step(config, d_params, d_state, jnp.asarray([tok]))
     # every entry that left the window was refreshed: it equals the dense cache
-    k_sparse, k_dense = np.asarray(state.dense.k), np.asarray(d_state.k)
-    v_sparse, v_dense = np.asarray(state.dense.v), np.asarray(d_state.v)
+    stacked = lambda c: np.stack(c, axis=1) if isinstance(c, tuple) else np.asarray(c)
+    k_sparse, k_dense = stacked(state.dense.k), np.asarray(d_state.k)
+    v_sparse, v_dense = stacked(state.dense.v), np.asarray(d_state.v)
     last = int(state.dense.slot) - 1               # the last token's slot
     old = last - W + 2                             # slots < old have left the window
     np.testing.assert_allclose(k_sparse[:, :, :, :old], k_dense[:, :, :, :old], atol=1e-5)
