@@ -13,14 +13,20 @@ MASK_VALUE = -1e30
 
 def norm(x: jax.Array, scale: jax.Array, bias: jax.Array | None, eps: float) -> jax.Array:
     """LayerNorm when `bias` is given, RMSNorm when it is None. Computed in fp32."""
-    x = x.astype(F32)
-    if bias is None:
-        x = x * jax.lax.rsqrt(jnp.mean(x * x, axis=-1, keepdims=True) + eps)
-        return x * scale.astype(F32)
-    mean = jnp.mean(x, axis=-1, keepdims=True)
-    x = x - mean
-    x = x * jax.lax.rsqrt(jnp.mean(x * x, axis=-1, keepdims=True) + eps)
-    return x * scale.astype(F32) + bias.astype(F32)
+    from dejavu_jax.kernels.layer_norm import layer_norm_reference
+    return layer_norm_reference(x, scale, bias, eps)
+
+
+def norm_input(x: jax.Array, scale: jax.Array, bias: jax.Array | None,
+               eps: float) -> jax.Array:
+    """`norm(x)` as a sublayer's input. On GPU one fused launch (`kernels.layer_norm`)
+    whose result is already in the norm weights' dtype, the dtype every consumer casts
+    it to; elsewhere `norm` in fp32."""
+    from dejavu_jax.kernels._common import resolve_impl
+    from dejavu_jax.kernels.layer_norm import MAX_WIDTH, layer_norm
+    if resolve_impl(None) != "pallas" or x.shape[-1] > MAX_WIDTH:
+        return norm(x, scale, bias, eps)
+    return layer_norm(x, scale, bias, eps, out_dtype=scale.dtype)
 
 
 def activation(name: str, x: jax.Array) -> jax.Array:
@@ -108,7 +114,7 @@ def mlp(config: ModelConfig, lp, y: jax.Array) -> jax.Array:
 def residual(config: ModelConfig, x: jax.Array, sublayer, scale, bias) -> jax.Array:
     """Pre-norm `x + f(norm(x))` or post-norm `norm(x + f(x))`, per the config."""
     if config.pre_norm:
-        return x + sublayer(norm(x, scale, bias, config.norm_eps))
+        return x + sublayer(norm_input(x, scale, bias, config.norm_eps))
     return norm(x + sublayer(x), scale, bias, config.norm_eps)
 
 

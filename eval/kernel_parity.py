@@ -9,6 +9,8 @@
    `--impl` kernels and the jnp references.
 2. Top-k selection: the radix, chunked and local kernels return exactly their references'
    sets on random scores of MLP sizes.
+3. The fused LayerNorm / RMSNorm (`kernels.layer_norm`, which every decode path uses on
+   GPU, the reference runs of check 1 included) against its reference at model widths.
 
 Writes kernel_parity.json and exits 1 when a difference exceeds --tol or a set differs.
 """
@@ -95,6 +97,21 @@ def top_k_rows(impl: str) -> list[dict]:
     return rows
 
 
+def norm_rows(impl: str) -> list[dict]:
+    """Largest difference of the fused norm from its reference (fp32 output)."""
+    from dejavu_jax.kernels.layer_norm import layer_norm
+    rows = []
+    rng = np.random.default_rng(6)
+    for B, d, rms in ((1, 7168, False), (16, 5120, False), (1, 576, True), (3, 4096, True)):
+        x = jnp.asarray(rng.standard_normal((B, d)) * 4 + 1, jnp.float32)
+        scale = jnp.asarray(rng.standard_normal(d), jnp.float32)
+        bias = None if rms else jnp.asarray(rng.standard_normal(d), jnp.float32)
+        got, ref = (layer_norm(x, scale, bias, 1e-5, impl=i) for i in (impl, "reference"))
+        rows.append(dict(check="norm", rows=B, d=d, rms=rms,
+                         max_diff=float(jnp.abs(got - ref).max())))
+    return rows
+
+
 def main(argv=None) -> int:
     """Run the checks; print one JSON line per check; exit 1 on a failure."""
     p = argparse.ArgumentParser(prog="python -m dejavu_jax.eval.kernel_parity")
@@ -103,10 +120,15 @@ def main(argv=None) -> int:
     p.add_argument("--tol", type=float, default=1e-4)
     p.add_argument("--out", default="eval/results/kernel_parity")
     args = p.parse_args(argv)
-    rows = decode_rows(args.impl, args.steps) + top_k_rows(args.impl)
+    rows = norm_rows(args.impl) + decode_rows(args.impl, args.steps) + top_k_rows(args.impl)
     ok = True
     for r in rows:
-        r["ok"] = r["equal"] if r["check"] == "top-k" else max(r["logits"], r["k_cache"]) <= args.tol
+        if r["check"] == "top-k":
+            r["ok"] = r["equal"]
+        elif r["check"] == "norm":
+            r["ok"] = r["max_diff"] <= args.tol
+        else:
+            r["ok"] = max(r["logits"], r["k_cache"]) <= args.tol
         ok &= r["ok"]
         print(json.dumps(r), flush=True)
     out = Path(args.out)

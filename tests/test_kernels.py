@@ -470,3 +470,34 @@ def test_window_rejects_a_callable_rope_and_missing_tables(rng):
         head_sparse_attention(*args, rope=lambda t: t, window=window)
     with pytest.raises(ValueError, match="exactly when rope"):
         head_sparse_attention(*args, rope=(jnp.ones(hd), jnp.zeros(hd)), window=window)
+
+
+@pytest.mark.parametrize("rows,d,rms,out", [(1, 7168 // 64, False, jnp.bfloat16),
+                                            (3, 100, True, F32), (2, 64, False, F32),
+                                            (1, 576, True, jnp.bfloat16)])
+def test_layer_norm_kernel_equals_numpy(rng, rows, d, rms, out):
+    from dejavu_jax.kernels import layer_norm
+    x = rng.standard_normal((rows, d)) * 3 + 1.5
+    scale, bias = rng.standard_normal(d), None if rms else rng.standard_normal(d)
+    if rms:
+        want = x / np.sqrt(np.mean(x * x, -1, keepdims=True) + 1e-5) * scale
+    else:
+        xc = x - x.mean(-1, keepdims=True)
+        want = xc / np.sqrt(np.mean(xc * xc, -1, keepdims=True) + 1e-5) * scale + bias
+    f = lambda a: None if a is None else jnp.asarray(a, F32)
+    for impl in ("interpret", "reference"):
+        got = layer_norm(f(x), f(scale), f(bias), 1e-5, out_dtype=out, impl=impl)
+        assert got.dtype == out and got.shape == x.shape
+        tol = 1e-5 if out == F32 else 1e-2
+        np.testing.assert_allclose(np.asarray(got, np.float64), want, rtol=tol, atol=tol)
+    # leading axes are rows too
+    got = layer_norm(f(x)[None], f(scale), f(bias), 1e-5, impl="interpret")
+    np.testing.assert_allclose(np.asarray(got[0], np.float64), want, rtol=1e-5, atol=1e-5)
+
+
+def test_layer_norm_rejects_bad_shapes():
+    from dejavu_jax.kernels import layer_norm
+    with pytest.raises(ValueError, match="scale"):
+        layer_norm(jnp.ones((2, 8)), jnp.ones(7), None, 1e-5)
+    with pytest.raises(ValueError, match="bias"):
+        layer_norm(jnp.ones((2, 8)), jnp.ones(8), jnp.ones(9), 1e-5)
