@@ -9,7 +9,10 @@
    `--impl` kernels and the jnp references.
 2. Top-k selection: the radix, chunked and local kernels return exactly their references'
    sets on random scores of MLP sizes.
-3. The fused LayerNorm / RMSNorm (`kernels.layer_norm`, which every decode path uses on
+3. Head-sparse attention with a missing-KV window whose needed entries are random (so
+   selected heads attend to rewritten entries and refresh heads only write), MHA and GQA
+   with rotary tables, rows rotated as in a ring: output and caches.
+4. The fused LayerNorm / RMSNorm (`kernels.layer_norm`, which every decode path uses on
    GPU, the reference runs of check 1 included) against its reference at model widths.
 
 Writes kernel_parity.json and exits 1 when a difference exceeds --tol or a set differs.
@@ -97,6 +100,44 @@ def top_k_rows(impl: str) -> list[dict]:
     return rows
 
 
+def window_rows(impl: str) -> list[dict]:
+    """Largest output / cache difference of windowed head-sparse attention."""
+    from dejavu_jax.kernels import KVWindow, head_sparse_attention
+    rows = []
+    rng = np.random.default_rng(7)
+    f = lambda *shape: jnp.asarray(rng.standard_normal(shape), jnp.float32)
+    for B, d, H, n_kv, hd, S, W, pos, rope in ((1, 512, 8, 8, 64, 64, 16, 40, False),
+                                              (2, 512, 8, 4, 64, 64, 16, 21, True),
+                                              (1, 256, 4, 4, 64, 32, 16, 5, False)):
+        hidx = jnp.asarray(rng.permutation(n_kv)[: n_kv // 2], jnp.int32)
+        extra = jnp.asarray([int(np.setdiff1d(np.arange(n_kv), hidx)[0])], jnp.int32)
+        raw = (pos - (pos - np.arange(W)) % W).astype(np.int32)      # ring order
+        need = rng.random((B, len(hidx) + 1, W)) > 0.5
+        need[:, :, raw == pos] = True
+        need[:, :, raw < 0] = False
+        x = f(B, d)
+        ring = f(B, W, d).at[:, pos % W].set(x)
+        cos = sin = rope_now = None
+        if rope:
+            ang = f(B, W, hd // 2)
+            cos = jnp.cos(jnp.concatenate([ang, ang], -1))
+            sin = jnp.sin(jnp.concatenate([ang, ang], -1))
+            rope_now = (cos[:, pos % W], sin[:, pos % W])
+        window = KVWindow(x=ring, current=jnp.int32(pos % W), extra_ids=extra,
+                          need=jnp.asarray(need), slots=jnp.asarray(np.maximum(raw, 0)),
+                          cos=cos, sin=sin)
+        w = [f(H, hd, d) * d ** -0.5, f(H, hd), f(n_kv, hd, d) * d ** -0.5, f(n_kv, hd),
+             f(n_kv, hd, d) * d ** -0.5, f(n_kv, hd), f(H, hd, d) * (H * hd) ** -0.5, f(d)]
+        caches = (f(B, n_kv, S, hd), f(B, n_kv, S, hd))
+        got, ref = (head_sparse_attention(x, *w, *caches, jnp.int32(pos), hidx, rope=rope_now,
+                                          impl=i, window=window) for i in (impl, "reference"))
+        rows.append(dict(check="window", B=B, H=H, n_kv=n_kv, pos=pos, rope=rope,
+                         out=float(jnp.abs(got[0] - ref[0]).max()),
+                         k_cache=float(jnp.abs(got[1] - ref[1]).max()),
+                         v_cache=float(jnp.abs(got[2] - ref[2]).max())))
+    return rows
+
+
 def norm_rows(impl: str) -> list[dict]:
     """Largest difference of the fused norm from its reference (fp32 output)."""
     from dejavu_jax.kernels.layer_norm import layer_norm
@@ -120,13 +161,16 @@ def main(argv=None) -> int:
     p.add_argument("--tol", type=float, default=1e-4)
     p.add_argument("--out", default="eval/results/kernel_parity")
     args = p.parse_args(argv)
-    rows = norm_rows(args.impl) + decode_rows(args.impl, args.steps) + top_k_rows(args.impl)
+    rows = (norm_rows(args.impl) + window_rows(args.impl) + decode_rows(args.impl, args.steps)
+            + top_k_rows(args.impl))
     ok = True
     for r in rows:
         if r["check"] == "top-k":
             r["ok"] = r["equal"]
         elif r["check"] == "norm":
             r["ok"] = r["max_diff"] <= args.tol
+        elif r["check"] == "window":
+            r["ok"] = max(r["out"], r["k_cache"], r["v_cache"]) <= args.tol
         else:
             r["ok"] = max(r["logits"], r["k_cache"]) <= args.tol
         ok &= r["ok"]

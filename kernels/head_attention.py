@@ -8,14 +8,20 @@ Pipeline (Pallas path), every stage reading only the selected heads:
 
 1. :func:`~.gather_matvec.gather_matvec` -- q, k and v rows of the selected heads in ONE
    launch (three segments), split over d, fp32 partials.
-2. XLA (tiny, fused): sum partials, add biases, rotary embedding, scale q.
-3. :func:`decode_attention` -- flash-decoding over the cache: grid (B, selected KV
-   heads, sequence splits); each program streams its split of one head's K/V once,
-   keeps an online softmax, and the program owning ``pos`` also folds in the current
-   token and writes its k/v row into the (aliased, in-place) cache.
-4. XLA (tiny): merge the splits' (m, l, o).
-5. :func:`~.gather_matvec.gather_matvec_t` -- out-projection over the selected heads'
-   rows of ``wo`` (split-k), then XLA sums partials and adds ``bo``.
+2. :func:`decode_attention` -- flash-decoding over the cache: grid (B, selected KV
+   heads, sequence splits). Each program finishes its head's q/k/v from the partials
+   (sum, biases, rotary embedding), streams its split of the head's K/V once with an
+   online softmax, and the program owning ``pos`` also folds in the current token and
+   writes its k/v row into the (aliased, in-place) cache.
+3. :func:`~.gather_matvec.gather_matvec_t` -- out-projection over the selected heads'
+   rows of ``wo`` (split-k; its loader merges the splits' (m, l, o)), then XLA sums the
+   partials and adds ``bo``.
+
+Missing-KV window (:class:`KVWindow`): the K/V segments of step 1 multiply the window's W
+stored inputs instead of x (the current token is one of them), for the selected heads
+plus the window's refresh heads; in step 2 each program finishes the window entries of
+its split that ``need`` marks, writes them to the caches and attends to them, and extra
+programs write the refresh heads' entries. No weight is read twice and no XLA op runs.
 
 Grouped-query attention: ``wk/wv/bk/bv`` and the caches have ``n_kv = H // group`` heads;
 ``head_idx`` then holds KV-group ids, a selected group computes all of its ``group``
@@ -271,10 +277,14 @@ def head_sparse_attention_reference(x, wq, bq, wk, bk, wv, bv, wo, bo, k_cache, 
 # ----------------------------------------------------------------------------
 
 def _decode_attention_kernel(*refs, nds, has_bq, has_bk, has_bv, has_rope, has_mask, G, Gp,
-                             hd, hdp, L, bs, scale, kv_stride, has_kv_row):
+                             hd, hdp, L, bs, scale, Kh, W, Wp):
+    # W > 0: a missing-KV window. Grid axis 1 then runs over Kh selected + R refresh heads;
+    # a refresh head's programs only write its needed window entries.
     it = iter(refs)
     qp_ref, kp_ref, vp_ref = next(it), next(it), next(it)
-    kv_row_ref = next(it) if has_kv_row else None
+    if W:
+        cur_ref, need_ref, wslot_ref = next(it), next(it), next(it)
+        wcos_ref, wsin_ref = (next(it), next(it)) if has_rope else (None, None)
     bq_ref = next(it) if has_bq else None
     bk_ref = next(it) if has_bk else None
     bv_ref = next(it) if has_bv else None
@@ -286,6 +296,8 @@ def _decode_attention_kernel(*refs, nds, has_bq, has_bk, has_bv, has_rope, has_m
     g = pl.program_id(1)
     s = pl.program_id(2)
     hv = hidx_ref[g]                         # the KV head this program serves
+    attend = g < Kh                          # False: a refresh head (window writes only)
+    gq = jnp.minimum(g, Kh - 1)              # in-range query columns for every program
     pos = pos_ref[0]
     start = s * L
     end = jnp.minimum(start + L, pos)        # cache positions strictly before pos
@@ -300,7 +312,7 @@ def _decode_attention_kernel(*refs, nds, has_bq, has_bk, has_bv, has_rope, has_m
     vec = Gp == 1
 
     # -- finish the projections: sum d-split partials, bias, rotary embedding ----------
-    kv_b = b if kv_row_ref is None else b * kv_stride + kv_row_ref[0]   # partials' row
+    kv_b = b if not W else b * W + cur_ref[0]   # the current token's K/V partials' row
 
     def project(p_ref, b_ref, local0, bias0, rotary, one, row=b):
         # one: a single head's vector [hdp]; else the group's query heads [Gp, hdp]
@@ -325,9 +337,50 @@ def _decode_attention_kernel(*refs, nds, has_bq, has_bk, has_bv, has_rope, has_m
                 t = t * cs[None, :] + tr * (sign * sn)[None, :]
         return t
 
-    q = project(qp_ref, bq_ref, g * (G * hd), hv * (G * hd), True, vec) * scale
+    q = project(qp_ref, bq_ref, gq * (G * hd), hidx_ref[gq] * (G * hd), True, vec) * scale
     kn = project(kp_ref, bk_ref, g * hd, hv * hd, True, True, kv_b).astype(kout_ref.dtype)
     vn = project(vp_ref, bv_ref, g * hd, hv * hd, False, True, kv_b).astype(vout_ref.dtype)
+
+    # -- the window's needed entries in this split: finish, write, attend to ------------
+    if W:
+        jw = jnp.arange(Wp, dtype=jnp.int32)
+        jwm = jw < W
+        wslot = plgpu.load(wslot_ref.at[jw], mask=jwm, other=-1)
+        wneed = plgpu.load(need_ref.at[b, g, jw], mask=jwm, other=0) != 0
+        # the current token of a selected head is written below, with its attention
+        wwrite = (wneed & (wslot >= s * L) & (wslot < s * L + L)
+                  & ~((wslot == pos) & attend))
+        wrows = b * W + jw
+        wm = jwm[:, None] & cm[None, :]
+
+        def window_rows(p_ref, b_ref, rotary):       # [Wp, hdp] finished K or V rows
+            def gathered(c):
+                t = None
+                for k in range(nds):
+                    v = plgpu.load(p_ref.at[k, wrows[:, None], g * hd + c[None, :]],
+                                   mask=wm, other=0.0)
+                    t = v if t is None else t + v
+                if b_ref is not None:
+                    t = t + plgpu.load(b_ref.at[hv * hd + c], mask=cm,
+                                       other=0).astype(f32)[None, :]
+                return t
+            t = gathered(cols)
+            if rotary and has_rope:
+                cs = plgpu.load(wcos_ref.at[b, jw[:, None], cols[None, :]], mask=wm, other=0.0)
+                sn = plgpu.load(wsin_ref.at[b, jw[:, None], cols[None, :]], mask=wm, other=0.0)
+                t = t * cs + gathered(rcols) * sign[None, :] * sn
+            return t
+
+        kw = window_rows(kp_ref, bk_ref, True).astype(kout_ref.dtype)
+        vw = window_rows(vp_ref, bv_ref, False).astype(vout_ref.dtype)
+        wst = wwrite[:, None] & cm[None, :]
+        # masked-off lanes aim at a slot outside the window: the Pallas interpreter writes
+        # them back, and a repeated window slot (clamped early steps) must not be clobbered
+        S_ = kout_ref.shape[2]
+        spare = jnp.where(pos >= W, pos - W, jnp.minimum(pos + 1, S_ - 1))
+        wdst = jnp.where(wwrite, wslot, spare)
+        plgpu.store(kout_ref.at[b, hv, wdst[:, None], cols[None, :]], kw, mask=wst)
+        plgpu.store(vout_ref.at[b, hv, wdst[:, None], cols[None, :]], vw, mask=wst)
 
     # -- online softmax over this program's split of the cache ------------------------
     def scores_of(k):  # k [n, hdp] -> [n] or [Gp, n]
@@ -346,6 +399,9 @@ def _decode_attention_kernel(*refs, nds, has_bq, has_bk, has_bv, has_rope, has_m
         valid = pp < end
         if has_mask:
             valid = valid & (plgpu.load(mask_ref.at[b, pp], mask=valid, other=0) != 0)
+        if W:   # entries this program rewrites: read from the window below, not the cache
+            rewritten = (pp[:, None] == wslot[None, :]) & wwrite[None, :]
+            valid = valid & (jnp.max(rewritten.astype(jnp.int32), axis=1) == 0)
         ld = valid[:, None] & cm[None, :]
         k = plgpu.load(kc_ref.at[b, hv, pp[:, None], cols[None, :]], mask=ld, other=0)
         v = plgpu.load(vc_ref.at[b, hv, pp[:, None], cols[None, :]], mask=ld, other=0)
@@ -361,7 +417,18 @@ def _decode_attention_kernel(*refs, nds, has_bq, has_bk, has_bv, has_rope, has_m
     shape = () if vec else (Gp,)
     carry = (jnp.zeros(shape + (hdp,), f32), jnp.full(shape, NEG, f32), jnp.zeros(shape, f32))
     n_it = (jnp.maximum(end - start, 0) + bs - 1) // bs
+    n_it = jnp.where(attend, n_it, 0)
     o, m, l = lax.fori_loop(0, n_it, body, carry)
+    if W:   # fold in the rewritten entries before pos, at cache precision
+        wuse = wwrite & (wslot < pos)
+        wb = wuse if vec else wuse[None, :]
+        sc = jnp.where(wb, scores_of(kw), NEG)
+        m_new = jnp.maximum(m, jnp.max(sc, axis=-1))
+        corr = jnp.exp(m - m_new)
+        p = jnp.where(wb, jnp.exp(sc - (m_new if vec else m_new[:, None])), 0.0)
+        l = l * corr + jnp.sum(p, axis=-1)
+        o = o * (corr if vec else corr[:, None]) + pv(p, vw)
+        m = m_new
 
     # -- the program whose split holds `pos` folds in the current token, writes k/v ----
     mine = pos // L == s
@@ -377,27 +444,29 @@ def _decode_attention_kernel(*refs, nds, has_bq, has_bk, has_bv, has_rope, has_m
         o = o * corr[:, None] + p[:, None] * vn.astype(f32)[None, :]
     m = m_new
 
-    @pl.when(mine)
+    @pl.when(mine & attend)
     def _():
         plgpu.store(kout_ref.at[b, hv, pos, cols], kn, mask=cm)
         plgpu.store(vout_ref.at[b, hv, pos, cols], vn, mask=cm)
 
-    if vec:
-        plgpu.store(o_ref.at[s, b, g, cols], o, mask=cm)
-        m_ref[s, b, g] = m
-        l_ref[s, b, g] = l
-    else:
-        rows = g * G + jr
-        plgpu.store(o_ref.at[s, b, rows[:, None], cols[None, :]], o,
-                    mask=jm[:, None] & cm[None, :])
-        plgpu.store(m_ref.at[s, b, rows], m, mask=jm)
-        plgpu.store(l_ref.at[s, b, rows], l, mask=jm)
+    @pl.when(attend)
+    def _():
+        if vec:
+            plgpu.store(o_ref.at[s, b, g, cols], o, mask=cm)
+            m_ref[s, b, g] = m
+            l_ref[s, b, g] = l
+        else:
+            rows = g * G + jr
+            plgpu.store(o_ref.at[s, b, rows[:, None], cols[None, :]], o,
+                        mask=jm[:, None] & cm[None, :])
+            plgpu.store(m_ref.at[s, b, rows], m, mask=jm)
+            plgpu.store(l_ref.at[s, b, rows], l, mask=jm)
 
 
 def decode_attention(qp, kp, vp, head_idx, pos, k_cache, v_cache, *, group, bq=None, bk=None,
                      bv=None, cos=None, sin=None, kv_mask=None, block_s=64, seq_splits=None,
-                     target_programs=8 * N_SM, num_warps=4, batch=None, kv_rows=None,
-                     interpret=False):
+                     target_programs=8 * N_SM, num_warps=4, batch=None,
+                     window: KVWindow | None = None, interpret=False):
     """Flash-decoding over the selected KV heads, writing the new k/v rows in place.
 
     Args:
@@ -409,9 +478,11 @@ def decode_attention(qp, kp, vp, head_idx, pos, k_cache, v_cache, *, group, bq=N
       cos, sin: optional ``[B, hd]`` fp32 rotary tables for the current position.
       kv_mask: optional ``[B, S]`` int32 (nonzero = attend).
       batch: rows B to attend for (default: q's partials' row count).
-      kv_rows: ``(stride, row)``: the current token's k/v partials of batch row b lie in
-        row ``b * stride + row[0]`` (row: ``[1]`` int32; the missing-KV window's ring);
-        default: row b.
+      window: the missing-KV window whose K/V were projected into ``kp``/``vp`` (rows
+        ``b * W + j`` for window row j, columns ``window_heads(head_idx, window)``; its
+        ``x`` is not read). Its needed entries are finished (bias, rotary), written to the
+        caches and attended to here, and the current token's K/V come from row
+        ``b * W + window.current``; the refresh heads get writes, no attention.
     Returns:
       ``(o [ns, B, Kh*G, hd], m [ns, B, Kh*G], l [ns, B, Kh*G], k_cache, v_cache)``:
       unnormalised split partials (merged by :func:`merged_attention_loader` or
@@ -419,8 +490,9 @@ def decode_attention(qp, kp, vp, head_idx, pos, k_cache, v_cache, *, group, bq=N
     """
     nds, B, _ = qp.shape
     B = batch or B
-    kv_stride, kv_row = kv_rows if kv_rows is not None else (1, None)
     Kh = head_idx.shape[0]
+    ids = head_idx if window is None else window_heads(head_idx, window)
+    W = 0 if window is None else window.need.shape[-1]
     G = group
     Hs = Kh * G
     S, hd = k_cache.shape[2], k_cache.shape[3]
@@ -433,11 +505,16 @@ def decode_attention(qp, kp, vp, head_idx, pos, k_cache, v_cache, *, group, bq=N
     kernel = functools.partial(
         _decode_attention_kernel, nds=nds, has_bq=bq is not None, has_bk=bk is not None,
         has_bv=bv is not None, has_rope=cos is not None, has_mask=kv_mask is not None, G=G,
-        Gp=Gp, hd=hd, hdp=next_pow2(hd), L=L, bs=bs, scale=float(hd) ** -0.5,
-        kv_stride=kv_stride, has_kv_row=kv_row is not None)
-    args = [qp, kp, vp] + ([] if kv_row is None else [kv_row.astype(jnp.int32).reshape(1)])
+        Gp=Gp, hd=hd, hdp=next_pow2(hd), L=L, bs=bs, scale=float(hd) ** -0.5, Kh=Kh, W=W,
+        Wp=max(16, next_pow2(W)))
+    args = [qp, kp, vp]
+    if window is not None:
+        args += [jnp.asarray(window.current, jnp.int32).reshape(1),
+                 window.need.astype(jnp.int32), window.slots.astype(jnp.int32)]
+        if cos is not None:
+            args += [window.cos.astype(jnp.float32), window.sin.astype(jnp.float32)]
     args += [t for t in (bq, bk, bv, cos, sin) if t is not None]
-    args += [head_idx.astype(jnp.int32), pos] + ([kv_mask] if kv_mask is not None else [])
+    args += [ids.astype(jnp.int32), pos] + ([kv_mask] if kv_mask is not None else [])
     n_in = len(args)
     args += [k_cache, v_cache]
     out_shape = (jax.ShapeDtypeStruct((ns, B, Hs, hd), jnp.float32),
@@ -447,7 +524,7 @@ def decode_attention(qp, kp, vp, head_idx, pos, k_cache, v_cache, *, group, bq=N
                  jax.ShapeDtypeStruct(v_cache.shape, v_cache.dtype))
     return pl.pallas_call(
         kernel,
-        grid=(B, Kh, ns),
+        grid=(B, ids.shape[0], ns),
         out_shape=out_shape,
         input_output_aliases={n_in: 3, n_in + 1: 4},
         compiler_params=plgpu.CompilerParams(num_warps=num_warps, num_stages=2),
@@ -504,26 +581,6 @@ def merged_attention_loader(act_refs, r, valid, rows, *, ns, B, Bp, hd):
 # Pallas pipeline and public entry point
 # ----------------------------------------------------------------------------
 
-def _merge_window_partials(kp, vp, bk, bv, kv_ids, window: KVWindow, k_cache, v_cache,
-                           B: int, hd: int):
-    """Finish the window rows of the K/V projection partials and write the needed entries.
-
-    Partial rows: the ``B * W`` rows of ``window.x`` (batch-major); columns: ``kv_ids``
-    heads of ``hd`` each.
-    """
-    n = kv_ids.shape[0]
-    W = window.x.shape[1]
-
-    def finish(parts, bias):
-        t = parts.sum(0)[:, : n * hd].reshape(B, W, n, hd).transpose(0, 2, 1, 3)
-        return t if bias is None else t + bias[kv_ids].astype(jnp.float32)[None, :, None]
-
-    k_win = _window_rope(finish(kp, bk), window)
-    v_win = finish(vp, bv)
-    return (merge_window(k_cache, k_win, kv_ids, window),
-            merge_window(v_cache, v_win, kv_ids, window))
-
-
 def head_sparse_attention_pallas(x, wq, bq, wk, bk, wv, bv, wo, bo, k_cache, v_cache, pos,
                                  head_idx, *, rope=None, kv_mask=None, interpret=False,
                                  config: AttnConfig | None = None,
@@ -532,9 +589,9 @@ def head_sparse_attention_pallas(x, wq, bq, wk, bk, wv, bv, wo, bo, k_cache, v_c
 
     Three Pallas launches (q/k/v projection, attention, out-projection) and one tiny XLA
     reduction; with a callable ``rope`` the q/k finishing runs in XLA instead. With a
-    ``window``, the projection launch also multiplies the window's previous inputs (extra
-    rows of x) and the extra heads' K/V rows, and a small XLA scatter writes the needed
-    entries before attention: the missing-KV recomputation reads no weight twice.
+    ``window``, the projection's K/V segments multiply the window's inputs (the extra
+    heads' rows included) and the attention launch writes and attends to the needed
+    entries: the missing-KV recomputation reads no weight twice and adds no launch.
     """
     cfg = config or AttnConfig()
     f32 = jnp.float32
@@ -545,14 +602,13 @@ def head_sparse_attention_pallas(x, wq, bq, wk, bk, wv, bv, wo, bo, k_cache, v_c
     Kh = head_idx.shape[0]
     head_idx = head_idx.astype(jnp.int32)
     pos = jnp.asarray(pos, jnp.int32).reshape(1)
-    kv_ids, x_rows, kv_block, kv_rows = head_idx, x, None, None
+    kv_ids, x_rows, kv_block = head_idx, x, None
     if window is not None:
         # K/V read the window's rows (the current token's among them); q keeps x's rows
         kv_ids = window_heads(head_idx, window)
         W = window.x.shape[1]
         x_rows = window.x.reshape(B * W, d).astype(x.dtype)
         kv_block = cfg.window_block_rows
-        kv_rows = (W, window.current)
     segs = [Segment(wq.reshape(H * hd, d), head_idx, G * hd),
             Segment(wk.reshape(n_kv * hd, d), kv_ids, hd, x=x_rows, block_rows=kv_block),
             Segment(wv.reshape(n_kv * hd, d), kv_ids, hd, x=x_rows, block_rows=kv_block)]
@@ -566,9 +622,6 @@ def head_sparse_attention_pallas(x, wq, bq, wk, bk, wv, bv, wo, bo, k_cache, v_c
     qp, kp, vp = gather_matvec(x, segs, block_rows=bk_rows, block_d=bd, d_chunks=chunks,
                                num_warps=cfg.num_warps, num_stages=cfg.num_stages,
                                interpret=interpret)
-    if window is not None:
-        k_cache, v_cache = _merge_window_partials(kp, vp, bk, bv, kv_ids, window, k_cache,
-                                                  v_cache, B, hd)
     flat = lambda t: None if t is None else t.reshape(-1)
     biases = dict(bq=flat(bq), bk=flat(bk), bv=flat(bv))
     cos = sin = None
@@ -589,7 +642,7 @@ def head_sparse_attention_pallas(x, wq, bq, wk, bk, wv, bv, wo, bo, k_cache, v_c
         qp, kp, vp, head_idx, pos, k_cache, v_cache, group=G, cos=cos, sin=sin,
         kv_mask=mask, block_s=cfg.block_s, seq_splits=cfg.seq_splits,
         target_programs=cfg.attn_target_programs, num_warps=cfg.attn_num_warps, batch=B,
-        kv_rows=kv_rows, interpret=interpret, **biases)
+        window=window, interpret=interpret, **biases)
 
     ns = o.shape[0]
     if ns > cfg.max_fused_splits:

@@ -35,6 +35,7 @@ for piece in "$@"; do
   timeout "$seconds" env "${envs[@]}" python -m "dejavu_jax.$module" $args \
     --out "$results/$name" > "$results/$name.out" 2>&1
   echo "   exit $? ; $(grep -c '^{' "$results/$name.out" 2>/dev/null) rows logged"
+  # packed after every piece: a run cut short still returns what finished (traces: large)
+  tar czf "${OUT:-/tmp}/device_results.tgz" --exclude="trace_*" -C /tmp device_results
 done
-tar czf "${OUT:-/tmp}/device_results.tgz" --exclude="trace_*" -C /tmp device_results  # traces: large
 echo "packed into ${OUT:-/tmp}/device_results.tgz"

@@ -67,6 +67,8 @@ def select_top_k(scores: jax.Array, k: int, capacity: int | None = None) -> jax.
     capacity = capacity or min(n, k * B)
     if not 0 < capacity <= n:
         raise ValueError(f"capacity={capacity} must be in 1..{n}")
+    if capacity == n:  # every unit: nothing to rank
+        return jnp.arange(n, dtype=jnp.int32)
     if B == 1 and capacity == k:
         return jnp.sort(jax.lax.top_k(scores[0], k)[1]).astype(jnp.int32)
     top = jax.lax.top_k(scores, k)[1].reshape(-1)
