@@ -286,6 +286,8 @@ def _sparse_attention(config, scfg, view, io: _LayerIO, layer, y, groups, step):
     else:
         k_in, v_in = io.k.reshape(B, -1, S, hd), io.v.reshape(B, -1, S, hd)
         head_idx = layer * config.n_kv_heads + groups
+    if window is not None:  # the ring's row of this token holds y at the ring's precision
+        y = y.astype(ring.dtype)
     out, k_out, v_out = kernels.head_sparse_attention(
         y.astype(lp_flat["wq"].dtype), lp_flat["wq"], lp_flat["bq"], lp_flat["wk"],
         lp_flat["bk"], lp_flat["wv"], lp_flat["bv"], lp_flat["wo"], view.lp.bo,

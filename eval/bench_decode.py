@@ -135,10 +135,10 @@ def step_bytes(config, scfg, context: int, batch: int, rank: int, predictors: bo
             total += km + d  # b_in of the selected neurons; b_out
         total += batch * kh * 2 * context * hd  # K and V
         if predictors and scfg is not None and layer >= scfg.dense_layers:
-            # both predictors (`random_predictors`): w1 [d, r] and w2 [r, n] bf16, mean and
-            # inv_std [d] and b2 [n] fp32 (2 bf16 units each), n = ffn and n_heads
+            # both predictors in decode form (`decode_predictors`): w1 [d, 2r] and
+            # w2 [r, n] bf16, b1 [2r] and b2 [n] fp32 (2 bf16 units each), n = ffn, n_heads
             total += 2 * d * rank + rank * (c.ffn + c.n_heads)
-            total += 2 * (4 * d + c.ffn + c.n_heads)
+            total += 2 * (2 * rank + c.ffn + c.n_heads)
     return total * 2
 
 

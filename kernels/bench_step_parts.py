@@ -5,8 +5,9 @@
 * ``attn-window``: head-sparse attention with and without the missing-KV window, for a
   few ``AttnConfig.window_block_rows`` values (the K/V rows per program of the projection
   launch once the window's inputs make it a tensor-core product).
-* ``top-k``: the selection of k of the F MLP scores by every method of
-  ``sparse.SELECT_METHODS`` that takes one row, against ``lax.top_k``.
+* ``top-k``: the selection of k of the F MLP scores by the radix, chunked and packed
+  methods of ``sparse.SELECT_METHODS`` (the same set each) and ``lax.top_k``; ``local``
+  (approximate) is timed in the step by ``eval.profile_decode``.
 
 Timing as in :mod:`.bench`: calls chained inside one jitted loop. A top-k call is chained
 through a tiny scatter of its result into the next scores; the ``scatter-only`` row times

@@ -73,15 +73,19 @@ class KVWindow:
     """Missing-KV recomputation riding on the projection launch (see module docstring).
 
     x: ``[B, W, d]`` normed inputs of the window's W tokens in any order (a ring buffer),
-      the current token's among them: row ``current`` must hold the ``x`` of the call.
-      The K/V projection reads these rows as they lie, so a ring needs no reordering.
-    current: int32 scalar (may be traced), the row of ``x`` holding the current token.
+      the current token's among them: row ``current`` must hold the values of the call's
+      ``x`` (the current token's K/V are computed from that row). The K/V projection reads
+      these rows as they lie, so a ring needs no reordering.
+    current: int32 scalar in ``[0, W)`` (may be traced), the row of ``x`` holding the
+      current token.
     extra_ids: ``[R]`` int32 KV heads recomputed besides ``head_idx`` (a refresh set;
       they get no attention, only K/V), or None.
     need: ``[B, Kh + R, W]`` bool, which (head, window row) cache entries to write, for
       the heads ``concat(head_idx, extra_ids)``.
-    slots: ``[W]`` int32 cache slots of the window rows (entries with need False may
-      hold any in-range slot; they are never written).
+    slots: ``[W]`` int32 cache slots of the window rows, in ``[0, S)`` (entries with need
+      False may repeat a slot; they are never written). Two rows marked in ``need`` for
+      one head must not share a slot, and a head in both ``head_idx`` and ``extra_ids``
+      must have the same ``need`` rows in both places.
     cos, sin: ``[B, W, hd]`` fp32 rotary tables of the window rows: required when the
       attention has a rotary embedding (given as tables; a callable ``rope`` cannot be
       combined with a window), None otherwise.
@@ -348,7 +352,8 @@ def _decode_attention_kernel(*refs, nds, has_bq, has_bk, has_bv, has_rope, has_m
         wslot = plgpu.load(wslot_ref.at[jw], mask=jwm, other=-1)
         wneed = plgpu.load(need_ref.at[b, g, jw], mask=jwm, other=0) != 0
         # the current token of a selected head is written below, with its attention
-        wwrite = (wneed & (wslot >= s * L) & (wslot < s * L + L)
+        S_ = kout_ref.shape[2]
+        wwrite = (wneed & (wslot >= s * L) & (wslot < s * L + L) & (wslot < S_)
                   & ~((wslot == pos) & attend))
         wrows = b * W + jw
         wm = jwm[:, None] & cm[None, :]
@@ -376,7 +381,6 @@ def _decode_attention_kernel(*refs, nds, has_bq, has_bk, has_bv, has_rope, has_m
         wst = wwrite[:, None] & cm[None, :]
         # masked-off lanes aim at a slot outside the window: the Pallas interpreter writes
         # them back, and a repeated window slot (clamped early steps) must not be clobbered
-        S_ = kout_ref.shape[2]
         spare = jnp.where(pos >= W, pos - W, jnp.minimum(pos + 1, S_ - 1))
         wdst = jnp.where(wwrite, wslot, spare)
         plgpu.store(kout_ref.at[b, hv, wdst[:, None], cols[None, :]], kw, mask=wst)
@@ -421,6 +425,9 @@ def _decode_attention_kernel(*refs, nds, has_bq, has_bk, has_bv, has_rope, has_m
     o, m, l = lax.fori_loop(0, n_it, body, carry)
     if W:   # fold in the rewritten entries before pos, at cache precision
         wuse = wwrite & (wslot < pos)
+        if has_mask:
+            wuse = wuse & (plgpu.load(mask_ref.at[b, jnp.maximum(wslot, 0)], mask=wuse,
+                                      other=0) != 0)
         wb = wuse if vec else wuse[None, :]
         sc = jnp.where(wb, scores_of(kw), NEG)
         m_new = jnp.maximum(m, jnp.max(sc, axis=-1))
@@ -700,6 +707,14 @@ def _validate_window(window, x, k_cache, head_idx, rope):
                          f"{tuple(window.x.shape)}")
     W = window.x.shape[1]
     check_array("window.current", window.current, shape=())
+    if not jnp.issubdtype(window.current.dtype, jnp.integer):
+        raise TypeError(f"window.current must be an integer scalar, got {window.current.dtype}")
+    for name, value, upper in (("window.current", window.current, W),
+                               ("window.slots", window.slots, k_cache.shape[2])):
+        if not isinstance(value, jax.core.Tracer):
+            v = np.asarray(value)
+            if v.size and (v.min() < 0 or v.max() >= upper):
+                raise ValueError(f"{name} must lie in [0, {upper}), got {v.tolist()}")
     n = head_idx.shape[0]
     if window.extra_ids is not None:
         check_indices("window.extra_ids", window.extra_ids, k_cache.shape[1])

@@ -55,10 +55,11 @@ def test_step_bytes_counts_every_weight(name):
         # the sparse formula at full density, all layers sparse, is the dense one
         full = sparse.sparse_config(config, 1.0, 1.0, dense_layers=0)
         assert bench_decode.step_bytes(config, full, context, batch, 64, False) == dense
-    # predictor rows add both predictors of every sparse layer, as allocated
+    # predictor rows add both predictors of every sparse layer, as the bench runs them
+    from dejavu_jax.train.predictor_model import decode_predictors
     rank, dense_layers = 64, 1
-    preds = jax.eval_shape(lambda k: bench_decode.random_predictors(config, rank, k),
-                           jax.random.key(1))
+    preds = jax.eval_shape(lambda k: decode_predictors(
+        bench_decode.random_predictors(config, rank, k)), jax.random.key(1))
     per_layer = sum(nbytes(x) for x in jax.tree.leaves(preds)) // config.n_layers
     scfg = sparse.sparse_config(config, 1.0, 1.0, dense_layers=dense_layers)
     with_preds = bench_decode.step_bytes(config, scfg, 8, 1, rank, True)

@@ -10,7 +10,7 @@ import pytest
 import jax
 import jax.numpy as jnp
 
-from dejavu_jax.kernels import head_sparse_attention, sparse_mlp
+from dejavu_jax.kernels import AttnConfig, head_sparse_attention, sparse_mlp
 from dejavu_jax.kernels._common import resolve_impl
 from dejavu_jax.kernels.gather_matvec import Segment, gather_matvec
 from dejavu_jax.kernels.sparse_mlp import MLPConfig
@@ -223,15 +223,20 @@ WINDOW_CASES = [  # B, d, H, n_kv, hd, S, W, pos, Kh, extra, rope, biases
 
 
 @pytest.mark.parametrize("B,d,H,n_kv,hd,S,W,pos,Kh,extra,rope,biases", WINDOW_CASES)
-@pytest.mark.parametrize("impl,ring_shift", [("interpret", 0), ("interpret", 3),
-                                             ("reference", 0), ("reference", 2)])
-def test_window_recompute_writes_needed_entries_then_attends(rng, impl, ring_shift, B, d, H,
-                                                             n_kv, hd, S, W, pos, Kh, extra,
-                                                             rope, biases):
+@pytest.mark.parametrize("impl,ring_shift,split", [("interpret", 0, False),
+                                                  ("interpret", 3, False),
+                                                  ("interpret", 1, True),
+                                                  ("reference", 0, False),
+                                                  ("reference", 2, True)])
+def test_window_recompute_writes_needed_entries_then_attends(rng, impl, ring_shift, split, B,
+                                                             d, H, n_kv, hd, S, W, pos, Kh,
+                                                             extra, rope, biases):
     """Missing-KV recomputation: the needed window entries equal numpy's projections of the
     stored inputs, other entries keep their values, and attention sees the new entries.
     The window's rows come rotated by ring_shift (a ring buffer), the current token's in
-    row `current`."""
+    row `current`. split: sequence splits of 8 slots (window slots on both sides of a
+    split boundary) and a key mask with holes, one of them on a needed window entry
+    (written, not attended)."""
     from dejavu_jax.kernels import KVWindow
     r = lambda *s: rng.standard_normal(s)
     hidx = rng.permutation(n_kv)[:Kh].astype(np.int32)
@@ -270,9 +275,13 @@ def test_window_recompute_writes_needed_entries_then_attends(rng, impl, ring_shi
                         k = k * cos[b, w] + _rotate_half(k) * sin[b, w]
                     want_k[b, h, slots[w]] = k
                     want_v[b, h, slots[w]] = xs[b, w] @ wv[h].T + (0 if bv is None else bv[h])
+    mask = None
+    if split:
+        mask = rng.random((B, S)) > 0.3
+        mask[:, slots[np.argmax(need[0, 0])]] = False   # a needed entry, masked out
     ref, want_k, want_v = _np_attention(x, wq, bq, wk, bk, wv, bv, wo, bo, want_k, want_v, pos,
                                         hidx, None if cos is None else cos[:, -1],
-                                        None if sin is None else sin[:, -1], None)
+                                        None if sin is None else sin[:, -1], mask)
     f = lambda a: None if a is None else jnp.asarray(a, F32)
     ring = lambda a, axis=1: None if a is None else np.roll(a, ring_shift, axis=axis)
     window = KVWindow(x=f(ring(xs)), current=jnp.int32((W - 1 + ring_shift) % W),
@@ -280,9 +289,11 @@ def test_window_recompute_writes_needed_entries_then_attends(rng, impl, ring_shi
                       need=jnp.asarray(ring(need, 2)), slots=jnp.asarray(ring(slots, 0)),
                       cos=f(ring(cos)), sin=f(ring(sin)))
     rope_arg = None if cos is None else (f(cos[:, -1]), f(sin[:, -1]))
+    config = AttnConfig(block_s=4, seq_splits=4) if split else None
     out, k2, v2 = head_sparse_attention(f(x), f(wq), f(bq), f(wk), f(bk), f(wv), f(bv), f(wo),
                                         f(bo), f(kc), f(vc), jnp.int32(pos), jnp.asarray(hidx),
-                                        rope=rope_arg, impl=impl, window=window)
+                                        rope=rope_arg, impl=impl, window=window, config=config,
+                                        kv_mask=None if mask is None else jnp.asarray(mask))
     assert _rel(out, ref) < 1e-5
     for got, want in ((k2, want_k), (v2, want_v)):
         got = np.asarray(got, np.float64)
@@ -311,6 +322,13 @@ def test_window_validation(rng):
         head_sparse_attention(*args, window=KVWindow(**{**ok, "x": f(B, 4, d + 1)}))
     with pytest.raises(ValueError, match="current"):
         head_sparse_attention(*args, window=KVWindow(**{**ok, "current": jnp.zeros(2, jnp.int32)}))
+    with pytest.raises(ValueError, match=r"window.current must lie in \[0, 4\)"):
+        head_sparse_attention(*args, window=KVWindow(**{**ok, "current": jnp.int32(4)}))
+    with pytest.raises(ValueError, match=r"window.slots must lie in \[0, 16\)"):
+        head_sparse_attention(*args, window=KVWindow(**{**ok, "slots": jnp.arange(14, 18,
+                                                                               dtype=jnp.int32)}))
+    with pytest.raises(TypeError, match="integer"):
+        head_sparse_attention(*args, window=KVWindow(**{**ok, "current": jnp.float32(3)}))
     with pytest.raises(ValueError, match="extra_ids"):
         head_sparse_attention(*args, window=KVWindow(**{**ok, "extra_ids": jnp.asarray([9], jnp.int32),
                                                         "need": jnp.ones((B, 3, 4), bool)}))

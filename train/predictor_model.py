@@ -104,7 +104,11 @@ class DecodePredictors:
 
 def decode_predictors(pred: PredictorParams) -> DecodePredictors:
     """The decode form of trained predictors: the same scores as `predictor_logits` up to
-    rounding of the folded w1 in its dtype. Compute it once, when the predictors load."""
+    rounding of the folded w1 in its dtype. Compute it once, when the predictors load.
+
+    With low-precision (bf16) weights the mean is subtracted after x/rms(x) is cast to
+    that dtype, which rounds more where |mean| is large against the spread; trained
+    predictors are fp32, where the two forms agree to fp32 rounding."""
     def fold(p: Predictor):
         w1 = p.w1.astype(F32)
         scaled = (p.inv_std[:, :, None] * w1).astype(p.w1.dtype)
