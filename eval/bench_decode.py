@@ -522,7 +522,9 @@ def main(argv=None) -> int:
     p.add_argument("--prefill-reps", type=int, default=3)
     p.add_argument("--layouts", default="unrolled",
                    help="stacked (lax.scan over stacked layers), unrolled, or both")
-    p.add_argument("--select", default="exact", help="predictor top-k: exact, threshold or both")
+    p.add_argument("--select", default="exact",
+                   help="comma list of predictor top-k methods (sparse.SELECT_METHODS: exact, "
+                        "threshold, radix, chunked, local, packed), one row each")
     p.add_argument("--diagnose-kv-recompute", action="store_true",
                    help="add a fixed-index row without missing-KV recomputation (inexact)")
     p.add_argument("--hf-python", default=sys.executable,
@@ -544,6 +546,10 @@ def main(argv=None) -> int:
     unknown = [m for m in modes if m not in MODES]
     if unknown:
         p.error(f"unknown modes {unknown}; known: {', '.join(MODES)}")
+    bad_select = [m for m in split(args.select, str) if m not in sparse.SELECT_METHODS]
+    if bad_select:
+        p.error(f"unknown --select methods {bad_select}; known: "
+                f"{', '.join(sparse.SELECT_METHODS)}")
     hf_modes = [m for m in modes if m in bench_hf.HF_MODES]
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)

@@ -178,7 +178,8 @@ def main(argv=None) -> int:
     p.add_argument("--modes", default="dense,sparse-fixed,sparse-fixed-no-kv-recompute,"
                                       "sparse-predictor-exact,sparse-predictor-radix",
                    help="dense, sparse-fixed[-no-kv-recompute], sparse-predictor[-METHOD] "
-                        "(METHOD: exact, threshold, radix)")
+                        "(METHOD: one of sparse.SELECT_METHODS: exact, threshold, radix, "
+                        "chunked, local, packed)")
     p.add_argument("--layout", default="unrolled", choices=("unrolled", "stacked"))
     p.add_argument("--context", type=int, default=128)
     p.add_argument("--batch", type=int, default=1)

@@ -170,3 +170,9 @@ def test_bench_decode_cli(tmp_path, monkeypatch):
 def test_unknown_mode_is_an_error(tmp_path):
     with pytest.raises(SystemExit):
         bench_decode.main(["--modes", "dense,hf-fast", "--out", str(tmp_path)])
+
+
+def test_unknown_select_method_is_an_error(tmp_path, capsys):
+    with pytest.raises(SystemExit):
+        bench_decode.main(["--select", "radix,fastest", "--out", str(tmp_path)])
+    assert "unknown --select methods ['fastest']" in capsys.readouterr().err
