@@ -397,8 +397,18 @@ def _decode_attention_kernel(*refs, nds, has_bq, has_bk, has_bv, has_rope, has_m
             return jnp.sum(p[:, None] * v.astype(f32), axis=0)
         return mma(p, v)
 
-    def body(t, carry):
+    def online(carry, sc, keep, v):
+        """The (o, m, l) online softmax after entries with scores sc, values v, where keep."""
         o, m, l = carry
+        kb = keep if vec else keep[None, :]
+        sc = jnp.where(kb, sc, NEG)
+        m_new = jnp.maximum(m, jnp.max(sc, axis=-1))
+        corr = jnp.exp(m - m_new)
+        p = jnp.where(kb, jnp.exp(sc - (m_new if vec else m_new[:, None])), 0.0)
+        l = l * corr + jnp.sum(p, axis=-1)
+        return o * (corr if vec else corr[:, None]) + pv(p, v), m_new, l
+
+    def body(t, carry):
         pp = start + t * bs + jnp.arange(bs, dtype=jnp.int32)
         valid = pp < end
         if has_mask:
@@ -409,14 +419,7 @@ def _decode_attention_kernel(*refs, nds, has_bq, has_bk, has_bv, has_rope, has_m
         ld = valid[:, None] & cm[None, :]
         k = plgpu.load(kc_ref.at[b, hv, pp[:, None], cols[None, :]], mask=ld, other=0)
         v = plgpu.load(vc_ref.at[b, hv, pp[:, None], cols[None, :]], mask=ld, other=0)
-        vb = valid if vec else valid[None, :]
-        sc = jnp.where(vb, scores_of(k), NEG)
-        m_new = jnp.maximum(m, jnp.max(sc, axis=-1))
-        corr = jnp.exp(m - m_new)
-        p = jnp.where(vb, jnp.exp(sc - (m_new if vec else m_new[:, None])), 0.0)
-        l = l * corr + jnp.sum(p, axis=-1)
-        o = o * (corr if vec else corr[:, None]) + pv(p, v)
-        return o, m_new, l
+        return online(carry, scores_of(k), valid, v)
 
     shape = () if vec else (Gp,)
     carry = (jnp.zeros(shape + (hdp,), f32), jnp.full(shape, NEG, f32), jnp.zeros(shape, f32))
@@ -428,14 +431,7 @@ def _decode_attention_kernel(*refs, nds, has_bq, has_bk, has_bv, has_rope, has_m
         if has_mask:
             wuse = wuse & (plgpu.load(mask_ref.at[b, jnp.maximum(wslot, 0)], mask=wuse,
                                       other=0) != 0)
-        wb = wuse if vec else wuse[None, :]
-        sc = jnp.where(wb, scores_of(kw), NEG)
-        m_new = jnp.maximum(m, jnp.max(sc, axis=-1))
-        corr = jnp.exp(m - m_new)
-        p = jnp.where(wb, jnp.exp(sc - (m_new if vec else m_new[:, None])), 0.0)
-        l = l * corr + jnp.sum(p, axis=-1)
-        o = o * (corr if vec else corr[:, None]) + pv(p, vw)
-        m = m_new
+        o, m, l = online((o, m, l), scores_of(kw), wuse, vw)
 
     # -- the program whose split holds `pos` folds in the current token, writes k/v ----
     mine = pos // L == s

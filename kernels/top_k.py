@@ -51,7 +51,13 @@ def _top_k_kernel(s_ref, o_ref, *, n: int, k: int, block: int):
     valid = ids < n
     s = plgpu.load(s_ref.at[ids], mask=valid, other=0.0)
     key = jnp.where(valid, score_keys(s), -1)
+    plgpu.store(o_ref.at[_ranked_slots(key, k)], ids)
 
+
+def _ranked_slots(key, k: int):
+    """A distinct output slot per lane: the lanes of the k largest keys (ties to the lower
+    lane) get 0..k-1 in lane order, every other lane one of its own after them. The k-th
+    key is found by a 16-step binary search over key values (one count per step)."""
     def halve(_, bounds):
         lo, hi = bounds                      # count(key >= lo) >= k > count(key >= hi)
         mid = (lo + hi) // 2
@@ -63,10 +69,8 @@ def _top_k_kernel(s_ref, o_ref, *, n: int, k: int, block: int):
     tie = key == kth
     room = k - jnp.sum(above.astype(jnp.int32))
     chosen = above | (tie & (jnp.cumsum(tie.astype(jnp.int32)) <= room))
-    # every lane writes a distinct slot: the chosen ids first, in order, then the rest
-    slot = jnp.where(chosen, jnp.cumsum(chosen.astype(jnp.int32)),
+    return jnp.where(chosen, jnp.cumsum(chosen.astype(jnp.int32)),
                      k + jnp.cumsum((~chosen).astype(jnp.int32))) - 1
-    plgpu.store(o_ref.at[slot], ids)
 
 
 @functools.partial(jax.jit, static_argnames=("k", "impl"))
@@ -264,21 +268,7 @@ def _local_top_k_kernel(s_ref, o_ref, *, n, c, kc, block):
     valid = (lane < c) & (ids < n)
     s = plgpu.load(s_ref.at[ids], mask=valid, other=0.0)
     key = jnp.where(valid, score_keys(s), -1)
-
-    def halve(_, bounds):
-        lo, hi = bounds
-        mid = (lo + hi) // 2
-        enough = jnp.sum((key >= mid).astype(jnp.int32)) >= kc
-        return jnp.where(enough, mid, lo), jnp.where(enough, hi, mid)
-
-    kth, _ = lax.fori_loop(0, KEY_BITS, halve, (jnp.int32(0), jnp.int32(1 << KEY_BITS)))
-    above = key > kth
-    tie = key == kth
-    room = kc - jnp.sum(above.astype(jnp.int32))
-    chosen = above | (tie & (jnp.cumsum(tie.astype(jnp.int32)) <= room))
-    slot = jnp.where(chosen, jnp.cumsum(chosen.astype(jnp.int32)),
-                     kc + jnp.cumsum((~chosen).astype(jnp.int32))) - 1
-    plgpu.store(o_ref.at[p, slot], ids)
+    plgpu.store(o_ref.at[p, _ranked_slots(key, kc)], ids)
 
 
 @functools.partial(jax.jit, static_argnames=("k", "chunk", "interpret"))
