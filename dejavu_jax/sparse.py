@@ -7,11 +7,11 @@ layer's input while this layer computes (DejaVu's lookahead).
 
 Missing KV: a head that is skipped at token t has no K/V for t. Every layer keeps the
 normed attention inputs of the last `kv_window` tokens in a ring ([B, W, d] per layer, row
-slot % W) and a bitmap of written cache entries ([B, L, Hk, S]). At every token the selected heads, plus `kv_refresh`
-KV groups taken round-robin, recompute their unwritten entries in the window before
-attention. This rides on the projection launch that reads those heads' K/V rows anyway
-(`kernels.KVWindow`): no weight is read twice, and there is no branch, so the step never
-waits on the host. Each group is refreshed at least once every W tokens, so no entry
+slot % W) and a bitmap of written cache entries ([B, L, Hk, S]). At every token the
+selected heads, plus `kv_refresh` KV groups taken round-robin, recompute their unwritten
+entries in the window before attention. This rides on the projection launch that reads
+those heads' K/V rows anyway and on the attention launch (`kernels.KVWindow`): no weight
+is read twice, and there is no branch, so the step never waits on the host. Each group is refreshed at least once every W tokens, so no entry
 leaves the window unwritten: every selected head attends over exactly the dense KV.
 """
 
