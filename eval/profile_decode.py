@@ -55,7 +55,7 @@ def trace_kernels(trace_dir: str) -> dict:
              if e.get("ph") == "M" and e.get("name") == "process_name"}
     device_pids = {pid for pid, n in names.items() if "GPU" in n or "gpu" in n or "TPU" in n}
     kernels = collections.defaultdict(lambda: [0, 0.0])
-    starts, ends = [], []
+    starts, ends, ordered = [], [], []
     for e in events:
         if e.get("ph") != "X" or e.get("pid") not in device_pids:
             continue
@@ -64,9 +64,21 @@ def trace_kernels(trace_dir: str) -> dict:
         k[1] += float(e.get("dur", 0.0))
         starts.append(float(e["ts"]))
         ends.append(float(e["ts"]) + float(e.get("dur", 0.0)))
+        ordered.append((float(e["ts"]), e.get("name", "?"), float(e.get("dur", 0.0))))
     return {"kernels": dict(kernels), "span_us": (max(ends) - min(starts)) if starts else 0.0,
             "busy_us": sum(v[1] for v in kernels.values()),
-            "processes": sorted(names[p] for p in device_pids)}
+            "processes": sorted(names[p] for p in device_pids),
+            "ordered": [(n, d) for _, n, d in sorted(ordered)]}
+
+
+def layer_sequence(ordered: list, anchor: str) -> list:
+    """The kernels of one middle layer: the launches from the middle occurrence of the
+    kernel named `anchor` (exactly) up to its next occurrence, as (name, µs)."""
+    hits = [i for i, (name, _) in enumerate(ordered) if name == anchor]
+    if len(hits) < 2:
+        return []
+    mid = len(hits) // 2
+    return [(name[:80], round(us, 2)) for name, us in ordered[hits[mid - 1]: hits[mid]]]
 
 
 def category(name: str) -> str:
@@ -166,7 +178,10 @@ def profile_mode(config, params, mode, args, out: Path, log) -> dict:
                device_busy_ms_per_token=summary["busy_us"] / n / 1e3,
                categories={k: dict(launches=v[0], us=v[1]) for k, v in cats.items()},
                top_kernels=[dict(name=nm[:120], launches=c, us=us) for nm, c, us in per_token[:60]],
-               processes=summary["processes"])
+               processes=summary["processes"],
+               layer_sequence=layer_sequence(
+                   summary["ordered"],
+                   "head_sparse_decode_attention" if mode != "dense" else per_token[0][0]))
     log(json.dumps(row))
     return row
 
