@@ -5,6 +5,10 @@
 * ``attn-window``: head-sparse attention with and without the missing-KV window, for a
   few ``AttnConfig.window_block_rows`` values (the K/V rows per program of the projection
   launch once the window's inputs make it a tensor-core product).
+* ``attn-config``: the same windowed attention (batch 1) at ``--context`` and 1024 for
+  ``AttnConfig`` variants (``--attn-variants``), and ``mlp-config``: the sparse MLP for
+  ``MLPConfig`` variants (``--mlp-variants``); a variant is ``field=value[,field=value]``,
+  variants are separated by ``/`` and ``base`` is the default config.
 * ``top-k``: the selection of k of the F MLP scores by the radix, chunked and packed
   methods of ``sparse.SELECT_METHODS`` (the same set each) and ``lax.top_k``; ``local``
   (approximate) is timed in the step by ``eval.profile_decode``.
@@ -26,6 +30,7 @@ import jax.numpy as jnp
 from . import bench
 from .bench import HD, MODELS, _rand, _versions, attn_weights, chain_time, disjoint_sets
 from .head_attention import AttnConfig, KVWindow, head_sparse_attention_pallas
+from .sparse_mlp import MLPConfig
 from .top_k import top_k_indices, top_k_indices_chunked
 
 
@@ -63,6 +68,21 @@ def attn_window_point(W, d, H, ctx, frac, *, window, config, seed=0):
                 bytes=need, time_us=t * 1e6, gbps=need / t / 1e9)
 
 
+def parse_variants(spec: str, cls) -> list:
+    """Config variants from ``"base/field=value,field=value/..."`` (values are ints)."""
+    out = []
+    for item in filter(None, spec.split("/")):
+        fields = {}
+        if item != "base":
+            for kv in item.split(","):
+                key, _, value = kv.partition("=")
+                if key not in {f.name for f in dataclasses.fields(cls)}:
+                    raise ValueError(f"{cls.__name__} has no field {key!r}")
+                fields[key] = None if value == "None" else int(value)
+        out.append((item, dataclasses.replace(cls(), **fields)))
+    return out
+
+
 def top_k_point(n: int, k: int, method: str, seed=0):
     """µs per call of one top-k method on n fp32 scores (chained through a scatter)."""
     from dejavu_jax.topk import packed_top_k
@@ -93,6 +113,8 @@ def main(argv=None):
     p.add_argument("--window", type=int, default=16)
     p.add_argument("--window-block-rows", default="16,32,64")
     p.add_argument("--parts", default="attn-window,top-k")
+    p.add_argument("--attn-variants", default="base/max_fused_splits=0/seq_splits=1")
+    p.add_argument("--mlp-variants", default="base/num_stages=3")
     p.add_argument("--out", default=os.environ.get("OUT", "."))
     args = p.parse_args(argv)
     d, H = MODELS[args.model]
@@ -110,6 +132,20 @@ def main(argv=None):
             cfg = dataclasses.replace(AttnConfig(), window_block_rows=rows_per_prog)
             log(attn_window_point(W, d, H, args.context, args.heads, window=args.window,
                                   config=cfg))
+        del W
+    if "attn-config" in parts:
+        W = attn_weights(d, H)
+        for ctx in sorted({args.context, 1024}):
+            for name, cfg in parse_variants(args.attn_variants, AttnConfig):
+                row = attn_window_point(W, d, H, ctx, args.heads, window=args.window,
+                                        config=cfg)
+                log({**row, "part": "attn-config", "variant": name})
+        del W
+    if "mlp-config" in parts:
+        W = bench.mlp_weights(d)
+        for name, cfg in parse_variants(args.mlp_variants, MLPConfig):
+            row = bench.bench_mlp_point(W, d, 1, args.mlp, which="sparse", config=cfg)
+            log({**row, "part": "mlp-config", "variant": name})
         del W
     if "top-k" in parts:
         F = 4 * d
