@@ -226,7 +226,7 @@ def predictor_specs(pred_params, mesh: Mesh):
     from dejavu_jax.train.predictor_model import DecodePredictors, Predictor
     if isinstance(pred_params, DecodePredictors):
         return DecodePredictors(
-            w1=P(), b1=P(),
+            w1t=P(), b1=P(),
             w2_mlp=_spec(("layer", "rank", "mlp"), pred_params.w2_mlp.shape, mesh),
             b2_mlp=_spec(("layer", "mlp"), pred_params.b2_mlp.shape, mesh),
             w2_heads=_spec(("layer", "rank", "mlp"), pred_params.w2_heads.shape, mesh),

@@ -258,8 +258,12 @@ def _missing_kv_window(config, view, io: _LayerIO, layer, groups, win: dict, rin
     return window, written
 
 
-def _sparse_attention(config, scfg, view, io: _LayerIO, layer, y, groups, step):
-    """Head-sparse attention for normed inputs y [B, d] over the selected KV groups."""
+def _sparse_attention(config, scfg, view, io: _LayerIO, layer, y, groups, step,
+                      partials=False, extra_segments=()):
+    """Head-sparse attention for normed inputs y [B, d] over the selected KV groups.
+
+    Returns (out [B, d] fp32, io), or with `partials` (out's fp32 split-k partials
+    without the bias, io, the extra segments' products)."""
     W = scfg.kv_window
     slot = step["slot"]
     if isinstance(io.history, tuple):
@@ -288,27 +292,30 @@ def _sparse_attention(config, scfg, view, io: _LayerIO, layer, y, groups, step):
         head_idx = layer * config.n_kv_heads + groups
     if window is not None:  # the ring's row of this token holds y at the ring's precision
         y = y.astype(ring.dtype)
-    out, k_out, v_out = kernels.head_sparse_attention(
+    res = kernels.head_sparse_attention(
         y.astype(lp_flat["wq"].dtype), lp_flat["wq"], lp_flat["bq"], lp_flat["wk"],
         lp_flat["bk"], lp_flat["wv"], lp_flat["bv"], lp_flat["wo"], view.lp.bo,
         k_in, v_in, slot, head_idx, rope=rope, kv_mask=step["valid"], impl=scfg.impl,
-        window=window)
+        window=window, partials=partials, extra_segments=extra_segments)
+    out, k_out, v_out = res[:3]
     if view.unrolled:
-        return out.astype(F32), io.replace(k=set_cache_layer(io.k, layer, k_out),
-                                           v=set_cache_layer(io.v, layer, v_out))
-    return out.astype(F32), io.replace(k=k_out.reshape(io.k.shape),
-                                       v=v_out.reshape(io.v.shape))
+        io = io.replace(k=set_cache_layer(io.k, layer, k_out),
+                        v=set_cache_layer(io.v, layer, v_out))
+    else:
+        io = io.replace(k=k_out.reshape(io.k.shape), v=v_out.reshape(io.v.shape))
+    return (out, io, res[3]) if partials else (out.astype(F32), io)
 
 
-def _sparse_mlp(config, scfg, view, y, neurons):
-    """The MLP over the selected neurons for normed inputs y [B, d]."""
+def _sparse_mlp(config, scfg, view, y, neurons, partials=False):
+    """The MLP over the selected neurons for normed inputs y [B, d] (fp32; with `partials`
+    its split-k partials without the output bias)."""
     F = config.ffn
     lp_flat = view.flat
     out = kernels.sparse_mlp(
         y.astype(lp_flat["w_in"].dtype), lp_flat["w_in"], lp_flat["b_in"],
         lp_flat["w_out_t"], view.lp.b_out, view.base * F + neurons,
         activation=config.activation, w_gate=lp_flat["w_gate"],
-        impl=scfg.impl)
+        impl=scfg.impl, partials=partials)
     return out.astype(F32)
 
 
@@ -346,6 +353,43 @@ def _sparse_layer(config, scfg, view, io, layer, x, neurons, groups, step, reduc
                      lambda y: _reduced(reduce, _sparse_mlp(config, scfg, view, y, neurons)),
                      lp.mlp_norm_scale, lp.mlp_norm_bias)
     return x, box["io"]
+
+
+def _fused_sparse_layer(config, scfg, view, io, layer, x, pending, neurons, groups, step,
+                        lookahead, rms_dtype=None):
+    """One DejaVu layer of a pre-norm model with its residual adds fused into the norms.
+
+    x is the layer's residual input before `pending` = (the previous layer's MLP partials,
+    its output bias) is added: `kernels.add_norm` adds them and norms in one launch, and
+    again after attention. `lookahead(x, x_rms)` returns the next layer's sets, or a pair
+    (Segment, finish) whose first product rides on the projection launch and whose
+    `finish(partials)` selects; x_rms (x over its RMS, in `rms_dtype`) is None unless
+    `rms_dtype` is given. Returns (x, h, pending, io, next sets): x the finished
+    input, h the residual after attention, pending this layer's MLP partials and bias.
+    """
+    lp = view.lp
+    eps = config.norm_eps
+    x, y, *rms = kernels.add_norm(x, pending[0], pending[1], lp.attn_norm_scale,
+                                  lp.attn_norm_bias, eps, out_dtype=lp.attn_norm_scale.dtype,
+                                  rms_dtype=rms_dtype, impl=scfg.impl)
+    nxt = lookahead(x, rms[0] if rms else None)
+    split = isinstance(nxt, tuple) and callable(nxt[1])
+    extra = (nxt[0],) if split else ()
+    parts, io, extra_parts = _sparse_attention(config, scfg, view, io, layer, y, groups, step,
+                                               partials=True, extra_segments=extra)
+    if split:
+        nxt = nxt[1](extra_parts[0])
+    h, y = kernels.add_norm(x, parts, lp.bo, lp.mlp_norm_scale, lp.mlp_norm_bias, eps,
+                            out_dtype=lp.mlp_norm_scale.dtype, impl=scfg.impl)
+    mlp_parts = _sparse_mlp(config, scfg, view, y, neurons, partials=True)
+    return x, h, (mlp_parts, lp.b_out), io, nxt
+
+
+def _finish_pending(h, pending):
+    """h + the pending MLP partials' sum + bias (fp32)."""
+    parts, bias = pending
+    out = h + parts.sum(0)
+    return out if bias is None else out + bias.astype(F32)
 
 
 def _reduced(reduce, out: jax.Array) -> jax.Array:
@@ -389,6 +433,11 @@ def sparse_layers(config: ModelConfig, scfg: SparseConfig, params: ModelParams,
 
         first = jnp.asarray(start, jnp.int32)
         idx = select(selector_params, first, prev_input if start > 0 else x, k_mlp, k_heads)
+        if config.pre_norm and reduce is None:
+            x, prev_input, io = _fused_segment(config, scfg, params, select, selector_params,
+                                               x, io, step, idx, start, stop, k_mlp, k_heads,
+                                               unrolled)
+            continue
 
         def sparse_body(carry, layer, k_mlp=k_mlp, k_heads=k_heads):
             x, io, (neurons, groups), _ = carry
@@ -401,6 +450,41 @@ def sparse_layers(config: ModelConfig, scfg: SparseConfig, params: ModelParams,
         x, io, _, prev_input = _layer_loop(sparse_body, (x, io, idx, prev_input), start, stop,
                                            unrolled)
     return x, io
+
+
+def _fused_segment(config, scfg, params, select, selector_params, x, io, step, idx, start,
+                   stop, k_mlp, k_heads, unrolled):
+    """A sparse segment of a pre-norm model on one device (`_fused_sparse_layer`): the MLP
+    partials of each layer are carried to the next and finished in its first launch.
+    Returns (x, the last layer's input, io)."""
+    B, d = x.shape
+    view0 = _layer_view(params, start)
+    y0 = jnp.zeros((B, d), view0.flat["w_in"].dtype)
+    parts0 = jax.eval_shape(lambda y, n: _sparse_mlp(config, scfg, view0, y, n, True), y0,
+                            idx[0])
+    bias = view0.lp.b_out
+    pending = (jnp.zeros(parts0.shape, F32), None if bias is None else jnp.zeros_like(bias))
+    split = (hasattr(select, "splits") and select.splits(selector_params, B))
+
+    def sparse_body(carry, layer):
+        x, pending, io, (neurons, groups), _ = carry
+        nxt = jnp.minimum(jnp.asarray(layer, jnp.int32) + 1, config.n_layers - 1)
+
+        def lookahead(x_in, x_rms):
+            if split:
+                return (select.first_segment(selector_params, nxt, x_rms),
+                        lambda parts: select.finish(selector_params, nxt, parts, k_mlp,
+                                                    k_heads))
+            return select(selector_params, nxt, x_in, k_mlp, k_heads)
+
+        x_in, h, pending, io, idx_next = _fused_sparse_layer(
+            config, scfg, _layer_view(params, layer), io, layer, x, pending, neurons, groups,
+            step, lookahead, selector_params.w1t.dtype if split else None)
+        return (h, pending, io, idx_next, x_in), None
+
+    h, pending, io, _, last_input = _layer_loop(sparse_body, (x, pending, io, idx, x), start,
+                                                stop, unrolled)
+    return _finish_pending(h, pending), last_input, io
 
 
 def sparse_step_fn(config: ModelConfig, scfg: SparseConfig, select: Selector,
@@ -428,29 +512,30 @@ def sparse_step_fn(config: ModelConfig, scfg: SparseConfig, select: Selector,
 SELECT_METHODS = ("exact", "threshold", "radix", "chunked", "local", "packed")
 
 
-def predictor_selector(group_size: int,
-                       union_capacity: tuple[int | None, int | None] | None = None,
-                       method: str = "exact", impl: str | None = None) -> Selector:
-    """A Selector whose parameters are trained predictors (`dejavu_jax.train.predict`).
+class PredictorSelector:
+    """The Selector of trained predictors (see `predictor_selector`).
 
-    method, for a single row (batches take the union through `select_top_k` either way):
-    "exact" (`lax.top_k`, a sort on the GPU), "threshold" (`topk.threshold_top_k`,
-    sort-free jnp), "radix" (`kernels.top_k_indices`: one Pallas launch, exact top-k of
-    the scores at bfloat16 precision, ties to the lower id; impl picks its kernel path),
-    "chunked" (`kernels.top_k.top_k_indices_chunked`: the same set in three parallel
-    launches), "local" (`kernels.top_k.top_k_indices_local`: the top round(k/P) of each of
-    P chunks of 2048 scores in one launch of parallel programs; approximate, and the set
-    size rounds to a multiple of P) or "packed" (`topk.packed_top_k`: the radix set
-    through one integer sort).
+    With decode-form predictors (`train.predictor_model.DecodePredictors`), batch 1, the
+    "local" method and one query head per KV group, a pre-norm decode step splits it
+    across the layer (`splits`): the first product is one more segment of the attention's
+    projection launch (`first_segment`), and `finish` selects in two launches
+    (`kernels.predictor_select.predictor_select`). The sets are those of calling it.
     """
-    from dejavu_jax.kernels.top_k import (top_k_indices, top_k_indices_chunked,
-                                          top_k_indices_local)
-    from dejavu_jax.topk import packed_top_k, threshold_top_k
-    from dejavu_jax.train.predict import group_scores, predictor_scores, select_top_k
-    if method not in SELECT_METHODS:
-        raise ValueError(f"unknown selection method {method!r}; choose from {SELECT_METHODS}")
 
-    def top(scores, k, capacity):
+    def __init__(self, group_size: int, union_capacity=None, method: str = "exact",
+                 impl: str | None = None):
+        if method not in SELECT_METHODS:
+            raise ValueError(f"unknown selection method {method!r}; choose from "
+                             f"{SELECT_METHODS}")
+        self.group_size, self.method, self.impl = group_size, method, impl
+        self.union_capacity = union_capacity or (None, None)
+
+    def _top(self, scores, k, capacity):
+        from dejavu_jax.kernels.top_k import (top_k_indices, top_k_indices_chunked,
+                                              top_k_indices_local)
+        from dejavu_jax.topk import packed_top_k, threshold_top_k
+        from dejavu_jax.train.predict import select_top_k
+        method, impl = self.method, self.impl
         if scores.shape[0] == 1 and capacity in (None, k):
             if method == "threshold":
                 return threshold_top_k(scores[0], k)
@@ -464,13 +549,54 @@ def predictor_selector(group_size: int,
                 return packed_top_k(scores[0], k)
         return select_top_k(scores, k, capacity)
 
-    def select(pred_params, layer, x, k_mlp, k_heads):
+    def __call__(self, pred_params, layer, x, k_mlp, k_heads):
+        from dejavu_jax.train.predict import group_scores, predictor_scores
         mlp, heads = predictor_scores(pred_params, layer, x)
-        cap_mlp, cap_heads = union_capacity or (None, None)
-        return (top(mlp, k_mlp, cap_mlp),
-                top(group_scores(heads, group_size), k_heads, cap_heads))
+        cap_mlp, cap_heads = self.union_capacity
+        return (self._top(mlp, k_mlp, cap_mlp),
+                self._top(group_scores(heads, self.group_size), k_heads, cap_heads))
 
-    return select
+    def splits(self, pred_params, batch: int) -> bool:
+        """Whether a decode step may run this selector split across the layer."""
+        from dejavu_jax.train.predictor_model import DecodePredictors
+        return (isinstance(pred_params, DecodePredictors) and batch == 1
+                and self.method == "local" and self.group_size == 1
+                and self.union_capacity == (None, None))
+
+    def first_segment(self, pred_params, layer, x_rms):
+        """The first product as a `kernels.gather_matvec.Segment` of layer `layer`'s rows,
+        on inputs x_rms [1, d] (x over its RMS, in the predictors' dtype)."""
+        from dejavu_jax.kernels.gather_matvec import Segment
+        L, r, d = pred_params.w1t.shape
+        return Segment(pred_params.w1t.reshape(L * r, d),
+                       jnp.asarray(layer, jnp.int32).reshape(1), r, x=x_rms)
+
+    def finish(self, pred_params, layer, h_parts, k_mlp, k_heads):
+        """(neuron ids, KV-group ids) from the first product's partials."""
+        from dejavu_jax.kernels.predictor_select import predictor_select
+        p = pred_params
+        return predictor_select(h_parts, p.b1, p.w2_mlp, p.b2_mlp, p.w2_heads, p.b2_heads,
+                                layer, k_mlp, k_heads, activation=p.activation,
+                                impl=self.impl)
+
+
+def predictor_selector(group_size: int,
+                       union_capacity: tuple[int | None, int | None] | None = None,
+                       method: str = "exact", impl: str | None = None) -> PredictorSelector:
+    """A Selector whose parameters are trained predictors (`dejavu_jax.train.predict`).
+
+    method, for a single row (batches take the union through `select_top_k` either way):
+    "exact" (`lax.top_k`, a sort on the GPU), "threshold" (`topk.threshold_top_k`,
+    sort-free jnp), "radix" (`kernels.top_k_indices`: one Pallas launch, exact top-k of
+    the scores at bfloat16 precision, ties to the lower id; impl picks its kernel path),
+    "chunked" (`kernels.top_k.top_k_indices_chunked`: the same set in three parallel
+    launches), "local" (`kernels.top_k.top_k_indices_local`: the top round(k/P) of each of
+    P chunks of 2048 scores in one launch of parallel programs; approximate, and the set
+    size rounds to a multiple of P; with decode-form predictors at batch 1 the step runs
+    it split across the layer, see `PredictorSelector`) or "packed" (`topk.packed_top_k`:
+    the radix set through one integer sort).
+    """
+    return PredictorSelector(group_size, union_capacity, method, impl)
 
 
 def fixed_selector(sets, layer, x, k_mlp, k_heads):

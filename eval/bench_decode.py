@@ -135,7 +135,7 @@ def step_bytes(config, scfg, context: int, batch: int, rank: int, predictors: bo
             total += km + d  # b_in of the selected neurons; b_out
         total += batch * kh * 2 * context * hd  # K and V
         if predictors and scfg is not None and layer >= scfg.dense_layers:
-            # both predictors in decode form (`decode_predictors`): w1 [d, 2r] and
+            # both predictors in decode form (`decode_predictors`): w1t [2r, d] and
             # w2 [r, n] bf16, b1 [2r] and b2 [n] fp32 (2 bf16 units each), n = ffn, n_heads
             total += 2 * d * rank + rank * (c.ffn + c.n_heads)
             total += 2 * (2 * rank + c.ffn + c.n_heads)

@@ -13,7 +13,10 @@
    selected heads attend to rewritten entries and refresh heads only write), MHA and GQA
    with rotary tables, rows rotated as in a ring: output and caches.
 4. The fused LayerNorm / RMSNorm (`kernels.layer_norm`, which every decode path uses on
-   GPU, the reference runs of check 1 included) against its reference at model widths.
+   GPU, the reference runs of check 1 included) and the fused residual add and norm
+   (`kernels.add_norm`) against their references at model widths.
+5. The split predictor's selection (`kernels.predictor_select`) returns its reference's
+   sets at OPT-13B / 30B predictor sizes.
 
 Writes kernel_parity.json and exits 1 when a difference exceeds --tol or a set differs.
 """
@@ -149,7 +152,7 @@ def window_rows(impl: str) -> list[dict]:
 
 def norm_rows(impl: str) -> list[dict]:
     """Largest difference of the fused norm from its reference (fp32 output)."""
-    from dejavu_jax.kernels.layer_norm import layer_norm
+    from dejavu_jax.kernels.layer_norm import add_norm, layer_norm
     rows = []
     rng = np.random.default_rng(6)
     for B, d, rms in ((1, 7168, False), (16, 5120, False), (1, 576, True), (3, 4096, True)):
@@ -159,6 +162,32 @@ def norm_rows(impl: str) -> list[dict]:
         got, ref = (layer_norm(x, scale, bias, 1e-5, impl=i) for i in (impl, "reference"))
         rows.append(dict(check="norm", rows=B, d=d, rms=rms,
                          max_diff=float(jnp.abs(got - ref).max())))
+        parts = jnp.asarray(rng.standard_normal((3, B, d)), jnp.float32)
+        got, ref = (add_norm(x, parts, scale, scale, bias, 1e-5, rms_dtype=jnp.float32, impl=i)
+                    for i in (impl, "reference"))
+        rows.append(dict(check="norm", kernel="add_norm", rows=B, d=d, rms=rms,
+                         max_diff=max(float(jnp.abs(a - b).max()) for a, b in zip(got, ref))))
+    return rows
+
+
+def predictor_rows(impl: str) -> list[dict]:
+    """Whether the split predictor's selection returns its reference's sets."""
+    from dejavu_jax.kernels.predictor_select import predictor_select
+    rows = []
+    rng = np.random.default_rng(8)
+    for F, H, r, k_mlp, k_heads in ((28672, 56, 256, 2867, 28), (20480, 40, 256, 2048, 20)):
+        L = 3
+        args = (rng.standard_normal((2, 1, 2 * r)), rng.standard_normal((L, 2 * r)),
+                rng.standard_normal((L, r, F)) * r ** -0.5, rng.standard_normal((L, F)),
+                rng.standard_normal((L, r, H)) * r ** -0.5, rng.standard_normal((L, H)))
+        args = tuple(jnp.asarray(a, jnp.float32) for a in args[:2]) + tuple(
+            jnp.asarray(a, jnp.bfloat16 if i % 2 == 0 else jnp.float32)
+            for i, a in enumerate(args[2:]))
+        got, ref = (predictor_select(*args, jnp.int32(1), k_mlp, k_heads, impl=i)
+                    for i in (impl, "reference"))
+        rows.append(dict(check="predictor", F=F, H=H, rank=r,
+                         equal=bool(np.array_equal(np.asarray(got[0]), np.asarray(ref[0]))
+                                    and np.array_equal(np.asarray(got[1]), np.asarray(ref[1])))))
     return rows
 
 
@@ -168,13 +197,14 @@ def main(argv=None) -> int:
     p.add_argument("--impl", default="pallas", choices=("pallas", "interpret"))
     p.add_argument("--steps", type=int, default=12)
     p.add_argument("--tol", type=float, default=1e-4)
-    p.add_argument("--checks", default="norm,window,decode,top-k",
-                   help="comma list of norm, window, decode, top-k")
+    p.add_argument("--checks", default="norm,window,decode,top-k,predictor",
+                   help="comma list of norm, window, decode, top-k, predictor")
     p.add_argument("--out", default="eval/results/kernel_parity")
     args = p.parse_args(argv)
     checks = {"norm": lambda: norm_rows(args.impl), "window": lambda: window_rows(args.impl),
               "decode": lambda: decode_rows(args.impl, args.steps),
-              "top-k": lambda: top_k_rows(args.impl)}
+              "top-k": lambda: top_k_rows(args.impl),
+              "predictor": lambda: predictor_rows(args.impl)}
     rows = []
     for name in args.checks.split(","):
         if name not in checks:
@@ -182,7 +212,7 @@ def main(argv=None) -> int:
         rows += checks[name]()
     ok = True
     for r in rows:
-        if r["check"] == "top-k":
+        if r["check"] in ("top-k", "predictor"):
             r["ok"] = r["equal"]
         elif r["check"] == "norm":
             r["ok"] = r["max_diff"] <= args.tol

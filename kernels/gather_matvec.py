@@ -82,6 +82,44 @@ class Segment:
         return int(self.ids.shape[0]) * self.rows_per_id
 
 
+jax.tree_util.register_dataclass(Segment, data_fields=["w", "ids", "x"],
+                                 meta_fields=["rows_per_id", "block_rows"])
+
+
+def segment_rows(seg: Segment) -> jax.Array:
+    """The physical weight rows ``[n_rows]`` of a segment's logical rows."""
+    m = seg.rows_per_id
+    return (seg.ids.astype(jnp.int32)[:, None] * m + jnp.arange(m, dtype=jnp.int32)).reshape(-1)
+
+
+def segment_reference(seg: Segment, x: jax.Array) -> jax.Array:
+    """jnp reference of one segment's :func:`gather_matvec` result, as one partial
+    ``[1, B_s, n_rows]`` fp32 (``x`` is used when the segment brings no input)."""
+    xs = (x if seg.x is None else seg.x).astype(jnp.float32)
+    w = seg.w[segment_rows(seg)].astype(jnp.float32)
+    return jnp.dot(xs, w.T, precision=lax.Precision.HIGHEST)[None]
+
+
+def check_segment(seg: Segment, x: jax.Array) -> None:
+    """Raise on a malformed :class:`Segment` for the call input ``x [B, d]``."""
+    from ._common import check_array
+    if not isinstance(seg, Segment):
+        raise TypeError(f"expected a Segment, got {type(seg).__name__}")
+    check_array("segment w", seg.w, ndim=2, floating=True)
+    check_array("segment ids", seg.ids, ndim=1)
+    if not jnp.issubdtype(seg.ids.dtype, jnp.integer):
+        raise TypeError(f"segment ids must be integers, got {seg.ids.dtype}")
+    if seg.w.shape[1] != x.shape[1]:
+        raise ValueError(f"segment w has width {seg.w.shape[1]}, the input {x.shape[1]}")
+    if seg.rows_per_id < 1 or seg.w.shape[0] % seg.rows_per_id:
+        raise ValueError(f"rows_per_id={seg.rows_per_id} must divide the weight's "
+                         f"{seg.w.shape[0]} rows")
+    if seg.x is not None:
+        check_array("segment x", seg.x, ndim=2, floating=True)
+        if seg.x.shape[1] != x.shape[1]:
+            raise ValueError(f"segment x has width {seg.x.shape[1]}, expected {x.shape[1]}")
+
+
 def _gather_matvec_kernel(*refs, seg_meta, d, bd, chunks):
     nseg = len(seg_meta)
     in_refs, out_refs = refs[: 3 * nseg], refs[3 * nseg:]

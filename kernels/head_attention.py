@@ -41,7 +41,8 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
 from ._common import cdiv, check_array, check_bias, check_indices, next_pow2, resolve_impl
-from .gather_matvec import Segment, batch_pad, gather_matvec, gather_matvec_t, mma
+from .gather_matvec import (Segment, batch_pad, check_segment, gather_matvec, gather_matvec_t,
+                            mma, segment_reference)
 
 N_SM = 132
 NEG = -1e30  # finite "minus infinity" for the online softmax
@@ -230,8 +231,9 @@ def _window_kv_reference(wk, bk, wv, bv, ids, window: KVWindow):
 
 def head_sparse_attention_reference(x, wq, bq, wk, bk, wv, bv, wo, bo, k_cache, v_cache,
                                     pos, head_idx, *, rope=None, kv_mask=None,
-                                    window: KVWindow | None = None):
-    """Pure-jnp reference of :func:`head_sparse_attention` (same signature and result)."""
+                                    window: KVWindow | None = None, out_dtype=None):
+    """Pure-jnp reference of :func:`head_sparse_attention` (same signature and result;
+    ``out_dtype`` overrides the output's dtype, ``x.dtype`` by default)."""
     f32 = jnp.float32
     hi = lax.Precision.HIGHEST
     B, d = x.shape
@@ -273,7 +275,7 @@ def head_sparse_attention_reference(x, wq, bq, wk, bk, wv, bv, wo, bo, k_cache, 
     out = jnp.einsum("bhk,hkd->bd", o, wo[hq].astype(f32), precision=hi)
     if bo is not None:
         out = out + bo.astype(f32)
-    return out.astype(x.dtype), k_cache, v_cache
+    return out.astype(out_dtype or x.dtype), k_cache, v_cache
 
 
 # ----------------------------------------------------------------------------
@@ -587,7 +589,8 @@ def merged_attention_loader(act_refs, r, valid, rows, *, ns, B, Bp, hd):
 def head_sparse_attention_pallas(x, wq, bq, wk, bk, wv, bv, wo, bo, k_cache, v_cache, pos,
                                  head_idx, *, rope=None, kv_mask=None, interpret=False,
                                  config: AttnConfig | None = None,
-                                 window: KVWindow | None = None):
+                                 window: KVWindow | None = None, extra_segments=(),
+                                 partials: bool = False):
     """Pallas path of :func:`head_sparse_attention` (no validation).
 
     Three Pallas launches (q/k/v projection, attention, out-projection) and one tiny XLA
@@ -622,9 +625,9 @@ def head_sparse_attention_pallas(x, wq, bq, wk, bk, wv, bv, wo, bo, k_cache, v_c
     if chunks is None:
         tiles = cdiv(Kh * G * hd + 2 * kv_ids.shape[0] * hd, bk_rows) * cdiv(d, bd)
         chunks = max(1, min(cdiv(d, bd), tiles // cfg.target_programs))
-    qp, kp, vp = gather_matvec(x, segs, block_rows=bk_rows, block_d=bd, d_chunks=chunks,
-                               num_warps=cfg.num_warps, num_stages=cfg.num_stages,
-                               interpret=interpret)
+    qp, kp, vp, *extras = gather_matvec(
+        x, segs + list(extra_segments), block_rows=bk_rows, block_d=bd, d_chunks=chunks,
+        num_warps=cfg.num_warps, num_stages=cfg.num_stages, interpret=interpret)
     flat = lambda t: None if t is None else t.reshape(-1)
     biases = dict(bq=flat(bq), bk=flat(bk), bv=flat(bv))
     cos = sin = None
@@ -666,24 +669,32 @@ def head_sparse_attention_pallas(x, wq, bq, wk, bk, wv, bv, wo, bo, k_cache, v_c
                           block_rows=ob_rows, block_d=obd, row_blocks_per_program=r2,
                           num_warps=cfg.num_warps, num_stages=cfg.num_stages,
                           interpret=interpret)
+    if partials:
+        return out, k_cache, v_cache, tuple(extras)
     out = out.sum(0)
     if bo is not None:
         out = out + bo.astype(f32)
     return out.astype(x.dtype), k_cache, v_cache
 
 
-@functools.partial(jax.jit, static_argnames=("impl", "config", "rope_fn"))
+@functools.partial(jax.jit, static_argnames=("impl", "config", "rope_fn", "partials"))
 def _attn_jit(x, wq, bq, wk, bk, wv, bv, wo, bo, k_cache, v_cache, pos, head_idx, rope_arr,
-              kv_mask, window, *, impl, config, rope_fn):
+              kv_mask, window, extra_segments, *, impl, config, rope_fn, partials):
     rope = rope_fn if rope_fn is not None else rope_arr
     if impl == "reference":
-        return head_sparse_attention_reference(x, wq, bq, wk, bk, wv, bv, wo, bo, k_cache,
-                                               v_cache, pos, head_idx, rope=rope,
-                                               kv_mask=kv_mask, window=window)
+        out, k_cache, v_cache = head_sparse_attention_reference(
+            x, wq, bq, wk, bk, wv, bv, wo, None if partials else bo, k_cache, v_cache, pos,
+            head_idx, rope=rope, kv_mask=kv_mask, window=window,
+            out_dtype=jnp.float32 if partials else None)
+        if not partials:
+            return out, k_cache, v_cache
+        return (out[None], k_cache, v_cache,
+                tuple(segment_reference(seg, x) for seg in extra_segments))
     return head_sparse_attention_pallas(x, wq, bq, wk, bk, wv, bv, wo, bo, k_cache, v_cache,
                                         pos, head_idx, rope=rope, kv_mask=kv_mask,
                                         interpret=impl == "interpret", config=config,
-                                        window=window)
+                                        window=window, extra_segments=tuple(extra_segments),
+                                        partials=partials)
 
 
 def _validate_window(window, x, k_cache, head_idx, rope):
@@ -726,7 +737,8 @@ def _validate_window(window, x, k_cache, head_idx, rope):
 
 def head_sparse_attention(x, wq, bq, wk, bk, wv, bv, wo, bo, k_cache, v_cache, pos, head_idx,
                           *, rope=None, kv_mask=None, impl: str | None = None,
-                          config: AttnConfig | None = None, window: KVWindow | None = None):
+                          config: AttnConfig | None = None, window: KVWindow | None = None,
+                          partials: bool = False, extra_segments=()):
     """One decode step of attention over the selected heads only.
 
     Args:
@@ -750,9 +762,17 @@ def head_sparse_attention(x, wq, bq, wk, bk, wv, bv, wo, bo, k_cache, v_cache, p
         tokens for ``head_idx`` and ``window.extra_ids`` from their stored inputs and
         write the entries ``window.need`` marks (missing-KV recomputation). On the
         Pallas path this rides on the projection launch, reading each weight row once.
+      partials: return the output as fp32 split-k partial sums ``[P, B, d]`` without
+        ``bo`` (their sum plus ``bo`` is ``out``), for a consumer that finishes them
+        (:func:`~.layer_norm.add_norm`), plus the extra segments' products.
+      extra_segments: :class:`~.gather_matvec.Segment` s multiplied in the projection
+        launch besides q/k/v (each with its own ``x`` or the call's); needs ``partials``.
     Returns:
       ``(out [B, d] in x.dtype, k_cache, v_cache)``: ``out = sum over selected query
       heads of softmax(q kᵀ / sqrt(hd)) v @ wo[h] + bo``; unselected heads add 0.
+      With ``partials``: ``(out_parts, k_cache, v_cache, extra_parts)``, one fp32
+      ``[P_s, B_s, R_s]`` per extra segment whose sum over axis 0 holds ``x_s @ W_s[rows]ᵀ``
+      in its first ``Segment.n_rows`` columns.
     """
     _validate(x, wq, bq, wk, bk, wv, bv, wo, bo, k_cache, v_cache, pos, head_idx, rope,
               kv_mask)
@@ -762,5 +782,11 @@ def head_sparse_attention(x, wq, bq, wk, bk, wv, bv, wo, bo, k_cache, v_cache, p
     rope_fn = rope if callable(rope) else None
     rope_arr = None if (rope is None or callable(rope)) else tuple(rope)
     pos = jnp.asarray(pos, jnp.int32).reshape(())
+    extra_segments = tuple(extra_segments)
+    if extra_segments and not partials:
+        raise ValueError("extra_segments need partials=True (their products are returned)")
+    for seg in extra_segments:
+        check_segment(seg, x)
     return _attn_jit(x, wq, bq, wk, bk, wv, bv, wo, bo, k_cache, v_cache, pos, head_idx,
-                     rope_arr, kv_mask, window, impl=impl, config=config, rope_fn=rope_fn)
+                     rope_arr, kv_mask, window, extra_segments, impl=impl, config=config,
+                     rope_fn=rope_fn, partials=bool(partials))

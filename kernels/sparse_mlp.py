@@ -97,7 +97,7 @@ def sparse_mlp_reference(x, w1, b1, w2t, b2, idx, *, activation="relu", w_gate=N
 
 
 def sparse_mlp_pallas(x, w1, b1, w2t, b2, idx, *, activation="relu", w_gate=None,
-                      interpret=False, config: MLPConfig | None = None):
+                      interpret=False, config: MLPConfig | None = None, partials=False):
     """Pallas path of :func:`sparse_mlp` (no validation; see there for the contract)."""
     B, d = x.shape
     K = int(idx.shape[0])
@@ -115,23 +115,29 @@ def sparse_mlp_pallas(x, w1, b1, w2t, b2, idx, *, activation="relu", w_gate=None
                           block_d=cfg.fc2_block_d, row_blocks_per_program=cfg.fc2_row_blocks,
                           num_warps=cfg.num_warps, num_stages=cfg.num_stages,
                           interpret=interpret)
+    if partials:
+        return out
     out = out.sum(axis=0)
     if b2 is not None:
         out = out + b2.astype(jnp.float32)
     return out.astype(x.dtype)
 
 
-@functools.partial(jax.jit, static_argnames=("activation", "impl", "config"))
-def _sparse_mlp_jit(x, w1, b1, w2t, b2, idx, w_gate, *, activation, impl, config):
+@functools.partial(jax.jit, static_argnames=("activation", "impl", "config", "partials"))
+def _sparse_mlp_jit(x, w1, b1, w2t, b2, idx, w_gate, *, activation, impl, config, partials):
     if impl == "reference":
+        if partials:
+            return sparse_mlp_reference(x.astype(jnp.float32), w1, b1, w2t, None, idx,
+                                        activation=activation, w_gate=w_gate)[None]
         return sparse_mlp_reference(x, w1, b1, w2t, b2, idx, activation=activation,
                                     w_gate=w_gate)
     return sparse_mlp_pallas(x, w1, b1, w2t, b2, idx, activation=activation, w_gate=w_gate,
-                             interpret=impl == "interpret", config=config)
+                             interpret=impl == "interpret", config=config, partials=partials)
 
 
 def sparse_mlp(x, w1, b1, w2t, b2, idx, *, activation: str = "relu", w_gate=None,
-               impl: str | None = None, config: MLPConfig | None = None):
+               impl: str | None = None, config: MLPConfig | None = None,
+               partials: bool = False):
     """Sparse MLP over the neurons ``idx``: ``act(x W1[idx]ᵀ + b1[idx]) W2ᵀ[idx] + b2``.
 
     Args:
@@ -147,10 +153,13 @@ def sparse_mlp(x, w1, b1, w2t, b2, idx, *, activation: str = "relu", w_gate=None
         the same kernel launch.
       impl: None (auto), "pallas", "interpret" or "reference" (see ``_common``).
       config: optional :class:`MLPConfig` block sizes (Pallas paths only).
+      partials: return fp32 split-k partial sums ``[P, B, d]`` without ``b2`` instead
+        (their sum plus ``b2`` is the output), for a consumer that finishes them
+        (:func:`~.layer_norm.add_norm`).
     Returns:
       ``[B, d]`` in ``x.dtype``; all accumulation is fp32.
     """
     _validate(x, w1, b1, w2t, b2, idx, activation, w_gate)
     impl = resolve_impl(impl)
     return _sparse_mlp_jit(x, w1, b1, w2t, b2, idx, w_gate, activation=activation,
-                           impl=impl, config=config)
+                           impl=impl, config=config, partials=bool(partials))

@@ -199,7 +199,7 @@ def test_decode_form_scores_and_sets_equal_the_trained_form(activation):
     from dejavu_jax.train.predictor_model import decode_predictors
     p = random_params(seed=3, activation=activation)
     folded = decode_predictors(p)
-    assert folded.w1.shape == (L, D, 16)
+    assert folded.w1t.shape == (L, 16, D)
     xs = np.random.default_rng(4).normal(size=(L, 2, D)).astype(np.float32) * 30
     for layer in range(L):
         m, h = jax.jit(predictor_scores)(folded, jnp.int32(layer), xs[layer])

@@ -91,9 +91,11 @@ class DecodePredictors:
 
     The input normalisation is folded into w1 and a bias b1, and both kinds' first layers
     are one matrix, so one step scores x with one RMS norm and three matrix products.
+    The first layer is stored by rows (output units), as the decode step's gathered GEMV
+    reads it (`kernels.predictor_select`).
     """
 
-    w1: jax.Array        # [L, d, r_mlp + r_heads]: inv_std * w1 of each kind, side by side
+    w1t: jax.Array       # [L, r_mlp + r_heads, d]: (inv_std * w1)ᵀ of each kind, stacked
     b1: jax.Array        # [L, r_mlp + r_heads] fp32: -(mean * inv_std) @ w1
     w2_mlp: jax.Array    # [L, r_mlp, F]
     b2_mlp: jax.Array    # [L, F]
@@ -118,7 +120,8 @@ def decode_predictors(pred: PredictorParams) -> DecodePredictors:
 
     (w1m, b1m), (w1h, b1h) = fold(pred.mlp), fold(pred.heads)
     return DecodePredictors(
-        w1=jnp.concatenate([w1m, w1h], axis=-1), b1=jnp.concatenate([b1m, b1h], axis=-1),
+        w1t=jnp.swapaxes(jnp.concatenate([w1m, w1h], axis=-1), 1, 2),
+        b1=jnp.concatenate([b1m, b1h], axis=-1),
         w2_mlp=pred.mlp.w2, b2_mlp=pred.mlp.b2, w2_heads=pred.heads.w2,
         b2_heads=pred.heads.b2, activation=pred.activation)
 
@@ -126,7 +129,7 @@ def decode_predictors(pred: PredictorParams) -> DecodePredictors:
 def decode_logits(p: DecodePredictors, x: jax.Array) -> tuple[jax.Array, jax.Array]:
     """(mlp scores [..., F], head scores [..., H]) of ONE layer (leaves without the layer
     axis) for residual stream x [..., d]."""
-    h = jnp.einsum("...d,dr->...r", rms_normalise(x).astype(p.w1.dtype), p.w1,
+    h = jnp.einsum("...d,rd->...r", rms_normalise(x).astype(p.w1t.dtype), p.w1t,
                    preferred_element_type=F32) + p.b1
     h = _activation(p.activation, h)
     r_mlp = p.w2_mlp.shape[0]

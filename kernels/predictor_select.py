@@ -1,0 +1,187 @@
+"""The predictors' second half and the top-k selection, in two launches (batch 1).
+
+A decode-form predictor (``train.predictor_model.DecodePredictors``) scores a token with
+``h = act(x_rms @ w1ᵀ + b1)`` (both kinds' hidden units side by side: ``r_mlp`` then
+``r_heads``), then ``h_mlp @ w2_mlp + b2_mlp`` (F neuron scores) and ``h_heads @ w2_heads +
+b2_heads`` (H head scores). The first product is a plain gathered GEMV; the decode step
+runs it as one more segment of the attention's projection launch, whose fp32 partials
+``h_parts`` arrive here. :func:`predictor_select` then
+
+1. multiplies the neuron part in a :func:`~.gather_matvec.gather_matvec_t` launch whose
+   loader finishes ``h`` (partials, bias, activation): fp32 score partials ``[P, 1, F]``;
+2. selects in one launch of ``C + 1`` programs: each of the first C sums its chunk's score
+   partials and bias and keeps the chunk's top ``round(k / C)`` (the ``local`` top-k of
+   :func:`~.top_k.top_k_indices_local`); the last computes the H head scores from the
+   heads' hidden units and keeps their exact top-k (bfloat16-precision keys, ties to the
+   lower id, as :func:`~.top_k.top_k_indices`).
+
+Both id vectors come back ascending and exactly sized, so no XLA op runs between the
+launches and the kernels that consume them.
+"""
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+from jax.experimental import pallas as pl
+from jax.experimental.pallas import triton as plgpu
+
+from ._common import activation_fn, check_array, next_pow2, resolve_impl
+from .gather_matvec import gather_matvec_t
+from .top_k import (_ranked_slots, local_top_k_shape, score_keys, top_k_indices_local_reference,
+                    top_k_indices_reference)
+
+ACTIVATIONS = {"none": "identity", "relu": "relu", "gelu": "gelu"}
+
+
+def _hidden(h_parts, b1, layer, activation):
+    """act(sum of the first-product partials + b1[layer]) [r_mlp + r_heads] fp32 (row 0)."""
+    r = b1.shape[1]
+    h = h_parts.astype(jnp.float32).sum(0)[0, :r] + jax.lax.dynamic_index_in_dim(
+        b1, layer, keepdims=False).astype(jnp.float32)
+    return activation_fn(ACTIVATIONS[activation])(h)
+
+
+def predictor_select_reference(h_parts, b1, w2_mlp, b2_mlp, w2_heads, b2_heads, layer,
+                               k_mlp: int, k_heads: int, *, activation="none", chunk=2048):
+    """jnp reference of :func:`predictor_select` (same sets)."""
+    hi = jax.lax.Precision.HIGHEST
+    h = _hidden(h_parts, b1, layer, activation)
+    r_mlp = w2_mlp.shape[1]
+    pick = lambda t: jax.lax.dynamic_index_in_dim(t, layer, keepdims=False).astype(jnp.float32)
+    mlp = jnp.dot(h[:r_mlp], pick(w2_mlp), precision=hi) + pick(b2_mlp)
+    heads = jnp.dot(h[r_mlp:], pick(w2_heads), precision=hi) + pick(b2_heads)
+    return (top_k_indices_local_reference(mlp, k_mlp, chunk),
+            top_k_indices_reference(heads, k_heads))
+
+
+def _hidden_loader(act_refs, r, valid, rows, *, nds, r_mlp, r_all, activation):
+    """gather_matvec_t loader: the neuron predictor's hidden units for logical rows r.
+
+    The w2 rows are ``layer * r_mlp + r``, so the layer's b1 row starts at
+    ``(rows - r) // r_mlp * r_all``."""
+    h_ref, b1_ref = act_refs
+    h = plgpu.load(h_ref.at[0, 0, r], mask=valid, other=0.0)
+    for s in range(1, nds):
+        h = h + plgpu.load(h_ref.at[s, 0, r], mask=valid, other=0.0)
+    bias = plgpu.load(b1_ref.at[(rows - r) // r_mlp * r_all + r], mask=valid, other=0.0)
+    a = activation_fn(ACTIVATIONS[activation])(h + bias.astype(jnp.float32))
+    return jnp.where(valid, a, 0.0)
+
+
+def _select_kernel(layer_ref, sp_ref, b2m_ref, h_ref, b1_ref, w2h_ref, b2h_ref, om_ref, oh_ref,
+                   *, n_sp, F, c, kc, C, block, nds, r_mlp, r_heads, rhp, H, Hp, k_heads,
+                   activation):
+    f32 = jnp.float32
+    p = pl.program_id(0)
+    layer = layer_ref[0]
+
+    @pl.when(p < C)
+    def _():
+        lane = jnp.arange(block, dtype=jnp.int32)
+        ids = p * c + lane
+        valid = (lane < c) & (ids < F)
+        s = plgpu.load(b2m_ref.at[layer * F + ids], mask=valid, other=0).astype(f32)
+        for i in range(n_sp):
+            s = s + plgpu.load(sp_ref.at[i, 0, ids], mask=valid, other=0.0)
+        slots = _ranked_slots(jnp.where(valid, score_keys(s), -1), kc)
+        plgpu.store(om_ref.at[p * kc + slots], ids, mask=slots < kc)
+
+    @pl.when(p == C)
+    def _():
+        j = jnp.arange(rhp, dtype=jnp.int32)
+        jm = j < r_heads
+        col = r_mlp + j
+        h = plgpu.load(h_ref.at[0, 0, col], mask=jm, other=0.0)
+        for s in range(1, nds):
+            h = h + plgpu.load(h_ref.at[s, 0, col], mask=jm, other=0.0)
+        h = h + plgpu.load(b1_ref.at[layer * (r_mlp + r_heads) + col], mask=jm,
+                           other=0).astype(f32)
+        a = jnp.where(jm, activation_fn(ACTIVATIONS[activation])(h), 0.0)
+        hc = jnp.arange(Hp, dtype=jnp.int32)
+        hm = hc < H
+        w = plgpu.load(w2h_ref.at[(layer * r_heads + j)[:, None], hc[None, :]],
+                       mask=jm[:, None] & hm[None, :], other=0).astype(f32)
+        scores = jnp.sum(a[:, None] * w, axis=0)
+        scores = scores + plgpu.load(b2h_ref.at[layer * H + hc], mask=hm, other=0).astype(f32)
+        slots = _ranked_slots(jnp.where(hm, score_keys(scores), -1), k_heads)
+        plgpu.store(oh_ref.at[slots], hc, mask=slots < k_heads)
+
+
+@functools.partial(jax.jit, static_argnames=("k_mlp", "k_heads", "activation", "chunk",
+                                             "interpret"))
+def _predictor_select_pallas(h_parts, b1, w2_mlp, b2_mlp, w2_heads, b2_heads, layer, *,
+                             k_mlp, k_heads, activation, chunk, interpret):
+    L, r_mlp, F = w2_mlp.shape
+    r_heads, H = w2_heads.shape[1:]
+    nds = h_parts.shape[0]
+    layer = jnp.asarray(layer, jnp.int32).reshape(1)
+    b1_flat = b1.reshape(-1)
+    loader = functools.partial(_hidden_loader, nds=nds, r_mlp=r_mlp, r_all=r_mlp + r_heads,
+                               activation=activation)
+    score_parts = gather_matvec_t([h_parts, b1_flat], loader, w2_mlp.reshape(L * r_mlp, F),
+                                  layer, B=1, rows_per_id=r_mlp, block_rows=16, block_d=512,
+                                  row_blocks_per_program=4, interpret=interpret)
+    C, c, kc = local_top_k_shape(F, k_mlp, chunk)
+    block = next_pow2(c)
+    Hp = max(16, next_pow2(H))
+    kernel = functools.partial(
+        _select_kernel, n_sp=score_parts.shape[0], F=F, c=c, kc=kc, C=C, block=block,
+        nds=nds, r_mlp=r_mlp, r_heads=r_heads, rhp=max(16, next_pow2(r_heads)), H=H, Hp=Hp,
+        k_heads=k_heads, activation=activation)
+    return pl.pallas_call(
+        kernel,
+        grid=(C + 1,),
+        out_shape=(jax.ShapeDtypeStruct((C * kc,), jnp.int32),
+                   jax.ShapeDtypeStruct((k_heads,), jnp.int32)),
+        compiler_params=plgpu.CompilerParams(num_warps=min(16, max(4, block // 256)),
+                                             num_stages=1),
+        interpret=interpret,
+        name="predictor_select",
+    )(layer, score_parts, b2_mlp.reshape(-1), h_parts, b1_flat,
+      w2_heads.reshape(L * r_heads, H), b2_heads.reshape(-1))
+
+
+def predictor_select(h_parts, b1, w2_mlp, b2_mlp, w2_heads, b2_heads, layer, k_mlp: int,
+                     k_heads: int, *, activation: str = "none", chunk: int = 2048,
+                     impl: str | None = None):
+    """(neuron ids, head ids) of one token from its first-product partials.
+
+    Args:
+      h_parts: ``[P, 1, R]`` fp32 partials of ``x_rms @ w1ᵀ`` for one token, ``R >=
+        r_mlp + r_heads`` (columns past that are ignored).
+      b1: ``[L, r_mlp + r_heads]``; w2_mlp ``[L, r_mlp, F]``, b2_mlp ``[L, F]``,
+        w2_heads ``[L, r_heads, H]``, b2_heads ``[L, H]``: the decode-form predictors.
+      layer: int32 scalar (may be traced), the predicted layer.
+      k_mlp: neurons wanted: the top ``round(k_mlp / C)`` of each of ``C = ceil(F /
+        chunk)`` equal chunks (:func:`~.top_k.local_top_k_shape`), ascending.
+      k_heads: heads wanted: the exact top-k, ascending.
+      activation: the predictors' hidden activation ("none", "relu" or "gelu").
+    """
+    check_array("h_parts", h_parts, ndim=3, floating=True)
+    if activation not in ACTIVATIONS:
+        raise ValueError(f"unknown predictor activation {activation!r}; known: "
+                         f"{tuple(ACTIVATIONS)}")
+    L, r_mlp, F = w2_mlp.shape
+    r_heads, H = w2_heads.shape[1:]
+    if h_parts.shape[1] != 1 or h_parts.shape[2] < r_mlp + r_heads:
+        raise ValueError(f"h_parts must be [P, 1, >= {r_mlp + r_heads}] (one token), got "
+                         f"{tuple(h_parts.shape)}")
+    check_array("b1", b1, shape=(L, r_mlp + r_heads), floating=True)
+    check_array("b2_mlp", b2_mlp, shape=(L, F), floating=True)
+    check_array("w2_heads", w2_heads, shape=(L, r_heads, H), floating=True)
+    check_array("b2_heads", b2_heads, shape=(L, H), floating=True)
+    if not (0 < k_mlp <= F and 0 < k_heads <= H):
+        raise ValueError(f"k_mlp={k_mlp} / k_heads={k_heads} must be in 1..{F} / 1..{H}")
+    if H > 4096:
+        raise ValueError(f"{H} head scores exceed the one-program selection (4096)")
+    impl = resolve_impl(impl)
+    if impl == "reference":
+        return predictor_select_reference(h_parts, b1, w2_mlp, b2_mlp, w2_heads, b2_heads,
+                                          layer, int(k_mlp), int(k_heads),
+                                          activation=activation, chunk=int(chunk))
+    return _predictor_select_pallas(h_parts, b1, w2_mlp, b2_mlp, w2_heads, b2_heads, layer,
+                                    k_mlp=int(k_mlp), k_heads=int(k_heads),
+                                    activation=activation, chunk=int(chunk),
+                                    interpret=impl == "interpret")

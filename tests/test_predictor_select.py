@@ -1,0 +1,130 @@
+"""The split predictor: its kernels against numpy, and the decode step that runs it."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import dejavu_jax as dj
+from dejavu_jax import sparse
+from dejavu_jax.kernels.predictor_select import predictor_select
+
+F32 = jnp.float32
+
+
+def _bf16_keys(scores):
+    """Scores truncated to their upper 16 bits (what the kernels rank by)."""
+    return (np.asarray(scores, np.float32).view(np.int32) & np.int32(-65536)).view(np.float32)
+
+
+def _numpy_sets(h_parts, b1, w2m, b2m, w2h, b2h, layer, k_mlp, k_heads, act, chunk):
+    f = lambda a: np.asarray(a, np.float64)
+    h = f(h_parts).sum(0)[0, :b1.shape[1]] + f(b1)[layer]
+    h = np.maximum(h, 0) if act == "relu" else h
+    r_mlp = w2m.shape[1]
+    mlp = (h[:r_mlp] @ f(w2m)[layer] + f(b2m)[layer]).astype(np.float32)
+    heads = (h[r_mlp:] @ f(w2h)[layer] + f(b2h)[layer]).astype(np.float32)
+    F = mlp.shape[0]
+    P = -(-F // chunk)
+    c = -(-F // P)
+    kc = max(1, min(round(k_mlp / P), F - (P - 1) * c))
+    keys = _bf16_keys(mlp)
+    neurons = []
+    for p in range(P):
+        part = keys[p * c:(p + 1) * c]
+        neurons += sorted((p * c + np.argsort(-part, kind="stable")[:kc]).tolist())
+    top_heads = np.sort(np.argsort(-_bf16_keys(heads), kind="stable")[:k_heads])
+    return np.asarray(neurons), top_heads
+
+
+@pytest.mark.parametrize("impl", ["interpret", "reference"])
+@pytest.mark.parametrize("F,H,r_mlp,r_heads,k_mlp,k_heads,act,chunk",
+                         [(5000, 40, 24, 20, 500, 7, "none", 2048),
+                          (300, 12, 16, 8, 31, 3, "relu", 128),
+                          (64, 5, 8, 4, 64, 5, "none", 2048)])
+def test_predictor_select_equals_numpy(rng, impl, F, H, r_mlp, r_heads, k_mlp, k_heads, act,
+                                       chunk):
+    L, P = 3, 2
+    width = r_mlp + r_heads + 5  # partials wider than the hidden units, as the launch pads
+    args = (rng.standard_normal((P, 1, width)), rng.standard_normal((L, r_mlp + r_heads)),
+            rng.standard_normal((L, r_mlp, F)), rng.standard_normal((L, F)),
+            rng.standard_normal((L, r_heads, H)), rng.standard_normal((L, H)))
+    args = tuple(jnp.asarray(a, F32) for a in args)
+    for layer in (0, L - 1):
+        neurons, heads = predictor_select(*args, jnp.int32(layer), k_mlp, k_heads,
+                                          activation=act, chunk=chunk, impl=impl)
+        want_n, want_h = _numpy_sets(*args, layer, k_mlp, k_heads, act, chunk)
+        np.testing.assert_array_equal(np.asarray(neurons), want_n)
+        np.testing.assert_array_equal(np.asarray(heads), want_h)
+
+
+def test_predictor_select_rejects_bad_inputs():
+    L, r, F, H = 2, 4, 32, 6
+    good = dict(h_parts=jnp.zeros((1, 1, 2 * r)), b1=jnp.zeros((L, 2 * r)),
+                w2_mlp=jnp.zeros((L, r, F)), b2_mlp=jnp.zeros((L, F)),
+                w2_heads=jnp.zeros((L, r, H)), b2_heads=jnp.zeros((L, H)))
+    with pytest.raises(ValueError, match="one token"):
+        predictor_select(**{**good, "h_parts": jnp.zeros((1, 2, 2 * r))}, layer=0, k_mlp=3,
+                         k_heads=2)
+    with pytest.raises(ValueError, match="k_mlp"):
+        predictor_select(**good, layer=0, k_mlp=F + 1, k_heads=2)
+    with pytest.raises(ValueError, match="activation"):
+        predictor_select(**good, layer=0, k_mlp=3, k_heads=2, activation="tanh")
+    with pytest.raises(ValueError, match="b1"):
+        predictor_select(**{**good, "b1": jnp.zeros((L, r))}, layer=0, k_mlp=3, k_heads=2)
+
+
+@pytest.mark.parametrize("impl", ["reference", "interpret"])
+def test_split_predictor_step_equals_the_called_selector(impl):
+    """The decode step that splits the predictor across the layer (first product in the
+    projection launch, selection after attention) picks the sets that calling the selector
+    on the layer's input picks, and gives the same logits."""
+    from dejavu_jax.eval.bench_decode import random_predictors
+    from dejavu_jax.train.predictor_model import decode_predictors
+    config = dj.preset("opt-tiny").replace(n_layers=3)
+    params = dj.init_params(config, jax.random.key(3), F32, std=0.1)
+    preds = jax.tree.map(lambda a: a.astype(F32),
+                         decode_predictors(random_predictors(config, 8, jax.random.key(4))))
+    scfg = sparse.sparse_config(config, 0.25, 0.5, dense_layers=1, impl=impl)
+    split = sparse.predictor_selector(config.group_size, method="local", impl=impl)
+    assert split.splits(preds, 1) and not split.splits(preds, 2)
+    calls = []
+
+    def called(p, layer, x, k_mlp, k_heads):  # the same selector, never split
+        sets = split(p, layer, x, k_mlp, k_heads)
+        jax.debug.callback(lambda l, n, g: calls.append((int(l), np.asarray(n), np.asarray(g))),
+                           layer, *sets)
+        return sets
+
+    finished = []
+    orig_finish = split.finish
+
+    def recording_finish(p, layer, parts, k_mlp, k_heads):
+        sets = orig_finish(p, layer, parts, k_mlp, k_heads)
+        jax.debug.callback(
+            lambda l, n, g: finished.append((int(l), np.asarray(n), np.asarray(g))),
+            layer, *sets)
+        return sets
+
+    split.finish = recording_finish
+    ids = jnp.asarray([[5, 9, 14, 3]])
+    logits = {}
+    for name, select in (("split", split), ("called", called)):
+        eng = sparse.sparse_engine(config, scfg, select)
+        state = eng.init_state(1, 16, F32)
+        out, state = eng.prefill((params, preds), ids, jnp.ones_like(ids), state)
+        step = jax.jit(eng.step)
+        seq = []
+        for tok in (42, 7, 19):
+            out, state = step((params, preds), state, jnp.asarray([tok]))
+            seq.append(np.asarray(out))
+        logits[name] = np.stack(seq)
+    jax.effects_barrier()
+    assert finished, "the split path did not run"
+    np.testing.assert_allclose(logits["split"], logits["called"], atol=1e-5, rtol=1e-5)
+    by_layer = {}
+    for layer, n, g in calls:
+        by_layer.setdefault(layer, []).append((n, g))
+    for layer, n, g in finished:
+        assert any(np.array_equal(n, n2) and np.array_equal(g, g2)
+                   for n2, g2 in by_layer.get(layer, [])), f"layer {layer} sets differ"
