@@ -259,11 +259,11 @@ def _missing_kv_window(config, view, io: _LayerIO, layer, groups, win: dict, rin
 
 
 def _sparse_attention(config, scfg, view, io: _LayerIO, layer, y, groups, step,
-                      partials=False, extra_segments=()):
+                      residual=None, extra_segments=()):
     """Head-sparse attention for normed inputs y [B, d] over the selected KV groups.
 
-    Returns (out [B, d] fp32, io), or with `partials` (out's fp32 split-k partials
-    without the bias, io, the extra segments' products)."""
+    Returns (out [B, d] fp32, io), out added to `residual` when given, and with
+    `extra_segments` a third item, their products (see `kernels.head_sparse_attention`)."""
     W = scfg.kv_window
     slot = step["slot"]
     if isinstance(io.history, tuple):
@@ -296,26 +296,26 @@ def _sparse_attention(config, scfg, view, io: _LayerIO, layer, y, groups, step,
         y.astype(lp_flat["wq"].dtype), lp_flat["wq"], lp_flat["bq"], lp_flat["wk"],
         lp_flat["bk"], lp_flat["wv"], lp_flat["bv"], lp_flat["wo"], view.lp.bo,
         k_in, v_in, slot, head_idx, rope=rope, kv_mask=step["valid"], impl=scfg.impl,
-        window=window, partials=partials, extra_segments=extra_segments)
+        window=window, residual=residual, extra_segments=extra_segments)
     out, k_out, v_out = res[:3]
     if view.unrolled:
         io = io.replace(k=set_cache_layer(io.k, layer, k_out),
                         v=set_cache_layer(io.v, layer, v_out))
     else:
         io = io.replace(k=k_out.reshape(io.k.shape), v=v_out.reshape(io.v.shape))
-    return (out, io, res[3]) if partials else (out.astype(F32), io)
+    return (out.astype(F32), io) + tuple(res[3:])
 
 
-def _sparse_mlp(config, scfg, view, y, neurons, partials=False):
-    """The MLP over the selected neurons for normed inputs y [B, d] (fp32; with `partials`
-    its split-k partials without the output bias)."""
+def _sparse_mlp(config, scfg, view, y, neurons, residual=None):
+    """The MLP over the selected neurons for normed inputs y [B, d], fp32 (added to
+    `residual` when given)."""
     F = config.ffn
     lp_flat = view.flat
     out = kernels.sparse_mlp(
         y.astype(lp_flat["w_in"].dtype), lp_flat["w_in"], lp_flat["b_in"],
         lp_flat["w_out_t"], view.lp.b_out, view.base * F + neurons,
         activation=config.activation, w_gate=lp_flat["w_gate"],
-        impl=scfg.impl, partials=partials)
+        impl=scfg.impl, residual=residual)
     return out.astype(F32)
 
 
@@ -355,41 +355,30 @@ def _sparse_layer(config, scfg, view, io, layer, x, neurons, groups, step, reduc
     return x, box["io"]
 
 
-def _fused_sparse_layer(config, scfg, view, io, layer, x, pending, neurons, groups, step,
-                        lookahead, rms_dtype=None):
-    """One DejaVu layer of a pre-norm model with its residual adds fused into the norms.
+def _fused_sparse_layer(config, scfg, view, io, layer, x, neurons, groups, step, lookahead,
+                        rms_dtype=None):
+    """One DejaVu layer of a pre-norm model on one device, its residual adds done by the
+    out-projection and fc2 launches (`residual=`), which add into the residual rows.
 
-    x is the layer's residual input before `pending` = (the previous layer's MLP partials,
-    its output bias) is added: `kernels.add_norm` adds them and norms in one launch, and
-    again after attention. `lookahead(x, x_rms)` returns the next layer's sets, or a pair
-    (Segment, finish) whose first product rides on the projection launch and whose
-    `finish(partials)` selects; x_rms (x over its RMS, in `rms_dtype`) is None unless
-    `rms_dtype` is given. Returns (x, h, pending, io, next sets): x the finished
-    input, h the residual after attention, pending this layer's MLP partials and bias.
+    `lookahead(x, x_rms)` returns the next layer's sets, or a pair (Segment, finish) whose
+    first product rides on the projection launch and whose `finish(partials)` selects;
+    x_rms (x over its RMS, in `rms_dtype`) is None unless `rms_dtype` is given. Returns
+    (output rows, the layer's input rows, io, next sets).
     """
     lp = view.lp
     eps = config.norm_eps
-    x, y, *rms = kernels.add_norm(x, pending[0], pending[1], lp.attn_norm_scale,
-                                  lp.attn_norm_bias, eps, out_dtype=lp.attn_norm_scale.dtype,
-                                  rms_dtype=rms_dtype, impl=scfg.impl)
+    x = x.astype(F32)
+    _, y, *rms = kernels.add_norm(x, None, None, lp.attn_norm_scale, lp.attn_norm_bias, eps,
+                                  out_dtype=lp.attn_norm_scale.dtype, rms_dtype=rms_dtype,
+                                  impl=scfg.impl)
     nxt = lookahead(x, rms[0] if rms else None)
     split = isinstance(nxt, tuple) and callable(nxt[1])
-    extra = (nxt[0],) if split else ()
-    parts, io, extra_parts = _sparse_attention(config, scfg, view, io, layer, y, groups, step,
-                                               partials=True, extra_segments=extra)
+    h, io, *extra_parts = _sparse_attention(config, scfg, view, io, layer, y, groups, step,
+                                            residual=x, extra_segments=(nxt[0],) if split else ())
     if split:
-        nxt = nxt[1](extra_parts[0])
-    h, y = kernels.add_norm(x, parts, lp.bo, lp.mlp_norm_scale, lp.mlp_norm_bias, eps,
-                            out_dtype=lp.mlp_norm_scale.dtype, impl=scfg.impl)
-    mlp_parts = _sparse_mlp(config, scfg, view, y, neurons, partials=True)
-    return x, h, (mlp_parts, lp.b_out), io, nxt
-
-
-def _finish_pending(h, pending):
-    """h + the pending MLP partials' sum + bias (fp32)."""
-    parts, bias = pending
-    out = h + parts.sum(0)
-    return out if bias is None else out + bias.astype(F32)
+        nxt = nxt[1](extra_parts[0][0])
+    y = ops.norm_input(h, lp.mlp_norm_scale, lp.mlp_norm_bias, eps)
+    return _sparse_mlp(config, scfg, view, y, neurons, residual=h), x, io, nxt
 
 
 def _reduced(reduce, out: jax.Array) -> jax.Array:
@@ -454,20 +443,12 @@ def sparse_layers(config: ModelConfig, scfg: SparseConfig, params: ModelParams,
 
 def _fused_segment(config, scfg, params, select, selector_params, x, io, step, idx, start,
                    stop, k_mlp, k_heads, unrolled):
-    """A sparse segment of a pre-norm model on one device (`_fused_sparse_layer`): the MLP
-    partials of each layer are carried to the next and finished in its first launch.
+    """A sparse segment of a pre-norm model on one device (`_fused_sparse_layer`).
     Returns (x, the last layer's input, io)."""
-    B, d = x.shape
-    view0 = _layer_view(params, start)
-    y0 = jnp.zeros((B, d), view0.flat["w_in"].dtype)
-    parts0 = jax.eval_shape(lambda y, n: _sparse_mlp(config, scfg, view0, y, n, True), y0,
-                            idx[0])
-    bias = view0.lp.b_out
-    pending = (jnp.zeros(parts0.shape, F32), None if bias is None else jnp.zeros_like(bias))
-    split = (hasattr(select, "splits") and select.splits(selector_params, B))
+    split = hasattr(select, "splits") and select.splits(selector_params, x.shape[0])
 
     def sparse_body(carry, layer):
-        x, pending, io, (neurons, groups), _ = carry
+        x, io, (neurons, groups), _ = carry
         nxt = jnp.minimum(jnp.asarray(layer, jnp.int32) + 1, config.n_layers - 1)
 
         def lookahead(x_in, x_rms):
@@ -477,14 +458,14 @@ def _fused_segment(config, scfg, params, select, selector_params, x, io, step, i
                                                     k_heads))
             return select(selector_params, nxt, x_in, k_mlp, k_heads)
 
-        x_in, h, pending, io, idx_next = _fused_sparse_layer(
-            config, scfg, _layer_view(params, layer), io, layer, x, pending, neurons, groups,
-            step, lookahead, selector_params.w1t.dtype if split else None)
-        return (h, pending, io, idx_next, x_in), None
+        x_next, x_in, io, idx_next = _fused_sparse_layer(
+            config, scfg, _layer_view(params, layer), io, layer, x, neurons, groups, step,
+            lookahead, selector_params.w1t.dtype if split else None)
+        return (x_next, io, idx_next, x_in), None
 
-    h, pending, io, _, last_input = _layer_loop(sparse_body, (x, pending, io, idx, x), start,
-                                                stop, unrolled)
-    return _finish_pending(h, pending), last_input, io
+    x, io, _, last_input = _layer_loop(sparse_body, (x.astype(F32), io, idx, x.astype(F32)),
+                                       start, stop, unrolled)
+    return x, last_input, io
 
 
 def sparse_step_fn(config: ModelConfig, scfg: SparseConfig, select: Selector,

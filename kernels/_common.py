@@ -37,6 +37,14 @@ def cdiv(a: int, b: int) -> int:
     return -(-a // b)
 
 
+def balanced_chunks(n_chunks: int, want: int) -> int:
+    """Chunks per program when ``n_chunks`` column chunks split into as few equal-sized
+    runs of at most ``max(1, want)`` chunks as possible (the last run no shorter)."""
+    n_chunks = max(1, int(n_chunks))
+    runs = cdiv(n_chunks, max(1, min(n_chunks, int(want))))
+    return cdiv(n_chunks, runs)
+
+
 def activation_fn(name: str):
     """Elementwise activation by name, usable both in jnp and inside kernels."""
     if name == "relu":

@@ -213,9 +213,16 @@ def gather_matvec(x: jax.Array, segments: Sequence[Segment], *, block_rows: int 
     )(*args)
 
 
-def _gather_matvec_t_kernel(*refs, n_act, load_act, B, Bp, d, m, n_rows, bk, bd, kblocks):
+def _gather_matvec_t_kernel(*refs, n_act, load_act, B, Bp, d, m, n_rows, bk, bd, kblocks,
+                            accumulate, has_bias):
     act_refs = refs[:n_act]
-    ids_ref, w_ref, o_ref = refs[n_act:]
+    ids_ref, w_ref = refs[n_act:n_act + 2]
+    rest = refs[n_act + 2:]
+    if accumulate:  # (residual, [bias], out aliased to residual)
+        b_ref = rest[1] if has_bias else None
+        o_ref = rest[-1]
+    else:
+        o_ref = rest[0]
     i = pl.program_id(0)
     j = pl.program_id(1)
     kk = jnp.arange(bk, dtype=jnp.int32)
@@ -241,7 +248,21 @@ def _gather_matvec_t_kernel(*refs, n_act, load_act, B, Bp, d, m, n_rows, bk, bd,
             acc = body(t, acc)
     else:
         acc = lax.fori_loop(0, kblocks, body, acc)
-    if Bp == 1:
+    if accumulate:
+        # every chunk adds its partial into the residual rows in place (the bias once).
+        # Lanes past d add 0 at distinct wrapped columns (block_d <= d): the interpreter
+        # has neither masked atomics nor sums over repeated addresses.
+        if has_bias:
+            bias = plgpu.load(b_ref.at[cols], mask=cm, other=0).astype(jnp.float32)
+            acc = acc + jnp.where(i == 0, 1.0, 0.0) * (bias if Bp == 1 else bias[None, :])
+        cols_w = cols % d
+        if Bp == 1:
+            plgpu.atomic_add(o_ref, (0, cols_w), jnp.where(cm, acc, 0.0))
+        else:
+            for b in range(B):
+                row = jnp.sum(jnp.where((brow == b)[:, None], acc, 0.0), axis=0)
+                plgpu.atomic_add(o_ref, (b, cols_w), jnp.where(cm, row, 0.0))
+    elif Bp == 1:
         plgpu.store(o_ref.at[i, 0, cols], acc, mask=cm)
     else:
         plgpu.store(o_ref.at[i, brow[:, None], cols[None, :]], acc,
@@ -251,13 +272,20 @@ def _gather_matvec_t_kernel(*refs, n_act, load_act, B, Bp, d, m, n_rows, bk, bd,
 def gather_matvec_t(act_args: Sequence[jax.Array], load_act: Callable, w: jax.Array,
                     ids: jax.Array, *, B: int, rows_per_id: int = 1, block_rows: int = 16,
                     block_d: int = 512, row_blocks_per_program: int = 4,
-                    num_warps: int = 4, num_stages: int = 2, interpret: bool = False):
+                    num_warps: int = 4, num_stages: int = 2, interpret: bool = False,
+                    residual: jax.Array | None = None, bias: jax.Array | None = None):
     """Split-k transposed gathered GEMV: fp32 partials ``[n_kchunks, B, d]``.
 
     ``out = sum over chunks`` equals ``a @ W[rows]`` where ``a [B, K*m]`` is produced
     inside the kernel by ``load_act(act_refs, r, valid, rows)`` for each block of
     logical rows ``r`` (it must return fp32 ``[bk]`` when B == 1 else ``[Bp, bk]``,
     with zeros where ``valid`` is False or for padded batch rows).
+
+    With ``residual`` (fp32 ``[B, d]``) the chunks are summed in the launch instead:
+    each adds its partial atomically into the residual rows (updated in place when the
+    caller donates them), and ``bias [d]`` (optional) is added once, so the result is
+    ``residual + a @ W[rows] + bias`` as ``[B, d]`` fp32. The order of the fp32 additions
+    varies from run to run, so the low bits may too.
     """
     d = w.shape[1]
     m = rows_per_id
@@ -267,17 +295,35 @@ def gather_matvec_t(act_args: Sequence[jax.Array], load_act: Callable, w: jax.Ar
     kblocks = max(1, min(row_blocks_per_program, cdiv(n_rows, bk)))
     nkc = cdiv(n_rows, bk * kblocks)
     ndb = cdiv(d, block_d)
+    accumulate = residual is not None
+    if bias is not None and not accumulate:
+        raise ValueError("bias is added only with residual (partials come without it)")
     kernel = functools.partial(
         _gather_matvec_t_kernel, n_act=len(act_args), load_act=load_act, B=B, Bp=Bp, d=d,
-        m=m, n_rows=n_rows, bk=bk, bd=block_d, kblocks=kblocks)
+        m=m, n_rows=n_rows, bk=bk, bd=block_d, kblocks=kblocks, accumulate=accumulate,
+        has_bias=bias is not None)
+    args = [*act_args, ids.astype(jnp.int32), w]
+    if accumulate:
+        if residual.shape != (B, d) or residual.dtype != jnp.float32:
+            raise ValueError(f"residual must be fp32 [{B}, {d}], got {residual.dtype} "
+                             f"{tuple(residual.shape)}")
+        if block_d > d:
+            raise ValueError(f"block_d={block_d} must not exceed d={d} with a residual")
+        aliases = {len(args): 0}
+        args += [residual] + ([bias] if bias is not None else [])
+        out_shape = jax.ShapeDtypeStruct((B, d), jnp.float32)
+    else:
+        aliases = {}
+        out_shape = jax.ShapeDtypeStruct((nkc, B, d), jnp.float32)
     return pl.pallas_call(
         kernel,
         grid=(nkc, ndb),
-        out_shape=jax.ShapeDtypeStruct((nkc, B, d), jnp.float32),
+        out_shape=out_shape,
+        input_output_aliases=aliases,
         compiler_params=plgpu.CompilerParams(num_warps=num_warps, num_stages=num_stages),
         interpret=interpret,
         name="gather_matvec_t",
-    )(*act_args, ids.astype(jnp.int32), w)
+    )(*args)
 
 
 def partials_loader(act_refs, r, valid, rows, *, nds, B, Bp, has_b1=False, gated=False,

@@ -15,7 +15,8 @@ Pipeline (Pallas path), every stage reading only the selected heads:
    writes its k/v row into the (aliased, in-place) cache.
 3. :func:`~.gather_matvec.gather_matvec_t` -- out-projection over the selected heads'
    rows of ``wo`` (split-k; its loader merges the splits' (m, l, o)), then XLA sums the
-   partials and adds ``bo``.
+   partials and adds ``bo`` -- or, given a ``residual``, the launch adds its chunks and
+   ``bo`` into the residual rows.
 
 Missing-KV window (:class:`KVWindow`): the K/V segments of step 1 multiply the window's W
 stored inputs instead of x (the current token is one of them), for the selected heads
@@ -40,7 +41,8 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
-from ._common import cdiv, check_array, check_bias, check_indices, next_pow2, resolve_impl
+from ._common import (balanced_chunks, cdiv, check_array, check_bias, check_indices, next_pow2,
+                      resolve_impl)
 from .gather_matvec import (Segment, batch_pad, check_segment, gather_matvec, gather_matvec_t,
                             mma, segment_reference)
 
@@ -65,7 +67,7 @@ class AttnConfig:
     attn_num_warps: int = 4
     target_programs: int = 8 * N_SM        # projection / out-projection grids
     attn_target_programs: int = 4 * N_SM   # flash-decoding grid (B x heads x splits)
-    max_fused_splits: int = 4              # merge splits in the out-projection up to this
+    max_fused_splits: int = 1              # merge splits in the out-projection up to this
 
 
 @jax.tree_util.register_dataclass
@@ -590,7 +592,7 @@ def head_sparse_attention_pallas(x, wq, bq, wk, bk, wv, bv, wo, bo, k_cache, v_c
                                  head_idx, *, rope=None, kv_mask=None, interpret=False,
                                  config: AttnConfig | None = None,
                                  window: KVWindow | None = None, extra_segments=(),
-                                 partials: bool = False):
+                                 residual=None):
     """Pallas path of :func:`head_sparse_attention` (no validation).
 
     Three Pallas launches (q/k/v projection, attention, out-projection) and one tiny XLA
@@ -624,7 +626,7 @@ def head_sparse_attention_pallas(x, wq, bq, wk, bk, wv, bv, wo, bo, k_cache, v_c
     chunks = cfg.proj_d_chunks
     if chunks is None:
         tiles = cdiv(Kh * G * hd + 2 * kv_ids.shape[0] * hd, bk_rows) * cdiv(d, bd)
-        chunks = max(1, min(cdiv(d, bd), tiles // cfg.target_programs))
+        chunks = balanced_chunks(cdiv(d, bd), tiles // cfg.target_programs)
     qp, kp, vp, *extras = gather_matvec(
         x, segs + list(extra_segments), block_rows=bk_rows, block_d=bd, d_chunks=chunks,
         num_warps=cfg.num_warps, num_stages=cfg.num_stages, interpret=interpret)
@@ -668,33 +670,34 @@ def head_sparse_attention_pallas(x, wq, bq, wk, bk, wv, bv, wo, bo, k_cache, v_c
                           wo.reshape(H * hd, d), head_idx, B=B, rows_per_id=G * hd,
                           block_rows=ob_rows, block_d=obd, row_blocks_per_program=r2,
                           num_warps=cfg.num_warps, num_stages=cfg.num_stages,
-                          interpret=interpret)
-    if partials:
-        return out, k_cache, v_cache, tuple(extras)
-    out = out.sum(0)
-    if bo is not None:
-        out = out + bo.astype(f32)
-    return out.astype(x.dtype), k_cache, v_cache
+                          interpret=interpret, residual=residual,
+                          bias=None if residual is None else bo)
+    if residual is None:
+        out = out.sum(0)
+        if bo is not None:
+            out = out + bo.astype(f32)
+        out = out.astype(x.dtype)
+    return (out, k_cache, v_cache) + ((tuple(extras),) if extra_segments else ())
 
 
-@functools.partial(jax.jit, static_argnames=("impl", "config", "rope_fn", "partials"))
+@functools.partial(jax.jit, static_argnames=("impl", "config", "rope_fn"))
 def _attn_jit(x, wq, bq, wk, bk, wv, bv, wo, bo, k_cache, v_cache, pos, head_idx, rope_arr,
-              kv_mask, window, extra_segments, *, impl, config, rope_fn, partials):
+              kv_mask, window, extra_segments, residual, *, impl, config, rope_fn):
     rope = rope_fn if rope_fn is not None else rope_arr
     if impl == "reference":
         out, k_cache, v_cache = head_sparse_attention_reference(
-            x, wq, bq, wk, bk, wv, bv, wo, None if partials else bo, k_cache, v_cache, pos,
-            head_idx, rope=rope, kv_mask=kv_mask, window=window,
-            out_dtype=jnp.float32 if partials else None)
-        if not partials:
-            return out, k_cache, v_cache
-        return (out[None], k_cache, v_cache,
-                tuple(segment_reference(seg, x) for seg in extra_segments))
+            x, wq, bq, wk, bk, wv, bv, wo, bo, k_cache, v_cache, pos, head_idx, rope=rope,
+            kv_mask=kv_mask, window=window,
+            out_dtype=None if residual is None else jnp.float32)
+        if residual is not None:
+            out = residual + out
+        extras = tuple(segment_reference(seg, x) for seg in extra_segments)
+        return (out, k_cache, v_cache) + ((extras,) if extra_segments else ())
     return head_sparse_attention_pallas(x, wq, bq, wk, bk, wv, bv, wo, bo, k_cache, v_cache,
                                         pos, head_idx, rope=rope, kv_mask=kv_mask,
                                         interpret=impl == "interpret", config=config,
                                         window=window, extra_segments=tuple(extra_segments),
-                                        partials=partials)
+                                        residual=residual)
 
 
 def _validate_window(window, x, k_cache, head_idx, rope):
@@ -738,7 +741,7 @@ def _validate_window(window, x, k_cache, head_idx, rope):
 def head_sparse_attention(x, wq, bq, wk, bk, wv, bv, wo, bo, k_cache, v_cache, pos, head_idx,
                           *, rope=None, kv_mask=None, impl: str | None = None,
                           config: AttnConfig | None = None, window: KVWindow | None = None,
-                          partials: bool = False, extra_segments=()):
+                          residual=None, extra_segments=()):
     """One decode step of attention over the selected heads only.
 
     Args:
@@ -762,17 +765,19 @@ def head_sparse_attention(x, wq, bq, wk, bk, wv, bv, wo, bo, k_cache, v_cache, p
         tokens for ``head_idx`` and ``window.extra_ids`` from their stored inputs and
         write the entries ``window.need`` marks (missing-KV recomputation). On the
         Pallas path this rides on the projection launch, reading each weight row once.
-      partials: return the output as fp32 split-k partial sums ``[P, B, d]`` without
-        ``bo`` (their sum plus ``bo`` is ``out``), for a consumer that finishes them
-        (:func:`~.layer_norm.add_norm`), plus the extra segments' products.
+      residual: optional fp32 ``[B, d]`` rows to add the output to (a pre-norm layer's
+        residual stream); the out-projection's split-k chunks then add into them
+        atomically in its launch, with no reduction launch after it (the summation
+        order, so the low bits, vary between runs).
       extra_segments: :class:`~.gather_matvec.Segment` s multiplied in the projection
-        launch besides q/k/v (each with its own ``x`` or the call's); needs ``partials``.
+        launch besides q/k/v (each with its own ``x`` or the call's): a GEMV that rides
+        on a launch the step makes anyway.
     Returns:
       ``(out [B, d] in x.dtype, k_cache, v_cache)``: ``out = sum over selected query
-      heads of softmax(q kᵀ / sqrt(hd)) v @ wo[h] + bo``; unselected heads add 0.
-      With ``partials``: ``(out_parts, k_cache, v_cache, extra_parts)``, one fp32
-      ``[P_s, B_s, R_s]`` per extra segment whose sum over axis 0 holds ``x_s @ W_s[rows]ᵀ``
-      in its first ``Segment.n_rows`` columns.
+      heads of softmax(q kᵀ / sqrt(hd)) v @ wo[h] + bo``; unselected heads add 0. With
+      ``residual``, ``out`` is ``residual + out`` in fp32. With ``extra_segments`` a
+      fourth item: one fp32 ``[P_s, B_s, R_s]`` per segment whose sum over axis 0 holds
+      ``x_s @ W_s[rows]ᵀ`` in its first ``Segment.n_rows`` columns.
     """
     _validate(x, wq, bq, wk, bk, wv, bv, wo, bo, k_cache, v_cache, pos, head_idx, rope,
               kv_mask)
@@ -783,10 +788,12 @@ def head_sparse_attention(x, wq, bq, wk, bk, wv, bv, wo, bo, k_cache, v_cache, p
     rope_arr = None if (rope is None or callable(rope)) else tuple(rope)
     pos = jnp.asarray(pos, jnp.int32).reshape(())
     extra_segments = tuple(extra_segments)
-    if extra_segments and not partials:
-        raise ValueError("extra_segments need partials=True (their products are returned)")
     for seg in extra_segments:
         check_segment(seg, x)
+    if residual is not None:
+        check_array("residual", residual, shape=x.shape)
+        if residual.dtype != jnp.float32:
+            raise TypeError(f"residual must be float32, got {residual.dtype}")
     return _attn_jit(x, wq, bq, wk, bk, wv, bv, wo, bo, k_cache, v_cache, pos, head_idx,
-                     rope_arr, kv_mask, window, extra_segments, impl=impl, config=config,
-                     rope_fn=rope_fn, partials=bool(partials))
+                     rope_arr, kv_mask, window, extra_segments, residual, impl=impl,
+                     config=config, rope_fn=rope_fn)

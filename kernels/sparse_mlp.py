@@ -8,7 +8,8 @@ batch).  Two Pallas launches plus one tiny XLA reduction:
 1. :func:`~.gather_matvec.gather_matvec` -- fc1 (and gate) rows, split over d, fp32 partials;
 2. :func:`~.gather_matvec.gather_matvec_t` -- finishes fc1 in its loader (sum partials,
    bias, activation, gate product), then split-k over the selected fc2ᵀ rows;
-3. XLA: sum the split-k partials, add b2, cast to ``x.dtype``.
+3. XLA: sum the split-k partials, add b2, cast to ``x.dtype`` -- or, given a ``residual``,
+   nothing: the fc2 launch adds its chunks and b2 into the residual rows.
 """
 from __future__ import annotations
 
@@ -19,8 +20,8 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
-from ._common import (activation_fn, cdiv, check_array, check_bias, check_indices,
-                      resolve_impl)
+from ._common import (activation_fn, balanced_chunks, cdiv, check_array, check_bias,
+                      check_indices, resolve_impl)
 from .gather_matvec import (Segment, batch_pad, gather_matvec, gather_matvec_t,
                             partials_loader)
 
@@ -48,12 +49,14 @@ class MLPConfig:
         bk2 = self.fc2_block_rows if B == 1 else max(16, self.fc2_block_rows)
         c1 = self.fc1_d_chunks
         if c1 is None:
-            tiles = cdiv(K, bk1) * cdiv(d, bd1)
-            c1 = max(1, min(cdiv(d, bd1), tiles // self.target_programs))
+            # at least two d-splits; more only while the row blocks alone leave SMs idle
+            n_chunks = cdiv(d, bd1)
+            splits = max(2, cdiv(2 * N_SM, cdiv(K, bk1)))
+            c1 = balanced_chunks(n_chunks, cdiv(n_chunks, splits))
         r2 = self.fc2_row_blocks
         if r2 is None:
             tiles = cdiv(K, bk2) * cdiv(d, bd2)
-            r2 = max(1, min(64, tiles // self.target_programs))
+            r2 = max(min(4, cdiv(K, bk2)), min(64, tiles // self.target_programs))
         return dataclasses.replace(self, fc1_block_d=bd1, fc2_block_d=bd2, fc1_d_chunks=c1,
                                    fc2_row_blocks=r2, fc1_block_rows=bk1, fc2_block_rows=bk2)
 
@@ -97,7 +100,7 @@ def sparse_mlp_reference(x, w1, b1, w2t, b2, idx, *, activation="relu", w_gate=N
 
 
 def sparse_mlp_pallas(x, w1, b1, w2t, b2, idx, *, activation="relu", w_gate=None,
-                      interpret=False, config: MLPConfig | None = None, partials=False):
+                      interpret=False, config: MLPConfig | None = None, residual=None):
     """Pallas path of :func:`sparse_mlp` (no validation; see there for the contract)."""
     B, d = x.shape
     K = int(idx.shape[0])
@@ -114,8 +117,9 @@ def sparse_mlp_pallas(x, w1, b1, w2t, b2, idx, *, activation="relu", w_gate=None
     out = gather_matvec_t(act_args, load_act, w2t, idx, B=B, block_rows=cfg.fc2_block_rows,
                           block_d=cfg.fc2_block_d, row_blocks_per_program=cfg.fc2_row_blocks,
                           num_warps=cfg.num_warps, num_stages=cfg.num_stages,
-                          interpret=interpret)
-    if partials:
+                          interpret=interpret, residual=residual,
+                          bias=None if residual is None else b2)
+    if residual is not None:
         return out
     out = out.sum(axis=0)
     if b2 is not None:
@@ -123,21 +127,21 @@ def sparse_mlp_pallas(x, w1, b1, w2t, b2, idx, *, activation="relu", w_gate=None
     return out.astype(x.dtype)
 
 
-@functools.partial(jax.jit, static_argnames=("activation", "impl", "config", "partials"))
-def _sparse_mlp_jit(x, w1, b1, w2t, b2, idx, w_gate, *, activation, impl, config, partials):
+@functools.partial(jax.jit, static_argnames=("activation", "impl", "config"))
+def _sparse_mlp_jit(x, w1, b1, w2t, b2, idx, w_gate, residual, *, activation, impl, config):
     if impl == "reference":
-        if partials:
-            return sparse_mlp_reference(x.astype(jnp.float32), w1, b1, w2t, None, idx,
-                                        activation=activation, w_gate=w_gate)[None]
+        if residual is not None:
+            return residual + sparse_mlp_reference(x.astype(jnp.float32), w1, b1, w2t, b2, idx,
+                                                   activation=activation, w_gate=w_gate)
         return sparse_mlp_reference(x, w1, b1, w2t, b2, idx, activation=activation,
                                     w_gate=w_gate)
     return sparse_mlp_pallas(x, w1, b1, w2t, b2, idx, activation=activation, w_gate=w_gate,
-                             interpret=impl == "interpret", config=config, partials=partials)
+                             interpret=impl == "interpret", config=config, residual=residual)
 
 
 def sparse_mlp(x, w1, b1, w2t, b2, idx, *, activation: str = "relu", w_gate=None,
                impl: str | None = None, config: MLPConfig | None = None,
-               partials: bool = False):
+               residual: jax.Array | None = None):
     """Sparse MLP over the neurons ``idx``: ``act(x W1[idx]ᵀ + b1[idx]) W2ᵀ[idx] + b2``.
 
     Args:
@@ -153,13 +157,20 @@ def sparse_mlp(x, w1, b1, w2t, b2, idx, *, activation: str = "relu", w_gate=None
         the same kernel launch.
       impl: None (auto), "pallas", "interpret" or "reference" (see ``_common``).
       config: optional :class:`MLPConfig` block sizes (Pallas paths only).
-      partials: return fp32 split-k partial sums ``[P, B, d]`` without ``b2`` instead
-        (their sum plus ``b2`` is the output), for a consumer that finishes them
-        (:func:`~.layer_norm.add_norm`).
+      residual: optional fp32 ``[B, d]`` rows to add the output to (a pre-norm layer's
+        residual stream). On the Pallas path the split-k chunks then add into them
+        atomically in the fc2 launch, with no reduction launch after it (the summation
+        order, so the low bits, vary between runs); inside a jitted step whose input they
+        no longer are needed as, they are updated in place.
     Returns:
-      ``[B, d]`` in ``x.dtype``; all accumulation is fp32.
+      ``[B, d]`` in ``x.dtype``; all accumulation is fp32. With ``residual``:
+      ``residual + output``, fp32.
     """
     _validate(x, w1, b1, w2t, b2, idx, activation, w_gate)
+    if residual is not None:
+        check_array("residual", residual, shape=x.shape)
+        if residual.dtype != jnp.float32:
+            raise TypeError(f"residual must be float32, got {residual.dtype}")
     impl = resolve_impl(impl)
-    return _sparse_mlp_jit(x, w1, b1, w2t, b2, idx, w_gate, activation=activation,
-                           impl=impl, config=config, partials=bool(partials))
+    return _sparse_mlp_jit(x, w1, b1, w2t, b2, idx, w_gate, residual, activation=activation,
+                           impl=impl, config=config)

@@ -559,3 +559,45 @@ def test_add_norm_rejects_bad_shapes():
         add_norm(jnp.ones((2, 8)), None, jnp.ones(7), jnp.ones(8), None, 1e-5)
     with pytest.raises(ValueError, match="scale"):
         add_norm(jnp.ones((2, 8)), None, None, jnp.ones(9), None, 1e-5)
+
+
+@pytest.mark.parametrize("impl", ["interpret", "reference"])
+@pytest.mark.parametrize("B", [1, 3])
+def test_residual_outputs_add_into_the_rows(rng, impl, B):
+    """With residual rows, the MLP and attention outputs come back added to them (fp32),
+    the out-projection / fc2 chunks accumulated in the launch; extra projection segments
+    return their own products."""
+    from dejavu_jax.kernels import head_sparse_attention, sparse_mlp
+    from dejavu_jax.kernels.gather_matvec import Segment
+    d, F, K, H, hd, S = 64, 256, 40, 4, 16, 8
+    f = lambda *s: jnp.asarray(rng.standard_normal(s), F32)
+    x, res = f(B, d), f(B, d) * 3
+    w1, b1, w2t, b2 = f(F, d) * 0.2, f(F), f(F, d) * 0.2, f(d)
+    idx = jnp.asarray(np.sort(rng.choice(F, K, replace=False)), jnp.int32)
+    xn, w1n, w2n = (np.asarray(a, np.float64) for a in (x, w1, w2t))
+    hidden = np.maximum(xn @ w1n[np.asarray(idx)].T + np.asarray(b1)[np.asarray(idx)], 0)
+    want = np.asarray(res) + hidden @ w2n[np.asarray(idx)] + np.asarray(b2)
+    got = sparse_mlp(x, w1, b1, w2t, b2, idx, residual=res, impl=impl)
+    assert got.dtype == F32 and got.shape == (B, d)
+    np.testing.assert_allclose(np.asarray(got), want, rtol=1e-4, atol=1e-4)
+
+    w = [f(H, hd, d) * 0.2, f(H, hd), f(H, hd, d) * 0.2, f(H, hd), f(H, hd, d) * 0.2,
+         f(H, hd), f(H, hd, d) * 0.2, f(d)]
+    kc, vc = f(B, H, S, hd), f(B, H, S, hd)
+    hidx = jnp.asarray([0, 2], jnp.int32)
+    plain = head_sparse_attention(x, *w, kc, vc, jnp.int32(5), hidx, impl="reference")
+    seg_w, seg_x = f(12, d), f(1, d)
+    seg = Segment(seg_w, jnp.asarray([2], jnp.int32), 4, x=seg_x)
+    out, k2, v2, extras = head_sparse_attention(x, *w, kc, vc, jnp.int32(5), hidx,
+                                                residual=res, extra_segments=(seg,), impl=impl)
+    assert out.dtype == F32
+    np.testing.assert_allclose(np.asarray(out), np.asarray(res) + np.asarray(plain[0]),
+                               rtol=1e-4, atol=1e-4)
+    np.testing.assert_allclose(np.asarray(k2), np.asarray(plain[1]), rtol=1e-5, atol=1e-5)
+    seg_want = np.asarray(seg_x, np.float64) @ np.asarray(seg_w, np.float64)[8:12].T
+    np.testing.assert_allclose(np.asarray(extras[0]).sum(0)[:, :4], seg_want, rtol=1e-4,
+                               atol=1e-4)
+    with pytest.raises(TypeError, match="float32"):
+        sparse_mlp(x, w1, b1, w2t, b2, idx, residual=res.astype(jnp.bfloat16), impl=impl)
+    with pytest.raises(ValueError, match="residual"):
+        head_sparse_attention(x, *w, kc, vc, jnp.int32(5), hidx, residual=res[:, :8], impl=impl)
