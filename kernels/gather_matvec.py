@@ -252,9 +252,9 @@ def _gather_matvec_t_kernel(*refs, n_act, load_act, B, Bp, d, m, n_rows, bk, bd,
         # every chunk adds its partial into the residual rows in place (the bias once).
         # Lanes past d add 0 at distinct wrapped columns (block_d <= d): the interpreter
         # has neither masked atomics nor sums over repeated addresses.
-        if has_bias:
-            bias = plgpu.load(b_ref.at[cols], mask=cm, other=0).astype(jnp.float32)
-            acc = acc + jnp.where(i == 0, 1.0, 0.0) * (bias if Bp == 1 else bias[None, :])
+        if has_bias:  # the first chunk's programs add it
+            bias = plgpu.load(b_ref.at[cols], mask=cm & (i == 0), other=0).astype(jnp.float32)
+            acc = acc + (bias if Bp == 1 else bias[None, :])
         cols_w = cols % d
         if Bp == 1:
             plgpu.atomic_add(o_ref, (0, cols_w), jnp.where(cm, acc, 0.0))

@@ -1,0 +1,119 @@
+"""Every Pallas kernel lowers through the Triton backend, checked on a CPU-only machine.
+
+Lowering for the "cuda" platform runs the Pallas-to-Triton translation in Python, where
+type errors of a kernel on the GPU path surface (the interpreter, which the numerical
+tests use, does not see them). The GPU description is H200's; nothing is compiled or run.
+"""
+
+import jax
+import jax.numpy as jnp
+import pytest
+
+import dejavu_jax as dj
+from dejavu_jax import kernels, model, sparse
+
+BF16, F32 = jnp.bfloat16, jnp.float32
+
+
+@pytest.fixture(autouse=True)
+def h200_description(monkeypatch):
+    from jax._src.pallas.triton import gpu_info, pallas_call_registration
+    info = gpu_info.get_gpu_info_from_version(gpu_info.GpuVersion.H200)
+    monkeypatch.setattr(pallas_call_registration.gpu_info_lib, "get_gpu_info", lambda: info)
+
+
+def lowers(fn, *args):
+    """The StableHLO text of fn lowered for CUDA (raises where a kernel cannot lower)."""
+    return jax.jit(fn).trace(*args).lower(lowering_platforms=("cuda",)).as_text()
+
+
+def z(*shape, dtype=BF16):
+    return jnp.zeros(shape, dtype)
+
+
+@pytest.mark.parametrize("B", [1, 3])
+@pytest.mark.parametrize("gated,residual", [(False, False), (False, True), (True, True)])
+def test_sparse_mlp_lowers(B, gated, residual):
+    d, F, K = 576, 1536, 200
+    args = [z(B, d), z(F, d), z(F), z(F, d), z(d), jnp.arange(K, dtype=jnp.int32),
+            z(F, d) if gated else None, z(B, d, dtype=F32) if residual else None]
+    text = lowers(lambda *a: kernels.sparse_mlp(*a[:6], w_gate=a[6], residual=a[7],
+                                                activation="silu" if gated else "relu",
+                                                impl="pallas"), *args)
+    assert text.count("gather_matvec") >= 2
+
+
+@pytest.mark.parametrize("B,n_kv,rope,window,residual", [(1, 8, False, True, True),
+                                                         (2, 4, True, True, True),
+                                                         (1, 8, False, False, False),
+                                                         (3, 8, False, False, True)])
+def test_head_sparse_attention_lowers(B, n_kv, rope, window, residual):
+    from dejavu_jax.kernels.gather_matvec import Segment
+    d, H, hd, S, W = 512, 8, 64, 64, 16
+    w = [z(H, hd, d), z(H, hd), z(n_kv, hd, d), z(n_kv, hd), z(n_kv, hd, d), z(n_kv, hd),
+         z(H, hd, d), z(d)]
+    hidx = jnp.asarray([0, 2], jnp.int32)
+    win = None
+    if window:
+        win = kernels.KVWindow(x=z(B, W, d), current=jnp.int32(3),
+                               extra_ids=jnp.asarray([1], jnp.int32),
+                               need=jnp.ones((B, 3, W), bool),
+                               slots=jnp.arange(W, dtype=jnp.int32),
+                               cos=z(B, W, hd, dtype=F32) if rope else None,
+                               sin=z(B, W, hd, dtype=F32) if rope else None)
+    rope_now = (z(B, hd, dtype=F32), z(B, hd, dtype=F32)) if rope else None
+    seg = Segment(z(3 * 512, d), jnp.asarray([1], jnp.int32), 512, x=z(1, d))
+
+    def fn(x, caches, res):
+        return kernels.head_sparse_attention(
+            x, *w, *caches, jnp.int32(20), hidx, rope=rope_now, window=win, residual=res,
+            extra_segments=(seg,) if B == 1 else (), impl="pallas")
+
+    text = lowers(fn, z(B, d), (z(B, n_kv, S, hd), z(B, n_kv, S, hd)),
+                  z(B, d, dtype=F32) if residual else None)
+    assert "head_sparse_decode_attention" in text
+
+
+def test_norms_top_k_and_predictor_select_lower():
+    from dejavu_jax.kernels.predictor_select import predictor_select
+    from dejavu_jax.kernels.top_k import top_k_indices_chunked, top_k_indices_local
+    lowers(lambda x: kernels.layer_norm(x, x[0], None, 1e-5, impl="pallas"), z(2, 576))
+    lowers(lambda x, p: kernels.add_norm(x, p, x[0], x[0], x[0], 1e-5, rms_dtype=BF16,
+                                         impl="pallas"), z(2, 768, dtype=F32),
+           z(3, 2, 768, dtype=F32))
+    s = z(28672, dtype=F32)
+    for fn in (kernels.top_k_indices, top_k_indices_chunked, top_k_indices_local):
+        lowers(lambda v, fn=fn: fn(v, 2867, impl="pallas"), s)
+    L, r, F, H = 2, 256, 28672, 56
+    lowers(lambda *a: predictor_select(*a, jnp.int32(1), 2867, 28, impl="pallas"),
+           z(2, 1, 2 * r, dtype=F32), z(L, 2 * r, dtype=F32), z(L, r, F), z(L, F, dtype=F32),
+           z(L, r, H), z(L, H, dtype=F32))
+
+
+@pytest.mark.parametrize("preset,batch,split", [("opt-tiny", 1, True), ("opt-tiny", 2, False),
+                                                ("llama-tiny", 1, False)])
+def test_sparse_decode_step_lowers(preset, batch, split):
+    """The whole sparse decode step on the GPU path: dense layers, fused norms, windowed
+    attention, residual-accumulating launches, the split predictor."""
+    from dejavu_jax.eval.bench_decode import random_predictors
+    from dejavu_jax.params import unstack_layers
+    from dejavu_jax.train.predictor_model import decode_predictors
+    config = dj.preset(preset)
+    params = unstack_layers(dj.init_params(config, jax.random.key(0), BF16))
+    scfg = sparse.sparse_config(config, 0.25, 0.5, dense_layers=1, impl="pallas")
+    preds = decode_predictors(random_predictors(config, 16, jax.random.key(1)))
+    select = sparse.predictor_selector(config.group_size, method="local", impl="pallas")
+    assert select.splits(preds, batch) == split
+    eng = sparse.sparse_engine(config, scfg, select)
+    state = jax.eval_shape(lambda: eng.init_state(batch, 32, BF16, per_layer=True))
+    text = lowers(eng.step, (params, preds), state, jnp.zeros((batch,), jnp.int32))
+    assert ("predictor_select" in text) == split
+    assert "layer_norm" in text or "add_norm" in text
+
+
+def test_dense_decode_step_lowers():
+    config = dj.preset("opt-tiny")
+    params = dj.init_params(config, jax.random.key(0), BF16)
+    state = jax.eval_shape(lambda: model.init_state(config, 1, 32, BF16))
+    lowers(lambda p, s, t: model.decode_step_fn(config, p, s, t), params, state,
+           jnp.zeros((1,), jnp.int32))
