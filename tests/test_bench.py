@@ -176,3 +176,20 @@ def test_unknown_select_method_is_an_error(tmp_path, capsys):
     with pytest.raises(SystemExit):
         bench_decode.main(["--select", "radix,fastest", "--out", str(tmp_path)])
     assert "unknown --select methods ['fastest']" in capsys.readouterr().err
+
+
+def test_step_parts_config_variants_parse():
+    from dejavu_jax.kernels.bench_step_parts import parse_variants
+    from dejavu_jax.kernels.head_attention import AttnConfig
+    from dejavu_jax.kernels.sparse_mlp import MLPConfig
+    got = parse_variants("base/max_fused_splits=0/num_warps=8,num_stages=3/seq_splits=None",
+                         AttnConfig)
+    assert [name for name, _ in got] == ["base", "max_fused_splits=0", "num_warps=8,num_stages=3",
+                                         "seq_splits=None"]
+    assert got[0][1] == AttnConfig()
+    assert got[1][1].max_fused_splits == 0 and got[1][1].num_warps == AttnConfig().num_warps
+    assert (got[2][1].num_warps, got[2][1].num_stages) == (8, 3)
+    assert got[3][1].seq_splits is None
+    assert parse_variants("fc1_d_chunks=7", MLPConfig)[0][1].fc1_d_chunks == 7
+    with pytest.raises(ValueError, match="no field"):
+        parse_variants("base/warps=8", AttnConfig)

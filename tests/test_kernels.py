@@ -601,3 +601,15 @@ def test_residual_outputs_add_into_the_rows(rng, impl, B):
         sparse_mlp(x, w1, b1, w2t, b2, idx, residual=res.astype(jnp.bfloat16), impl=impl)
     with pytest.raises(ValueError, match="residual"):
         head_sparse_attention(x, *w, kc, vc, jnp.int32(5), hidx, residual=res[:, :8], impl=impl)
+
+
+def test_balanced_chunks_split_evenly():
+    from dejavu_jax.kernels._common import balanced_chunks
+    for n in range(1, 40):
+        for want in range(0, 45):
+            c = balanced_chunks(n, want)
+            runs = -(-n // c)
+            assert 1 <= c <= max(1, min(n, want)) or (want < 1 and c == 1)
+            assert runs == -(-n // max(1, min(n, want)))   # no more runs than needed
+            assert n - (runs - 1) * c <= c                 # the last run is no longer
+    assert balanced_chunks(14, 9) == 7 and balanced_chunks(14, 100) == 14
