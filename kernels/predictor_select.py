@@ -3,7 +3,8 @@
 A decode-form predictor (``train.predictor_model.DecodePredictors``) scores a token with
 ``h = act(x_rms @ w1ᵀ + b1)`` (both kinds' hidden units side by side: ``r_mlp`` then
 ``r_heads``), then ``h_mlp @ w2_mlp + b2_mlp`` (F neuron scores) and ``h_heads @ w2_heads +
-b2_heads`` (H head scores). The first product is a plain gathered GEMV; the decode step
+b2_heads`` (H head scores). The hidden units are rounded to the second layer's dtype before the second
+product, as the predictors' own forward pass does. The first product is a plain gathered GEMV; the decode step
 runs it as one more segment of the attention's projection launch, whose fp32 partials
 ``h_parts`` arrive here. :func:`predictor_select` then
 
@@ -43,6 +44,12 @@ def _hidden(h_parts, b1, layer, activation):
     return activation_fn(ACTIVATIONS[activation])(h)
 
 
+def _rounded(a, dtype):
+    """fp32 values rounded to `dtype` (the second layer's, as the predictors' forward pass
+    casts its hidden units before the second product), back in fp32."""
+    return a.astype(dtype).astype(jnp.float32)
+
+
 def predictor_select_reference(h_parts, b1, w2_mlp, b2_mlp, w2_heads, b2_heads, layer,
                                k_mlp: int, k_heads: int, *, activation="none", chunk=2048):
     """jnp reference of :func:`predictor_select` (same sets)."""
@@ -50,13 +57,14 @@ def predictor_select_reference(h_parts, b1, w2_mlp, b2_mlp, w2_heads, b2_heads, 
     h = _hidden(h_parts, b1, layer, activation)
     r_mlp = w2_mlp.shape[1]
     pick = lambda t: jax.lax.dynamic_index_in_dim(t, layer, keepdims=False).astype(jnp.float32)
-    mlp = jnp.dot(h[:r_mlp], pick(w2_mlp), precision=hi) + pick(b2_mlp)
-    heads = jnp.dot(h[r_mlp:], pick(w2_heads), precision=hi) + pick(b2_heads)
+    mlp = jnp.dot(_rounded(h[:r_mlp], w2_mlp.dtype), pick(w2_mlp), precision=hi) + pick(b2_mlp)
+    heads = (jnp.dot(_rounded(h[r_mlp:], w2_heads.dtype), pick(w2_heads), precision=hi)
+             + pick(b2_heads))
     return (top_k_indices_local_reference(mlp, k_mlp, chunk),
             top_k_indices_reference(heads, k_heads))
 
 
-def _hidden_loader(act_refs, r, valid, rows, *, nds, r_mlp, r_all, activation):
+def _hidden_loader(act_refs, r, valid, rows, *, nds, r_mlp, r_all, activation, dtype):
     """gather_matvec_t loader: the neuron predictor's hidden units for logical rows r.
 
     The w2 rows are ``layer * r_mlp + r``, so the layer's b1 row starts at
@@ -67,12 +75,12 @@ def _hidden_loader(act_refs, r, valid, rows, *, nds, r_mlp, r_all, activation):
         h = h + plgpu.load(h_ref.at[s, 0, r], mask=valid, other=0.0)
     bias = plgpu.load(b1_ref.at[(rows - r) // r_mlp * r_all + r], mask=valid, other=0.0)
     a = activation_fn(ACTIVATIONS[activation])(h + bias.astype(jnp.float32))
-    return jnp.where(valid, a, 0.0)
+    return jnp.where(valid, _rounded(a, dtype), 0.0)
 
 
 def _select_kernel(layer_ref, sp_ref, b2m_ref, h_ref, b1_ref, w2h_ref, b2h_ref, om_ref, oh_ref,
                    *, n_sp, F, c, kc, C, block, nds, r_mlp, r_heads, rhp, H, Hp, k_heads,
-                   activation):
+                   activation, dtype):
     f32 = jnp.float32
     p = pl.program_id(0)
     layer = layer_ref[0]
@@ -98,7 +106,7 @@ def _select_kernel(layer_ref, sp_ref, b2m_ref, h_ref, b1_ref, w2h_ref, b2h_ref, 
             h = h + plgpu.load(h_ref.at[s, 0, col], mask=jm, other=0.0)
         h = h + plgpu.load(b1_ref.at[layer * (r_mlp + r_heads) + col], mask=jm,
                            other=0).astype(f32)
-        a = jnp.where(jm, activation_fn(ACTIVATIONS[activation])(h), 0.0)
+        a = jnp.where(jm, _rounded(activation_fn(ACTIVATIONS[activation])(h), dtype), 0.0)
         hc = jnp.arange(Hp, dtype=jnp.int32)
         hm = hc < H
         w = plgpu.load(w2h_ref.at[(layer * r_heads + j)[:, None], hc[None, :]],
@@ -119,7 +127,7 @@ def _predictor_select_pallas(h_parts, b1, w2_mlp, b2_mlp, w2_heads, b2_heads, la
     layer = jnp.asarray(layer, jnp.int32).reshape(1)
     b1_flat = b1.reshape(-1)
     loader = functools.partial(_hidden_loader, nds=nds, r_mlp=r_mlp, r_all=r_mlp + r_heads,
-                               activation=activation)
+                               activation=activation, dtype=w2_mlp.dtype)
     score_parts = gather_matvec_t([h_parts, b1_flat], loader, w2_mlp.reshape(L * r_mlp, F),
                                   layer, B=1, rows_per_id=r_mlp, block_rows=16, block_d=512,
                                   row_blocks_per_program=4, interpret=interpret)
@@ -129,7 +137,7 @@ def _predictor_select_pallas(h_parts, b1, w2_mlp, b2_mlp, w2_heads, b2_heads, la
     kernel = functools.partial(
         _select_kernel, n_sp=score_parts.shape[0], F=F, c=c, kc=kc, C=C, block=block,
         nds=nds, r_mlp=r_mlp, r_heads=r_heads, rhp=max(16, next_pow2(r_heads)), H=H, Hp=Hp,
-        k_heads=k_heads, activation=activation)
+        k_heads=k_heads, activation=activation, dtype=w2_heads.dtype)
     return pl.pallas_call(
         kernel,
         grid=(C + 1,),

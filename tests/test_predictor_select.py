@@ -22,8 +22,11 @@ def _numpy_sets(h_parts, b1, w2m, b2m, w2h, b2h, layer, k_mlp, k_heads, act, chu
     h = f(h_parts).sum(0)[0, :b1.shape[1]] + f(b1)[layer]
     h = np.maximum(h, 0) if act == "relu" else h
     r_mlp = w2m.shape[1]
-    mlp = (h[:r_mlp] @ f(w2m)[layer] + f(b2m)[layer]).astype(np.float32)
-    heads = (h[r_mlp:] @ f(w2h)[layer] + f(b2h)[layer]).astype(np.float32)
+    # the hidden units are rounded to each second layer's dtype first
+    hm = np.asarray(jnp.asarray(h[:r_mlp], F32).astype(w2m.dtype).astype(F32), np.float64)
+    hh = np.asarray(jnp.asarray(h[r_mlp:], F32).astype(w2h.dtype).astype(F32), np.float64)
+    mlp = (hm @ f(w2m)[layer] + f(b2m)[layer]).astype(np.float32)
+    heads = (hh @ f(w2h)[layer] + f(b2h)[layer]).astype(np.float32)
     F = mlp.shape[0]
     P = -(-F // chunk)
     c = -(-F // P)
@@ -50,6 +53,9 @@ def test_predictor_select_equals_numpy(rng, impl, F, H, r_mlp, r_heads, k_mlp, k
             rng.standard_normal((L, r_mlp, F)), rng.standard_normal((L, F)),
             rng.standard_normal((L, r_heads, H)), rng.standard_normal((L, H)))
     args = tuple(jnp.asarray(a, F32) for a in args)
+    if F == 300:  # bf16 second layers, as the benchmark's predictors
+        args = args[:2] + (args[2].astype(jnp.bfloat16), args[3],
+                           args[4].astype(jnp.bfloat16), args[5])
     for layer in (0, L - 1):
         neurons, heads = predictor_select(*args, jnp.int32(layer), k_mlp, k_heads,
                                           activation=act, chunk=chunk, impl=impl)
@@ -74,8 +80,9 @@ def test_predictor_select_rejects_bad_inputs():
         predictor_select(**{**good, "b1": jnp.zeros((L, r))}, layer=0, k_mlp=3, k_heads=2)
 
 
-@pytest.mark.parametrize("impl", ["reference", "interpret"])
-def test_split_predictor_step_equals_the_called_selector(impl):
+@pytest.mark.parametrize("impl,dtype", [("reference", F32), ("interpret", F32),
+                                        ("reference", jnp.bfloat16)])
+def test_split_predictor_step_equals_the_called_selector(impl, dtype):
     """The decode step that splits the predictor across the layer (first product in the
     projection launch, selection after attention) picks the sets that calling the selector
     on the layer's input picks, and gives the same logits."""
@@ -83,7 +90,7 @@ def test_split_predictor_step_equals_the_called_selector(impl):
     from dejavu_jax.train.predictor_model import decode_predictors
     config = dj.preset("opt-tiny").replace(n_layers=3)
     params = dj.init_params(config, jax.random.key(3), F32, std=0.1)
-    preds = jax.tree.map(lambda a: a.astype(F32),
+    preds = jax.tree.map(lambda a: a.astype(dtype) if a.dtype == jnp.bfloat16 else a,
                          decode_predictors(random_predictors(config, 8, jax.random.key(4))))
     scfg = sparse.sparse_config(config, 0.25, 0.5, dense_layers=1, impl=impl)
     split = sparse.predictor_selector(config.group_size, method="local", impl=impl)
