@@ -151,13 +151,15 @@ def add_norm(x, parts, bias, scale, norm_bias, eps: float, *, out_dtype=None, rm
       scale, norm_bias: the norm's ``[d]`` weights (``norm_bias`` None: RMSNorm).
       out_dtype: dtype of the normed rows (default fp32).
       rms_dtype: when given, also return ``new / sqrt(mean(new**2) + 1e-6)`` in it.
+
+    One program per row sums the ``P`` partials, so it suits few of them (112 partials of
+    7168 floats took 52.7 µs on an H200, XLA's reduction 2.5 µs). Rows wider than
+    ``MAX_WIDTH`` use the jnp reference.
     Returns:
       ``(new fp32 [B, d], normed [B, d])`` (plus the RMS-scaled rows with ``rms_dtype``).
     """
     check_array("x", x, ndim=2, floating=True)
     B, d = x.shape
-    if d > MAX_WIDTH:
-        raise ValueError(f"rows wider than {MAX_WIDTH} are not supported, got {d}")
     if parts is not None:
         check_array("parts", parts, ndim=3, floating=True)
         if parts.shape[1:] != (B, d):
@@ -167,8 +169,11 @@ def add_norm(x, parts, bias, scale, norm_bias, eps: float, *, out_dtype=None, rm
     check_bias("norm_bias", norm_bias, (d,))
     out_dtype = jnp.dtype(out_dtype or jnp.float32)
     rms_dtype = None if rms_dtype is None else jnp.dtype(rms_dtype)
+    impl = resolve_impl(impl)
+    if d > MAX_WIDTH:  # the kernel holds a row in registers; wider rows take the reference
+        impl = "reference"
     return _add_norm_jit(x, parts, bias, scale, norm_bias, eps=float(eps), out_dtype=out_dtype,
-                         rms_dtype=rms_dtype, impl=resolve_impl(impl))
+                         rms_dtype=rms_dtype, impl=impl)
 
 
 @functools.partial(jax.jit, static_argnames=("eps", "out_dtype", "impl"))

@@ -613,3 +613,13 @@ def test_balanced_chunks_split_evenly():
             assert runs == -(-n // max(1, min(n, want)))   # no more runs than needed
             assert n - (runs - 1) * c <= c                 # the last run is no longer
     assert balanced_chunks(14, 9) == 7 and balanced_chunks(14, 100) == 14
+
+
+def test_add_norm_wide_rows_take_the_reference():
+    from dejavu_jax.kernels import add_norm
+    from dejavu_jax.kernels.layer_norm import MAX_WIDTH
+    d = MAX_WIDTH + 8
+    x = jnp.asarray(np.random.default_rng(0).standard_normal((1, d)), F32)
+    new, y = add_norm(x, None, None, jnp.ones(d), None, 1e-5, impl="interpret")
+    want = np.asarray(x) / np.sqrt(np.mean(np.asarray(x, np.float64) ** 2) + 1e-5)
+    np.testing.assert_allclose(np.asarray(y), want, rtol=1e-4, atol=1e-4)
