@@ -9,6 +9,8 @@
   ``AttnConfig`` variants (``--attn-variants``), and ``mlp-config``: the sparse MLP for
   ``MLPConfig`` variants (``--mlp-variants``); a variant is ``field=value[,field=value]``,
   variants are separated by ``/`` and ``base`` is the default config.
+* ``predictor``: the split predictor's selection launches (`kernels.predictor_select`) for
+  score-product block variants (``--predictor-variants ROW_BLOCKSxBLOCK_D/...``).
 * ``top-k``: the selection of k of the F MLP scores by the radix, chunked and packed
   methods of ``sparse.SELECT_METHODS`` (the same set each) and ``lax.top_k``; ``local``
   (approximate) is timed in the step by ``eval.profile_decode``.
@@ -68,6 +70,33 @@ def attn_window_point(W, d, H, ctx, frac, *, window, config, seed=0):
                 bytes=need, time_us=t * 1e6, gbps=need / t / 1e9)
 
 
+def predictor_point(d, F, H, rank, k_mlp, k_heads, *, row_blocks, block_d, seed=0):
+    """µs per call of the split predictor's selection (`kernels.predictor_select`) at batch
+    1, chained through a tiny scatter of its neuron ids into the next call's partials."""
+    from .predictor_select import predictor_select
+    L = 4
+    ks = jax.random.split(jax.random.PRNGKey(seed + 11), 4)
+    w = dict(b1=jnp.zeros((L, 2 * rank), jnp.float32),
+             w2m=_rand(ks[0], (L, rank, F), jnp.bfloat16, rank ** -0.5),
+             b2m=jnp.zeros((L, F), jnp.float32),
+             w2h=_rand(ks[1], (L, rank, H), jnp.bfloat16, rank ** -0.5),
+             b2h=jnp.zeros((L, H), jnp.float32))
+    sets = [jnp.int32(i) for i in range(L)]
+
+    def step(h, w, layer):
+        neurons, heads = predictor_select(h, w["b1"], w["w2m"], w["b2m"], w["w2h"], w["b2h"],
+                                          layer, k_mlp, k_heads, row_blocks=row_blocks,
+                                          block_d=block_d)
+        bump = (neurons[:1].astype(jnp.float32) + heads[:1].astype(jnp.float32)) * 1e-9
+        return h.at[0, 0, :1].add(bump)
+
+    h0 = _rand(ks[2], (2, 1, 2 * rank), jnp.float32, 1.0)
+    need = rank * F * 2 + rank * H * 2
+    t, _ = chain_time(step, h0, w, sets, est_s=need / 3e12 + 10e-6)
+    return dict(part="predictor", F=F, H=H, rank=rank, row_blocks=row_blocks,
+                block_d=block_d, bytes=need, time_us=t * 1e6, gbps=need / t / 1e9)
+
+
 def parse_variants(spec: str, cls) -> list:
     """Config variants from ``"base/field=value,field=value/..."`` (values are ints)."""
     out = []
@@ -115,6 +144,9 @@ def main(argv=None):
     p.add_argument("--parts", default="attn-window,top-k")
     p.add_argument("--attn-variants", default="base/max_fused_splits=0/seq_splits=1")
     p.add_argument("--mlp-variants", default="base/num_stages=3")
+    p.add_argument("--predictor-variants", default="4x512/2x512/1x512/1x256",
+                   help="split predictor score product: ROW_BLOCKSxBLOCK_D, '/'-separated")
+    p.add_argument("--rank", type=int, default=256, help="predictor rank for the predictor part")
     p.add_argument("--out", default=os.environ.get("OUT", "."))
     args = p.parse_args(argv)
     d, H = MODELS[args.model]
@@ -147,6 +179,13 @@ def main(argv=None):
             row = bench.bench_mlp_point(W, d, 1, args.mlp, which="sparse", config=cfg)
             log({**row, "part": "mlp-config", "variant": name})
         del W
+    if "predictor" in parts:
+        F = 4 * d
+        for item in args.predictor_variants.split("/"):
+            row_blocks, block_d = map(int, item.split("x"))
+            log(predictor_point(d, F, H, args.rank, max(1, round(F * args.mlp / 100)),
+                                max(1, round(H * args.heads / 100)), row_blocks=row_blocks,
+                                block_d=block_d))
     if "top-k" in parts:
         F = 4 * d
         k = max(1, round(F * args.mlp / 100))

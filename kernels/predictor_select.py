@@ -118,9 +118,10 @@ def _select_kernel(layer_ref, sp_ref, b2m_ref, h_ref, b1_ref, w2h_ref, b2h_ref, 
 
 
 @functools.partial(jax.jit, static_argnames=("k_mlp", "k_heads", "activation", "chunk",
-                                             "interpret"))
+                                             "interpret", "row_blocks", "block_d"))
 def _predictor_select_pallas(h_parts, b1, w2_mlp, b2_mlp, w2_heads, b2_heads, layer, *,
-                             k_mlp, k_heads, activation, chunk, interpret):
+                             k_mlp, k_heads, activation, chunk, interpret, row_blocks=4,
+                             block_d=512):
     L, r_mlp, F = w2_mlp.shape
     r_heads, H = w2_heads.shape[1:]
     nds = h_parts.shape[0]
@@ -129,8 +130,9 @@ def _predictor_select_pallas(h_parts, b1, w2_mlp, b2_mlp, w2_heads, b2_heads, la
     loader = functools.partial(_hidden_loader, nds=nds, r_mlp=r_mlp, r_all=r_mlp + r_heads,
                                activation=activation, dtype=w2_mlp.dtype)
     score_parts = gather_matvec_t([h_parts, b1_flat], loader, w2_mlp.reshape(L * r_mlp, F),
-                                  layer, B=1, rows_per_id=r_mlp, block_rows=16, block_d=512,
-                                  row_blocks_per_program=4, interpret=interpret)
+                                  layer, B=1, rows_per_id=r_mlp, block_rows=16,
+                                  block_d=min(block_d, next_pow2(F)),
+                                  row_blocks_per_program=row_blocks, interpret=interpret)
     C, c, kc = local_top_k_shape(F, k_mlp, chunk)
     block = next_pow2(c)
     Hp = max(16, next_pow2(H))
@@ -153,7 +155,7 @@ def _predictor_select_pallas(h_parts, b1, w2_mlp, b2_mlp, w2_heads, b2_heads, la
 
 def predictor_select(h_parts, b1, w2_mlp, b2_mlp, w2_heads, b2_heads, layer, k_mlp: int,
                      k_heads: int, *, activation: str = "none", chunk: int = 2048,
-                     impl: str | None = None):
+                     impl: str | None = None, row_blocks: int = 4, block_d: int = 512):
     """(neuron ids, head ids) of one token from its first-product partials.
 
     Args:
@@ -166,6 +168,8 @@ def predictor_select(h_parts, b1, w2_mlp, b2_mlp, w2_heads, b2_heads, layer, k_m
         chunk)`` equal chunks (:func:`~.top_k.local_top_k_shape`), ascending.
       k_heads: heads wanted: the exact top-k, ascending.
       activation: the predictors' hidden activation ("none", "relu" or "gelu").
+      row_blocks, block_d: the score product's blocks of 16 hidden rows per program and
+        columns per program (Pallas paths; powers of two for block_d).
     """
     check_array("h_parts", h_parts, ndim=3, floating=True)
     if activation not in ACTIVATIONS:
@@ -192,4 +196,5 @@ def predictor_select(h_parts, b1, w2_mlp, b2_mlp, w2_heads, b2_heads, layer, k_m
     return _predictor_select_pallas(h_parts, b1, w2_mlp, b2_mlp, w2_heads, b2_heads, layer,
                                     k_mlp=int(k_mlp), k_heads=int(k_heads),
                                     activation=activation, chunk=int(chunk),
-                                    interpret=impl == "interpret")
+                                    interpret=impl == "interpret", row_blocks=int(row_blocks),
+                                    block_d=int(block_d))

@@ -57,8 +57,9 @@ def test_predictor_select_equals_numpy(rng, impl, F, H, r_mlp, r_heads, k_mlp, k
         args = args[:2] + (args[2].astype(jnp.bfloat16), args[3],
                            args[4].astype(jnp.bfloat16), args[5])
     for layer in (0, L - 1):
+        blocks = dict(row_blocks=1, block_d=128) if F == 5000 else {}  # non-default blocks
         neurons, heads = predictor_select(*args, jnp.int32(layer), k_mlp, k_heads,
-                                          activation=act, chunk=chunk, impl=impl)
+                                          activation=act, chunk=chunk, impl=impl, **blocks)
         want_n, want_h = _numpy_sets(*args, layer, k_mlp, k_heads, act, chunk)
         np.testing.assert_array_equal(np.asarray(neurons), want_n)
         np.testing.assert_array_equal(np.asarray(heads), want_h)
