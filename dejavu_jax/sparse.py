@@ -164,11 +164,12 @@ def init_sparse_state(config: ModelConfig, scfg: SparseConfig, batch: int, max_l
         history=history)
 
 
-def sparse_prefill_fn(config: ModelConfig, scfg: SparseConfig, params: tuple,
-                      input_ids, attention_mask, state: SparseState):
+def sparse_prefill_fn(config: ModelConfig, params: tuple, input_ids, attention_mask,
+                      state: SparseState):
     """Dense prefill (fills every head's KV); marks the prompt's entries written.
 
-    params is (model params, selector params), as for `sparse_step_fn`.
+    params is (model params, selector params), as for `sparse_step_fn`. It does not depend
+    on the SparseConfig (beyond the state's shapes), so sparse engines of one model share it.
     """
     from dejavu_jax.model import prefill_fn
     params = params[0]
@@ -601,7 +602,7 @@ def sparse_engine(config: ModelConfig, scfg: SparseConfig, select: Selector):
     from dejavu_jax.generation import Engine
     return Engine(
         config=config,
-        prefill=functools.partial(sparse_prefill_fn, config, scfg),
+        prefill=functools.partial(sparse_prefill_fn, config),
         step=functools.partial(sparse_step_fn, config, scfg, select),
         init_state=functools.partial(init_sparse_state, config, scfg),
         name="oracle" if scfg.oracle else "sparse")

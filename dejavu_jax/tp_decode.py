@@ -194,7 +194,7 @@ def tp_sparse_engine(config: ModelConfig, scfg: sparse.SparseConfig, select, mes
                              layers_fn=sharded_layers_fn(mesh))
     return Engine(
         config=config,
-        prefill=_constrained(functools.partial(sparse.sparse_prefill_fn, config, scfg), mesh),
+        prefill=_constrained(functools.partial(sparse.sparse_prefill_fn, config), mesh),
         step=_constrained(step, mesh),
         init_state=_init_fn(functools.partial(sparse.init_sparse_state, config, scfg), mesh),
         name=f"{'oracle' if scfg.oracle else 'sparse'} tp={tp}")

@@ -220,8 +220,24 @@ def compiled_peak_bytes(compiled) -> int | None:
         return None
 
 
+def prefill_key(engine, params, prompt, mask, state):
+    """A key under which a compiled prefill can be reused: the prefill function (a partial's
+    function and static arguments) and every input's shape and dtype; None when the
+    function cannot be keyed (a closure, unhashable arguments)."""
+    fn = engine.prefill
+    ident = (getattr(fn, "func", fn), getattr(fn, "args", ()), tuple(getattr(fn, "keywords",
+                                                                             {}).items()))
+    try:
+        hash(ident)
+    except TypeError:
+        return None
+    leaves, tree = jax.tree.flatten((params, prompt, mask, state))
+    return ident, tree, tuple((tuple(a.shape), str(a.dtype)) for a in leaves)
+
+
 def measure_engine(engine, params, prompt, mask, tokens, max_len: int, warmup: int,
-                   steps: int, init_kwargs: dict, prefill_reps: int = 3) -> dict:
+                   steps: int, init_kwargs: dict, prefill_reps: int = 3,
+                   prefill_cache: dict | None = None, loop_only: bool = False) -> dict:
     """Timings of one engine at one (context, batch).
 
     Prefill, step and device loop are compiled ahead of time, and each compile is timed
@@ -231,6 +247,10 @@ def measure_engine(engine, params, prompt, mask, tokens, max_len: int, warmup: i
     (`time_decode`); ms_loop: steps chained on the device (`time_loop`), on the same
     cache. peak_bytes: the devices' peak so far (`device_peak_bytes`); step_peak_bytes:
     XLA's estimate for the step executable.
+
+    prefill_cache: a dict that keeps compiled prefills across calls (`prefill_key`); a
+    reused one reports `compile_prefill_s` 0 and `prefill_cached` True. loop_only: skip
+    the host-synchronised step (its compile and timing; `ms`, `p90_ms` are None), for grids.
     """
     batch = prompt.shape[0]
 
@@ -239,10 +259,17 @@ def measure_engine(engine, params, prompt, mask, tokens, max_len: int, warmup: i
 
     res = {}
     state = fresh()
+    key = None if prefill_cache is None else prefill_key(engine, params, prompt, mask, state)
     t = time.perf_counter()
-    prefill = jax.jit(engine.prefill, donate_argnums=3).lower(params, prompt, mask,
-                                                               state).compile()
-    res["compile_prefill_s"] = time.perf_counter() - t
+    if key is not None and key in prefill_cache:
+        prefill = prefill_cache[key]
+        res["prefill_cached"] = True
+    else:
+        prefill = jax.jit(engine.prefill, donate_argnums=3).lower(params, prompt, mask,
+                                                                   state).compile()
+        if key is not None:
+            prefill_cache[key] = prefill
+    res["compile_prefill_s"] = 0.0 if res.get("prefill_cached") else time.perf_counter() - t
     times = []
     for i in range(1 + prefill_reps):
         if i:
@@ -254,12 +281,15 @@ def measure_engine(engine, params, prompt, mask, tokens, max_len: int, warmup: i
         jax.block_until_ready(state)
         times.append(time.perf_counter() - t)
     res["prefill_ms"] = float(np.median(times[1:] or times)) * 1e3
-    t = time.perf_counter()
-    step = jax.jit(engine.step, donate_argnums=1).lower(params, state, tokens).compile()
-    res["compile_step_s"] = time.perf_counter() - t
-    res["step_peak_bytes"] = compiled_peak_bytes(step)
-    med, p90, state = time_decode(step, params, state, tokens, warmup, steps)
-    res.update(ms=med * 1e3, p90_ms=p90 * 1e3)
+    if loop_only:
+        res.update(compile_step_s=0.0, step_peak_bytes=None, ms=None, p90_ms=None)
+    else:
+        t = time.perf_counter()
+        step = jax.jit(engine.step, donate_argnums=1).lower(params, state, tokens).compile()
+        res["compile_step_s"] = time.perf_counter() - t
+        res["step_peak_bytes"] = compiled_peak_bytes(step)
+        med, p90, state = time_decode(step, params, state, tokens, warmup, steps)
+        res.update(ms=med * 1e3, p90_ms=p90 * 1e3)
     per_step, res["compile_loop_s"], state = time_loop(engine.step, params, state, tokens,
                                                        steps)
     res["ms_loop"] = per_step * 1e3
@@ -273,20 +303,24 @@ def rates(nbytes: int, batch: int, ms: float, ms_loop: float | None) -> dict:
     """GB/s and tokens/s of a row: from ms_loop (device-chained steps) where measured,
     else from the synchronised ms (HF rows); gbs_synced always from ms."""
     per_token = ms_loop if ms_loop else ms
-    return dict(bytes=nbytes, gbs=nbytes / per_token / 1e6, gbs_synced=nbytes / ms / 1e6,
+    return dict(bytes=nbytes, gbs=nbytes / per_token / 1e6,
+                gbs_synced=None if ms is None else nbytes / ms / 1e6,
                 tokens_per_s=batch * 1e3 / per_token)
 
 
 def measure_rows(config, params, preds, contexts, mlp_densities, head_densities, batches,
                  rank, dense_layers, warmup, steps, bar, log, select_methods, modes,
                  prefill_reps, *, init_kwargs, label, dense, sparse_engine, fixed_sets,
-                 make_row, kv_recompute_off=False) -> list[dict]:
+                 make_row, kv_recompute_off=False, loop_only=False) -> list[dict]:
     """The rows of one model for every context and batch: the `dense` engine, then for each
     density pair the sparse variants (`sparse_variants`) built by `sparse_engine(scfg,
     select)`; precomputed sets come from `fixed_sets(scfg)` (at heads 0.5, first context).
     `make_row(columns)` completes each row (model, layout, device columns); every row is
-    logged as one JSON line. A setting that fails (OOM, lowering) is logged and skipped."""
+    logged as one JSON line. A setting that fails (OOM, lowering) is logged and skipped.
+    Compiled prefills are reused across rows of equal shapes (the sparse engines of a model
+    share one); loop_only skips the host-synchronised timing (`measure_engine`)."""
     rows = []
+    prefill_cache = {}
     for ctx in contexts:
         max_len = cache_len(ctx, warmup, steps)
         for batch in batches:
@@ -297,7 +331,8 @@ def measure_rows(config, params, preds, contexts, mlp_densities, head_densities,
             def measure(what, engine, engine_params):
                 try:
                     return measure_engine(engine, engine_params, prompt, mask, tokens, max_len,
-                                          warmup, steps, init_kwargs, prefill_reps)
+                                          warmup, steps, init_kwargs, prefill_reps,
+                                          prefill_cache, loop_only)
                 except Exception as e:  # report (OOM, lowering errors) and go on
                     log(f"FAILED {label} ctx={ctx} batch={batch} {what}: "
                         f"{type(e).__name__}: {str(e)[:400]}")
@@ -337,7 +372,8 @@ def measure_rows(config, params, preds, contexts, mlp_densities, head_densities,
 
 def run_model(name, contexts, mlp_densities, head_densities, batches, rank, dense_layers,
               warmup, steps, bar, log, layout="unrolled", select_methods=("exact",),
-              kv_recompute_off=False, modes=("dense", "sparse"), prefill_reps=3):
+              kv_recompute_off=False, modes=("dense", "sparse"), prefill_reps=3,
+              loop_only=False):
     """All rows for one model preset, with the layers stacked (scan) or unrolled: for every
     context and batch, dense (ours) and the sparse variants (`sparse_variants`)."""
     from dejavu_jax.generation import dense_engine
@@ -358,7 +394,7 @@ def run_model(name, contexts, mlp_densities, head_densities, batches, rank, dens
         dense=dense_engine(config), sparse_engine=functools.partial(sparse.sparse_engine, config),
         fixed_sets=lambda scfg: random_sets(config, scfg),
         make_row=lambda r: dict(model=name, layout=layout, **r),
-        kv_recompute_off=kv_recompute_off)
+        kv_recompute_off=kv_recompute_off, loop_only=loop_only)
     del params
     return rows
 
@@ -384,12 +420,12 @@ def add_speedups(rows) -> list[dict]:
         if r["mode"] not in ("dense", "sparse"):
             continue
         d = dense.get((r["model"], r.get("layout"), r["context"], r["batch"]))
-        r["speedup"] = d["ms"] / r["ms"] if d else None
+        r["speedup"] = d["ms"] / r["ms"] if d and d.get("ms") and r.get("ms") else None
         r["speedup_loop"] = (d["ms_loop"] / r["ms_loop"]
                              if d and d.get("ms_loop") and r.get("ms_loop") else None)
         for m in bench_hf.HF_MODES:
             h = hf.get((m, r["model"], r["context"], r["batch"]))
-            r["speedup_vs_" + m.replace("-", "_")] = h["ms"] / r["ms"] if h else None
+            r["speedup_vs_" + m.replace("-", "_")] = h["ms"] / r["ms"] if h and r.get("ms") else None
     return rows
 
 
@@ -442,8 +478,8 @@ def table(cols, rows, cells) -> str:
 
 def speedup_cells(r) -> tuple[str, str, str]:
     """The speedup columns: vs dense (synced / loop), vs hf-eager, vs hf-compiled."""
-    vs_dense = ("–" if r.get("speedup") is None else
-                f"{r['speedup']:.2f}x / {_f(r.get('speedup_loop'), '.2f', 'x')}")
+    vs_dense = ("–" if r.get("speedup") is None and r.get("speedup_loop") is None else
+                f"{_f(r.get('speedup'), '.2f', 'x')} / {_f(r.get('speedup_loop'), '.2f', 'x')}")
     return (vs_dense, _f(r.get("speedup_vs_hf_eager"), ".2f", "x"),
             _f(r.get("speedup_vs_hf_compiled"), ".2f", "x"))
 
@@ -458,8 +494,8 @@ def markdown(rows, roofline) -> str:
     def cells(r):
         peak = r.get("peak_bytes")
         return (r["model"], r.get("layout", "stacked"), r["mode"], r["context"], r["batch"],
-                f"{r['mlp']:.2f}", f"{r['heads']:.2f}", r["indices"], f"{r['ms']:.3f}",
-                _f(r.get("ms_loop"), ".3f"), f"{r['p90_ms']:.3f}",
+                f"{r['mlp']:.2f}", f"{r['heads']:.2f}", r["indices"], _f(r.get("ms"), ".3f"),
+                _f(r.get("ms_loop"), ".3f"), _f(r.get("p90_ms"), ".3f"),
                 _f(r.get("tokens_per_s"), ".0f"), _f(r.get("bytes") and r["bytes"] / 1e9, ".2f"),
                 _f(r.get("gbs"), ".0f"),
                 _f(r.get("gbs") and 100 * r["gbs"] / (r.get("roofline_gbs") or roofline),
@@ -520,6 +556,9 @@ def main(argv=None) -> int:
     p.add_argument("--warmup", type=int, default=3)
     p.add_argument("--steps", type=int, default=20)
     p.add_argument("--prefill-reps", type=int, default=3)
+    p.add_argument("--loop-only", action="store_true",
+                   help="time only the device-chained steps (skips the host-synchronised "
+                        "step's compile and timing; ms and p90 are left empty): for grids")
     p.add_argument("--layouts", default="unrolled",
                    help="stacked (lax.scan over stacked layers), unrolled, or both")
     p.add_argument("--select", default="exact",
@@ -629,7 +668,7 @@ def main(argv=None) -> int:
             rows += run_model(name, contexts, mlps, heads, batches, args.rank,
                               args.dense_layers, args.warmup, args.steps, bar, log, layout,
                               tuple(split(args.select, str)), args.diagnose_kv_recompute,
-                              ours, args.prefill_reps)
+                              ours, args.prefill_reps, args.loop_only)
             measured.clear()
         write()
     bar.close()

@@ -193,3 +193,44 @@ def test_step_parts_config_variants_parse():
     assert parse_variants("fc1_d_chunks=7", MLPConfig)[0][1].fc1_d_chunks == 7
     with pytest.raises(ValueError, match="no field"):
         parse_variants("base/warps=8", AttnConfig)
+
+
+def test_loop_only_grid_reuses_the_sparse_prefill(tmp_path):
+    out = tmp_path / "grid"
+    assert bench_decode.main([
+        "--models", "opt-tiny", "--contexts", "8", "--batch", "1", "--steps", "2",
+        "--warmup", "1", "--prefill-reps", "1", "--mlp", "0.5", "--heads", "0.25,0.5",
+        "--layouts", "stacked", "--modes", "dense,sparse", "--select", "local",
+        "--loop-only", "--out", str(out)]) == 0
+    rows = json.loads((out / "bench_decode.json").read_text())["rows"]
+    assert sorted(r["indices"] for r in rows) == ["-", "fixed", "predictor-local",
+                                                  "predictor-local"]
+    for r in rows:
+        assert r["ms"] is None and r["p90_ms"] is None and r["gbs_synced"] is None
+        assert r["ms_loop"] > 0 and r["compile_loop_s"] > 0 and r["compile_step_s"] == 0
+    sparse_rows = [r for r in rows if r["mode"] == "sparse"]
+    cached = [r for r in sparse_rows if r.get("prefill_cached")]
+    # the predictor rows share one prefill (same selector params); the first compiles it
+    assert len(cached) == 1 and cached[0]["compile_prefill_s"] == 0
+    assert all(r["compile_prefill_s"] > 0 for r in rows if not r.get("prefill_cached"))
+    dense = next(r for r in rows if r["mode"] == "dense")
+    for r in sparse_rows:
+        assert r["speedup"] is None
+        assert r["speedup_loop"] == pytest.approx(dense["ms_loop"] / r["ms_loop"])
+    table = (out / "bench_decode.md").read_text()
+    assert "| – / " in table
+
+
+def test_prefill_key_ignores_the_sparse_config_but_not_shapes():
+    config = config_lib.preset("opt-tiny")
+    a = sparse.sparse_engine(config, sparse.sparse_config(config, 0.5, 0.5), sparse.fixed_selector)
+    b = sparse.sparse_engine(config, sparse.sparse_config(config, 0.1, 1.0), sparse.fixed_selector)
+    params = (jax.eval_shape(lambda k: init_params(config, k, BF16), jax.random.key(0)), None)
+    prompt = jnp.zeros((1, 8), jnp.int32)
+    state = jax.eval_shape(lambda: a.init_state(1, 32, BF16))
+    key = bench_decode.prefill_key(a, params, prompt, prompt, state)
+    assert key is not None and key == bench_decode.prefill_key(b, params, prompt, prompt, state)
+    longer = jnp.zeros((1, 9), jnp.int32)
+    assert key != bench_decode.prefill_key(a, params, longer, longer, state)
+    dense = __import__("dejavu_jax.generation", fromlist=["dense_engine"]).dense_engine(config)
+    assert key != bench_decode.prefill_key(dense, params, prompt, prompt, state)
