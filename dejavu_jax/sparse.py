@@ -387,6 +387,14 @@ def _reduced(reduce, out: jax.Array) -> jax.Array:
     return out if reduce is None else reduce(out)
 
 
+def _next_layer(layer, n_layers: int):
+    """The layer the lookahead predicts: layer + 1 (the last layer predicts itself, unused);
+    a Python int for a static layer id (unrolled layers), else traced."""
+    if isinstance(layer, int):
+        return min(layer + 1, n_layers - 1)
+    return jnp.minimum(jnp.asarray(layer, jnp.int32) + 1, n_layers - 1)
+
+
 def _layer_loop(body, carry, start: int, stop: int, unrolled: bool):
     """lax.scan over traced layer ids start..stop-1, or a Python loop over static ids."""
     if unrolled:
@@ -421,7 +429,7 @@ def sparse_layers(config: ModelConfig, scfg: SparseConfig, params: ModelParams,
                                             unrolled)
             continue
 
-        first = jnp.asarray(start, jnp.int32)
+        first = start if unrolled else jnp.asarray(start, jnp.int32)
         idx = select(selector_params, first, prev_input if start > 0 else x, k_mlp, k_heads)
         if config.pre_norm and reduce is None:
             x, prev_input, io = _fused_segment(config, scfg, params, select, selector_params,
@@ -431,7 +439,7 @@ def sparse_layers(config: ModelConfig, scfg: SparseConfig, params: ModelParams,
 
         def sparse_body(carry, layer, k_mlp=k_mlp, k_heads=k_heads):
             x, io, (neurons, groups), _ = carry
-            nxt = jnp.minimum(jnp.asarray(layer, jnp.int32) + 1, config.n_layers - 1)
+            nxt = _next_layer(layer, config.n_layers)
             idx_next = select(selector_params, nxt, x, k_mlp, k_heads)  # lookahead
             x_next, io = _sparse_layer(config, scfg, _layer_view(params, layer), io, layer, x,
                                        neurons, groups, step, reduce)
@@ -450,7 +458,7 @@ def _fused_segment(config, scfg, params, select, selector_params, x, io, step, i
 
     def sparse_body(carry, layer):
         x, io, (neurons, groups), _ = carry
-        nxt = jnp.minimum(jnp.asarray(layer, jnp.int32) + 1, config.n_layers - 1)
+        nxt = _next_layer(layer, config.n_layers)
 
         def lookahead(x_in, x_rms):
             if split:
@@ -582,11 +590,18 @@ def predictor_selector(group_size: int,
 
 
 def fixed_selector(sets, layer, x, k_mlp, k_heads):
-    """A Selector whose parameters are precomputed sets: (neuron_idx [L, K], head_idx [L, Kh]).
+    """A Selector whose parameters are precomputed sets: (neuron_idx [L, K], head_idx [L, Kh]),
+    or tuples of per-layer arrays ([K] and [Kh] each; unrolled layers only, whose layer ids
+    are static). Per-layer arrays of exactly k ids reach the kernels as they are; a row of
+    the stacked arrays is a slice that XLA copies before every kernel that reads it.
 
     For benchmarks that exclude predictor time, and for tests.
     """
     neuron_idx, head_idx = sets
+    if isinstance(neuron_idx, (tuple, list)):
+        if not isinstance(layer, int):
+            raise TypeError("per-layer index sets need static layer ids (unrolled layers)")
+        return neuron_idx[layer][:k_mlp], head_idx[layer][:k_heads]
     return neuron_idx[layer, :k_mlp], head_idx[layer, :k_heads]
 
 

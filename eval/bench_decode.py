@@ -72,14 +72,18 @@ def random_predictors(config, rank: int, key) -> PredictorParams:
     return PredictorParams(mlp=one(k1, k2, config.ffn), heads=one(k3, k4, config.n_heads))
 
 
-def random_sets(config, scfg, seed: int = 0):
-    """Sorted random index sets per layer: (neurons [L, Kmax], groups [L, Khmax])."""
+def random_sets(config, scfg, seed: int = 0, per_layer: bool = False):
+    """Sorted random index sets per layer: (neurons [L, Kmax], groups [L, Khmax]), or with
+    per_layer tuples of each layer's own [k] arrays (`sparse.fixed_selector`)."""
     rng = np.random.default_rng(seed)
     km, kh = max(scfg.mlp_k), max(scfg.head_k)
     neurons = np.stack([np.sort(rng.choice(config.ffn, km, replace=False))
                         for _ in range(config.n_layers)])
     groups = np.stack([np.sort(rng.choice(config.n_kv_heads, kh, replace=False))
                        for _ in range(config.n_layers)])
+    if per_layer:
+        return (tuple(jnp.asarray(neurons[l, :k], jnp.int32) for l, k in enumerate(scfg.mlp_k)),
+                tuple(jnp.asarray(groups[l, :k], jnp.int32) for l, k in enumerate(scfg.head_k)))
     return jnp.asarray(neurons, jnp.int32), jnp.asarray(groups, jnp.int32)
 
 
@@ -392,7 +396,7 @@ def run_model(name, contexts, mlp_densities, head_densities, batches, rank, dens
         dense_layers, warmup, steps, bar, log, select_methods, modes, prefill_reps,
         init_kwargs=dict(per_layer=layout == "unrolled"), label=f"{name} {layout}",
         dense=dense_engine(config), sparse_engine=functools.partial(sparse.sparse_engine, config),
-        fixed_sets=lambda scfg: random_sets(config, scfg),
+        fixed_sets=lambda scfg: random_sets(config, scfg, per_layer=layout == "unrolled"),
         make_row=lambda r: dict(model=name, layout=layout, **r),
         kv_recompute_off=kv_recompute_off, loop_only=loop_only)
     del params

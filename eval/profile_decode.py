@@ -106,8 +106,10 @@ def time_steps(step, params, state, tokens, steps: int):
     return float(np.median(times)), state
 
 
-def mode_engine(config, mode: str, mlp: float, heads: float, dense_layers: int, rank: int):
-    """(step_fn(params, state, tokens), params extra, init_state, prefill) for a mode."""
+def mode_engine(config, mode: str, mlp: float, heads: float, dense_layers: int, rank: int,
+                per_layer: bool = False):
+    """(engine, selector params) for a mode, None for dense (per_layer: the unrolled
+    layout's per-layer index sets)."""
     from dejavu_jax.eval.bench_decode import random_predictors, random_sets
     from dejavu_jax.train.predictor_model import decode_predictors
     if mode == "dense":
@@ -116,7 +118,8 @@ def mode_engine(config, mode: str, mlp: float, heads: float, dense_layers: int, 
     if mode.endswith("no-kv-recompute"):
         scfg = dataclasses.replace(scfg, kv_recompute=False)
     if mode.startswith("sparse-fixed"):
-        return sparse.sparse_engine(config, scfg, sparse.fixed_selector), random_sets(config, scfg)
+        return (sparse.sparse_engine(config, scfg, sparse.fixed_selector),
+                random_sets(config, scfg, per_layer=per_layer))
     if mode.startswith("sparse-predictor"):
         method = mode.removeprefix("sparse-predictor").lstrip("-") or "exact"
         sel = sparse.predictor_selector(config.group_size, method=method)
@@ -133,7 +136,8 @@ def profile_mode(config, params, mode, args, out: Path, log) -> dict:
     prompt = jax.random.randint(jax.random.key(2), (B, ctx), 3, config.vocab_size)
     mask = jnp.ones_like(prompt)
     tokens = jnp.full((B,), 42, jnp.int32)
-    eng = mode_engine(config, mode, args.mlp, args.heads, args.dense_layers, args.rank)
+    eng = mode_engine(config, mode, args.mlp, args.heads, args.dense_layers, args.rank,
+                      per_layer=unrolled)
     if eng is None:
         step_fn = lambda p, s, t: model.decode_step_fn(config, p, s, t)  # noqa: E731
         run_params = params

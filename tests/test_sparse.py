@@ -291,6 +291,13 @@ def test_unrolled_layers_equal_stacked_scan():
     stacked = generate_tokens(eng, (params, sets), prompts, 5, stop_ids=[])
     unrolled = generate_tokens(eng, (unstack_layers(params), sets), prompts, 5, stop_ids=[])
     assert stacked.tokens == unrolled.tokens
+    # per-layer index arrays (what the benchmark passes with unrolled layers)
+    per_layer = tuple(tuple(s[l, :k] for l, k in enumerate(ks))
+                      for s, ks in zip(sets, (scfg.mlp_k, scfg.head_k)))
+    assert generate_tokens(eng, (unstack_layers(params), per_layer), prompts, 5,
+                           stop_ids=[]).tokens == stacked.tokens
+    with pytest.raises(TypeError, match="static layer ids"):
+        generate_tokens(eng, (params, per_layer), prompts, 2, stop_ids=[])
     dense = generate_tokens(dense_engine(config), unstack_layers(params), prompts, 5, stop_ids=[])
     assert dense.tokens == generate_tokens(dense_engine(config), params, prompts, 5,
                                            stop_ids=[]).tokens
