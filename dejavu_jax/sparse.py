@@ -33,7 +33,8 @@ from dejavu_jax.params import ModelParams
 F32 = jnp.float32
 
 # select(selector_params, layer, x_prev_input [B, d], k_mlp, k_heads)
-#   -> (neuron_idx [Km], group_idx [Kh]); selector_params is a pytree (e.g. predictor weights)
+#   -> (neuron_idx [Km], group_idx [Kh]); selector_params is a pytree (e.g. predictor weights);
+#   layer is a Python int with unrolled layers, an int32 scalar array otherwise
 Selector = Callable[..., tuple[jax.Array, jax.Array]]
 
 

@@ -72,15 +72,23 @@ def random_predictors(config, rank: int, key) -> PredictorParams:
     return PredictorParams(mlp=one(k1, k2, config.ffn), heads=one(k3, k4, config.n_heads))
 
 
+def layer_rows(rng, n: int, ks, width: int) -> np.ndarray:
+    """[len(ks), width] ids in [0, n): row l starts with a sorted random ks[l]-subset (what
+    `sparse.fixed_selector` reads for layer l) and goes on with other distinct ids."""
+    rows = []
+    for k in ks:
+        perm = rng.permutation(n)[:width]
+        rows.append(np.concatenate([np.sort(perm[:k]), perm[k:]]))
+    return np.stack(rows)
+
+
 def random_sets(config, scfg, seed: int = 0, per_layer: bool = False):
-    """Sorted random index sets per layer: (neurons [L, Kmax], groups [L, Khmax]), or with
-    per_layer tuples of each layer's own [k] arrays (`sparse.fixed_selector`)."""
+    """Random index sets per layer, each layer's first k (its own density) sorted:
+    (neurons [L, Kmax], groups [L, Khmax]), or with per_layer tuples of each layer's own
+    [k] arrays (`sparse.fixed_selector`)."""
     rng = np.random.default_rng(seed)
-    km, kh = max(scfg.mlp_k), max(scfg.head_k)
-    neurons = np.stack([np.sort(rng.choice(config.ffn, km, replace=False))
-                        for _ in range(config.n_layers)])
-    groups = np.stack([np.sort(rng.choice(config.n_kv_heads, kh, replace=False))
-                       for _ in range(config.n_layers)])
+    neurons = layer_rows(rng, config.ffn, scfg.mlp_k, max(scfg.mlp_k))
+    groups = layer_rows(rng, config.n_kv_heads, scfg.head_k, max(scfg.head_k))
     if per_layer:
         return (tuple(jnp.asarray(neurons[l, :k], jnp.int32) for l, k in enumerate(scfg.mlp_k)),
                 tuple(jnp.asarray(groups[l, :k], jnp.int32) for l, k in enumerate(scfg.head_k)))
@@ -225,12 +233,14 @@ def compiled_peak_bytes(compiled) -> int | None:
 
 
 def prefill_key(engine, params, prompt, mask, state):
-    """A key under which a compiled prefill can be reused: the prefill function (a partial's
-    function and static arguments) and every input's shape and dtype; None when the
-    function cannot be keyed (a closure, unhashable arguments)."""
+    """A key under which a compiled prefill can be reused: the prefill partial's function
+    and static arguments, and every input's shape and dtype; None when the prefill is not
+    a `functools.partial` (e.g. the tensor-parallel engines' wrappers) or its arguments
+    are unhashable."""
     fn = engine.prefill
-    ident = (getattr(fn, "func", fn), getattr(fn, "args", ()), tuple(getattr(fn, "keywords",
-                                                                             {}).items()))
+    if not isinstance(fn, functools.partial):
+        return None
+    ident = (fn.func, fn.args, tuple(fn.keywords.items()))
     try:
         hash(ident)
     except TypeError:
@@ -429,7 +439,8 @@ def add_speedups(rows) -> list[dict]:
                              if d and d.get("ms_loop") and r.get("ms_loop") else None)
         for m in bench_hf.HF_MODES:
             h = hf.get((m, r["model"], r["context"], r["batch"]))
-            r["speedup_vs_" + m.replace("-", "_")] = h["ms"] / r["ms"] if h and r.get("ms") else None
+            r["speedup_vs_" + m.replace("-", "_")] = (h["ms"] / r["ms"] if h and r.get("ms")
+                                                      else None)
     return rows
 
 
@@ -628,6 +639,7 @@ def main(argv=None) -> int:
                 python=platform.python_version(), rank=args.rank,
                 xla_flags=os.environ.get("XLA_FLAGS", ""),
                 dense_layers=args.dense_layers, modes=modes, batches=batches,
+                loop_only=args.loop_only,
                 warmup=args.warmup, steps=args.steps,
                 mesh=None if mesh is None else dict(mesh.shape),
                 hf=None if hf is None else hf["meta"],
@@ -666,7 +678,7 @@ def main(argv=None) -> int:
                 rows += run_model_tp(name, contexts, mlps, heads, batches, args.rank,
                                      args.dense_layers, args.warmup, args.steps, bar, log,
                                      layout, tuple(split(args.select, str)), mesh, ours,
-                                     args.prefill_reps)
+                                     args.prefill_reps, args.loop_only)
                 measured.clear()
                 continue
             rows += run_model(name, contexts, mlps, heads, batches, args.rank,

@@ -45,22 +45,23 @@ def measure_allreduce(mesh, batch: int, width: int, reps: int = 200) -> float:
 
 def random_local_sets(config, scfg, tp: int, seed: int = 0):
     """Random per-shard index sets for `sparse.fixed_selector` under tp: [L, tp * k_local]
-    with each shard's block holding sorted local unit ids."""
+    with each shard's block starting with the layer's sorted local unit ids
+    (`bench_decode.layer_rows`)."""
+    from dejavu_jax.eval.bench_decode import layer_rows
     rng = np.random.default_rng(seed)
-    km = tp_decode.local_k(max(scfg.mlp_k), tp)
-    kh = tp_decode.local_k(max(scfg.head_k), tp)
     f_loc, h_loc = config.ffn // tp, config.n_kv_heads // tp
 
-    def sets(n, k):
-        return np.stack([np.concatenate([np.sort(rng.choice(n, k, replace=False))
-                                         for _ in range(tp)]) for _ in range(config.n_layers)])
+    def sets(n, ks):
+        local = [tp_decode.local_k(k, tp) for k in ks]
+        return np.concatenate([layer_rows(rng, n, local, max(local)) for _ in range(tp)], 1)
 
-    return jnp.asarray(sets(f_loc, km), jnp.int32), jnp.asarray(sets(h_loc, kh), jnp.int32)
+    return (jnp.asarray(sets(f_loc, scfg.mlp_k), jnp.int32),
+            jnp.asarray(sets(h_loc, scfg.head_k), jnp.int32))
 
 
 def run_model_tp(name, contexts, mlp_densities, head_densities, batches, rank, dense_layers,
                  warmup, steps, bar, log, layout, select_methods, mesh,
-                 modes=("dense", "sparse"), prefill_reps=3):
+                 modes=("dense", "sparse"), prefill_reps=3, loop_only=False):
     """All rows for one preset on `mesh` (see `bench_decode.run_model` and
     `bench_decode.measure_engine` for the columns; GB/s per device and the all-reduce share
     come from ms_loop)."""
@@ -98,7 +99,8 @@ def run_model_tp(name, contexts, mlp_densities, head_densities, batches, rank, d
         label=f"{name} tp={tp}", dense=tp_decode.tp_dense_engine(config, mesh),
         sparse_engine=lambda scfg, select: tp_decode.tp_sparse_engine(config, scfg, select,
                                                                       mesh),
-        fixed_sets=lambda scfg: random_local_sets(config, scfg, tp), make_row=make_row)
+        fixed_sets=lambda scfg: random_local_sets(config, scfg, tp), make_row=make_row,
+        loop_only=loop_only)
     del params
     return rows
 
@@ -116,8 +118,8 @@ def markdown_tp(rows, roofline) -> str:
     def cells(r):
         peak = r.get("peak_bytes")
         return (r["model"], r["layout"], r["tp"], r["mode"], r["context"], r["batch"],
-                f"{r['mlp']:.2f}", f"{r['heads']:.2f}", r["indices"], f"{r['ms']:.3f}",
-                f"{r['ms_loop']:.3f}", f"{r['p90_ms']:.3f}", f"{r['tokens_per_s']:.0f}",
+                f"{r['mlp']:.2f}", f"{r['heads']:.2f}", r["indices"], _f(r.get("ms"), ".3f"),
+                f"{r['ms_loop']:.3f}", _f(r.get("p90_ms"), ".3f"), f"{r['tokens_per_s']:.0f}",
                 f"{r['bytes'] / 1e9:.2f}", f"{r['gbs_per_device']:.0f}",
                 f"{100 * r['gbs_per_device'] / (r.get('roofline_gbs') or roofline):.0f}%",
                 f"{r['prefill_ms']:.1f}", f"{r['compile_s']:.1f}", _f(peak and peak / 1e9, ".1f"),

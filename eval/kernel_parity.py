@@ -35,17 +35,8 @@ import numpy as np
 
 from dejavu_jax import config as config_lib
 from dejavu_jax import sparse
+from dejavu_jax.eval.bench_decode import random_sets
 from dejavu_jax.params import init_params, unstack_layers
-
-
-def _random_sets(config, scfg, seed: int):
-    rng = np.random.default_rng(seed)
-    L = config.n_layers
-    mlp = np.stack([np.sort(rng.choice(config.ffn, max(scfg.mlp_k), replace=False))
-                    for _ in range(L)])
-    heads = np.stack([np.sort(rng.choice(config.n_kv_heads, max(scfg.head_k), replace=False))
-                      for _ in range(L)])
-    return jnp.asarray(mlp, jnp.int32), jnp.asarray(heads, jnp.int32)
 
 
 def _decode(config, scfg, params, sets, steps: int, per_layer: bool):
@@ -81,7 +72,7 @@ def _decode_rows(impl: str, steps: int) -> list[dict]:
         params = init_params(config, jax.random.key(0), jnp.float32, std=0.1)
         for mlp, heads in ((1.0, 1.0), (0.3, 0.5)):
             scfg = sparse.sparse_config(config, mlp, heads, dense_layers=1, kv_window=4)
-            sets = _random_sets(config, scfg, seed=3)
+            sets = random_sets(config, scfg, seed=3)
             for layout in ("unrolled", "stacked"):
                 p = unstack_layers(params) if layout == "unrolled" else params
                 per_layer = layout == "unrolled"

@@ -3,10 +3,10 @@
 A decode-form predictor (``train.predictor_model.DecodePredictors``) scores a token with
 ``h = act(x_rms @ w1ᵀ + b1)`` (both kinds' hidden units side by side: ``r_mlp`` then
 ``r_heads``), then ``h_mlp @ w2_mlp + b2_mlp`` (F neuron scores) and ``h_heads @ w2_heads +
-b2_heads`` (H head scores). The hidden units are rounded to the second layer's dtype before the second
-product, as the predictors' own forward pass does. The first product is a plain gathered GEMV; the decode step
-runs it as one more segment of the attention's projection launch, whose fp32 partials
-``h_parts`` arrive here. :func:`predictor_select` then
+b2_heads`` (H head scores). The hidden units are rounded to the second layer's dtype
+before the second product, as the predictors' own forward pass does. The first product is
+a plain gathered GEMV; the decode step runs it as one more segment of the attention's
+projection launch, whose fp32 partials ``h_parts`` arrive here. :func:`predictor_select` then
 
 1. multiplies the neuron part in a :func:`~.gather_matvec.gather_matvec_t` launch whose
    loader finishes ``h`` (partials, bias, activation): fp32 score partials ``[P, 1, F]``;
@@ -188,6 +188,9 @@ def predictor_select(h_parts, b1, w2_mlp, b2_mlp, w2_heads, b2_heads, layer, k_m
         raise ValueError(f"k_mlp={k_mlp} / k_heads={k_heads} must be in 1..{F} / 1..{H}")
     if H > 4096:
         raise ValueError(f"{H} head scores exceed the one-program selection (4096)")
+    if block_d < 1 or block_d & (block_d - 1) or row_blocks < 1:
+        raise ValueError(f"block_d={block_d} must be a power of two and row_blocks="
+                         f"{row_blocks} positive")
     impl = resolve_impl(impl)
     if impl == "reference":
         return predictor_select_reference(h_parts, b1, w2_mlp, b2_mlp, w2_heads, b2_heads,

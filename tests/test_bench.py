@@ -9,6 +9,7 @@ import os
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 import pytest
 
 from dejavu_jax import config as config_lib
@@ -234,3 +235,26 @@ def test_prefill_key_ignores_the_sparse_config_but_not_shapes():
     assert key != bench_decode.prefill_key(a, params, longer, longer, state)
     dense = __import__("dejavu_jax.generation", fromlist=["dense_engine"]).dense_engine(config)
     assert key != bench_decode.prefill_key(dense, params, prompt, prompt, state)
+
+
+@pytest.mark.parametrize("per_layer", [False, True])
+def test_random_sets_are_random_per_layer(per_layer):
+    """The fixed rows' sets: each sparse layer's first k ids are its own sorted random set
+    (not the first k units, which a draw of the densest layer's k would give)."""
+    from dejavu_jax.eval.bench_tp import random_local_sets
+    config = config_lib.preset("opt-tiny").replace(n_layers=4)
+    scfg = sparse.sparse_config(config, 0.25, 0.5, dense_layers=2)
+    neurons, groups = bench_decode.random_sets(config, scfg, per_layer=per_layer)
+    for layer in range(2, 4):
+        for sets, k, n in ((neurons, scfg.mlp_k[layer], config.ffn),
+                           (groups, scfg.head_k[layer], config.n_kv_heads)):
+            ids = np.asarray(sets[layer][:k])
+            assert len(set(ids.tolist())) == k and (np.diff(ids) > 0).all() and ids.max() < n
+    firsts = [np.asarray(neurons[l][:scfg.mlp_k[l]]) for l in (2, 3)]
+    assert not np.array_equal(firsts[0], np.arange(scfg.mlp_k[2]))
+    assert not np.array_equal(firsts[0], firsts[1])
+    local, _ = random_local_sets(config, scfg, tp=2)
+    k_loc = scfg.mlp_k[2] // 2
+    block = np.asarray(local[2]).reshape(2, -1)[:, :k_loc]
+    assert all((np.diff(b) > 0).all() for b in block)
+    assert not np.array_equal(block[0], np.arange(k_loc))
