@@ -23,8 +23,8 @@ def norm_input(x: jax.Array, scale: jax.Array, bias: jax.Array | None,
     whose result is already in the norm weights' dtype, the dtype every consumer casts
     it to; elsewhere `norm` in fp32."""
     from dejavu_jax.kernels._common import resolve_impl
-    from dejavu_jax.kernels.layer_norm import MAX_WIDTH, layer_norm
-    if resolve_impl(None) != "pallas" or x.shape[-1] > MAX_WIDTH:
+    from dejavu_jax.kernels.layer_norm import layer_norm
+    if resolve_impl(None) != "pallas":
         return norm(x, scale, bias, eps)
     return layer_norm(x, scale, bias, eps, out_dtype=scale.dtype)
 

@@ -370,16 +370,19 @@ def _fused_sparse_layer(config, scfg, view, io, layer, x, neurons, groups, step,
     lp = view.lp
     eps = config.norm_eps
     x = x.astype(F32)
-    _, y, *rms = kernels.add_norm(x, None, None, lp.attn_norm_scale, lp.attn_norm_bias, eps,
-                                  out_dtype=lp.attn_norm_scale.dtype, rms_dtype=rms_dtype,
-                                  impl=scfg.impl)
-    nxt = lookahead(x, rms[0] if rms else None)
+    def norm(rows, scale, bias, rms_dtype=None):
+        return kernels.layer_norm(rows, scale, bias, eps, out_dtype=scale.dtype,
+                                  rms_dtype=rms_dtype, impl=scfg.impl)
+
+    y, rms = ((norm(x, lp.attn_norm_scale, lp.attn_norm_bias), None) if rms_dtype is None
+              else norm(x, lp.attn_norm_scale, lp.attn_norm_bias, rms_dtype))
+    nxt = lookahead(x, rms)
     split = isinstance(nxt, tuple) and callable(nxt[1])
     h, io, *extra_parts = _sparse_attention(config, scfg, view, io, layer, y, groups, step,
                                             residual=x, extra_segments=(nxt[0],) if split else ())
     if split:
         nxt = nxt[1](extra_parts[0][0])
-    y = ops.norm_input(h, lp.mlp_norm_scale, lp.mlp_norm_bias, eps)
+    y = norm(h, lp.mlp_norm_scale, lp.mlp_norm_bias)
     return _sparse_mlp(config, scfg, view, y, neurons, residual=h), x, io, nxt
 
 

@@ -4,19 +4,18 @@
 * :func:`head_sparse_attention` -- one decode step over a selected set of heads, with
   optional missing-KV recomputation (:class:`KVWindow`).
 * :func:`top_k_indices` -- the top-k unit ids of a score vector in one launch.
-* :func:`layer_norm` -- LayerNorm / RMSNorm of a few rows in one launch;
-  :func:`add_norm` -- the residual add of split-k partials and the norm, in one launch.
+* :func:`layer_norm` -- LayerNorm / RMSNorm of a few rows in one launch (optionally also
+  the rows over their RMS, the predictors' input).
 
 All take ``impl`` = None (auto: Pallas on GPU, reference elsewhere), "pallas",
 "interpret" or "reference".
 """
 from .head_attention import (AttnConfig, KVWindow, head_sparse_attention,
                              head_sparse_attention_reference)
-from .layer_norm import add_norm, add_norm_reference, layer_norm, layer_norm_reference
+from .layer_norm import layer_norm, layer_norm_reference
 from .sparse_mlp import MLPConfig, sparse_mlp, sparse_mlp_reference
 from .top_k import top_k_indices, top_k_indices_reference
 
 __all__ = ["sparse_mlp", "sparse_mlp_reference", "MLPConfig", "head_sparse_attention",
            "head_sparse_attention_reference", "AttnConfig", "KVWindow", "top_k_indices",
-           "top_k_indices_reference", "layer_norm", "layer_norm_reference", "add_norm",
-           "add_norm_reference"]
+           "top_k_indices_reference", "layer_norm", "layer_norm_reference"]

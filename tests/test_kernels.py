@@ -523,44 +523,27 @@ def test_layer_norm_rejects_bad_shapes():
         layer_norm(jnp.ones((2, 8)), jnp.ones(8), jnp.ones(9), 1e-5)
 
 
-@pytest.mark.parametrize("B,P,d,rms_norm,has_bias,with_rms",
-                         [(1, 3, 7168 // 64, False, True, True), (2, 1, 100, True, False, False),
-                          (3, 0, 64, False, True, True), (1, 2, 576, True, True, False)])
-def test_add_norm_equals_numpy(rng, B, P, d, rms_norm, has_bias, with_rms):
-    from dejavu_jax.kernels import add_norm
+@pytest.mark.parametrize("B,d,rms_norm,out", [(1, 7168 // 64, False, F32), (2, 100, True, F32),
+                                              (3, 64, False, jnp.bfloat16), (1, 576, True, F32)])
+def test_layer_norm_rms_output_equals_numpy(rng, B, d, rms_norm, out):
+    """The optional second output: the rows over their RMS (the predictors' input)."""
+    from dejavu_jax.kernels import layer_norm
     x = rng.standard_normal((B, d)) * 3 + 1.5
-    parts = rng.standard_normal((P, B, d)) if P else None
-    bias = rng.standard_normal(d) if has_bias else None
     scale, nbias = rng.standard_normal(d), None if rms_norm else rng.standard_normal(d)
-    new = x + (parts.sum(0) if P else 0) + (bias if has_bias else 0)
     if rms_norm:
-        want = new / np.sqrt(np.mean(new * new, -1, keepdims=True) + 1e-5) * scale
+        want = x / np.sqrt(np.mean(x * x, -1, keepdims=True) + 1e-5) * scale
     else:
-        c = new - new.mean(-1, keepdims=True)
+        c = x - x.mean(-1, keepdims=True)
         want = c / np.sqrt(np.mean(c * c, -1, keepdims=True) + 1e-5) * scale + nbias
-    want_rms = new / np.sqrt(np.mean(new * new, -1, keepdims=True) + 1e-6)
+    want_rms = x / np.sqrt(np.mean(x * x, -1, keepdims=True) + 1e-6)
     f = lambda a: None if a is None else jnp.asarray(a, F32)
     for impl in ("interpret", "reference"):
-        got = add_norm(f(x), f(parts), f(bias), f(scale), f(nbias), 1e-5,
-                       rms_dtype=jnp.bfloat16 if with_rms else None, impl=impl)
-        assert len(got) == (3 if with_rms else 2)
-        assert got[0].dtype == F32 and got[1].dtype == F32
-        np.testing.assert_allclose(np.asarray(got[0], np.float64), new, rtol=1e-5, atol=1e-5)
-        np.testing.assert_allclose(np.asarray(got[1], np.float64), want, rtol=1e-4, atol=1e-4)
-        if with_rms:
-            assert got[2].dtype == jnp.bfloat16
-            np.testing.assert_allclose(np.asarray(got[2], np.float64), want_rms, rtol=1e-2,
-                                       atol=1e-2)
-
-
-def test_add_norm_rejects_bad_shapes():
-    from dejavu_jax.kernels import add_norm
-    with pytest.raises(ValueError, match="parts"):
-        add_norm(jnp.ones((2, 8)), jnp.ones((1, 3, 8)), None, jnp.ones(8), None, 1e-5)
-    with pytest.raises(ValueError, match="bias"):
-        add_norm(jnp.ones((2, 8)), None, jnp.ones(7), jnp.ones(8), None, 1e-5)
-    with pytest.raises(ValueError, match="scale"):
-        add_norm(jnp.ones((2, 8)), None, None, jnp.ones(9), None, 1e-5)
+        y, rms = layer_norm(f(x), f(scale), f(nbias), 1e-5, out_dtype=out,
+                            rms_dtype=jnp.bfloat16, impl=impl)
+        assert y.dtype == out and rms.dtype == jnp.bfloat16
+        tol = 1e-4 if out == F32 else 1e-2
+        np.testing.assert_allclose(np.asarray(y, np.float64), want, rtol=tol, atol=tol)
+        np.testing.assert_allclose(np.asarray(rms, np.float64), want_rms, rtol=1e-2, atol=1e-2)
 
 
 @pytest.mark.parametrize("impl", ["interpret", "reference"])
@@ -617,11 +600,11 @@ def test_balanced_chunks_split_evenly():
     assert balanced_chunks(14, 9) == 7 and balanced_chunks(14, 100) == 14
 
 
-def test_add_norm_wide_rows_take_the_reference():
-    from dejavu_jax.kernels import add_norm
+def test_layer_norm_wide_rows_take_the_reference():
+    from dejavu_jax.kernels import layer_norm
     from dejavu_jax.kernels.layer_norm import MAX_WIDTH
     d = MAX_WIDTH + 8
     x = jnp.asarray(np.random.default_rng(0).standard_normal((1, d)), F32)
-    new, y = add_norm(x, None, None, jnp.ones(d), None, 1e-5, impl="interpret")
+    y = layer_norm(x, jnp.ones(d), None, 1e-5, impl="interpret")
     want = np.asarray(x) / np.sqrt(np.mean(np.asarray(x, np.float64) ** 2) + 1e-5)
     np.testing.assert_allclose(np.asarray(y), want, rtol=1e-4, atol=1e-4)

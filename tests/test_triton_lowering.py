@@ -78,9 +78,8 @@ def test_norms_top_k_and_predictor_select_lower():
     from dejavu_jax.kernels.predictor_select import predictor_select
     from dejavu_jax.kernels.top_k import top_k_indices_chunked, top_k_indices_local
     lowers(lambda x: kernels.layer_norm(x, x[0], None, 1e-5, impl="pallas"), z(2, 576))
-    lowers(lambda x, p: kernels.add_norm(x, p, x[0], x[0], x[0], 1e-5, rms_dtype=BF16,
-                                         impl="pallas"), z(2, 768, dtype=F32),
-           z(3, 2, 768, dtype=F32))
+    lowers(lambda x: kernels.layer_norm(x, x[0], x[0], 1e-5, rms_dtype=BF16, impl="pallas"),
+           z(2, 768, dtype=F32))
     s = z(28672, dtype=F32)
     for fn in (kernels.top_k_indices, top_k_indices_chunked, top_k_indices_local):
         lowers(lambda v, fn=fn: fn(v, 2867, impl="pallas"), s)
@@ -108,7 +107,7 @@ def test_sparse_decode_step_lowers(preset, batch, split):
     state = jax.eval_shape(lambda: eng.init_state(batch, 32, BF16, per_layer=True))
     text = lowers(eng.step, (params, preds), state, jnp.zeros((batch,), jnp.int32))
     assert ("predictor_select" in text) == split
-    assert "layer_norm" in text or "add_norm" in text
+    assert "layer_norm" in text
 
 
 def test_dense_decode_step_lowers():
