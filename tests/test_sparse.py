@@ -280,16 +280,8 @@ def test_unrolled_layers_equal_stacked_scan():
     config = dj.preset("llama-tiny")
     params = dj.init_params(config, jax.random.key(7), jnp.float32, std=0.1)
     scfg = sparse.sparse_config(config, 0.3, 0.5, dense_layers=1)
-    rng = np.random.default_rng(0)
-
-    def rows(n, ks):  # each layer's first k ids: its own sorted random set
-        out = []
-        for k in ks:
-            perm = rng.permutation(n)[:max(ks)]
-            out.append(np.concatenate([np.sort(perm[:k]), perm[k:]]))
-        return jnp.asarray(np.stack(out), jnp.int32)
-
-    sets = (rows(config.ffn, scfg.mlp_k), rows(config.n_kv_heads, scfg.head_k))
+    from dejavu_jax.eval.bench_decode import random_sets
+    sets = random_sets(config, scfg, seed=0)
     eng = sparse.sparse_engine(config, scfg, sparse.fixed_selector)
     prompts = [[5, 9, 14, 3, 7, 8], [4, 4]]
     stacked = generate_tokens(eng, (params, sets), prompts, 5, stop_ids=[])
