@@ -258,3 +258,12 @@ def test_random_sets_are_random_per_layer(per_layer):
     block = np.asarray(local[2]).reshape(2, -1)[:, :k_loc]
     assert all((np.diff(b) > 0).all() for b in block)
     assert not np.array_equal(block[0], np.arange(k_loc))
+
+
+def test_profile_layer_sequence_is_one_middle_layer():
+    from dejavu_jax.eval.profile_decode import layer_sequence
+    ordered = [("embed", 1.0)]
+    for layer in range(4):
+        ordered += [("attn", 2.0), (f"mlp{layer}", 3.0), (f"norm{layer}", 0.5)]
+    assert layer_sequence(ordered, "attn") == [("attn", 2.0), ("mlp1", 3.0), ("norm1", 0.5)]
+    assert layer_sequence(ordered[:2], "attn") == []
