@@ -35,7 +35,7 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
-from ._common import activation_fn, cdiv, next_pow2
+from ._common import activation_fn, cdiv, check_array, next_pow2
 
 
 def batch_pad(B: int) -> int:
@@ -102,7 +102,6 @@ def segment_reference(seg: Segment, x: jax.Array) -> jax.Array:
 
 def check_segment(seg: Segment, x: jax.Array) -> None:
     """Raise on a malformed :class:`Segment` for the call input ``x [B, d]``."""
-    from ._common import check_array
     if not isinstance(seg, Segment):
         raise TypeError(f"expected a Segment, got {type(seg).__name__}")
     check_array("segment w", seg.w, ndim=2, floating=True)
