@@ -9,6 +9,9 @@
   ``AttnConfig`` variants (``--attn-variants``), and ``mlp-config``: the sparse MLP for
   ``MLPConfig`` variants (``--mlp-variants``); a variant is ``field=value[,field=value]``,
   variants are separated by ``/`` and ``base`` is the default config.
+* ``out-proj``: the batch-1 out-projection of the selected heads into the residual, by the
+  row-gather kernel the attention uses and by the column-gather kernel, for block variants
+  (``--out-variants``).
 * ``predictor``: the split predictor's selection launches (`kernels.predictor_select`) for
   score-product block variants (``--predictor-variants ROW_BLOCKSxBLOCK_D/...``).
 * ``top-k``: the selection of k of the F MLP scores by the radix, chunked and packed
@@ -23,6 +26,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import functools
 import json
 import os
 
@@ -70,7 +74,8 @@ def attn_window_point(W, d, H, ctx, frac, *, window, config, seed=0):
                 bytes=need, time_us=t * 1e6, gbps=need / t / 1e9)
 
 
-def predictor_point(d, F, H, rank, k_mlp, k_heads, *, row_blocks, block_d, seed=0):
+def predictor_point(d, F, H, rank, k_mlp, k_heads, *, row_blocks, block_d, deferred=False,
+                    seed=0):
     """µs per call of the split predictor's selection (`kernels.predictor_select`) at batch
     1, chained through a tiny scatter of its neuron ids into the next call's partials."""
     from .predictor_select import predictor_select
@@ -86,7 +91,7 @@ def predictor_point(d, F, H, rank, k_mlp, k_heads, *, row_blocks, block_d, seed=
     def step(h, w, layer):
         neurons, heads = predictor_select(h, w["b1"], w["w2m"], w["b2m"], w["w2h"], w["b2h"],
                                           layer, k_mlp, k_heads, row_blocks=row_blocks,
-                                          block_d=block_d)
+                                          block_d=block_d, deferred_sum=deferred)
         bump = (neurons[:1].astype(jnp.float32) + heads[:1].astype(jnp.float32)) * 1e-9
         return h.at[0, 0, :1].add(bump)
 
@@ -94,7 +99,48 @@ def predictor_point(d, F, H, rank, k_mlp, k_heads, *, row_blocks, block_d, seed=
     need = rank * F * 2 + rank * H * 2
     t, _ = chain_time(step, h0, w, sets, est_s=need / 3e12 + 10e-6)
     return dict(part="predictor", F=F, H=H, rank=rank, row_blocks=row_blocks,
-                block_d=block_d, bytes=need, time_us=t * 1e6, gbps=need / t / 1e9)
+                block_d=block_d, deferred=bool(deferred), bytes=need, time_us=t * 1e6, gbps=need / t / 1e9)
+
+
+def out_proj_point(d, H, frac, *, kernel, block_rows, block_d, deferred, row_blocks=None,
+                   seed=0):
+    """µs per call of the batch-1 out-projection of ``frac``% of H heads into an fp32
+    residual: ``rows`` (`gather_matvec_t` on the ``[H * hd, d]`` per-head rows, split-k
+    with atomics, as the attention runs it) or ``cols`` (`gather_cols_matvec` on the
+    ``[d, H * hd]`` layout: whole output rows per program, no atomics)."""
+    from ._common import cdiv
+    from .column_gather import gather_cols_matvec
+    from .gather_matvec import gather_matvec_t
+    from .head_attention import N_SM, merged_attention_loader
+    Kh = max(1, round(H * frac / 100))
+    ks = jax.random.split(jax.random.PRNGKey(seed + 5), 3)
+    shape = (H * HD, d) if kernel == "rows" else (d, H * HD)
+    w = _rand(ks[0], shape, jnp.bfloat16, (H * HD) ** -0.5)
+    bias = _rand(ks[1], (d,), jnp.bfloat16, 0.1)
+    attn = _rand(ks[2], (1, 1, Kh * HD), jnp.float32, 1.0)
+    load = functools.partial(merged_attention_loader, ns=0, B=1, Bp=1, hd=HD)
+    sets = disjoint_sets(H, Kh, seed=seed)
+    if kernel == "rows":
+        r2 = row_blocks or max(1, min(64, cdiv(Kh * HD, block_rows) * cdiv(d, block_d)
+                                      // (8 * N_SM)))
+
+        def step(res, w, ids):
+            return gather_matvec_t([attn], load, w, ids, B=1, rows_per_id=HD,
+                                   block_rows=block_rows, block_d=block_d,
+                                   row_blocks_per_program=r2, residual=res, bias=bias,
+                                   deferred_sum=deferred, interpret=bench.INTERPRET) * 0.5
+    else:
+        def step(res, w, ids):
+            return gather_cols_matvec([attn], load, w, ids, B=1, cols_per_id=HD,
+                                      block_rows=block_rows, block_cols=block_d,
+                                      deferred_sum=deferred, residual=res, bias=bias,
+                                      interpret=bench.INTERPRET) * 0.5
+    need = Kh * HD * d * 2
+    t, _ = chain_time(step, jnp.zeros((1, d), jnp.float32), w, sets,
+                      est_s=need / 3e12 + 5e-6)
+    return dict(part="out-proj", d=d, H=H, Kh=Kh, kernel=kernel, block_rows=block_rows,
+                block_d=block_d, deferred=bool(deferred), row_blocks=row_blocks,
+                bytes=need, time_us=t * 1e6, gbps=need / t / 1e9)
 
 
 def parse_variants(spec: str, cls) -> list:
@@ -108,6 +154,8 @@ def parse_variants(spec: str, cls) -> list:
                 if key not in {f.name for f in dataclasses.fields(cls)}:
                     raise ValueError(f"{cls.__name__} has no field {key!r}")
                 fields[key] = None if value == "None" else int(value)
+                if isinstance(getattr(cls(), key), bool):
+                    fields[key] = bool(fields[key])
         out.append((item, dataclasses.replace(cls(), **fields)))
     return out
 
@@ -145,8 +193,13 @@ def main(argv=None):
     p.add_argument("--attn-variants", default="base/max_fused_splits=0/seq_splits=1")
     p.add_argument("--mlp-variants", default="base/num_stages=3")
     p.add_argument("--predictor-variants", default="4x512/2x512/1x512/1x256",
-                   help="split predictor score product: ROW_BLOCKSxBLOCK_D, '/'-separated")
+                   help="split predictor score product: ROW_BLOCKSxBLOCK_D[d] ('d': deferred "
+                        "sum), '/'-separated")
     p.add_argument("--rank", type=int, default=256, help="predictor rank for the predictor part")
+    p.add_argument("--out-variants",
+                   default="rows:16x512/rows:16x512d/cols:8x512/cols:8x512d/cols:4x512/"
+                           "cols:16x512/cols:8x1024/cols:4x1024d",
+                   help="out-proj part: KERNEL:BLOCK_ROWSxBLOCK_D[d] ('d': deferred sum)")
     p.add_argument("--out", default=os.environ.get("OUT", "."))
     args = p.parse_args(argv)
     d, H = MODELS[args.model]
@@ -179,13 +232,20 @@ def main(argv=None):
             row = bench.bench_mlp_point(W, d, 1, args.mlp, which="sparse", config=cfg)
             log({**row, "part": "mlp-config", "variant": name})
         del W
+    if "out-proj" in parts:
+        for item in args.out_variants.split("/"):
+            kernel, _, blocks = item.partition(":")
+            deferred = blocks.endswith("d")
+            block_rows, block_d = map(int, blocks.rstrip("d").split("x"))
+            log(out_proj_point(d, H, args.heads, kernel=kernel, block_rows=block_rows,
+                               block_d=block_d, deferred=deferred))
     if "predictor" in parts:
         F = 4 * d
         for item in args.predictor_variants.split("/"):
-            row_blocks, block_d = map(int, item.split("x"))
+            row_blocks, block_d = map(int, item.rstrip("d").split("x"))
             log(predictor_point(d, F, H, args.rank, max(1, round(F * args.mlp / 100)),
                                 max(1, round(H * args.heads / 100)), row_blocks=row_blocks,
-                                block_d=block_d))
+                                block_d=block_d, deferred=item.endswith("d")))
     if "top-k" in parts:
         F = 4 * d
         k = max(1, round(F * args.mlp / 100))

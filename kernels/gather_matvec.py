@@ -119,7 +119,7 @@ def check_segment(seg: Segment, x: jax.Array) -> None:
             raise ValueError(f"segment x has width {seg.x.shape[1]}, expected {x.shape[1]}")
 
 
-def _gather_matvec_kernel(*refs, seg_meta, d, bd, chunks):
+def _gather_matvec_kernel(*refs, seg_meta, d, bd, chunks, deferred):
     nseg = len(seg_meta)
     in_refs, out_refs = refs[: 3 * nseg], refs[3 * nseg:]
     i = pl.program_id(0)
@@ -146,19 +146,22 @@ def _gather_matvec_kernel(*refs, seg_meta, d, bd, chunks):
                                mask=valid[:, None] & cm[None, :], other=0)
                 if Bp == 1:
                     xv = plgpu.load(x_ref.at[0, cols], mask=cm, other=0)
-                    return acc + jnp.sum(w.astype(jnp.float32) * xv.astype(jnp.float32)[None, :],
-                                         axis=1)
+                    prod = w.astype(jnp.float32) * xv.astype(jnp.float32)[None, :]
+                    return acc + (prod if deferred else jnp.sum(prod, axis=1))
                 xb = plgpu.load(x_ref.at[brow[:, None], cols[None, :]],
                                 mask=bmask[:, None] & cm[None, :], other=0)
                 return acc + mma(xb, w, trans_b=True)
 
-            acc = jnp.zeros((bk,) if Bp == 1 else (Bp, bk), jnp.float32)
+            acc_shape = ((bk, bd) if deferred else (bk,)) if Bp == 1 else (Bp, bk)
+            acc = jnp.zeros(acc_shape, jnp.float32)
             if chunks <= 4:
                 for c in range(chunks):
                     acc = chunk(c, acc)
             else:
                 acc = lax.fori_loop(0, chunks, chunk, acc)
             if Bp == 1:
+                if deferred:
+                    acc = jnp.sum(acc, axis=1)
                 plgpu.store(o_ref.at[j, 0, local], acc)
             else:
                 plgpu.store(o_ref.at[j, brow[:, None], local[None, :]], acc,
@@ -167,7 +170,7 @@ def _gather_matvec_kernel(*refs, seg_meta, d, bd, chunks):
 
 def gather_matvec(x: jax.Array, segments: Sequence[Segment], *, block_rows: int = 16,
                   block_d: int = 512, d_chunks: int = 1, num_warps: int = 4,
-                  num_stages: int = 2, interpret: bool = False):
+                  num_stages: int = 2, deferred_sum: bool = False, interpret: bool = False):
     """Gathered GEMV partials for one or more matrices sharing the input ``x [B, d]``.
 
     Args:
@@ -178,6 +181,8 @@ def gather_matvec(x: jax.Array, segments: Sequence[Segment], *, block_rows: int 
       block_d: columns per load (power of two).
       d_chunks: column chunks per program; the grid has ``cdiv(d, block_d * d_chunks)``
         d-splits.
+      deferred_sum: batch 1: accumulate the products elementwise over the chunks and sum
+        across columns once per program (not once per chunk).
     Returns:
       One fp32 array per segment, ``[n_dsplit, B_s, n_blocks * block_rows]``; summing over
       axis 0 gives ``x @ W[rows].T`` (rows past ``n_rows`` hold zeros/garbage-free 0).
@@ -201,7 +206,7 @@ def gather_matvec(x: jax.Array, segments: Sequence[Segment], *, block_rows: int 
         args += [xs, seg.ids.astype(jnp.int32), seg.w]
         start += nb
     kernel = functools.partial(_gather_matvec_kernel, seg_meta=tuple(seg_meta), d=d, bd=bd,
-                               chunks=d_chunks)
+                               chunks=d_chunks, deferred=bool(deferred_sum))
     return pl.pallas_call(
         kernel,
         grid=(start, nds),
@@ -213,7 +218,7 @@ def gather_matvec(x: jax.Array, segments: Sequence[Segment], *, block_rows: int 
 
 
 def _gather_matvec_t_kernel(*refs, n_act, load_act, B, Bp, d, m, n_rows, bk, bd, kblocks,
-                            accumulate, has_bias):
+                            accumulate, has_bias, deferred):
     act_refs = refs[:n_act]
     ids_ref, w_ref = refs[n_act:n_act + 2]
     rest = refs[n_act + 2:]
@@ -238,15 +243,19 @@ def _gather_matvec_t_kernel(*refs, n_act, load_act, B, Bp, d, m, n_rows, bk, bd,
         w = plgpu.load(w_ref.at[rows[:, None], cols[None, :]],
                        mask=valid[:, None] & cm[None, :], other=0)
         if Bp == 1:
-            return acc + jnp.sum(a[:, None] * w.astype(jnp.float32), axis=0)
+            prod = a[:, None] * w.astype(jnp.float32)
+            return acc + (prod if deferred else jnp.sum(prod, axis=0))
         return acc + mma(a, w)
 
-    acc = jnp.zeros((bd,) if Bp == 1 else (Bp, bd), jnp.float32)
+    acc_shape = ((bk, bd) if deferred else (bd,)) if Bp == 1 else (Bp, bd)
+    acc = jnp.zeros(acc_shape, jnp.float32)
     if kblocks <= 4:
         for t in range(kblocks):
             acc = body(t, acc)
     else:
         acc = lax.fori_loop(0, kblocks, body, acc)
+    if Bp == 1 and deferred:
+        acc = jnp.sum(acc, axis=0)
     if accumulate:
         # every chunk adds its partial into the residual rows in place (the bias once).
         # Lanes past d add 0 at distinct wrapped columns (block_d <= d): the interpreter
@@ -272,7 +281,8 @@ def gather_matvec_t(act_args: Sequence[jax.Array], load_act: Callable, w: jax.Ar
                     ids: jax.Array, *, B: int, rows_per_id: int = 1, block_rows: int = 16,
                     block_d: int = 512, row_blocks_per_program: int = 4,
                     num_warps: int = 4, num_stages: int = 2, interpret: bool = False,
-                    residual: jax.Array | None = None, bias: jax.Array | None = None):
+                    residual: jax.Array | None = None, bias: jax.Array | None = None,
+                    deferred_sum: bool = False):
     """Split-k transposed gathered GEMV: fp32 partials ``[n_kchunks, B, d]``.
 
     ``out = sum over chunks`` equals ``a @ W[rows]`` where ``a [B, K*m]`` is produced
@@ -285,6 +295,9 @@ def gather_matvec_t(act_args: Sequence[jax.Array], load_act: Callable, w: jax.Ar
     caller donates them), and ``bias [d]`` (optional) is added once, so the result is
     ``residual + a @ W[rows] + bias`` as ``[B, d]`` fp32. The order of the fp32 additions
     varies from run to run, so the low bits may too.
+
+    ``deferred_sum`` (batch 1): accumulate the products elementwise over a program's row
+    blocks and sum across rows once at the end (not once per block).
     """
     d = w.shape[1]
     m = rows_per_id
@@ -300,7 +313,7 @@ def gather_matvec_t(act_args: Sequence[jax.Array], load_act: Callable, w: jax.Ar
     kernel = functools.partial(
         _gather_matvec_t_kernel, n_act=len(act_args), load_act=load_act, B=B, Bp=Bp, d=d,
         m=m, n_rows=n_rows, bk=bk, bd=block_d, kblocks=kblocks, accumulate=accumulate,
-        has_bias=bias is not None)
+        has_bias=bias is not None, deferred=bool(deferred_sum))
     args = [*act_args, ids.astype(jnp.int32), w]
     if accumulate:
         if residual.shape != (B, d) or residual.dtype != jnp.float32:

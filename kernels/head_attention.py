@@ -68,6 +68,8 @@ class AttnConfig:
     target_programs: int = 8 * N_SM        # projection / out-projection grids
     attn_target_programs: int = 4 * N_SM   # flash-decoding grid (B x heads x splits)
     max_fused_splits: int = 1              # merge splits in the out-projection up to this
+    proj_deferred_sum: bool = False        # batch 1: one cross-lane sum per program
+    out_deferred_sum: bool = False
 
 
 @jax.tree_util.register_dataclass
@@ -629,7 +631,8 @@ def head_sparse_attention_pallas(x, wq, bq, wk, bk, wv, bv, wo, bo, k_cache, v_c
         chunks = balanced_chunks(cdiv(d, bd), tiles // cfg.target_programs)
     qp, kp, vp, *extras = gather_matvec(
         x, segs + list(extra_segments), block_rows=bk_rows, block_d=bd, d_chunks=chunks,
-        num_warps=cfg.num_warps, num_stages=cfg.num_stages, interpret=interpret)
+        num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+        deferred_sum=cfg.proj_deferred_sum, interpret=interpret)
     flat = lambda t: None if t is None else t.reshape(-1)
     biases = dict(bq=flat(bq), bk=flat(bk), bv=flat(bv))
     cos = sin = None
@@ -671,7 +674,8 @@ def head_sparse_attention_pallas(x, wq, bq, wk, bk, wv, bv, wo, bo, k_cache, v_c
                           block_rows=ob_rows, block_d=obd, row_blocks_per_program=r2,
                           num_warps=cfg.num_warps, num_stages=cfg.num_stages,
                           interpret=interpret, residual=residual,
-                          bias=None if residual is None else bo)
+                          bias=None if residual is None else bo,
+                          deferred_sum=cfg.out_deferred_sum)
     if residual is None:
         out = out.sum(0)
         if bo is not None:

@@ -118,10 +118,11 @@ def _select_kernel(layer_ref, sp_ref, b2m_ref, h_ref, b1_ref, w2h_ref, b2h_ref, 
 
 
 @functools.partial(jax.jit, static_argnames=("k_mlp", "k_heads", "activation", "chunk",
-                                             "interpret", "row_blocks", "block_d"))
+                                             "interpret", "row_blocks", "block_d",
+                                             "deferred_sum"))
 def _predictor_select_pallas(h_parts, b1, w2_mlp, b2_mlp, w2_heads, b2_heads, layer, *,
                              k_mlp, k_heads, activation, chunk, interpret, row_blocks=4,
-                             block_d=512):
+                             block_d=512, deferred_sum=False):
     L, r_mlp, F = w2_mlp.shape
     r_heads, H = w2_heads.shape[1:]
     nds = h_parts.shape[0]
@@ -132,7 +133,8 @@ def _predictor_select_pallas(h_parts, b1, w2_mlp, b2_mlp, w2_heads, b2_heads, la
     score_parts = gather_matvec_t([h_parts, b1_flat], loader, w2_mlp.reshape(L * r_mlp, F),
                                   layer, B=1, rows_per_id=r_mlp, block_rows=16,
                                   block_d=min(block_d, next_pow2(F)),
-                                  row_blocks_per_program=row_blocks, interpret=interpret)
+                                  row_blocks_per_program=row_blocks,
+                                  deferred_sum=deferred_sum, interpret=interpret)
     C, c, kc = local_top_k_shape(F, k_mlp, chunk)
     block = next_pow2(c)
     Hp = max(16, next_pow2(H))
@@ -155,7 +157,8 @@ def _predictor_select_pallas(h_parts, b1, w2_mlp, b2_mlp, w2_heads, b2_heads, la
 
 def predictor_select(h_parts, b1, w2_mlp, b2_mlp, w2_heads, b2_heads, layer, k_mlp: int,
                      k_heads: int, *, activation: str = "none", chunk: int = 2048,
-                     impl: str | None = None, row_blocks: int = 4, block_d: int = 512):
+                     impl: str | None = None, row_blocks: int = 4, block_d: int = 512,
+                     deferred_sum: bool = False):
     """(neuron ids, head ids) of one token from its first-product partials.
 
     Args:
@@ -169,7 +172,8 @@ def predictor_select(h_parts, b1, w2_mlp, b2_mlp, w2_heads, b2_heads, layer, k_m
       k_heads: heads wanted: the exact top-k, ascending.
       activation: the predictors' hidden activation ("none", "relu" or "gelu").
       row_blocks, block_d: the score product's blocks of 16 hidden rows per program and
-        columns per program (Pallas paths; powers of two for block_d).
+        columns per program (Pallas paths; powers of two for block_d); deferred_sum: one
+        cross-lane sum per program (see :func:`~.gather_matvec.gather_matvec_t`).
     """
     check_array("h_parts", h_parts, ndim=3, floating=True)
     if activation not in ACTIVATIONS:
@@ -200,4 +204,4 @@ def predictor_select(h_parts, b1, w2_mlp, b2_mlp, w2_heads, b2_heads, layer, k_m
                                     k_mlp=int(k_mlp), k_heads=int(k_heads),
                                     activation=activation, chunk=int(chunk),
                                     interpret=impl == "interpret", row_blocks=int(row_blocks),
-                                    block_d=int(block_d))
+                                    block_d=int(block_d), deferred_sum=bool(deferred_sum))

@@ -40,6 +40,8 @@ class MLPConfig:
     num_warps: int = 4
     num_stages: int = 2
     target_programs: int = 8 * N_SM
+    fc1_deferred_sum: bool = False     # batch 1: one cross-lane sum per program
+    fc2_deferred_sum: bool = False
 
     def resolve(self, K: int, d: int, B: int) -> "MLPConfig":
         """Fill the automatic fields for ``K`` selected rows, width ``d`` and batch ``B``."""
@@ -109,7 +111,8 @@ def sparse_mlp_pallas(x, w1, b1, w2t, b2, idx, *, activation="relu", w_gate=None
     segs = [Segment(w1, idx)] + ([Segment(w_gate, idx)] if w_gate is not None else [])
     parts = gather_matvec(x, segs, block_rows=cfg.fc1_block_rows, block_d=cfg.fc1_block_d,
                           d_chunks=cfg.fc1_d_chunks, num_warps=cfg.num_warps,
-                          num_stages=cfg.num_stages, interpret=interpret)
+                          num_stages=cfg.num_stages, deferred_sum=cfg.fc1_deferred_sum,
+                          interpret=interpret)
     act_args = list(parts) + ([b1] if b1 is not None else [])
     load_act = functools.partial(partials_loader, nds=parts[0].shape[0], B=B, Bp=batch_pad(B),
                                  has_b1=b1 is not None, gated=w_gate is not None,
@@ -118,7 +121,8 @@ def sparse_mlp_pallas(x, w1, b1, w2t, b2, idx, *, activation="relu", w_gate=None
                           block_d=cfg.fc2_block_d, row_blocks_per_program=cfg.fc2_row_blocks,
                           num_warps=cfg.num_warps, num_stages=cfg.num_stages,
                           interpret=interpret, residual=residual,
-                          bias=None if residual is None else b2)
+                          bias=None if residual is None else b2,
+                          deferred_sum=cfg.fc2_deferred_sum)
     if residual is not None:
         return out
     out = out.sum(axis=0)

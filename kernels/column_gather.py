@@ -1,0 +1,125 @@
+"""Column-gather GEMV: the out-projection of selected heads from a ``[d_out, H * hd]`` weight.
+
+``out[b, r] = sum_j a[b, j] * W[r, col(j)]`` over the selected logical columns ``j``,
+``col(j) = ids[j // m] * m + j % m`` (m = the columns of one head group). A head's columns
+are m contiguous elements of every weight row, so the loads stay coalesced, and every
+program owns whole output rows: it reads all selected columns of its rows and finishes
+them (residual and bias added, no split-k partials, no atomics, a deterministic sum).
+The activations ``a`` come from a caller-supplied loader, as in
+:func:`~.gather_matvec.gather_matvec_t`.
+"""
+from __future__ import annotations
+
+import functools
+from typing import Callable, Sequence
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+from jax.experimental import pallas as pl
+from jax.experimental.pallas import triton as plgpu
+
+from ._common import cdiv
+from .gather_matvec import batch_pad, logical_rows, mma
+
+
+def _kernel(*refs, n_act, load_act, B, Bp, m, n_cols, d_out, bk, bc, chunks, has_res,
+            has_bias, deferred):
+    act_refs = refs[:n_act]
+    ids_ref, w_ref = refs[n_act:n_act + 2]
+    rest = list(refs[n_act + 2:])
+    res_ref = rest.pop(0) if has_res else None
+    b_ref = rest.pop(0) if has_bias else None
+    o_ref = rest[-1]
+    i = pl.program_id(0)
+    rows = i * bk + jnp.arange(bk, dtype=jnp.int32)
+    rm = rows < d_out
+    brow = jnp.arange(Bp, dtype=jnp.int32)
+    bmask = brow < B
+
+    def chunk(c, acc):
+        lc = c * bc + jnp.arange(bc, dtype=jnp.int32)
+        valid = lc < n_cols
+        cols = logical_rows(ids_ref, lc, valid, m)
+        a = load_act(act_refs, lc, valid, cols)       # fp32 [bc] or [Bp, bc]
+        w = plgpu.load(w_ref.at[rows[:, None], cols[None, :]],
+                       mask=rm[:, None] & valid[None, :], other=0)
+        if Bp == 1:
+            prod = w.astype(jnp.float32) * a[None, :]
+            return acc + (prod if deferred else jnp.sum(prod, axis=1))
+        return acc + mma(a, w, trans_b=True)
+
+    shape = ((bk, bc) if deferred else (bk,)) if Bp == 1 else (Bp, bk)
+    acc = jnp.zeros(shape, jnp.float32)
+    if chunks <= 4:
+        for c in range(chunks):
+            acc = chunk(c, acc)
+    else:
+        acc = lax.fori_loop(0, chunks, chunk, acc)
+    if Bp == 1 and deferred:
+        acc = jnp.sum(acc, axis=1)
+    if has_bias:
+        bias = plgpu.load(b_ref.at[rows], mask=rm, other=0).astype(jnp.float32)
+        acc = acc + (bias if Bp == 1 else bias[None, :])
+    if Bp == 1:
+        if has_res:
+            acc = acc + plgpu.load(res_ref.at[0, rows], mask=rm, other=0.0)
+        plgpu.store(o_ref.at[0, rows], acc, mask=rm)
+    else:
+        msk = bmask[:, None] & rm[None, :]
+        if has_res:
+            acc = acc + plgpu.load(res_ref.at[brow[:, None], rows[None, :]], mask=msk,
+                                   other=0.0)
+        plgpu.store(o_ref.at[brow[:, None], rows[None, :]], acc, mask=msk)
+
+
+def gather_cols_matvec(act_args: Sequence[jax.Array], load_act: Callable, w: jax.Array,
+                       ids: jax.Array, *, B: int, cols_per_id: int, block_rows: int = 8,
+                       block_cols: int = 512, num_warps: int = 4, num_stages: int = 2,
+                       deferred_sum: bool = False, residual: jax.Array | None = None,
+                       bias: jax.Array | None = None, interpret: bool = False) -> jax.Array:
+    """``residual + a @ W[:, cols].T + bias`` as fp32 ``[B, d_out]`` for ``w [d_out, n]``.
+
+    Args:
+      act_args, load_act: the activations' arrays and the in-kernel loader
+        ``load_act(act_args, j, valid, cols)`` returning fp32 ``[block_cols]`` (B == 1) or
+        ``[Bp, block_cols]`` for logical columns ``j`` (zeros where not ``valid``).
+      ids: ``[K]`` selected column groups; logical column j is physical column
+        ``ids[j // cols_per_id] * cols_per_id + j % cols_per_id``.
+      block_rows: output rows per program (>= 16 when B > 1, for the tensor cores).
+      block_cols: logical columns per load (a power of two).
+      residual: optional fp32 ``[B, d_out]`` added (and updated in place when donated);
+        bias: optional ``[d_out]``.
+    """
+    d_out = w.shape[0]
+    m = cols_per_id
+    n_cols = int(ids.shape[0]) * m
+    Bp = batch_pad(B)
+    bk = block_rows if Bp == 1 else max(16, block_rows)
+    for name, v in (("block_rows", bk), ("block_cols", block_cols)):
+        if v < 1 or v & (v - 1):
+            raise ValueError(f"{name}={v} must be a power of two")
+    if residual is not None and (residual.shape != (B, d_out)
+                                 or residual.dtype != jnp.float32):
+        raise ValueError(f"residual must be fp32 [{B}, {d_out}], got {residual.dtype} "
+                         f"{tuple(residual.shape)}")
+    kernel = functools.partial(
+        _kernel, n_act=len(act_args), load_act=load_act, B=B, Bp=Bp, m=m, n_cols=n_cols,
+        d_out=d_out, bk=bk, bc=block_cols, chunks=cdiv(n_cols, block_cols),
+        has_res=residual is not None, has_bias=bias is not None, deferred=bool(deferred_sum))
+    args = [*act_args, ids.astype(jnp.int32), w]
+    aliases = {}
+    if residual is not None:
+        aliases = {len(args): 0}
+        args.append(residual)
+    if bias is not None:
+        args.append(bias)
+    return pl.pallas_call(
+        kernel,
+        grid=(cdiv(d_out, bk),),
+        out_shape=jax.ShapeDtypeStruct((B, d_out), jnp.float32),
+        input_output_aliases=aliases,
+        compiler_params=plgpu.CompilerParams(num_warps=num_warps, num_stages=num_stages),
+        interpret=interpret,
+        name="gather_cols_matvec",
+    )(*args)
