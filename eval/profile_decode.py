@@ -73,13 +73,18 @@ def trace_kernels(trace_dir: str) -> dict:
 
 
 def layer_sequence(ordered: list, anchor: str) -> list:
-    """The kernels of one middle layer: the launches from the middle occurrence of the
-    kernel named `anchor` (exactly) up to its next occurrence, as (name, µs)."""
+    """The kernels of one typical layer, as (name, µs): the launches from an occurrence of
+    the kernel named `anchor` (exactly) up to the next one. Of the spans between
+    consecutive occurrences, the middle one of those with the most common launch count
+    (spans across a step boundary, with the dense layers and the logits, are longer)."""
     hits = [i for i, (name, _) in enumerate(ordered) if name == anchor]
     if len(hits) < 2:
         return []
-    mid = len(hits) // 2
-    return [(name[:80], round(us, 2)) for name, us in ordered[hits[mid - 1]: hits[mid]]]
+    spans = [b - a for a, b in zip(hits, hits[1:])]
+    common = collections.Counter(spans).most_common(1)[0][0]
+    typical = [j for j, n in enumerate(spans) if n == common]
+    j = typical[len(typical) // 2]
+    return [(name[:80], round(us, 2)) for name, us in ordered[hits[j]: hits[j + 1]]]
 
 
 def category(name: str) -> str:
@@ -160,6 +165,9 @@ def profile_mode(config, params, mode, args, out: Path, log) -> dict:
     _, state = step(run_params, state, tokens)
     jax.block_until_ready(state)
     compile_s = time.perf_counter() - t
+    if args.hlo:  # the optimised HLO names the fusions the trace lists
+        with gzip.open(out / f"hlo_{mode}.txt.gz", "wt") as f:
+            f.write(step.lower(run_params, state, tokens).compile().as_text())
     _, state = time_steps(step, run_params, state, tokens, 3)
     synced, state = time_steps(step, run_params, state, tokens, args.steps)
     trace_dir = out / f"trace_{mode}"
@@ -210,6 +218,8 @@ def main(argv=None) -> int:
     p.add_argument("--rank", type=int, default=256)
     p.add_argument("--steps", type=int, default=20)
     p.add_argument("--trace-steps", type=int, default=3)
+    p.add_argument("--hlo", action="store_true",
+                   help="also write each mode's optimised HLO (hlo_MODE.txt.gz)")
     p.add_argument("--out", default="eval/results/profile")
     args = p.parse_args(argv)
     out = Path(args.out)

@@ -267,3 +267,8 @@ def test_profile_layer_sequence_is_one_middle_layer():
         ordered += [("attn", 2.0), (f"mlp{layer}", 3.0), (f"norm{layer}", 0.5)]
     assert layer_sequence(ordered, "attn") == [("attn", 2.0), ("mlp1", 3.0), ("norm1", 0.5)]
     assert layer_sequence(ordered[:2], "attn") == []
+    # two traced steps: the span across the step boundary (logits, dense layers) is skipped
+    two = ordered + [("logits", 4.0), ("dense", 9.0), ("dense", 9.0)] + ordered[1:]
+    seq = layer_sequence(two, "attn")
+    assert [n for n, _ in seq][0] == "attn" and len(seq) == 3
+    assert all(n not in ("logits", "dense") for n, _ in seq)
