@@ -241,23 +241,21 @@ def _window_step(config: ModelConfig, scfg: SparseConfig, step: dict) -> dict:
     return out
 
 
-def _missing_kv_window(config, view, io: _LayerIO, layer, groups, win: dict, ring):
-    """The KVWindow for this layer (selected + refresh groups, `ring` its [B, W, d] inputs)
-    and the updated bitmap."""
-    kv_groups = groups if win["refresh"] is None else jnp.concatenate([groups, win["refresh"]])
-    slots = win["slots"]
-    B, S = io.written.shape[0], io.written.shape[-1]
-    b_i = jnp.arange(B)[:, None, None]
-    g_i, s_i = kv_groups[None, :, None], slots[None, None, :]
-    need = ~io.written[b_i, layer, g_i, s_i] & win["row_valid"][:, None, :]   # [B, n, W]
-    base = view.base * config.n_kv_heads
-    window = kernels.KVWindow(
+def _missing_kv_window(config, view, io: _LayerIO, layer, win: dict, ring):
+    """The KVWindow for this layer (selected + refresh groups, `ring` its [B, W, d] inputs).
+
+    It carries the whole bitmap (`written` viewed as [B, L * Hk, S]): the attention finds
+    the missing entries there and sets what it writes, so no XLA op runs around it."""
+    B, L, Hk, S = io.written.shape
+    base = view.base * Hk
+    # the kernels' head ids are base + group (stacked) or the group (unrolled layers)
+    rows0 = layer * Hk - base
+    return kernels.KVWindow(
         x=ring, current=win["current"],
         extra_ids=None if win["refresh"] is None else base + win["refresh"],
-        need=need, slots=slots, cos=win["cos"], sin=win["sin"])
-    # mark only the needed entries (others go to slot S, dropped): clamped early slots repeat
-    written = io.written.at[b_i, layer, g_i, jnp.where(need, s_i, S)].set(True, mode="drop")
-    return window, written
+        need=None, slots=win["slots"], cos=win["cos"], sin=win["sin"],
+        written=io.written.reshape(B, L * Hk, S),
+        written_base=jnp.asarray(rows0, jnp.int32), row_valid=win["row_valid"])
 
 
 def _sparse_attention(config, scfg, view, io: _LayerIO, layer, y, groups, step,
@@ -279,9 +277,7 @@ def _sparse_attention(config, scfg, view, io: _LayerIO, layer, y, groups, step,
         ring = history[:, layer]
     window = None
     if scfg.kv_recompute:
-        window, written = _missing_kv_window(config, view, io, layer, groups, step["window"],
-                                             ring)
-        io = io.replace(written=written)
+        window = _missing_kv_window(config, view, io, layer, step["window"], ring)
     B, S, hd = io.written.shape[0], io.written.shape[-1], config.head_dim
     rope = None
     if config.family == "llama":
@@ -300,6 +296,9 @@ def _sparse_attention(config, scfg, view, io: _LayerIO, layer, y, groups, step,
         k_in, v_in, slot, head_idx, rope=rope, kv_mask=step["valid"], impl=scfg.impl,
         window=window, residual=residual, extra_segments=extra_segments)
     out, k_out, v_out = res[:3]
+    if window is not None:
+        io = io.replace(written=res[3].reshape(io.written.shape))
+        res = res[:3] + res[4:]
     if view.unrolled:
         io = io.replace(k=set_cache_layer(io.k, layer, k_out),
                         v=set_cache_layer(io.v, layer, v_out))

@@ -86,7 +86,7 @@ class KVWindow:
     extra_ids: ``[R]`` int32 KV heads recomputed besides ``head_idx`` (a refresh set;
       they get no attention, only K/V), or None.
     need: ``[B, Kh + R, W]`` bool, which (head, window row) cache entries to write, for
-      the heads ``concat(head_idx, extra_ids)``.
+      the heads ``concat(head_idx, extra_ids)``; or None with ``written`` given.
     slots: ``[W]`` int32 cache slots of the window rows, in ``[0, S)`` (entries with need
       False may repeat a slot; they are never written). Two rows marked in ``need`` for
       one head must not share a slot, and a head in both ``head_idx`` and ``extra_ids``
@@ -94,14 +94,25 @@ class KVWindow:
     cos, sin: ``[B, W, hd]`` fp32 rotary tables of the window rows: required when the
       attention has a rotary embedding (given as tables; a callable ``rope`` cannot be
       combined with a window), None otherwise.
+    written, written_base, row_valid: the bitmap form of ``need`` (give these or
+      ``need``): ``written [B, N, S]`` bool marks the cache entries that hold their K/V,
+      head h's entries in row ``written_base + h`` (an int32 scalar, may be traced);
+      ``row_valid [B, W]`` bool marks the window rows that may be written. An entry is
+      needed when its row is valid and its bit is clear; the attention launch computes
+      that itself and sets the bits of what it writes, so the call returns the updated
+      bitmap (no XLA op before or after). A head in both ``head_idx`` and ``extra_ids``
+      is written once.
     """
     x: jax.Array
     current: jax.Array
     extra_ids: jax.Array | None
-    need: jax.Array
+    need: jax.Array | None
     slots: jax.Array
     cos: jax.Array | None = None
     sin: jax.Array | None = None
+    written: jax.Array | None = None
+    written_base: jax.Array | None = None
+    row_valid: jax.Array | None = None
 
 
 # ----------------------------------------------------------------------------
@@ -202,6 +213,28 @@ def window_heads(head_idx, window: KVWindow):
     return jnp.concatenate([head_idx, window.extra_ids.astype(jnp.int32)])
 
 
+def window_need(window: KVWindow, ids) -> jax.Array:
+    """``[B, n, W]`` bool: the window's entries to write for the KV heads ``ids`` (its
+    ``need``, or what its bitmap says is missing from valid rows)."""
+    if window.need is not None:
+        return window.need
+    B = window.written.shape[0]
+    rows = jnp.asarray(window.written_base, jnp.int32) + ids.astype(jnp.int32)
+    held = window.written[jnp.arange(B)[:, None, None], rows[None, :, None],
+                          window.slots[None, None, :]]
+    return ~held & window.row_valid[:, None, :]
+
+
+def mark_written(window: KVWindow, ids, need) -> jax.Array:
+    """The window's bitmap with the entries ``need [B, n, W]`` of heads ``ids`` set."""
+    written = window.written
+    B, S = written.shape[0], written.shape[2]
+    rows = jnp.asarray(window.written_base, jnp.int32) + ids.astype(jnp.int32)
+    s_i = jnp.where(need, window.slots[None, None, :], S)
+    return written.at[jnp.arange(B)[:, None, None], rows[None, :, None], s_i].set(
+        True, mode="drop")
+
+
 def _window_rope(t, window: KVWindow):
     """Rotary embedding of window K ``[B, n, W, hd]`` at the window tokens' positions."""
     if window.cos is None:
@@ -210,14 +243,14 @@ def _window_rope(t, window: KVWindow):
     return t * cos + rotate_half(t) * sin
 
 
-def merge_window(cache, new, ids, window: KVWindow):
+def merge_window(cache, new, ids, window: KVWindow, need):
     """Write ``new [B, n, W, hd]`` into ``cache [B, n_kv, S, hd]`` at (ids, window.slots)
-    where ``window.need``; nothing else is written (entries without need go to slot S and
+    where ``need``; nothing else is written (entries without need go to slot S and
     are dropped, so a slot repeated in the window keeps the needed value)."""
     B, S = cache.shape[0], cache.shape[2]
     b_i = jnp.arange(B)[:, None, None]
     g_i = ids[None, :, None]
-    s_i = jnp.where(window.need, window.slots[None, None, :], S)
+    s_i = jnp.where(need, window.slots[None, None, :], S)
     return cache.at[b_i, g_i, s_i].set(new.astype(cache.dtype), mode="drop")
 
 
@@ -236,8 +269,9 @@ def _window_kv_reference(wk, bk, wv, bv, ids, window: KVWindow):
 def head_sparse_attention_reference(x, wq, bq, wk, bk, wv, bv, wo, bo, k_cache, v_cache,
                                     pos, head_idx, *, rope=None, kv_mask=None,
                                     window: KVWindow | None = None, out_dtype=None):
-    """Pure-jnp reference of :func:`head_sparse_attention` (same signature and result;
-    ``out_dtype`` overrides the output's dtype, ``x.dtype`` by default)."""
+    """Pure-jnp reference of :func:`head_sparse_attention` (same signature and result,
+    without ``residual`` and ``extra_segments``; ``out_dtype`` overrides the output's
+    dtype, ``x.dtype`` by default)."""
     f32 = jnp.float32
     hi = lax.Precision.HIGHEST
     B, d = x.shape
@@ -258,11 +292,15 @@ def head_sparse_attention_reference(x, wq, bq, wk, bk, wv, bv, wo, bo, k_cache, 
     q = apply_rope(proj(wq, bq, hq), rope) * (hd ** -0.5)
     k = apply_rope(proj(wk, bk, head_idx), rope)
     v = proj(wv, bv, head_idx)
+    written = None
     if window is not None:
         ids = window_heads(head_idx, window)
+        need = window_need(window, ids)
         k_win, v_win = _window_kv_reference(wk, bk, wv, bv, ids, window)
-        k_cache = merge_window(k_cache, k_win, ids, window)
-        v_cache = merge_window(v_cache, v_win, ids, window)
+        k_cache = merge_window(k_cache, k_win, ids, window, need)
+        v_cache = merge_window(v_cache, v_win, ids, window, need)
+        if window.written is not None:
+            written = mark_written(window, ids, need)
     k_cache = k_cache.at[:, head_idx, pos, :].set(k.astype(k_cache.dtype))
     v_cache = v_cache.at[:, head_idx, pos, :].set(v.astype(v_cache.dtype))
     positions = jnp.arange(S)
@@ -279,7 +317,8 @@ def head_sparse_attention_reference(x, wq, bq, wk, bk, wv, bv, wo, bo, k_cache, 
     out = jnp.einsum("bhk,hkd->bd", o, wo[hq].astype(f32), precision=hi)
     if bo is not None:
         out = out + bo.astype(f32)
-    return out.astype(out_dtype or x.dtype), k_cache, v_cache
+    out = out.astype(out_dtype or x.dtype)
+    return (out, k_cache, v_cache) + (() if written is None else (written,))
 
 
 # ----------------------------------------------------------------------------
@@ -287,13 +326,19 @@ def head_sparse_attention_reference(x, wq, bq, wk, bk, wv, bv, wo, bo, k_cache, 
 # ----------------------------------------------------------------------------
 
 def _decode_attention_kernel(*refs, nds, has_bq, has_bk, has_bv, has_rope, has_mask, G, Gp,
-                             hd, hdp, L, bs, scale, Kh, W, Wp):
+                             hd, hdp, L, bs, scale, Kh, W, Wp, bitmap):
     # W > 0: a missing-KV window. Grid axis 1 then runs over Kh selected + R refresh heads;
-    # a refresh head's programs only write its needed window entries.
+    # a refresh head's programs only write its needed window entries. bitmap: the needed
+    # entries come from the written bitmap (read, then set, per program's cache split).
     it = iter(refs)
     qp_ref, kp_ref, vp_ref = next(it), next(it), next(it)
     if W:
-        cur_ref, need_ref, wslot_ref = next(it), next(it), next(it)
+        cur_ref = next(it)
+        if bitmap:
+            rv_ref, wbase_ref, need_ref = next(it), next(it), None
+        else:
+            need_ref = next(it)
+        wslot_ref = next(it)
         wcos_ref, wsin_ref = (next(it), next(it)) if has_rope else (None, None)
     bq_ref = next(it) if has_bq else None
     bk_ref = next(it) if has_bk else None
@@ -301,7 +346,10 @@ def _decode_attention_kernel(*refs, nds, has_bq, has_bk, has_bv, has_rope, has_m
     cos_ref, sin_ref = (next(it), next(it)) if has_rope else (None, None)
     hidx_ref, pos_ref = next(it), next(it)
     mask_ref = next(it) if has_mask else None
-    kc_ref, vc_ref, o_ref, m_ref, l_ref, kout_ref, vout_ref = it
+    kc_ref, vc_ref = next(it), next(it)
+    wr_ref = next(it) if W and bitmap else None   # the bitmap (aliased to wout_ref)
+    o_ref, m_ref, l_ref, kout_ref, vout_ref = (next(it) for _ in range(5))
+    wout_ref = next(it) if W and bitmap else None
     b = pl.program_id(0)
     g = pl.program_id(1)
     s = pl.program_id(2)
@@ -356,11 +404,27 @@ def _decode_attention_kernel(*refs, nds, has_bq, has_bk, has_bv, has_rope, has_m
         jw = jnp.arange(Wp, dtype=jnp.int32)
         jwm = jw < W
         wslot = plgpu.load(wslot_ref.at[jw], mask=jwm, other=-1)
-        wneed = plgpu.load(need_ref.at[b, g, jw], mask=jwm, other=0) != 0
-        # the current token of a selected head is written below, with its attention
         S_ = kout_ref.shape[2]
-        wwrite = (wneed & (wslot >= s * L) & (wslot < s * L + L) & (wslot < S_)
-                  & ~((wslot == pos) & attend))
+        in_split = (wslot >= s * L) & (wslot < s * L + L) & (wslot < S_)
+        if bitmap:
+            # a refresh head also selected is left to its attending programs
+            n_ids = hidx_ref.shape[0]
+            if n_ids > Kh:
+                kk = jnp.arange(next_pow2(Kh), dtype=jnp.int32)
+                sel = plgpu.load(hidx_ref.at[kk], mask=kk < Kh, other=-1)
+                dup = jnp.logical_not(attend) & (jnp.max((sel == hv).astype(jnp.int32)) > 0)
+                own = jwm & in_split & jnp.logical_not(dup)
+            else:
+                own = jwm & in_split
+            brow = wbase_ref[0] + hv
+            held = plgpu.load(wr_ref.at[b, brow, jnp.maximum(wslot, 0)], mask=own,
+                              other=1).astype(jnp.int32)
+            valid_row = plgpu.load(rv_ref.at[b, jw], mask=jwm, other=0)
+            wneed = own & (held == 0) & (valid_row != 0)
+        else:
+            wneed = (plgpu.load(need_ref.at[b, g, jw], mask=jwm, other=0) != 0) & in_split
+        # the current token of a selected head is written below, with its attention
+        wwrite = wneed & ~((wslot == pos) & attend)
         wrows = b * W + jw
         wm = jwm[:, None] & cm[None, :]
 
@@ -391,6 +455,9 @@ def _decode_attention_kernel(*refs, nds, has_bq, has_bk, has_bv, has_rope, has_m
         wdst = jnp.where(wwrite, wslot, spare)
         plgpu.store(kout_ref.at[b, hv, wdst[:, None], cols[None, :]], kw, mask=wst)
         plgpu.store(vout_ref.at[b, hv, wdst[:, None], cols[None, :]], vw, mask=wst)
+        if bitmap:   # every needed entry of this split is now held (pos: written below)
+            plgpu.store(wout_ref.at[b, brow, jnp.where(wneed, wslot, spare)],
+                        jnp.ones((Wp,), wout_ref.dtype), mask=wneed)
 
     # -- online softmax over this program's split of the cache ------------------------
     def scores_of(k):  # k [n, hdp] -> [n] or [Gp, n]
@@ -495,13 +562,14 @@ def decode_attention(qp, kp, vp, head_idx, pos, k_cache, v_cache, *, group, bq=N
     Returns:
       ``(o [ns, B, Kh*G, hd], m [ns, B, Kh*G], l [ns, B, Kh*G], k_cache, v_cache)``:
       unnormalised split partials (merged by :func:`merged_attention_loader` or
-      :func:`merge_splits`) and the caches.
+      :func:`merge_splits`) and the caches; and the updated bitmap when the window has one.
     """
     nds, B, _ = qp.shape
     B = batch or B
     Kh = head_idx.shape[0]
     ids = head_idx if window is None else window_heads(head_idx, window)
-    W = 0 if window is None else window.need.shape[-1]
+    W = 0 if window is None else window.slots.shape[0]
+    bitmap = window is not None and window.written is not None
     G = group
     Hs = Kh * G
     S, hd = k_cache.shape[2], k_cache.shape[3]
@@ -515,11 +583,16 @@ def decode_attention(qp, kp, vp, head_idx, pos, k_cache, v_cache, *, group, bq=N
         _decode_attention_kernel, nds=nds, has_bq=bq is not None, has_bk=bk is not None,
         has_bv=bv is not None, has_rope=cos is not None, has_mask=kv_mask is not None, G=G,
         Gp=Gp, hd=hd, hdp=next_pow2(hd), L=L, bs=bs, scale=float(hd) ** -0.5, Kh=Kh, W=W,
-        Wp=max(16, next_pow2(W)))
+        Wp=max(16, next_pow2(W)), bitmap=bitmap)
     args = [qp, kp, vp]
     if window is not None:
-        args += [jnp.asarray(window.current, jnp.int32).reshape(1),
-                 window.need.astype(jnp.int32), window.slots.astype(jnp.int32)]
+        args.append(jnp.asarray(window.current, jnp.int32).reshape(1))
+        if bitmap:
+            args += [window.row_valid.astype(jnp.int32),
+                     jnp.asarray(window.written_base, jnp.int32).reshape(1)]
+        else:
+            args.append(window.need.astype(jnp.int32))
+        args.append(window.slots.astype(jnp.int32))
         if cos is not None:
             args += [window.cos.astype(jnp.float32), window.sin.astype(jnp.float32)]
     args += [t for t in (bq, bk, bv, cos, sin) if t is not None]
@@ -531,11 +604,16 @@ def decode_attention(qp, kp, vp, head_idx, pos, k_cache, v_cache, *, group, bq=N
                  jax.ShapeDtypeStruct((ns, B, Hs), jnp.float32),
                  jax.ShapeDtypeStruct(k_cache.shape, k_cache.dtype),
                  jax.ShapeDtypeStruct(v_cache.shape, v_cache.dtype))
+    aliases = {n_in: 3, n_in + 1: 4}
+    if bitmap:
+        args.append(window.written)
+        out_shape += (jax.ShapeDtypeStruct(window.written.shape, window.written.dtype),)
+        aliases[n_in + 2] = 5
     return pl.pallas_call(
         kernel,
         grid=(B, ids.shape[0], ns),
         out_shape=out_shape,
-        input_output_aliases={n_in: 3, n_in + 1: 4},
+        input_output_aliases=aliases,
         compiler_params=plgpu.CompilerParams(num_warps=num_warps, num_stages=2),
         interpret=interpret,
         name="head_sparse_decode_attention",
@@ -649,7 +727,7 @@ def head_sparse_attention_pallas(x, wq, bq, wk, bk, wv, bv, wo, bo, k_cache, v_c
     elif rope is not None:
         cos, sin = (jnp.broadcast_to(jnp.asarray(t, f32), (B, hd)) for t in rope)
     mask = None if kv_mask is None else kv_mask.astype(jnp.int32)
-    o, m, l, k_cache, v_cache = decode_attention(
+    o, m, l, k_cache, v_cache, *written = decode_attention(
         qp, kp, vp, head_idx, pos, k_cache, v_cache, group=G, cos=cos, sin=sin,
         kv_mask=mask, block_s=cfg.block_s, seq_splits=cfg.seq_splits,
         target_programs=cfg.attn_target_programs, num_warps=cfg.attn_num_warps, batch=B,
@@ -681,7 +759,8 @@ def head_sparse_attention_pallas(x, wq, bq, wk, bk, wv, bv, wo, bo, k_cache, v_c
         if bo is not None:
             out = out + bo.astype(f32)
         out = out.astype(x.dtype)
-    return (out, k_cache, v_cache) + ((tuple(extras),) if extra_segments else ())
+    return ((out, k_cache, v_cache) + tuple(written)
+            + ((tuple(extras),) if extra_segments else ()))
 
 
 @functools.partial(jax.jit, static_argnames=("impl", "config", "rope_fn"))
@@ -689,14 +768,14 @@ def _attn_jit(x, wq, bq, wk, bk, wv, bv, wo, bo, k_cache, v_cache, pos, head_idx
               kv_mask, window, extra_segments, residual, *, impl, config, rope_fn):
     rope = rope_fn if rope_fn is not None else rope_arr
     if impl == "reference":
-        out, k_cache, v_cache = head_sparse_attention_reference(
+        out, *rest = head_sparse_attention_reference(
             x, wq, bq, wk, bk, wv, bv, wo, bo, k_cache, v_cache, pos, head_idx, rope=rope,
             kv_mask=kv_mask, window=window,
             out_dtype=None if residual is None else jnp.float32)
         if residual is not None:
             out = residual + out
         extras = tuple(segment_reference(seg, x) for seg in extra_segments)
-        return (out, k_cache, v_cache) + ((extras,) if extra_segments else ())
+        return (out, *rest) + ((extras,) if extra_segments else ())
     return head_sparse_attention_pallas(x, wq, bq, wk, bk, wv, bv, wo, bo, k_cache, v_cache,
                                         pos, head_idx, rope=rope, kv_mask=kv_mask,
                                         interpret=impl == "interpret", config=config,
@@ -733,7 +812,21 @@ def _validate_window(window, x, k_cache, head_idx, rope):
     if window.extra_ids is not None:
         check_indices("window.extra_ids", window.extra_ids, k_cache.shape[1])
         n += window.extra_ids.shape[0]
-    check_array("window.need", window.need, shape=(B, n, W))
+    if (window.need is None) == (window.written is None):
+        raise ValueError("give window.need or window.written (the bitmap), exactly one")
+    if window.need is not None:
+        check_array("window.need", window.need, shape=(B, n, W))
+    else:
+        check_array("window.written", window.written, ndim=3)
+        if window.written.shape[0] != B or window.written.shape[2] != k_cache.shape[2]:
+            raise ValueError(f"window.written must be [B, N, S] = [{B}, N, "
+                             f"{k_cache.shape[2]}], got {tuple(window.written.shape)}")
+        if window.written.dtype != jnp.bool_:
+            raise TypeError(f"window.written must be bool, got {window.written.dtype}")
+        if window.row_valid is None or window.written_base is None:
+            raise ValueError("a bitmap window needs row_valid and written_base")
+        check_array("window.row_valid", window.row_valid, shape=(B, W))
+        check_array("window.written_base", window.written_base, shape=())
     check_array("window.slots", window.slots, shape=(W,))
     if (window.cos is None) != (window.sin is None):
         raise ValueError("window.cos and window.sin must be given together")
@@ -779,8 +872,9 @@ def head_sparse_attention(x, wq, bq, wk, bk, wv, bv, wo, bo, k_cache, v_cache, p
     Returns:
       ``(out [B, d] in x.dtype, k_cache, v_cache)``: ``out = sum over selected query
       heads of softmax(q kᵀ / sqrt(hd)) v @ wo[h] + bo``; unselected heads add 0. With
-      ``residual``, ``out`` is ``residual + out`` in fp32. With ``extra_segments`` a
-      fourth item: one fp32 ``[P_s, B_s, R_s]`` per segment whose sum over axis 0 holds
+      ``residual``, ``out`` is ``residual + out`` in fp32. With a bitmap window
+      (``window.written``) the next item is the updated bitmap. With ``extra_segments``
+      a last item: one fp32 ``[P_s, B_s, R_s]`` per segment whose sum over axis 0 holds
       ``x_s @ W_s[rows]ᵀ`` in its first ``Segment.n_rows`` columns.
     """
     _validate(x, wq, bq, wk, bk, wv, bv, wo, bo, k_cache, v_cache, pos, head_idx, rope,

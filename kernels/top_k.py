@@ -6,8 +6,7 @@ score vector in registers and
 
 1. maps each fp32 score to a 16-bit key that orders like the score's upper 16 bits (the
    score truncated to bfloat16 precision),
-2. finds the k-th largest key by a radix search over key values (4 passes of 4-bit digits
-   for blocks up to 4096 lanes, else a 16-step binary search; each pass one
+2. finds the k-th largest key by a 16-step binary search over key values (each step one
    compare-and-count over the block),
 3. writes the ids of the keys above it, plus the lowest-index ties, in ascending order
    (two cumulative sums and one scatter store).
@@ -15,7 +14,7 @@ score vector in registers and
 The result is exactly the top-k of the truncated scores, ties broken toward the lower
 index: :func:`top_k_indices_reference` computes the same set with a stable sort.
 :func:`top_k_indices_chunked` computes it again in three launches whose programs each own
-a chunk of the scores, instead of one program doing every dependent counting pass.
+a chunk of the scores, instead of one program doing 16 dependent counting passes.
 """
 from __future__ import annotations
 
@@ -55,28 +54,17 @@ def _top_k_kernel(s_ref, o_ref, *, n: int, k: int, block: int):
     plgpu.store(o_ref.at[_ranked_slots(key, k)], ids)
 
 
-def _kth_key(key, k: int):
-    """The k-th largest of int32 keys in [-1, 2**16) (-1: masked lanes), in a few dependent
-    counting passes: a radix search, one base-2**r digit per pass, whose pass compares
-    every lane against all 2**r candidate digits at once (r = 4 while the [2**r, lanes]
-    comparison stays small in registers, else 1: a 16-step binary search)."""
-    lanes = key.shape[0]
-    r = 4 if lanes <= 4096 else 1
-    digits = jnp.arange(1 << r, dtype=jnp.int32)
-    kth = jnp.int32(0)              # invariant: count(key >= kth) >= k
-    for level in range(KEY_BITS // r):
-        shift = KEY_BITS - r * (level + 1)
-        thresholds = kth + (digits << shift)
-        counts = jnp.sum((key[None, :] >= thresholds[:, None]).astype(jnp.int32), axis=1)
-        # counts fall with the digit and digit 0 always qualifies: the largest that does
-        kth = kth + ((jnp.sum((counts >= k).astype(jnp.int32)) - 1) << shift)
-    return kth
-
-
 def _ranked_slots(key, k: int):
     """A distinct output slot per lane: the lanes of the k largest keys (ties to the lower
-    lane) get 0..k-1 in lane order, every other lane one of its own after them."""
-    kth = _kth_key(key, k)
+    lane) get 0..k-1 in lane order, every other lane one of its own after them. The k-th
+    key is found by a 16-step binary search over key values (one count per step)."""
+    def halve(_, bounds):
+        lo, hi = bounds                      # count(key >= lo) >= k > count(key >= hi)
+        mid = (lo + hi) // 2
+        enough = jnp.sum((key >= mid).astype(jnp.int32)) >= k
+        return jnp.where(enough, mid, lo), jnp.where(enough, hi, mid)
+
+    kth, _ = lax.fori_loop(0, KEY_BITS, halve, (jnp.int32(0), jnp.int32(1 << KEY_BITS)))
     above = key > kth
     tie = key == kth
     room = k - jnp.sum(above.astype(jnp.int32))

@@ -5,6 +5,8 @@ read (unselected neurons/heads, cache positions after ``pos``) are poisoned with
 and the Pallas interpreter fills every kernel output with NaN before the kernel runs,
 so a missed write or a stray read shows up as NaN.
 """
+import dataclasses
+
 import numpy as np
 import pytest
 import jax
@@ -226,20 +228,25 @@ WINDOW_CASES = [  # B, d, H, n_kv, hd, S, W, pos, Kh, extra, rope, biases
 
 
 @pytest.mark.parametrize("B,d,H,n_kv,hd,S,W,pos,Kh,extra,rope,biases", WINDOW_CASES)
-@pytest.mark.parametrize("impl,ring_shift,split", [("interpret", 0, False),
-                                                  ("interpret", 3, False),
-                                                  ("interpret", 1, True),
-                                                  ("reference", 0, False),
-                                                  ("reference", 2, True)])
-def test_window_recompute_writes_needed_entries_then_attends(rng, impl, ring_shift, split, B,
-                                                             d, H, n_kv, hd, S, W, pos, Kh,
-                                                             extra, rope, biases):
+@pytest.mark.parametrize("impl,ring_shift,split,bitmap", [("interpret", 0, False, False),
+                                                         ("interpret", 3, False, False),
+                                                         ("interpret", 1, True, False),
+                                                         ("reference", 0, False, False),
+                                                         ("reference", 2, True, False),
+                                                         ("interpret", 0, False, True),
+                                                         ("interpret", 1, True, True),
+                                                         ("reference", 2, True, True)])
+def test_window_recompute_writes_needed_entries_then_attends(rng, impl, ring_shift, split,
+                                                             bitmap, B, d, H, n_kv, hd, S, W,
+                                                             pos, Kh, extra, rope, biases):
     """Missing-KV recomputation: the needed window entries equal numpy's projections of the
     stored inputs, other entries keep their values, and attention sees the new entries.
     The window's rows come rotated by ring_shift (a ring buffer), the current token's in
     row `current`. split: sequence splits of 8 slots (window slots on both sides of a
     split boundary) and a key mask with holes, one of them on a needed window entry
-    (written, not attended)."""
+    (written, not attended). bitmap: the same needs given as a written-entries bitmap
+    (rows offset by a base, unrelated bits random), which must come back with exactly the
+    needed entries set."""
     from dejavu_jax.kernels import KVWindow
     r = lambda *s: rng.standard_normal(s)
     hidx = rng.permutation(n_kv)[:Kh].astype(np.int32)
@@ -291,12 +298,29 @@ def test_window_recompute_writes_needed_entries_then_attends(rng, impl, ring_shi
                       extra_ids=None if extra is None else jnp.asarray(extra, jnp.int32),
                       need=jnp.asarray(ring(need, 2)), slots=jnp.asarray(ring(slots, 0)),
                       cos=f(ring(cos)), sin=f(ring(sin)))
+    if bitmap:
+        base = n_kv                                           # this layer's bitmap rows
+        written = rng.random((B, 3 * n_kv, S)) > 0.5
+        row_valid = np.broadcast_to(raw >= 0, (B, W)).copy()
+        for b in range(B):
+            for i, h in enumerate(ids):
+                for w in np.nonzero(row_valid[b])[0]:
+                    written[b, base + h, slots[w]] = not need[b, i, w]
+        want_written = written.copy()
+        for b, i, w in zip(*np.nonzero(need)):
+            want_written[b, base + ids[i], slots[w]] = True
+        window = dataclasses.replace(window, need=None, written=jnp.asarray(written),
+                                     written_base=jnp.int32(base),
+                                     row_valid=jnp.asarray(ring(row_valid, 1)))
     rope_arg = None if cos is None else (f(cos[:, -1]), f(sin[:, -1]))
     config = AttnConfig(block_s=4, seq_splits=4) if split else None
-    out, k2, v2 = head_sparse_attention(f(x), f(wq), f(bq), f(wk), f(bk), f(wv), f(bv), f(wo),
-                                        f(bo), f(kc), f(vc), jnp.int32(pos), jnp.asarray(hidx),
-                                        rope=rope_arg, impl=impl, window=window, config=config,
-                                        kv_mask=None if mask is None else jnp.asarray(mask))
+    out, k2, v2, *rest = head_sparse_attention(
+        f(x), f(wq), f(bq), f(wk), f(bk), f(wv), f(bv), f(wo), f(bo), f(kc), f(vc),
+        jnp.int32(pos), jnp.asarray(hidx), rope=rope_arg, impl=impl, window=window,
+        config=config, kv_mask=None if mask is None else jnp.asarray(mask))
+    assert len(rest) == int(bitmap)
+    if bitmap:
+        np.testing.assert_array_equal(np.asarray(rest[0]), want_written)
     assert _rel(out, ref) < 1e-5
     for got, want in ((k2, want_k), (v2, want_v)):
         got = np.asarray(got, np.float64)
