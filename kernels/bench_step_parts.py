@@ -75,7 +75,7 @@ def attn_window_point(W, d, H, ctx, frac, *, window, config, seed=0):
 
 
 def predictor_point(d, F, H, rank, k_mlp, k_heads, *, row_blocks, block_d, deferred=False,
-                    seed=0):
+                    select_warps=None, seed=0):
     """µs per call of the split predictor's selection (`kernels.predictor_select`) at batch
     1, chained through a tiny scatter of its neuron ids into the next call's partials."""
     from .predictor_select import predictor_select
@@ -91,7 +91,8 @@ def predictor_point(d, F, H, rank, k_mlp, k_heads, *, row_blocks, block_d, defer
     def step(h, w, layer):
         neurons, heads = predictor_select(h, w["b1"], w["w2m"], w["b2m"], w["w2h"], w["b2h"],
                                           layer, k_mlp, k_heads, row_blocks=row_blocks,
-                                          block_d=block_d, deferred_sum=deferred)
+                                          block_d=block_d, deferred_sum=deferred,
+                                          select_warps=select_warps)
         bump = (neurons[:1].astype(jnp.float32) + heads[:1].astype(jnp.float32)) * 1e-9
         return h.at[0, 0, :1].add(bump)
 
@@ -99,7 +100,7 @@ def predictor_point(d, F, H, rank, k_mlp, k_heads, *, row_blocks, block_d, defer
     need = rank * F * 2 + rank * H * 2
     t, _ = chain_time(step, h0, w, sets, est_s=need / 3e12 + 10e-6)
     return dict(part="predictor", F=F, H=H, rank=rank, row_blocks=row_blocks,
-                block_d=block_d, deferred=bool(deferred), bytes=need, time_us=t * 1e6, gbps=need / t / 1e9)
+                block_d=block_d, deferred=bool(deferred), select_warps=select_warps, bytes=need, time_us=t * 1e6, gbps=need / t / 1e9)
 
 
 def out_proj_point(d, H, frac, *, kernel, block_rows, block_d, deferred, row_blocks=None,
@@ -193,8 +194,8 @@ def main(argv=None):
     p.add_argument("--attn-variants", default="base/max_fused_splits=0/seq_splits=1")
     p.add_argument("--mlp-variants", default="base/num_stages=3")
     p.add_argument("--predictor-variants", default="4x512/2x512/1x512/1x256",
-                   help="split predictor score product: ROW_BLOCKSxBLOCK_D[d] ('d': deferred "
-                        "sum), '/'-separated")
+                   help="split predictor score product: ROW_BLOCKSxBLOCK_D[d][wN] ('d': deferred "
+                        "sum, wN: N warps in the selection launch), '/'-separated")
     p.add_argument("--rank", type=int, default=256, help="predictor rank for the predictor part")
     p.add_argument("--out-variants",
                    default="rows:16x512/rows:16x512d/cols:8x512/cols:8x512d/cols:4x512/"
@@ -242,10 +243,12 @@ def main(argv=None):
     if "predictor" in parts:
         F = 4 * d
         for item in args.predictor_variants.split("/"):
-            row_blocks, block_d = map(int, item.rstrip("d").split("x"))
+            blocks, _, warps = item.partition("w")
+            row_blocks, block_d = map(int, blocks.rstrip("d").split("x"))
             log(predictor_point(d, F, H, args.rank, max(1, round(F * args.mlp / 100)),
                                 max(1, round(H * args.heads / 100)), row_blocks=row_blocks,
-                                block_d=block_d, deferred=item.endswith("d")))
+                                block_d=block_d, deferred=blocks.endswith("d"),
+                                select_warps=int(warps) if warps else None))
     if "top-k" in parts:
         F = 4 * d
         k = max(1, round(F * args.mlp / 100))

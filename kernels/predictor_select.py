@@ -119,10 +119,10 @@ def _select_kernel(layer_ref, sp_ref, b2m_ref, h_ref, b1_ref, w2h_ref, b2h_ref, 
 
 @functools.partial(jax.jit, static_argnames=("k_mlp", "k_heads", "activation", "chunk",
                                              "interpret", "row_blocks", "block_d",
-                                             "deferred_sum"))
+                                             "deferred_sum", "select_warps"))
 def _predictor_select_pallas(h_parts, b1, w2_mlp, b2_mlp, w2_heads, b2_heads, layer, *,
                              k_mlp, k_heads, activation, chunk, interpret, row_blocks=2,
-                             block_d=256, deferred_sum=True):
+                             block_d=256, deferred_sum=True, select_warps=None):
     L, r_mlp, F = w2_mlp.shape
     r_heads, H = w2_heads.shape[1:]
     nds = h_parts.shape[0]
@@ -147,8 +147,8 @@ def _predictor_select_pallas(h_parts, b1, w2_mlp, b2_mlp, w2_heads, b2_heads, la
         grid=(C + 1,),
         out_shape=(jax.ShapeDtypeStruct((C * kc,), jnp.int32),
                    jax.ShapeDtypeStruct((k_heads,), jnp.int32)),
-        compiler_params=plgpu.CompilerParams(num_warps=min(16, max(4, block // 256)),
-                                             num_stages=1),
+        compiler_params=plgpu.CompilerParams(
+            num_warps=select_warps or min(16, max(4, block // 256)), num_stages=1),
         interpret=interpret,
         name="predictor_select",
     )(layer, score_parts, b2_mlp.reshape(-1), h_parts, b1_flat,
@@ -158,7 +158,7 @@ def _predictor_select_pallas(h_parts, b1, w2_mlp, b2_mlp, w2_heads, b2_heads, la
 def predictor_select(h_parts, b1, w2_mlp, b2_mlp, w2_heads, b2_heads, layer, k_mlp: int,
                      k_heads: int, *, activation: str = "none", chunk: int = 2048,
                      impl: str | None = None, row_blocks: int = 2, block_d: int = 256,
-                     deferred_sum: bool = True):
+                     deferred_sum: bool = True, select_warps: int | None = None):
     """(neuron ids, head ids) of one token from its first-product partials.
 
     Args:
@@ -175,6 +175,7 @@ def predictor_select(h_parts, b1, w2_mlp, b2_mlp, w2_heads, b2_heads, layer, k_m
         columns per program (Pallas paths; powers of two for block_d); deferred_sum: one
         cross-lane sum per program (see :func:`~.gather_matvec.gather_matvec_t`). The
         defaults were the fastest of 7 variants on an H200 at OPT-30B sizes (rank 256).
+      select_warps: warps per program of the selection launch (None: by chunk length).
     """
     check_array("h_parts", h_parts, ndim=3, floating=True)
     if activation not in ACTIVATIONS:
@@ -205,4 +206,5 @@ def predictor_select(h_parts, b1, w2_mlp, b2_mlp, w2_heads, b2_heads, layer, k_m
                                     k_mlp=int(k_mlp), k_heads=int(k_heads),
                                     activation=activation, chunk=int(chunk),
                                     interpret=impl == "interpret", row_blocks=int(row_blocks),
-                                    block_d=int(block_d), deferred_sum=bool(deferred_sum))
+                                    block_d=int(block_d), deferred_sum=bool(deferred_sum),
+                                    select_warps=select_warps)

@@ -106,9 +106,9 @@ def test_norms_top_k_and_predictor_select_lower():
     for fn in (kernels.top_k_indices, top_k_indices_chunked, top_k_indices_local):
         lowers(lambda v, fn=fn: fn(v, 2867, impl="pallas"), s)
     L, r, F, H = 2, 256, 28672, 56
-    for deferred in (False, True):
+    for deferred, warps in ((False, None), (True, 1)):
         lowers(lambda *a: predictor_select(*a, jnp.int32(1), 2867, 28, impl="pallas",
-                                           deferred_sum=deferred),
+                                           deferred_sum=deferred, select_warps=warps),
                z(2, 1, 2 * r, dtype=F32), z(L, 2 * r, dtype=F32), z(L, r, F),
                z(L, F, dtype=F32), z(L, r, H), z(L, H, dtype=F32))
 
