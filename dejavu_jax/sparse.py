@@ -258,23 +258,38 @@ def _missing_kv_window(config, view, io: _LayerIO, layer, win: dict, ring):
         written_base=jnp.asarray(rows0, jnp.int32), row_valid=win["row_valid"])
 
 
+def _history_rows(io: _LayerIO, layer, slot, W: int):
+    """(buffer [B, R, d], row): where this token's input goes in the layer's ring (per-layer
+    rings: the layer's own; stacked history: viewed as [B, L * W, d])."""
+    if isinstance(io.history, tuple):
+        return io.history[layer], slot % W
+    B, L, _, d = io.history.shape
+    return io.history.reshape(B, L * W, d), layer * W + slot % W
+
+
+def _with_history_rows(io: _LayerIO, layer, rows) -> tuple[_LayerIO, jax.Array]:
+    """io holding the updated buffer of `_history_rows`, and the layer's ring [B, W, d]."""
+    if isinstance(io.history, tuple):
+        return io.replace(history=io.history[:layer] + (rows,) + io.history[layer + 1:]), rows
+    history = rows.reshape(io.history.shape)
+    return io.replace(history=history), history[:, layer]
+
+
 def _sparse_attention(config, scfg, view, io: _LayerIO, layer, y, groups, step,
-                      residual=None, extra_segments=()):
+                      residual=None, extra_segments=(), history_rows=None):
     """Head-sparse attention for normed inputs y [B, d] over the selected KV groups.
 
-    Returns (out [B, d] fp32, io), out added to `residual` when given, and with
-    `extra_segments` a third item, their products (see `kernels.head_sparse_attention`)."""
+    `history_rows`: the `_history_rows` buffer with y already written (by the norm launch);
+    None writes it here. Returns (out [B, d] fp32, io), out added to `residual` when
+    given, and with `extra_segments` a third item, their products (see
+    `kernels.head_sparse_attention`)."""
     W = scfg.kv_window
     slot = step["slot"]
-    if isinstance(io.history, tuple):
-        ring = jax.lax.dynamic_update_slice(
-            io.history[layer], y.astype(io.history[layer].dtype)[:, None, :], (0, slot % W, 0))
-        io = io.replace(history=io.history[:layer] + (ring,) + io.history[layer + 1:])
-    else:
-        history = jax.lax.dynamic_update_slice(
-            io.history, y.astype(io.history.dtype)[:, None, None, :], (0, layer, slot % W, 0))
-        io = io.replace(history=history)
-        ring = history[:, layer]
+    if history_rows is None:
+        rows, row = _history_rows(io, layer, slot, W)
+        history_rows = jax.lax.dynamic_update_slice(
+            rows, y.astype(rows.dtype)[:, None, :], (0, row, 0))
+    io, ring = _with_history_rows(io, layer, history_rows)
     window = None
     if scfg.kv_recompute:
         window = _missing_kv_window(config, view, io, layer, step["window"], ring)
@@ -369,16 +384,20 @@ def _fused_sparse_layer(config, scfg, view, io, layer, x, neurons, groups, step,
     lp = view.lp
     eps = config.norm_eps
     x = x.astype(F32)
-    def norm(rows, scale, bias, rms_dtype=None):
+    def norm(rows, scale, bias, **kw):
         return kernels.layer_norm(rows, scale, bias, eps, out_dtype=scale.dtype,
-                                  rms_dtype=rms_dtype, impl=scfg.impl)
+                                  impl=scfg.impl, **kw)
 
-    y, rms = ((norm(x, lp.attn_norm_scale, lp.attn_norm_bias), None) if rms_dtype is None
-              else norm(x, lp.attn_norm_scale, lp.attn_norm_bias, rms_dtype))
+    # the attention norm's launch also writes the ring row of this token's input
+    ring, ring_row = _history_rows(io, layer, step["slot"], scfg.kv_window)
+    y, *rest = norm(x, lp.attn_norm_scale, lp.attn_norm_bias, rms_dtype=rms_dtype,
+                    ring=ring, ring_row=ring_row)
+    rms = rest[0] if rms_dtype is not None else None
     nxt = lookahead(x, rms)
     split = isinstance(nxt, tuple) and callable(nxt[1])
     h, io, *extra_parts = _sparse_attention(config, scfg, view, io, layer, y, groups, step,
-                                            residual=x, extra_segments=(nxt[0],) if split else ())
+                                            residual=x, extra_segments=(nxt[0],) if split else (),
+                                            history_rows=rest[-1])
     if split:
         nxt = nxt[1](extra_parts[0][0])
     y = norm(h, lp.mlp_norm_scale, lp.mlp_norm_bias)

@@ -577,6 +577,44 @@ def test_layer_norm_rms_output_equals_numpy(rng, B, d, rms_norm, out):
 
 
 @pytest.mark.parametrize("impl", ["interpret", "reference"])
+@pytest.mark.parametrize("B,d,R,row,rms,ring_dtype", [(1, 100, 16, 5, True, jnp.bfloat16),
+                                                      (3, 64, 4, 3, False, F32)])
+def test_layer_norm_writes_the_ring_row(rng, impl, B, d, R, row, rms, ring_dtype):
+    """With a ring, the launch also writes the normed rows (rounded to out_dtype, then the
+    ring's dtype) at ring_row, a traced index; every other ring row is left as it was."""
+    from dejavu_jax.kernels import layer_norm
+    x = rng.standard_normal((B, d)) * 2 + 0.5
+    scale, nbias = rng.standard_normal(d), rng.standard_normal(d)
+    ring = rng.standard_normal((B, R, d))
+    f = lambda a: jnp.asarray(a, F32)
+    fn = jax.jit(lambda x, ring, r: layer_norm(
+        x, f(scale), f(nbias), 1e-5, out_dtype=jnp.bfloat16,
+        rms_dtype=jnp.bfloat16 if rms else None, ring=ring, ring_row=r, impl=impl))
+    *first, new_ring = fn(f(x), jnp.asarray(ring, ring_dtype), jnp.int32(row))
+    assert len(first) == 1 + rms and new_ring.dtype == ring_dtype
+    y = np.asarray(first[0].astype(F32), np.float64)
+    c = x - x.mean(-1, keepdims=True)
+    want = c / np.sqrt(np.mean(c * c, -1, keepdims=True) + 1e-5) * scale + nbias
+    np.testing.assert_allclose(y, want, rtol=1e-2, atol=1e-2)
+    got = np.asarray(new_ring.astype(F32), np.float64)
+    np.testing.assert_array_equal(got[:, row], y)                # the out_dtype values
+    keep = np.arange(R) != row
+    np.testing.assert_array_equal(got[:, keep],
+                                  np.asarray(jnp.asarray(ring, ring_dtype).astype(F32))[:, keep])
+
+
+def test_layer_norm_ring_validation():
+    from dejavu_jax.kernels import layer_norm
+    x, s = jnp.zeros((2, 8)), jnp.ones(8)
+    with pytest.raises(ValueError, match="ring must be"):
+        layer_norm(x, s, None, 1e-5, ring=jnp.zeros((2, 4, 7)), ring_row=0)
+    with pytest.raises(ValueError, match="needs ring_row"):
+        layer_norm(x, s, None, 1e-5, ring=jnp.zeros((2, 4, 8)))
+    with pytest.raises(ValueError, match=r"\[B, d\]"):
+        layer_norm(x[None], s, None, 1e-5, ring=jnp.zeros((2, 4, 8)), ring_row=0)
+
+
+@pytest.mark.parametrize("impl", ["interpret", "reference"])
 @pytest.mark.parametrize("B", [1, 3])
 def test_residual_outputs_add_into_the_rows(rng, impl, B):
     """With residual rows, the MLP and attention outputs come back added to them (fp32),

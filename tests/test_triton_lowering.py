@@ -102,6 +102,11 @@ def test_norms_top_k_and_predictor_select_lower():
     lowers(lambda x: kernels.layer_norm(x, x[0], None, 1e-5, impl="pallas"), z(2, 576))
     lowers(lambda x: kernels.layer_norm(x, x[0], x[0], 1e-5, rms_dtype=BF16, impl="pallas"),
            z(2, 768, dtype=F32))
+    text = lowers(lambda x, ring, r: kernels.layer_norm(x, x[0], x[0], 1e-5, out_dtype=BF16,
+                                                        rms_dtype=BF16, ring=ring, ring_row=r,
+                                                        impl="pallas"),
+                  z(2, 768, dtype=F32), z(2, 16, 768), jnp.int32(3))
+    assert "layer_norm" in text
     s = z(28672, dtype=F32)
     for fn in (kernels.top_k_indices, top_k_indices_chunked, top_k_indices_local):
         lowers(lambda v, fn=fn: fn(v, 2867, impl="pallas"), s)
