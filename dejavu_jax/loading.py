@@ -33,9 +33,9 @@ def _per_head_rows(a, c):
     return a.reshape(-1, c.head_dim, *a.shape[1:])
 
 
-def _transposed_per_head(a, c):
-    """out_proj weight [d, H*hd] -> [H, hd, d]."""
-    return a.T.reshape(-1, c.head_dim, a.shape[0])
+def _per_head_columns(a, c):
+    """out_proj weight [d, H*hd] -> [d, H, hd] (a free reshape)."""
+    return a.reshape(a.shape[0], -1, c.head_dim)
 
 
 def _transposed(a, c):
@@ -60,7 +60,7 @@ OPT_LAYER = {
     "bk": ("self_attn.k_proj.bias", _per_head_rows),
     "wv": ("self_attn.v_proj.weight", _per_head_rows),
     "bv": ("self_attn.v_proj.bias", _per_head_rows),
-    "wo": ("self_attn.out_proj.weight", _transposed_per_head),
+    "wo": ("self_attn.out_proj.weight", _per_head_columns),
     "bo": ("self_attn.out_proj.bias", _same),
     "mlp_norm_scale": ("final_layer_norm.weight", _same),
     "mlp_norm_bias": ("final_layer_norm.bias", _same),
@@ -82,7 +82,7 @@ LLAMA_LAYER = {
     "bk": ("self_attn.k_proj.bias", _per_head_rows),
     "wv": ("self_attn.v_proj.weight", _per_head_rows),
     "bv": ("self_attn.v_proj.bias", _per_head_rows),
-    "wo": ("self_attn.o_proj.weight", _transposed_per_head),
+    "wo": ("self_attn.o_proj.weight", _per_head_columns),
     "bo": ("self_attn.o_proj.bias", _same),
     "mlp_norm_scale": ("post_attention_layernorm.weight", _same),
     "w_in": ("mlp.up_proj.weight", _same),

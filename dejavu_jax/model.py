@@ -70,7 +70,7 @@ def head_output_norms(lp, heads_out: jax.Array) -> jax.Array:
     Uses the per-head Gram matrix W_O^i W_O^iᵀ so the [.., H, d] products are never formed.
     """
     wo = lp.wo.astype(F32)
-    gram = jnp.einsum("hkd,hld->hkl", wo, wo)
+    gram = jnp.einsum("dhk,dhl->hkl", wo, wo)
     sq = jnp.einsum("...hk,hkl,...hl->...h", heads_out, gram, heads_out)
     return jnp.sqrt(jnp.maximum(sq, 0.0))
 

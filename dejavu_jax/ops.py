@@ -86,7 +86,7 @@ def project_qkv(config: ModelConfig, lp, y: jax.Array, positions: jax.Array):
 
 def out_project(lp, heads_out: jax.Array) -> jax.Array:
     """Attention heads' outputs [..., H, hd] through the per-head out-projection: [..., d]."""
-    out = jnp.einsum("...hk,hkd->...d", heads_out.astype(lp.wo.dtype), lp.wo,
+    out = jnp.einsum("...hk,dhk->...d", heads_out.astype(lp.wo.dtype), lp.wo,
                      preferred_element_type=F32)
     return add_bias(out, lp.bo)
 

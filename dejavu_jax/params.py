@@ -1,8 +1,9 @@
 """Weight pytrees in sparse-friendly layouts, stacked on a leading layer axis.
 
 Layouts (L layers, H query heads, Hk KV heads, hd head dim, d hidden, F ffn):
-  wq, wo: [L, H, hd, d]   per-head rows; wo is out_proj.weight transposed per head
+  wq: [L, H, hd, d]       per-head rows
   wk, wv: [L, Hk, hd, d]
+  wo: [L, d, H, hd]       out_proj.weight as stored ([d, H*hd]), its columns per head
   w_in, w_gate, w_out_t: [L, F, d]   one contiguous row per neuron (fc1, gate, fc2ᵀ)
 Absent parts (biases of Llama, OPT's projections, a tied LM head) are None.
 """
@@ -72,7 +73,7 @@ def layer_shapes(config: ModelConfig) -> dict[str, tuple[int, ...] | None]:
         "bk": (L, Hk, hd) if c.attention_bias else None,
         "wv": (L, Hk, hd, d),
         "bv": (L, Hk, hd) if c.attention_bias else None,
-        "wo": (L, H, hd, d),
+        "wo": (L, d, H, hd),
         "bo": (L, d) if c.attention_bias else None,
         "mlp_norm_scale": (L, d),
         "mlp_norm_bias": (L, d) if layer_norm else None,

@@ -41,7 +41,7 @@ LAYER_AXES = {
     "wq": ("heads", "head_dim", "hidden"), "bq": ("heads", "head_dim"),
     "wk": ("kv_heads", "head_dim", "hidden"), "bk": ("kv_heads", "head_dim"),
     "wv": ("kv_heads", "head_dim", "hidden"), "bv": ("kv_heads", "head_dim"),
-    "wo": ("heads", "head_dim", "hidden"), "bo": ("hidden",),
+    "wo": ("hidden", "heads", "head_dim"), "bo": ("hidden",),
     "mlp_norm_scale": ("hidden",), "mlp_norm_bias": ("hidden",),
     "w_in": ("mlp", "hidden"), "b_in": ("mlp",), "w_gate": ("mlp", "hidden"),
     "w_out_t": ("mlp", "hidden"), "b_out": ("hidden",),

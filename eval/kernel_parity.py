@@ -130,7 +130,7 @@ def window_rows(impl: str) -> list[dict]:
                           need=jnp.asarray(need), slots=jnp.asarray(np.maximum(raw, 0)),
                           cos=cos, sin=sin)
         w = [f(H, hd, d) * d ** -0.5, f(H, hd), f(n_kv, hd, d) * d ** -0.5, f(n_kv, hd),
-             f(n_kv, hd, d) * d ** -0.5, f(n_kv, hd), f(H, hd, d) * (H * hd) ** -0.5, f(d)]
+             f(n_kv, hd, d) * d ** -0.5, f(n_kv, hd), f(d, H, hd) * (H * hd) ** -0.5, f(d)]
         caches = (f(B, n_kv, S, hd), f(B, n_kv, S, hd))
         got, ref = (head_sparse_attention(x, *w, *caches, jnp.int32(pos), hidx, rope=rope_now,
                                           impl=i, window=window) for i in (impl, "reference"))

@@ -170,7 +170,7 @@ def attn_weights(d, H, seed=0, dtype=jnp.bfloat16):
     return dict(wq=_rand(k[0], (H, HD, d), dtype, s), bq=_rand(k[1], (H, HD), dtype, 0.1),
                 wk=_rand(k[2], (H, HD, d), dtype, s), bk=_rand(k[3], (H, HD), dtype, 0.1),
                 wv=_rand(k[4], (H, HD, d), dtype, s), bv=_rand(k[5], (H, HD), dtype, 0.1),
-                wo=_rand(k[6], (H, HD, d), dtype, (H * HD) ** -0.5),
+                wo=_rand(k[6], (d, H, HD), dtype, (H * HD) ** -0.5),
                 bo=_rand(k[7], (d,), dtype, 0.1))
 
 
@@ -188,7 +188,7 @@ def dense_attention(x, W, kc, vc, pos):
     s = jnp.where(jnp.arange(S) <= pos, s, -jnp.inf)
     p = jax.nn.softmax(s, axis=-1)
     o = jnp.einsum("bhs,bhsk->bhk", p.astype(vc.dtype), vc, preferred_element_type=f32)
-    y = jnp.einsum("bhk,hkd->bd", o.astype(x.dtype), W["wo"], preferred_element_type=f32)
+    y = jnp.einsum("bhk,dhk->bd", o.astype(x.dtype), W["wo"], preferred_element_type=f32)
     return y + W["bo"], kc, vc
 
 

@@ -5,6 +5,8 @@
 are m contiguous elements of every weight row, so the loads stay coalesced, and every
 program owns whole output rows: it reads all selected columns of its rows and finishes
 them (residual and bias added, no split-k partials, no atomics, a deterministic sum).
+Stacked layers ``[L * d_out, n]`` (a free reshape of ``[L, d_out, n]``) take global ids
+``layer * (n / m) + local``: a call's ids all lie in one layer, whose rows it reads.
 The activations ``a`` come from a caller-supplied loader, as in
 :func:`~.gather_matvec.gather_matvec_t`.
 """
@@ -15,16 +17,15 @@ from typing import Callable, Sequence
 
 import jax
 import jax.numpy as jnp
-from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
 from ._common import cdiv
-from .gather_matvec import batch_pad, logical_rows, mma
+from .gather_matvec import accumulate_blocks, batch_pad, logical_rows, mma
 
 
-def _kernel(*refs, n_act, load_act, B, Bp, m, n_cols, d_out, bk, bc, chunks, has_res,
-            has_bias, deferred):
+def _kernel(*refs, n_act, load_act, B, Bp, m, n_cols, d_out, n_local, layers, bk, bc,
+            chunks, has_res, has_bias, deferred):
     act_refs = refs[:n_act]
     ids_ref, w_ref = refs[n_act:n_act + 2]
     rest = list(refs[n_act + 2:])
@@ -36,13 +37,17 @@ def _kernel(*refs, n_act, load_act, B, Bp, m, n_cols, d_out, bk, bc, chunks, has
     rm = rows < d_out
     brow = jnp.arange(Bp, dtype=jnp.int32)
     bmask = brow < B
+    layer = ids_ref[0] // (n_local // m) if layers > 1 else 0
+    w_rows = layer * d_out + rows
 
     def chunk(c, acc):
         lc = c * bc + jnp.arange(bc, dtype=jnp.int32)
         valid = lc < n_cols
         cols = logical_rows(ids_ref, lc, valid, m)
         a = load_act(act_refs, lc, valid, cols)       # fp32 [bc] or [Bp, bc]
-        w = plgpu.load(w_ref.at[rows[:, None], cols[None, :]],
+        if layers > 1:
+            cols = jnp.where(valid, cols - layer * n_local, 0)
+        w = plgpu.load(w_ref.at[w_rows[:, None], cols[None, :]],
                        mask=rm[:, None] & valid[None, :], other=0)
         if Bp == 1:
             prod = w.astype(jnp.float32) * a[None, :]
@@ -50,12 +55,7 @@ def _kernel(*refs, n_act, load_act, B, Bp, m, n_cols, d_out, bk, bc, chunks, has
         return acc + mma(a, w, trans_b=True)
 
     shape = ((bk, bc) if deferred else (bk,)) if Bp == 1 else (Bp, bk)
-    acc = jnp.zeros(shape, jnp.float32)
-    if chunks <= 4:
-        for c in range(chunks):
-            acc = chunk(c, acc)
-    else:
-        acc = lax.fori_loop(0, chunks, chunk, acc)
+    acc = accumulate_blocks(chunk, chunks, shape)
     if Bp == 1 and deferred:
         acc = jnp.sum(acc, axis=1)
     if has_bias:
@@ -77,7 +77,8 @@ def gather_cols_matvec(act_args: Sequence[jax.Array], load_act: Callable, w: jax
                        ids: jax.Array, *, B: int, cols_per_id: int, block_rows: int = 8,
                        block_cols: int = 512, num_warps: int = 4, num_stages: int = 2,
                        deferred_sum: bool = False, residual: jax.Array | None = None,
-                       bias: jax.Array | None = None, interpret: bool = False) -> jax.Array:
+                       bias: jax.Array | None = None, layers: int = 1,
+                       interpret: bool = False) -> jax.Array:
     """``residual + a @ W[:, cols].T + bias`` as fp32 ``[B, d_out]`` for ``w [d_out, n]``.
 
     Args:
@@ -90,8 +91,12 @@ def gather_cols_matvec(act_args: Sequence[jax.Array], load_act: Callable, w: jax
       block_cols: logical columns per load (a power of two).
       residual: optional fp32 ``[B, d_out]`` added (and updated in place when donated);
         bias: optional ``[d_out]``.
+      layers: ``w`` stacks this many layers' ``[d_out, n]`` matrices by rows; the ids are
+        then global (``layer * n // cols_per_id + local``), all from one layer.
     """
-    d_out = w.shape[0]
+    if w.shape[0] % layers:
+        raise ValueError(f"{layers} layers must divide the weight's {w.shape[0]} rows")
+    d_out = w.shape[0] // layers
     m = cols_per_id
     n_cols = int(ids.shape[0]) * m
     Bp = batch_pad(B)
@@ -105,7 +110,8 @@ def gather_cols_matvec(act_args: Sequence[jax.Array], load_act: Callable, w: jax
                          f"{tuple(residual.shape)}")
     kernel = functools.partial(
         _kernel, n_act=len(act_args), load_act=load_act, B=B, Bp=Bp, m=m, n_cols=n_cols,
-        d_out=d_out, bk=bk, bc=block_cols, chunks=cdiv(n_cols, block_cols),
+        d_out=d_out, n_local=w.shape[1], layers=layers, bk=bk, bc=block_cols,
+        chunks=cdiv(n_cols, block_cols),
         has_res=residual is not None, has_bias=bias is not None, deferred=bool(deferred_sum))
     args = [*act_args, ids.astype(jnp.int32), w]
     aliases = {}

@@ -55,6 +55,17 @@ def mma(a, b, trans_b: bool = False):
                            preferred_element_type=jnp.float32)
 
 
+def accumulate_blocks(step: Callable, n: int, shape) -> jax.Array:
+    """fp32 zeros of ``shape`` folded through ``acc = step(i, acc)`` for ``i < n`` (a
+    kernel's loop over its blocks: unrolled up to 4 blocks, a ``fori_loop`` beyond)."""
+    acc = jnp.zeros(shape, jnp.float32)
+    if n <= 4:
+        for i in range(n):
+            acc = step(i, acc)
+        return acc
+    return lax.fori_loop(0, n, step, acc)
+
+
 def logical_rows(ids_ref, r, valid, m: int):
     """Physical weight rows for logical rows ``r`` (masked entries map to row 0)."""
     if m == 1:
@@ -153,12 +164,7 @@ def _gather_matvec_kernel(*refs, seg_meta, d, bd, chunks, deferred):
                 return acc + mma(xb, w, trans_b=True)
 
             acc_shape = ((bk, bd) if deferred else (bk,)) if Bp == 1 else (Bp, bk)
-            acc = jnp.zeros(acc_shape, jnp.float32)
-            if chunks <= 4:
-                for c in range(chunks):
-                    acc = chunk(c, acc)
-            else:
-                acc = lax.fori_loop(0, chunks, chunk, acc)
+            acc = accumulate_blocks(chunk, chunks, acc_shape)
             if Bp == 1:
                 if deferred:
                     acc = jnp.sum(acc, axis=1)
@@ -248,12 +254,7 @@ def _gather_matvec_t_kernel(*refs, n_act, load_act, B, Bp, d, m, n_rows, bk, bd,
         return acc + mma(a, w)
 
     acc_shape = ((bk, bd) if deferred else (bd,)) if Bp == 1 else (Bp, bd)
-    acc = jnp.zeros(acc_shape, jnp.float32)
-    if kblocks <= 4:
-        for t in range(kblocks):
-            acc = body(t, acc)
-    else:
-        acc = lax.fori_loop(0, kblocks, body, acc)
+    acc = accumulate_blocks(body, kblocks, acc_shape)
     if Bp == 1 and deferred:
         acc = jnp.sum(acc, axis=0)
     if accumulate:

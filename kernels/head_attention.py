@@ -13,16 +13,17 @@ Pipeline (Pallas path), every stage reading only the selected heads:
    (sum, biases, rotary embedding), streams its split of the head's K/V once with an
    online softmax, and the program owning ``pos`` also folds in the current token and
    writes its k/v row into the (aliased, in-place) cache.
-3. :func:`~.gather_matvec.gather_matvec_t` -- out-projection over the selected heads'
-   rows of ``wo`` (split-k; its loader merges the splits' (m, l, o)), then XLA sums the
-   partials and adds ``bo`` -- or, given a ``residual``, the launch adds its chunks and
-   ``bo`` into the residual rows.
+3. :func:`~.column_gather.gather_cols_matvec` -- out-projection over the selected heads'
+   columns of ``wo [d, H, hd]`` (HF's ``out_proj.weight`` as stored): each program owns
+   whole output rows, its loader merges the splits' (m, l, o), and it adds ``bo`` (and,
+   given a ``residual``, the residual rows) with no split-k partials and no atomics.
 
 Missing-KV window (:class:`KVWindow`): the K/V segments of step 1 multiply the window's W
 stored inputs instead of x (the current token is one of them), for the selected heads
 plus the window's refresh heads; in step 2 each program finishes the window entries of
-its split that ``need`` marks, writes them to the caches and attends to them, and extra
-programs write the refresh heads' entries. No weight is read twice and no XLA op runs.
+its split that ``need`` (or the written bitmap) marks, writes them to the caches and
+attends to them, and extra programs write the refresh heads' entries. No weight is read
+twice and no XLA op runs.
 
 Grouped-query attention: ``wk/wv/bk/bv`` and the caches have ``n_kv = H // group`` heads;
 ``head_idx`` then holds KV-group ids, a selected group computes all of its ``group``
@@ -43,8 +44,9 @@ from jax.experimental.pallas import triton as plgpu
 
 from ._common import (balanced_chunks, cdiv, check_array, check_bias, check_indices, next_pow2,
                       resolve_impl)
-from .gather_matvec import (Segment, batch_pad, check_segment, gather_matvec, gather_matvec_t,
-                            mma, segment_reference)
+from .column_gather import gather_cols_matvec
+from .gather_matvec import (Segment, batch_pad, check_segment, gather_matvec, mma,
+                            segment_reference)
 
 N_SM = 132
 NEG = -1e30  # finite "minus infinity" for the online softmax
@@ -57,9 +59,8 @@ class AttnConfig:
     window_block_rows: int = 32            # K/V rows per program when a window adds inputs
     proj_block_d: int = 512
     proj_d_chunks: int | None = None
-    out_block_rows: int = 16
-    out_block_d: int = 512
-    out_row_blocks: int | None = None
+    out_block_rows: int = 8                # output rows per out-projection program
+    out_block_d: int = 512                 # selected columns per load there
     block_s: int = 64
     seq_splits: int | None = None
     num_warps: int = 4
@@ -69,7 +70,7 @@ class AttnConfig:
     attn_target_programs: int = 4 * N_SM   # flash-decoding grid (B x heads x splits)
     max_fused_splits: int = 1              # merge splits in the out-projection up to this
     proj_deferred_sum: bool = False        # batch 1: one cross-lane sum per program
-    out_deferred_sum: bool = False
+    out_deferred_sum: bool = True
 
 
 @jax.tree_util.register_dataclass
@@ -160,7 +161,13 @@ def _validate(x, wq, bq, wk, bk, wv, bv, wo, bo, k_cache, v_cache, pos, head_idx
         raise ValueError(f"wk has {n_kv} KV heads, which must divide the {H} query heads")
     check_array("wk", wk, shape=(n_kv, hd, d))
     check_array("wv", wv, shape=(n_kv, hd, d), floating=True)
-    check_array("wo", wo, shape=(H, hd, d), floating=True)
+    check_array("wo", wo, ndim=3, floating=True)
+    Hl = wo.shape[1]
+    if (wo.shape[2] != hd or Hl < 1 or H % Hl or wo.shape[0] != H // Hl * d
+            or n_kv % (H // Hl)):
+        raise ValueError(f"wo must be [d, H, hd] = [{d}, {H}, {hd}] (or L layers stacked by "
+                         f"rows, [L*d, H/L, hd], when the other weights hold L layers' "
+                         f"heads), got {tuple(wo.shape)}")
     check_bias("bq", bq, (H, hd))
     check_bias("bk", bk, (n_kv, hd))
     check_bias("bv", bv, (n_kv, hd))
@@ -314,7 +321,9 @@ def head_sparse_attention_reference(x, wq, bq, wk, bk, wv, bv, wo, bo, k_cache, 
     s = jnp.where(valid[:, None, None, :], s, -jnp.inf)
     p = jax.nn.softmax(s, axis=-1)
     o = jnp.einsum("bgjs,bgsk->bgjk", p, vc, precision=hi).reshape(B, Kh * G, hd)
-    out = jnp.einsum("bhk,hkd->bd", o, wo[hq].astype(f32), precision=hi)
+    Hl = wo.shape[1]                 # wo may stack H // Hl layers by rows
+    wo_sel = wo.reshape(H // Hl, d, Hl, hd)[hq // Hl, :, hq % Hl]     # [Kh*G, d, hd]
+    out = jnp.einsum("bhk,hdk->bd", o, wo_sel.astype(f32), precision=hi)
     if bo is not None:
         out = out + bo.astype(f32)
     out = out.astype(out_dtype or x.dtype)
@@ -740,24 +749,15 @@ def head_sparse_attention_pallas(x, wq, bq, wk, bk, wv, bv, wo, bo, k_cache, v_c
         act_args, ns = [merge_splits(o, m, l).reshape(1, B, Kh * G * hd)], 0
     else:
         act_args = [o.reshape(ns, B, Kh * G * hd), m, l]
-    ob_rows = cfg.out_block_rows if B == 1 else max(16, cfg.out_block_rows)
-    obd = min(cfg.out_block_d, 1 << (d.bit_length() - 1))
-    r2 = cfg.out_row_blocks
-    if r2 is None:
-        tiles = cdiv(Kh * G * hd, ob_rows) * cdiv(d, obd)
-        r2 = max(1, min(64, tiles // cfg.target_programs))
     load_act = functools.partial(merged_attention_loader, ns=ns, B=B, Bp=batch_pad(B), hd=hd)
-    out = gather_matvec_t(act_args, load_act,
-                          wo.reshape(H * hd, d), head_idx, B=B, rows_per_id=G * hd,
-                          block_rows=ob_rows, block_d=obd, row_blocks_per_program=r2,
-                          num_warps=cfg.num_warps, num_stages=cfg.num_stages,
-                          interpret=interpret, residual=residual,
-                          bias=None if residual is None else bo,
-                          deferred_sum=cfg.out_deferred_sum)
+    out = gather_cols_matvec(act_args, load_act, wo.reshape(wo.shape[0], -1), head_idx, B=B,
+                             cols_per_id=G * hd, layers=H // wo.shape[1],
+                             block_rows=cfg.out_block_rows,
+                             block_cols=min(cfg.out_block_d, next_pow2(Kh * G * hd)),
+                             num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+                             deferred_sum=cfg.out_deferred_sum, residual=residual, bias=bo,
+                             interpret=interpret)
     if residual is None:
-        out = out.sum(0)
-        if bo is not None:
-            out = out + bo.astype(f32)
         out = out.astype(x.dtype)
     return ((out, k_cache, v_cache) + tuple(written)
             + ((tuple(extras),) if extra_segments else ()))
@@ -843,8 +843,10 @@ def head_sparse_attention(x, wq, bq, wk, bk, wv, bv, wo, bo, k_cache, v_cache, p
 
     Args:
       x: ``[B, d]`` layer-normed input of the current token.
-      wq, wo: ``[H, hd, d]`` per-head query / out-projection weights (``wo`` is HF's
-        ``out_proj.weight`` transposed and split per head).
+      wq: ``[H, hd, d]`` per-head query weights; wo: ``[d, H, hd]`` the out-projection
+        (HF's ``out_proj.weight`` as stored, its columns viewed per head). Stacked
+        layers: wq..bv hold ``L`` layers' heads (ids ``layer * n_kv/L + local``) and wo is
+        ``[L * d, H / L, hd]`` (a free reshape of ``[L, d, H/L, hd]``).
       wk, wv: ``[n_kv, hd, d]`` (``n_kv == H`` for multi-head attention).
       bq: ``[H, hd]`` or None; bk, bv: ``[n_kv, hd]`` or None; bo: ``[d]`` or None.
       k_cache, v_cache: ``[B, n_kv, S, hd]``; only the selected heads' rows at ``pos`` are
@@ -863,9 +865,7 @@ def head_sparse_attention(x, wq, bq, wk, bk, wv, bv, wo, bo, k_cache, v_cache, p
         write the entries ``window.need`` marks (missing-KV recomputation). On the
         Pallas path this rides on the projection launch, reading each weight row once.
       residual: optional fp32 ``[B, d]`` rows to add the output to (a pre-norm layer's
-        residual stream); the out-projection's split-k chunks then add into them
-        atomically in its launch, with no reduction launch after it (the summation
-        order, so the low bits, vary between runs).
+        residual stream), in the out-projection's launch (updated in place when donated).
       extra_segments: :class:`~.gather_matvec.Segment` s multiplied in the projection
         launch besides q/k/v (each with its own ``x`` or the call's): a GEMV that rides
         on a launch the step makes anyway.

@@ -76,7 +76,7 @@ def numpy_forward(c, params, ids):
         w = np.exp(s - s.max(-1, keepdims=True))
         w /= w.sum(-1, keepdims=True)
         heads = np.einsum("hts,shk->thk", w, v[:, kv_of])
-        per_head = np.einsum("thk,hkd->thd", heads, lp.wo[i])
+        per_head = np.einsum("thk,dhk->thd", heads, lp.wo[i])
         out["head_norm"].append(np.linalg.norm(per_head, axis=-1))
         x = x + per_head.sum(1) + b(lp.bo, i)
         out["mlp_in"].append(x)

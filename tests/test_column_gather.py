@@ -50,3 +50,22 @@ def test_gather_cols_matvec_rejects_bad_blocks_and_residual():
         gather_cols_matvec(*args, B=1, cols_per_id=4, block_rows=6)
     with pytest.raises(ValueError, match="residual must be fp32"):
         gather_cols_matvec(*args, B=1, cols_per_id=4, residual=jnp.zeros((1, 16), jnp.bfloat16))
+
+
+@pytest.mark.parametrize("B", [1, 2])
+def test_gather_cols_matvec_reads_the_ids_layer_of_stacked_weights(rng, B):
+    """Three layers stacked by rows: global ids of layer 1 read only layer 1's rows."""
+    L, d_out, n_groups, m = 3, 24, 4, 8
+    w = rng.standard_normal((L, d_out, n_groups * m)).astype(np.float32)
+    local = np.asarray([3, 1], np.int32)
+    cols = (local[:, None] * m + np.arange(m)).reshape(-1)
+    keep = np.zeros((L, n_groups * m), bool)
+    keep[1, cols] = True
+    w[~keep[:, None, :].repeat(d_out, 1)] = np.nan          # other layers, other columns
+    a = rng.standard_normal((B, cols.size)).astype(np.float32)
+    want = a.astype(np.float64) @ w[1][:, cols].T.astype(np.float64)
+    load = functools.partial(merged_attention_loader, ns=0, B=B, Bp=batch_pad(B), hd=m)
+    got = gather_cols_matvec([jnp.asarray(a)[None]], load, jnp.asarray(w.reshape(L * d_out, -1)),
+                             jnp.asarray(n_groups + local), B=B, cols_per_id=m, layers=L,
+                             block_rows=16, block_cols=8, interpret=True)
+    np.testing.assert_allclose(np.asarray(got), want, rtol=1e-5, atol=1e-5)

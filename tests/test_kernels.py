@@ -149,7 +149,7 @@ def _np_attention(x, wq, bq, wk, bk, wv, bv, wo, bo, kc, vc, pos, hidx, cos, sin
             s = np.where(valid, np.einsum("bk,bsk->bs", q, np.nan_to_num(kc[:, g])), -np.inf)
             p = np.exp(s - s.max(1, keepdims=True))
             p /= p.sum(1, keepdims=True)
-            out += np.einsum("bs,bsk->bk", p, np.nan_to_num(vc[:, g])) @ wo[h]
+            out += np.einsum("bs,bsk->bk", p, np.nan_to_num(vc[:, g])) @ wo[:, h].T
     return out, kc, vc
 
 
@@ -170,12 +170,13 @@ def _attn_inputs(rng, B, d, H, n_kv, hd, S, Kh, pos, dtype, biases):
     G = H // n_kv
     unsel_q = (unsel[:, None] * G + np.arange(G)).reshape(-1)
     x = _q(r(B, d), dtype)
-    wq, wo = _q(r(H, hd, d) / np.sqrt(d), dtype), _q(r(H, hd, d) / np.sqrt(H * hd), dtype)
+    wq, wo = _q(r(H, hd, d) / np.sqrt(d), dtype), _q(r(d, H, hd) / np.sqrt(H * hd), dtype)
     wk, wv = _q(r(n_kv, hd, d) / np.sqrt(d), dtype), _q(r(n_kv, hd, d) / np.sqrt(d), dtype)
     bq, bk, bv, bo = ((_q(r(*s), dtype) if biases else None)
                       for s in ((H, hd), (n_kv, hd), (n_kv, hd), (d,)))
-    for w in (wq, wo) + ((bq,) if biases else ()):
+    for w in (wq,) + ((bq,) if biases else ()):
         w[unsel_q] = np.nan                                   # unselected heads: never read
+    wo[:, unsel_q] = np.nan
     for w in (wk, wv) + ((bk, bv) if biases else ()):
         w[unsel] = np.nan
     kc, vc = _q(r(B, n_kv, S, hd), dtype), _q(r(B, n_kv, S, hd), dtype)
@@ -254,7 +255,7 @@ def test_window_recompute_writes_needed_entries_then_attends(rng, impl, ring_shi
         hidx[0] = 4                                           # overlap with the refresh set
     ids = np.concatenate([hidx, np.asarray(extra or (), np.int32)])
     x, x_prev = r(B, d), r(B, W - 1, d)
-    wq, wo = r(H, hd, d) / np.sqrt(d), r(H, hd, d) / np.sqrt(H * hd)
+    wq, wo = r(H, hd, d) / np.sqrt(d), r(d, H, hd) / np.sqrt(H * hd)
     wk, wv = r(n_kv, hd, d) / np.sqrt(d), r(n_kv, hd, d) / np.sqrt(d)
     bq, bk, bv, bo = ((r(*s) if biases else None) for s in ((H, hd), (n_kv, hd), (n_kv, hd), (d,)))
     kc, vc = r(B, n_kv, S, hd), r(B, n_kv, S, hd)
@@ -332,7 +333,7 @@ def _window_call(rng, B=1, d=32, H=4, hd=8, S=16):
     """Positional head_sparse_attention arguments (no biases, heads 0 and 2, pos 5) and a
     random-array maker."""
     f = lambda *s: jnp.asarray(rng.standard_normal(s), F32)
-    return (f(B, d), f(H, hd, d), None, f(H, hd, d), None, f(H, hd, d), None, f(H, hd, d), None,
+    return (f(B, d), f(H, hd, d), None, f(H, hd, d), None, f(H, hd, d), None, f(d, H, hd), None,
             f(B, H, S, hd), f(B, H, S, hd), jnp.int32(5), jnp.asarray([0, 2], jnp.int32)), f
 
 
@@ -422,7 +423,7 @@ def test_sparse_mlp_rejects_bad_options(rng):
 def _attn_args(rng, B=2, d=32, H=4, n_kv=4, hd=8, S=10, Kh=2):
     f = lambda *s: jnp.asarray(rng.standard_normal(s), F32)
     return [f(B, d), f(H, hd, d), f(H, hd), f(n_kv, hd, d), f(n_kv, hd), f(n_kv, hd, d),
-            f(n_kv, hd), f(H, hd, d), f(d), f(B, n_kv, S, hd), f(B, n_kv, S, hd), 3,
+            f(n_kv, hd), f(d, H, hd), f(d), f(B, n_kv, S, hd), f(B, n_kv, S, hd), 3,
             jnp.asarray(rng.permutation(n_kv)[:Kh], jnp.int32)]
 
 
@@ -435,7 +436,7 @@ def _attn_args(rng, B=2, d=32, H=4, n_kv=4, hd=8, S=10, Kh=2):
     (9, lambda a: a[:, :, :, :4], ValueError, "k_cache"),
     (10, lambda a: a[:1], ValueError, "v_cache"),
     (3, lambda a: a[:3], ValueError, "KV heads"),          # 3 KV heads do not divide 4
-    (7, lambda a: a[:, :4], ValueError, "wo"),
+    (7, lambda a: a[:, :2], ValueError, "wo"),
     (2, lambda a: a[:, :3], ValueError, "bq"),
     (0, lambda a: a[:, :16], ValueError, "wq"),
     (1, lambda a: a[0], ValueError, "wq"),
@@ -635,7 +636,7 @@ def test_residual_outputs_add_into_the_rows(rng, impl, B):
     np.testing.assert_allclose(np.asarray(got), want, rtol=1e-4, atol=1e-4)
 
     w = [f(H, hd, d) * 0.2, f(H, hd), f(H, hd, d) * 0.2, f(H, hd), f(H, hd, d) * 0.2,
-         f(H, hd), f(H, hd, d) * 0.2, f(d)]
+         f(H, hd), f(d, H, hd) * 0.2, f(d)]
     kc, vc = f(B, H, S, hd), f(B, H, S, hd)
     hidx = jnp.asarray([0, 2], jnp.int32)
     plain = head_sparse_attention(x, *w, kc, vc, jnp.int32(5), hidx, impl="reference")

@@ -244,8 +244,9 @@ else:
         for got, want in zip(jax.tree.leaves(params), jax.tree.leaves(want)):
             np.testing.assert_array_equal(np.asarray(got), np.asarray(want))
         specs = sharding.param_specs(params, mesh)
-        for name in ("wq", "wk", "wv", "wo", "bq", "bk", "bv"):
+        for name in ("wq", "wk", "wv", "bq", "bk", "bv"):
             assert getattr(specs.layers, name)[1] == "tp", name
+        assert specs.layers.wo[2] == "tp"                 # [L, d, H, hd]: by head
         for name in ("w_in", "w_out_t", "b_in"):
             assert getattr(specs.layers, name)[1] == "tp", name
         assert specs.embed[0] == "tp"

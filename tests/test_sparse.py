@@ -69,7 +69,7 @@ def _silence_group0(config, params):
     """Zero the out-projection of KV group 0's query heads: skipping them changes nothing
     downstream, so the sparse run's residual stream equals the dense run's, and the
     group's recomputed K/V can be compared with the dense cache exactly."""
-    wo = params.layers.wo.at[:, :config.group_size].set(0.0)
+    wo = params.layers.wo.at[:, :, :config.group_size].set(0.0)
     return params.replace(layers=params.layers.replace(wo=wo))
 
 
@@ -209,7 +209,7 @@ def _numpy_masked_dense(config, params, ids, n_prompt, k_mlp, k_heads, dense_lay
         a = np.exp(s - s.max(-1, keepdims=True))
         a /= a.sum(-1, keepdims=True)
         heads = np.einsum("hts,shk->thk", a, v)
-        per_head = np.einsum("thk,hkd->thd", heads, lay.wo[l])
+        per_head = np.einsum("thk,dhk->thd", heads, lay.wo[l])
         if l >= dense_layers:
             norms = np.linalg.norm(per_head, axis=-1)
             for t in range(n_prompt, T):

@@ -51,7 +51,7 @@ def test_head_sparse_attention_lowers(B, n_kv, rope, window, residual):
     from dejavu_jax.kernels.gather_matvec import Segment
     d, H, hd, S, W = 512, 8, 64, 64, 16
     w = [z(H, hd, d), z(H, hd), z(n_kv, hd, d), z(n_kv, hd), z(n_kv, hd, d), z(n_kv, hd),
-         z(H, hd, d), z(d)]
+         z(d, H, hd), z(d)]
     hidx = jnp.asarray([0, 2], jnp.int32)
     win = None
     if window:
