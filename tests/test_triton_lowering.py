@@ -118,22 +118,27 @@ def test_norms_top_k_and_predictor_select_lower():
                z(L, F, dtype=F32), z(L, r, H), z(L, H, dtype=F32))
 
 
-@pytest.mark.parametrize("preset,batch,split", [("opt-tiny", 1, True), ("opt-tiny", 2, False),
-                                                ("llama-tiny", 1, False)])
-def test_sparse_decode_step_lowers(preset, batch, split):
+@pytest.mark.parametrize("preset,batch,split,stacked", [("opt-tiny", 1, True, False),
+                                                        ("opt-tiny", 2, False, False),
+                                                        ("llama-tiny", 1, False, False),
+                                                        ("opt-tiny", 1, True, True)])
+def test_sparse_decode_step_lowers(preset, batch, split, stacked):
     """The whole sparse decode step on the GPU path: dense layers, fused norms, windowed
-    attention, residual-accumulating launches, the split predictor."""
+    attention, residual-accumulating launches, the split predictor; per-layer weights or
+    stacked ones (a scan, kernels indexing all layers' weights by global ids)."""
     from dejavu_jax.eval.bench_decode import random_predictors
     from dejavu_jax.params import unstack_layers
     from dejavu_jax.train.predictor_model import decode_predictors
     config = dj.preset(preset)
-    params = unstack_layers(dj.init_params(config, jax.random.key(0), BF16))
+    params = dj.init_params(config, jax.random.key(0), BF16)
+    if not stacked:
+        params = unstack_layers(params)
     scfg = sparse.sparse_config(config, 0.25, 0.5, dense_layers=1, impl="pallas")
     preds = decode_predictors(random_predictors(config, 16, jax.random.key(1)))
     select = sparse.predictor_selector(config.group_size, method="local", impl="pallas")
     assert select.splits(preds, batch) == split
     eng = sparse.sparse_engine(config, scfg, select)
-    state = jax.eval_shape(lambda: eng.init_state(batch, 32, BF16, per_layer=True))
+    state = jax.eval_shape(lambda: eng.init_state(batch, 32, BF16, per_layer=not stacked))
     text = lowers(eng.step, (params, preds), state, jnp.zeros((batch,), jnp.int32))
     assert ("predictor_select" in text) == split
     assert "layer_norm" in text
