@@ -459,7 +459,9 @@ def _decode_attention_kernel(*refs, nds, has_bq, has_bk, has_bv, has_rope, has_m
         vw = window_rows(vp_ref, bv_ref, False).astype(vout_ref.dtype)
         wst = wwrite[:, None] & cm[None, :]
         # masked-off lanes aim at a slot outside the window: the Pallas interpreter writes
-        # them back, and a repeated window slot (clamped early steps) must not be clobbered
+        # them back, and a repeated window slot (clamped early steps) must not be clobbered.
+        # With a cache no longer than the window there is none once pos = S - 1; then the
+        # interpreter (only it: the GPU stores no masked lane) may lose that slot's write.
         spare = jnp.where(pos >= W, pos - W, jnp.minimum(pos + 1, S_ - 1))
         wdst = jnp.where(wwrite, wslot, spare)
         plgpu.store(kout_ref.at[b, hv, wdst[:, None], cols[None, :]], kw, mask=wst)
@@ -684,8 +686,9 @@ def head_sparse_attention_pallas(x, wq, bq, wk, bk, wv, bv, wo, bo, k_cache, v_c
                                  residual=None):
     """Pallas path of :func:`head_sparse_attention` (no validation).
 
-    Three Pallas launches (q/k/v projection, attention, out-projection) and one tiny XLA
-    reduction; with a callable ``rope`` the q/k finishing runs in XLA instead. With a
+    Three Pallas launches (q/k/v projection, attention, out-projection), plus an XLA merge
+    of the attention's sequence splits when there are more than ``max_fused_splits``; with
+    a callable ``rope`` the q/k finishing runs in XLA instead. With a
     ``window``, the projection's K/V segments multiply the window's inputs (the extra
     heads' rows included) and the attention launch writes and attends to the needed
     entries: the missing-KV recomputation reads no weight twice and adds no launch.
