@@ -241,7 +241,7 @@ def _window_step(config: ModelConfig, scfg: SparseConfig, step: dict) -> dict:
     return out
 
 
-def _missing_kv_window(config, view, io: _LayerIO, layer, win: dict, ring):
+def _missing_kv_window(view, io: _LayerIO, layer, win: dict, ring):
     """The KVWindow for this layer (selected + refresh groups, `ring` its [B, W, d] inputs).
 
     It carries the whole bitmap (`written` viewed as [B, L * Hk, S]): the attention finds
@@ -292,7 +292,7 @@ def _sparse_attention(config, scfg, view, io: _LayerIO, layer, y, groups, step,
     io, ring = _with_history_rows(io, layer, history_rows)
     window = None
     if scfg.kv_recompute:
-        window = _missing_kv_window(config, view, io, layer, step["window"], ring)
+        window = _missing_kv_window(view, io, layer, step["window"], ring)
     B, S, hd = io.written.shape[0], io.written.shape[-1], config.head_dim
     rope = None
     if config.family == "llama":

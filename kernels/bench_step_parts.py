@@ -10,8 +10,8 @@
   ``MLPConfig`` variants (``--mlp-variants``); a variant is ``field=value[,field=value]``,
   variants are separated by ``/`` and ``base`` is the default config.
 * ``out-proj``: the batch-1 out-projection of the selected heads into the residual, by the
-  row-gather kernel the attention uses and by the column-gather kernel, for block variants
-  (``--out-variants``).
+  column-gather kernel the attention uses and by the row-gather kernel with split-k atomics
+  it used before, for block variants (``--out-variants``).
 * ``predictor``: the split predictor's selection launches (`kernels.predictor_select`) for
   score-product block variants (``--predictor-variants ROW_BLOCKSxBLOCK_D/...``).
 * ``top-k``: the selection of k of the F MLP scores by the radix, chunked and packed
@@ -100,15 +100,16 @@ def predictor_point(d, F, H, rank, k_mlp, k_heads, *, row_blocks, block_d, defer
     need = rank * F * 2 + rank * H * 2
     t, _ = chain_time(step, h0, w, sets, est_s=need / 3e12 + 10e-6)
     return dict(part="predictor", F=F, H=H, rank=rank, row_blocks=row_blocks,
-                block_d=block_d, deferred=bool(deferred), select_warps=select_warps, bytes=need, time_us=t * 1e6, gbps=need / t / 1e9)
+                block_d=block_d, deferred=bool(deferred), select_warps=select_warps,
+                bytes=need, time_us=t * 1e6, gbps=need / t / 1e9)
 
 
 def out_proj_point(d, H, frac, *, kernel, block_rows, block_d, deferred, row_blocks=None,
                    seed=0):
     """µs per call of the batch-1 out-projection of ``frac``% of H heads into an fp32
     residual: ``rows`` (`gather_matvec_t` on the ``[H * hd, d]`` per-head rows, split-k
-    with atomics, as the attention runs it) or ``cols`` (`gather_cols_matvec` on the
-    ``[d, H * hd]`` layout: whole output rows per program, no atomics)."""
+    with atomics) or ``cols`` (`gather_cols_matvec` on the ``[d, H * hd]`` layout, as the
+    attention runs it: whole output rows per program, no atomics)."""
     from ._common import cdiv
     from .column_gather import gather_cols_matvec
     from .gather_matvec import gather_matvec_t
@@ -142,6 +143,12 @@ def out_proj_point(d, H, frac, *, kernel, block_rows, block_d, deferred, row_blo
     return dict(part="out-proj", d=d, H=H, Kh=Kh, kernel=kernel, block_rows=block_rows,
                 block_d=block_d, deferred=bool(deferred), row_blocks=row_blocks,
                 bytes=need, time_us=t * 1e6, gbps=need / t / 1e9)
+
+
+def parse_blocks(spec: str) -> tuple[int, int, bool]:
+    """``"AxB"`` or ``"AxBd"`` -> (A, B, deferred sum)."""
+    a, b = map(int, spec.rstrip("d").split("x"))
+    return a, b, spec.endswith("d")
 
 
 def parse_variants(spec: str, cls) -> list:
@@ -236,18 +243,17 @@ def main(argv=None):
     if "out-proj" in parts:
         for item in args.out_variants.split("/"):
             kernel, _, blocks = item.partition(":")
-            deferred = blocks.endswith("d")
-            block_rows, block_d = map(int, blocks.rstrip("d").split("x"))
+            block_rows, block_d, deferred = parse_blocks(blocks)
             log(out_proj_point(d, H, args.heads, kernel=kernel, block_rows=block_rows,
                                block_d=block_d, deferred=deferred))
     if "predictor" in parts:
         F = 4 * d
         for item in args.predictor_variants.split("/"):
             blocks, _, warps = item.partition("w")
-            row_blocks, block_d = map(int, blocks.rstrip("d").split("x"))
+            row_blocks, block_d, deferred = parse_blocks(blocks)
             log(predictor_point(d, F, H, args.rank, max(1, round(F * args.mlp / 100)),
                                 max(1, round(H * args.heads / 100)), row_blocks=row_blocks,
-                                block_d=block_d, deferred=blocks.endswith("d"),
+                                block_d=block_d, deferred=deferred,
                                 select_warps=int(warps) if warps else None))
     if "top-k" in parts:
         F = 4 * d

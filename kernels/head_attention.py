@@ -66,7 +66,7 @@ class AttnConfig:
     num_warps: int = 4
     num_stages: int = 2
     attn_num_warps: int = 4
-    target_programs: int = 8 * N_SM        # projection / out-projection grids
+    target_programs: int = 8 * N_SM        # the q/k/v projection's grid
     attn_target_programs: int = 4 * N_SM   # flash-decoding grid (B x heads x splits)
     max_fused_splits: int = 1              # merge splits in the out-projection up to this
     proj_deferred_sum: bool = False        # batch 1: one cross-lane sum per program

@@ -188,6 +188,8 @@ def test_step_parts_config_variants_parse():
     assert [name for name, _ in got] == ["base", "max_fused_splits=0", "num_warps=8,num_stages=3",
                                          "seq_splits=None"]
     assert got[0][1] == AttnConfig()
+    from dejavu_jax.kernels.bench_step_parts import parse_blocks
+    assert parse_blocks("2x256d") == (2, 256, True) and parse_blocks("8x512") == (8, 512, False)
     assert got[1][1].max_fused_splits == 0 and got[1][1].num_warps == AttnConfig().num_warps
     assert (got[2][1].num_warps, got[2][1].num_stages) == (8, 3)
     assert got[3][1].seq_splits is None

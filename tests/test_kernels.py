@@ -523,6 +523,14 @@ def test_window_rejects_a_callable_rope_and_missing_tables(rng):
         head_sparse_attention(*args, rope=(jnp.ones(hd), jnp.zeros(hd)), window=window)
 
 
+def _np_norm(x, scale, bias, eps=1e-5):
+    """Numpy LayerNorm (bias given) or RMSNorm (None) of the rows of x, times scale."""
+    if bias is None:
+        return x / np.sqrt(np.mean(x * x, -1, keepdims=True) + eps) * scale
+    xc = x - x.mean(-1, keepdims=True)
+    return xc / np.sqrt(np.mean(xc * xc, -1, keepdims=True) + eps) * scale + bias
+
+
 @pytest.mark.parametrize("rows,d,rms,out", [(1, 7168 // 64, False, jnp.bfloat16),
                                             (3, 100, True, F32), (2, 64, False, F32),
                                             (1, 576, True, jnp.bfloat16)])
@@ -530,11 +538,7 @@ def test_layer_norm_kernel_equals_numpy(rng, rows, d, rms, out):
     from dejavu_jax.kernels import layer_norm
     x = rng.standard_normal((rows, d)) * 3 + 1.5
     scale, bias = rng.standard_normal(d), None if rms else rng.standard_normal(d)
-    if rms:
-        want = x / np.sqrt(np.mean(x * x, -1, keepdims=True) + 1e-5) * scale
-    else:
-        xc = x - x.mean(-1, keepdims=True)
-        want = xc / np.sqrt(np.mean(xc * xc, -1, keepdims=True) + 1e-5) * scale + bias
+    want = _np_norm(x, scale, bias)
     f = lambda a: None if a is None else jnp.asarray(a, F32)
     for impl in ("interpret", "reference"):
         got = layer_norm(f(x), f(scale), f(bias), 1e-5, out_dtype=out, impl=impl)
@@ -561,11 +565,7 @@ def test_layer_norm_rms_output_equals_numpy(rng, B, d, rms_norm, out):
     from dejavu_jax.kernels import layer_norm
     x = rng.standard_normal((B, d)) * 3 + 1.5
     scale, nbias = rng.standard_normal(d), None if rms_norm else rng.standard_normal(d)
-    if rms_norm:
-        want = x / np.sqrt(np.mean(x * x, -1, keepdims=True) + 1e-5) * scale
-    else:
-        c = x - x.mean(-1, keepdims=True)
-        want = c / np.sqrt(np.mean(c * c, -1, keepdims=True) + 1e-5) * scale + nbias
+    want = _np_norm(x, scale, nbias)
     want_rms = x / np.sqrt(np.mean(x * x, -1, keepdims=True) + 1e-6)
     f = lambda a: None if a is None else jnp.asarray(a, F32)
     for impl in ("interpret", "reference"):
@@ -594,8 +594,7 @@ def test_layer_norm_writes_the_ring_row(rng, impl, B, d, R, row, rms, ring_dtype
     *first, new_ring = fn(f(x), jnp.asarray(ring, ring_dtype), jnp.int32(row))
     assert len(first) == 1 + rms and new_ring.dtype == ring_dtype
     y = np.asarray(first[0].astype(F32), np.float64)
-    c = x - x.mean(-1, keepdims=True)
-    want = c / np.sqrt(np.mean(c * c, -1, keepdims=True) + 1e-5) * scale + nbias
+    want = _np_norm(x, scale, nbias)
     np.testing.assert_allclose(y, want, rtol=1e-2, atol=1e-2)
     got = np.asarray(new_ring.astype(F32), np.float64)
     np.testing.assert_array_equal(got[:, row], y)                # the out_dtype values
