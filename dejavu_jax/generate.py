@@ -18,7 +18,7 @@ import numpy as np
 from dejavu_jax import config as config_lib
 from dejavu_jax.generation import dense_engine, generate_tokens
 from dejavu_jax.loading import default_dtype, load_pretrained
-from dejavu_jax.params import init_params
+from dejavu_jax.params import fuse_qkv, init_params
 from dejavu_jax.sampling import SamplingConfig
 from dejavu_jax.tokenizer import default_tokenizer_for, load_tokenizer
 
@@ -52,7 +52,7 @@ def build_engine(args, config, params):
     """(engine, engine params, description) for the dense, sparse or oracle mode."""
     from dejavu_jax import sparse
     if not (args.sparse or args.oracle):
-        return dense_engine(config), params, None
+        return dense_engine(config), fuse_qkv(params), None
 
     def one_or_all(values):
         return values[0] if len(values) == 1 else values

@@ -71,12 +71,15 @@ def project_qkv(config: ModelConfig, lp, y: jax.Array, positions: jax.Array):
 
     Returns q [..., H, hd] already scaled by hd^-0.5, and k, v [..., Hk, hd], fp32.
     """
-    q = add_bias(jnp.einsum("...d,hkd->...hk", y.astype(lp.wq.dtype), lp.wq,
-                            preferred_element_type=F32), lp.bq)
-    k = add_bias(jnp.einsum("...d,hkd->...hk", y.astype(lp.wk.dtype), lp.wk,
-                            preferred_element_type=F32), lp.bk)
-    v = add_bias(jnp.einsum("...d,hkd->...hk", y.astype(lp.wv.dtype), lp.wv,
-                            preferred_element_type=F32), lp.bv)
+    def project(w):
+        return jnp.einsum("...d,hkd->...hk", y.astype(w.dtype), w, preferred_element_type=F32)
+
+    if lp.wqkv is not None:  # `params.fuse_qkv`: one GEMV
+        H, Hk = config.n_heads, config.n_kv_heads
+        q, k, v = jnp.split(project(lp.wqkv), [H, H + Hk], axis=-2)
+    else:
+        q, k, v = project(lp.wq), project(lp.wk), project(lp.wv)
+    q, k, v = add_bias(q, lp.bq), add_bias(k, lp.bk), add_bias(v, lp.bv)
     if config.family == "llama":
         cos, sin = rope_tables(positions, config.head_dim, config.rope_theta)
         q = apply_rope(q, cos, sin)

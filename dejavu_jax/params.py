@@ -3,6 +3,8 @@
 Layouts (L layers, H query heads, Hk KV heads, hd head dim, d hidden, F ffn):
   wq: [L, H, hd, d]       per-head rows
   wk, wv: [L, Hk, hd, d]
+  wqkv: [L, H + 2 Hk, hd, d]   q, k and v rows in one array (`fuse_qkv`; dense decoding
+                               only, wq/wk/wv are then None)
   wo: [L, d, H, hd]       out_proj.weight as stored ([d, H*hd]), its columns per head
   w_in, w_gate, w_out_t: [L, F, d]   one contiguous row per neuron (fc1, gate, fc2ᵀ)
 Absent parts (biases of Llama, OPT's projections, a tied LM head) are None.
@@ -40,6 +42,7 @@ class LayerParams:
     w_gate: jax.Array | None
     w_out_t: jax.Array
     b_out: jax.Array | None
+    wqkv: jax.Array | None = None
 
 
 @struct.dataclass
@@ -165,6 +168,36 @@ def unstack_layers(params: ModelParams, free_stacked: bool = False) -> ModelPara
             jax.block_until_ready([d[name] for d in per_layer])
             stacked.delete()
     return params.replace(layers=tuple(LayerParams(**d) for d in per_layer))
+
+
+def fuse_qkv(params: ModelParams) -> ModelParams:
+    """The same model with each layer's q, k and v rows in one array (`wqkv`), so a dense
+    decode step projects them in one GEMV instead of three; wq, wk and wv become None.
+
+    For the dense paths only (the sparse kernels gather heads from wq/wk/wv, and
+    tensor-parallel sharding splits them by head). Per-layer params are fused one layer at
+    a time, each original freed as it goes, so the peak memory grows by one layer's q/k/v;
+    stacked layers by all layers' q/k/v until the caller drops the originals.
+    """
+    def fused(lp: LayerParams) -> LayerParams:
+        if lp.wqkv is not None:
+            return lp
+        w = jnp.concatenate([lp.wq, lp.wk, lp.wv], axis=-3)
+        return lp.replace(wqkv=w, wq=None, wk=None, wv=None)
+
+    if not isinstance(params.layers, tuple):
+        return params.replace(layers=fused(params.layers))
+    layers = []
+    for lp in params.layers:
+        layers.append(fused(lp))
+        jax.block_until_ready(layers[-1].wqkv)
+    return params.replace(layers=tuple(layers))
+
+
+def has_fused_qkv(params: ModelParams) -> bool:
+    """Whether `fuse_qkv` has merged the q/k/v weights of these params."""
+    layers = params.layers if isinstance(params.layers, tuple) else (params.layers,)
+    return any(lp.wqkv is not None for lp in layers)
 
 
 def scan_layers(body, carry, layers, with_index: bool = False):

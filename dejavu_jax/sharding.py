@@ -45,6 +45,7 @@ LAYER_AXES = {
     "mlp_norm_scale": ("hidden",), "mlp_norm_bias": ("hidden",),
     "w_in": ("mlp", "hidden"), "b_in": ("mlp",), "w_gate": ("mlp", "hidden"),
     "w_out_t": ("mlp", "hidden"), "b_out": ("hidden",),
+    "wqkv": None,  # fused q/k/v rows are not sharded (see _layer_specs)
 }
 TOP_AXES = {
     "embed": ("vocab", "embed_dim"), "lm_head": ("vocab", "embed_dim"),
@@ -146,6 +147,9 @@ def _leaf_spec(axes, leaf, mesh, stacked_axis="layer"):
 
 
 def _layer_specs(lp: LayerParams, mesh: Mesh) -> LayerParams:
+    if lp.wqkv is not None:
+        raise ValueError("fused q/k/v weights (params.fuse_qkv) cannot be split by head; "
+                         "shard the unfused params")
     return LayerParams(**{f.name: _leaf_spec(LAYER_AXES[f.name], getattr(lp, f.name), mesh)
                           for f in dataclasses.fields(LayerParams)})
 

@@ -28,7 +28,7 @@ from dejavu_jax import kernels, ops
 from dejavu_jax.config import ModelConfig
 from dejavu_jax.model import (DecodeState, cache_layer, decode_layer, embed,
                               head_output_norms, set_cache_layer, unembed)
-from dejavu_jax.params import ModelParams
+from dejavu_jax.params import ModelParams, has_fused_qkv
 
 F32 = jnp.float32
 
@@ -507,6 +507,9 @@ def sparse_step_fn(config: ModelConfig, scfg: SparseConfig, select: Selector,
     signature; `dejavu_jax.tp_decode` runs it per shard under shard_map).
     """
     params, selector_params = params
+    if has_fused_qkv(params):
+        raise ValueError("the sparse step gathers heads from wq/wk/wv: pass params without "
+                         "params.fuse_qkv (it is for the dense engine)")
     dense = state.dense
     valid = jax.lax.dynamic_update_slice(
         dense.valid, jnp.ones((dense.valid.shape[0], 1), bool), (0, dense.slot))

@@ -50,7 +50,7 @@ from dejavu_jax import config as config_lib
 from dejavu_jax import sparse
 from dejavu_jax.eval import bench_hf
 from dejavu_jax.eval.bench_hf import cache_len
-from dejavu_jax.params import init_params, param_bytes, unstack_layers
+from dejavu_jax.params import fuse_qkv, init_params, param_bytes, unstack_layers
 from dejavu_jax.train.predictor_model import Predictor, PredictorParams, decode_predictors
 
 BF16 = jnp.bfloat16
@@ -325,14 +325,17 @@ def rates(nbytes: int, batch: int, ms: float, ms_loop: float | None) -> dict:
 def measure_rows(config, params, preds, contexts, mlp_densities, head_densities, batches,
                  rank, dense_layers, warmup, steps, bar, log, select_methods, modes,
                  prefill_reps, *, init_kwargs, label, dense, sparse_engine, fixed_sets,
-                 make_row, kv_recompute_off=False, loop_only=False) -> list[dict]:
+                 make_row, kv_recompute_off=False, loop_only=False,
+                 dense_qkv="fused") -> list[dict]:
     """The rows of one model for every context and batch: the `dense` engine, then for each
     density pair the sparse variants (`sparse_variants`) built by `sparse_engine(scfg,
     select)`; precomputed sets come from `fixed_sets(scfg)` (at heads 0.5, first context).
     `make_row(columns)` completes each row (model, layout, device columns); every row is
     logged as one JSON line. A setting that fails (OOM, lowering) is logged and skipped.
     Compiled prefills are reused across rows of equal shapes (the sparse engines of a model
-    share one); loop_only skips the host-synchronised timing (`measure_engine`)."""
+    share one); loop_only skips the host-synchronised timing (`measure_engine`).
+    dense_qkv: the dense row's q/k/v weights "fused" (`params.fuse_qkv`, the dense
+    engine's form), "separate", or "both" (the separate row is labelled "qkv-separate")."""
     rows = []
     prefill_cache = {}
     for ctx in contexts:
@@ -359,10 +362,13 @@ def measure_rows(config, params, preds, contexts, mlp_densities, head_densities,
                 log(json.dumps(rows[-1]))
 
             if "dense" in modes:
-                res = measure("dense", dense, params)
-                if res is not None:
-                    add(res, step_bytes(config, None, ctx, batch, rank, False), mode="dense",
-                        mlp=1.0, heads=1.0, indices="-")
+                variants = {"fused": [("-", fuse_qkv)], "separate": [("-", lambda p: p)],
+                            "both": [("-", fuse_qkv), ("qkv-separate", lambda p: p)]}
+                for label_qkv, prepare in variants[dense_qkv]:
+                    res = measure(f"dense {label_qkv}", dense, prepare(params))
+                    if res is not None:
+                        add(res, step_bytes(config, None, ctx, batch, rank, False),
+                            mode="dense", mlp=1.0, heads=1.0, indices=label_qkv)
                 bar.update()
             if "sparse" not in modes:
                 continue
@@ -387,7 +393,7 @@ def measure_rows(config, params, preds, contexts, mlp_densities, head_densities,
 def run_model(name, contexts, mlp_densities, head_densities, batches, rank, dense_layers,
               warmup, steps, bar, log, layout="unrolled", select_methods=("exact",),
               kv_recompute_off=False, modes=("dense", "sparse"), prefill_reps=3,
-              loop_only=False):
+              loop_only=False, dense_qkv="fused"):
     """All rows for one model preset, with the layers stacked (scan) or unrolled: for every
     context and batch, dense (ours) and the sparse variants (`sparse_variants`)."""
     from dejavu_jax.generation import dense_engine
@@ -408,7 +414,7 @@ def run_model(name, contexts, mlp_densities, head_densities, batches, rank, dens
         dense=dense_engine(config), sparse_engine=functools.partial(sparse.sparse_engine, config),
         fixed_sets=lambda scfg: random_sets(config, scfg, per_layer=layout == "unrolled"),
         make_row=lambda r: dict(model=name, layout=layout, **r),
-        kv_recompute_off=kv_recompute_off, loop_only=loop_only)
+        kv_recompute_off=kv_recompute_off, loop_only=loop_only, dense_qkv=dense_qkv)
     del params
     return rows
 
@@ -427,7 +433,7 @@ def add_speedups(rows) -> list[dict]:
     rows = sorted(rows, key=lambda r: (r["model"], r["context"], r["batch"],
                                        MODE_ORDER.get(r["mode"], 9)))
     dense = {(r["model"], r.get("layout"), r["context"], r["batch"]): r
-             for r in rows if r["mode"] == "dense"}
+             for r in rows if r["mode"] == "dense" and r.get("indices", "-") == "-"}
     hf = {(r["mode"], r["model"], r["context"], r["batch"]): r
           for r in rows if r["mode"] in bench_hf.HF_MODES}
     for r in rows:
@@ -574,6 +580,10 @@ def main(argv=None) -> int:
     p.add_argument("--loop-only", action="store_true",
                    help="time only the device-chained steps (skips the host-synchronised "
                         "step's compile and timing; ms and p90 are left empty): for grids")
+    p.add_argument("--dense-qkv", default="fused", choices=("fused", "separate", "both"),
+                   help="the dense row's q/k/v weights: one fused GEMV (params.fuse_qkv, "
+                        "what generate's dense engine runs), three separate ones, or a row "
+                        "of each ('qkv-separate'; one GPU only)")
     p.add_argument("--layouts", default="unrolled",
                    help="stacked (lax.scan over stacked layers), unrolled, or both")
     p.add_argument("--select", default="exact",
@@ -640,6 +650,7 @@ def main(argv=None) -> int:
                 xla_flags=os.environ.get("XLA_FLAGS", ""),
                 dense_layers=args.dense_layers, modes=modes, batches=batches,
                 loop_only=args.loop_only,
+                dense_qkv="separate" if mesh is not None else args.dense_qkv,
                 warmup=args.warmup, steps=args.steps,
                 mesh=None if mesh is None else dict(mesh.shape),
                 hf=None if hf is None else hf["meta"],
@@ -684,7 +695,7 @@ def main(argv=None) -> int:
             rows += run_model(name, contexts, mlps, heads, batches, args.rank,
                               args.dense_layers, args.warmup, args.steps, bar, log, layout,
                               tuple(split(args.select, str)), args.diagnose_kv_recompute,
-                              ours, args.prefill_reps, args.loop_only)
+                              ours, args.prefill_reps, args.loop_only, args.dense_qkv)
             measured.clear()
         write()
     bar.close()

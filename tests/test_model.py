@@ -10,6 +10,7 @@ import pytest
 import dejavu_jax as dj
 from dejavu_jax import model
 from dejavu_jax.generation import dense_engine, generate_tokens
+from dejavu_jax.params import fuse_qkv, has_fused_qkv, unstack_layers
 
 HF = Path(__file__).parent / "fixtures" / "hf"
 VARIANTS = ["opt-preln", "opt-postln-proj", "opt-fp16-prefix", "opt-bin",
@@ -77,6 +78,34 @@ def test_decode_logits_along_greedy_path_match_hugging_face(name):
                                    err_msg=f"step {i}")
         step_logits, state = model.decode_step(config, params, state,
                                                jnp.asarray([token], jnp.int32))
+
+
+@pytest.mark.parametrize("name,unrolled", [("opt-preln", False), ("llama-gqa", False),
+                                           ("llama-gqa", True)])
+def test_fused_qkv_decodes_like_hugging_face(name, unrolled):
+    """`fuse_qkv` (one q/k/v GEMV; GQA splits it unevenly) keeps the decode logits of HF."""
+    config, params, ref = _load(name)
+    if unrolled:
+        params = unstack_layers(params)
+    fused = fuse_qkv(params)
+    layers = fused.layers if unrolled else (fused.layers,)
+    assert has_fused_qkv(fused) and not has_fused_qkv(params)
+    assert all(lp.wq is None and lp.wk is None and lp.wv is None for lp in layers)
+    assert layers[0].wqkv.shape[-3] == config.n_heads + 2 * config.n_kv_heads
+    prompt, generated = ref["prompt_ids"], ref["generated_ids"]
+    want = ref["generated_logits"]
+    scale = np.abs(want).max()
+    state = model.init_state(config, 1, 64, jnp.float32, per_layer=unrolled)
+    step_logits, state = model.prefill(config, fused, jnp.asarray(prompt[None]),
+                                       jnp.ones((1, len(prompt)), jnp.int32), state)
+    for i, token in enumerate(generated):
+        np.testing.assert_allclose(step_logits[0], want[i], atol=1e-4 * scale,
+                                   err_msg=f"step {i}")
+        step_logits, state = model.decode_step(config, fused, state,
+                                               jnp.asarray([token], jnp.int32))
+    result = generate_tokens(dense_engine(config), fused, [prompt.tolist()],
+                             max_new_tokens=len(generated), stop_ids=[])
+    assert result.tokens[0] == generated.tolist()
 
 
 def test_left_padded_batch_generates_like_single_prompts():

@@ -274,6 +274,12 @@ else:
         with pytest.raises(ValueError):
             sharding.parse_mesh("pp=2")
 
+    def test_fused_qkv_is_refused():
+        from dejavu_jax.params import fuse_qkv
+        shapes = jax.eval_shape(lambda: fuse_qkv(dj.init_params(_opt8(), jax.random.key(0))))
+        with pytest.raises(ValueError, match="fuse_qkv"):
+            sharding.param_specs(shapes, sharding.make_mesh(tp=2))
+
     def test_vocab_that_does_not_divide_is_replicated():
         config = _opt8().replace(vocab_size=510)
         shapes = jax.eval_shape(lambda: dj.init_params(config, jax.random.key(0)))

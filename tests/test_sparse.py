@@ -275,6 +275,15 @@ def test_sparse_config_validation():
     assert scfg.mlp_k == (256, 26, 26, 26) and scfg.head_k == (4, 2, 2, 2)
 
 
+def test_sparse_step_refuses_fused_qkv():
+    from dejavu_jax.params import fuse_qkv
+    config = dj.preset("opt-tiny")
+    params = dj.init_params(config, jax.random.key(7), jnp.float32, std=0.1)
+    eng = sparse.sparse_engine(config, _full_sparse(config), sparse.fixed_selector)
+    with pytest.raises(ValueError, match="fuse_qkv"):
+        generate_tokens(eng, (fuse_qkv(params), _full_sets(config)), [[5, 9]], 2, stop_ids=[])
+
+
 def test_unrolled_layers_equal_stacked_scan():
     from dejavu_jax.params import unstack_layers
     config = dj.preset("llama-tiny")
