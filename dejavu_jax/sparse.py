@@ -322,16 +322,19 @@ def _sparse_attention(config, scfg, view, io: _LayerIO, layer, y, groups, step,
     return (out.astype(F32), io) + tuple(res[3:])
 
 
-def _sparse_mlp(config, scfg, view, y, neurons, residual=None):
+def _sparse_mlp(config, scfg, view, y, neurons, residual=None, riders=None):
     """The MLP over the selected neurons for normed inputs y [B, d], fp32 (added to
-    `residual` when given)."""
+    `residual` when given). With `riders` (see `kernels.sparse_mlp`): (output, the riders'
+    outputs)."""
     F = config.ffn
     lp_flat = view.flat
     out = kernels.sparse_mlp(
         y.astype(lp_flat["w_in"].dtype), lp_flat["w_in"], lp_flat["b_in"],
         lp_flat["w_out_t"], view.lp.b_out, view.base * F + neurons,
         activation=config.activation, w_gate=lp_flat["w_gate"],
-        impl=scfg.impl, residual=residual)
+        impl=scfg.impl, residual=residual, riders=riders)
+    if riders is not None:
+        return out[0].astype(F32), out[1]
     return out.astype(F32)
 
 
@@ -376,8 +379,10 @@ def _fused_sparse_layer(config, scfg, view, io, layer, x, neurons, groups, step,
     """One DejaVu layer of a pre-norm model on one device, its residual adds done by the
     out-projection and fc2 launches (`residual=`), which add into the residual rows.
 
-    `lookahead(x, x_rms)` returns the next layer's sets, or a pair (Segment, finish) whose
-    first product rides on the projection launch and whose `finish(partials)` selects;
+    `lookahead(x, x_rms)` returns the next layer's sets, or a triple (Segment, finish,
+    riders) whose first product rides on the projection launch; then `riders(partials)`
+    gives the launch parts that finish the selection inside the MLP's two launches (see
+    `kernels.sparse_mlp`), or None, and `finish(partials)` selects in launches of its own.
     x_rms (x over its RMS, in `rms_dtype`) is None unless `rms_dtype` is given. Returns
     (output rows, the layer's input rows, io, next sets).
     """
@@ -398,10 +403,17 @@ def _fused_sparse_layer(config, scfg, view, io, layer, x, neurons, groups, step,
     h, io, *extra_parts = _sparse_attention(config, scfg, view, io, layer, y, groups, step,
                                             residual=x, extra_segments=(nxt[0],) if split else (),
                                             history_rows=rest[-1])
+    riders = None
     if split:
-        nxt = nxt[1](extra_parts[0][0])
+        h_parts = extra_parts[0][0]
+        riders = nxt[2](h_parts)
+        if riders is None:
+            nxt = nxt[1](h_parts)
     y = norm(h, lp.mlp_norm_scale, lp.mlp_norm_bias)
-    return _sparse_mlp(config, scfg, view, y, neurons, residual=h), x, io, nxt
+    if riders is None:
+        return _sparse_mlp(config, scfg, view, y, neurons, residual=h), x, io, nxt
+    out, (nxt,) = _sparse_mlp(config, scfg, view, y, neurons, residual=h, riders=riders)
+    return out, x, io, nxt
 
 
 def _reduced(reduce, out: jax.Array) -> jax.Array:
@@ -486,7 +498,9 @@ def _fused_segment(config, scfg, params, select, selector_params, x, io, step, i
             if split:
                 return (select.first_segment(selector_params, nxt, x_rms),
                         lambda parts: select.finish(selector_params, nxt, parts, k_mlp,
-                                                    k_heads))
+                                                    k_heads),
+                        lambda parts: select.riders(selector_params, nxt, parts, k_mlp,
+                                                    k_heads, scfg.impl))
             return select(selector_params, nxt, x_in, k_mlp, k_heads)
 
         x_next, x_in, io, idx_next = _fused_sparse_layer(
@@ -533,17 +547,20 @@ class PredictorSelector:
     With decode-form predictors (`train.predictor_model.DecodePredictors`), batch 1, the
     "local" method and one query head per KV group, a pre-norm decode step splits it
     across the layer (`splits`): the first product is one more segment of the attention's
-    projection launch (`first_segment`), and `finish` selects in two launches
-    (`kernels.predictor_select.predictor_select`). The sets are those of calling it.
+    projection launch (`first_segment`); on the Pallas paths the score product then rides
+    in the fc1 launch and the selection in the fc2 launch (`riders`), else `finish`
+    selects in two launches of its own (`kernels.predictor_select.predictor_select`). The
+    sets are those of calling it.
     """
 
     def __init__(self, group_size: int, union_capacity=None, method: str = "exact",
-                 impl: str | None = None):
+                 impl: str | None = None, ride_mlp_launches: bool = True):
         if method not in SELECT_METHODS:
             raise ValueError(f"unknown selection method {method!r}; choose from "
                              f"{SELECT_METHODS}")
         self.group_size, self.method, self.impl = group_size, method, impl
         self.union_capacity = union_capacity or (None, None)
+        self.ride_mlp_launches = ride_mlp_launches
 
     def _top(self, scores, k, capacity):
         from dejavu_jax.kernels.top_k import (top_k_indices, top_k_indices_chunked,
@@ -586,6 +603,20 @@ class PredictorSelector:
         return Segment(pred_params.w1t.reshape(L * r, d),
                        jnp.asarray(layer, jnp.int32).reshape(1), r, x=x_rms)
 
+    def riders(self, pred_params, layer, h_parts, k_mlp, k_heads, impl):
+        """The selection as parts of the MLP's launches (`kernels.sparse_mlp` riders): the
+        score product beside fc1, the selection ahead of fc2, whose outputs are (neuron
+        ids, KV-group ids). None on the reference path or when `ride_mlp_launches` is off."""
+        from dejavu_jax.kernels._common import resolve_impl
+        from dejavu_jax.kernels.predictor_select import score_part, select_part
+        if not self.ride_mlp_launches or resolve_impl(impl) == "reference":
+            return None
+        p = pred_params
+        score = score_part(h_parts, p.b1, p.w2_mlp, layer, activation=p.activation)
+        return ([score], lambda outs: [select_part(
+            outs[0][0], h_parts, p.b1, p.b2_mlp, p.w2_heads, p.b2_heads, layer, k_mlp, k_heads,
+            activation=p.activation)])
+
     def finish(self, pred_params, layer, h_parts, k_mlp, k_heads):
         """(neuron ids, KV-group ids) from the first product's partials."""
         from dejavu_jax.kernels.predictor_select import predictor_select
@@ -597,7 +628,8 @@ class PredictorSelector:
 
 def predictor_selector(group_size: int,
                        union_capacity: tuple[int | None, int | None] | None = None,
-                       method: str = "exact", impl: str | None = None) -> PredictorSelector:
+                       method: str = "exact", impl: str | None = None,
+                       ride_mlp_launches: bool = True) -> PredictorSelector:
     """A Selector whose parameters are trained predictors (`dejavu_jax.train.predict`).
 
     method, for a single row (batches take the union through `select_top_k` either way):
@@ -610,8 +642,10 @@ def predictor_selector(group_size: int,
     size rounds to a multiple of P; with decode-form predictors at batch 1 the step runs
     it split across the layer, see `PredictorSelector`) or "packed" (`topk.packed_top_k`:
     the radix set through one integer sort).
+    ride_mlp_launches: where the step splits the selector, run its score product and
+    selection inside the MLP's launches (False: launches of their own, for comparison).
     """
-    return PredictorSelector(group_size, union_capacity, method, impl)
+    return PredictorSelector(group_size, union_capacity, method, impl, ride_mlp_launches)
 
 
 def fixed_selector(sets, layer, x, k_mlp, k_heads):

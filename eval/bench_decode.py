@@ -95,6 +95,18 @@ def random_sets(config, scfg, seed: int = 0, per_layer: bool = False):
     return jnp.asarray(neurons, jnp.int32), jnp.asarray(groups, jnp.int32)
 
 
+APART = "-apart"  # a --select suffix: the split selection in launches of its own
+
+
+def select_method(config, method: str):
+    """The predictor selector of a --select entry: a `sparse.SELECT_METHODS` name, or one
+    with the suffix "-apart" (the split selector's score product and selection in launches
+    of their own rather than riding in the MLP's launches)."""
+    base = method.removesuffix(APART)
+    return sparse.predictor_selector(config.group_size, method=base,
+                                     ride_mlp_launches=not method.endswith(APART))
+
+
 def sparse_variants(config, preds, select_methods, fixed_sets=None,
                     diagnose_kv_recompute=False):
     """(row label, selector, selector params) for the sparse rows of one setting.
@@ -102,8 +114,7 @@ def sparse_variants(config, preds, select_methods, fixed_sets=None,
     One predictor row per top-k method; with fixed_sets, a row with precomputed indices
     (and optionally the same without missing-KV recomputation, a diagnostic).
     """
-    variants = [(f"predictor-{m}", sparse.predictor_selector(config.group_size, method=m), preds)
-                for m in select_methods]
+    variants = [(f"predictor-{m}", select_method(config, m), preds) for m in select_methods]
     if fixed_sets is not None:
         variants.append(("fixed", sparse.fixed_selector, fixed_sets))
         if diagnose_kv_recompute:
@@ -588,7 +599,8 @@ def main(argv=None) -> int:
                    help="stacked (lax.scan over stacked layers), unrolled, or both")
     p.add_argument("--select", default="exact",
                    help="comma list of predictor top-k methods (sparse.SELECT_METHODS: exact, "
-                        "threshold, radix, chunked, local, packed), one row each")
+                        "threshold, radix, chunked, local, packed), one row each; 'local-apart': "
+                        "local with its launches not riding in the MLP's")
     p.add_argument("--diagnose-kv-recompute", action="store_true",
                    help="add a fixed-index row without missing-KV recomputation (inexact)")
     p.add_argument("--hf-python", default=sys.executable,
@@ -610,7 +622,8 @@ def main(argv=None) -> int:
     unknown = [m for m in modes if m not in MODES]
     if unknown:
         p.error(f"unknown modes {unknown}; known: {', '.join(MODES)}")
-    bad_select = [m for m in split(args.select, str) if m not in sparse.SELECT_METHODS]
+    bad_select = [m for m in split(args.select, str)
+                  if m.removesuffix(APART) not in sparse.SELECT_METHODS]
     if bad_select:
         p.error(f"unknown --select methods {bad_select}; known: "
                 f"{', '.join(sparse.SELECT_METHODS)}")

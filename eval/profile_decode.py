@@ -34,7 +34,7 @@ import numpy as np
 from dejavu_jax import config as config_lib
 from dejavu_jax import model, sparse
 from dejavu_jax.eval.bench_decode import time_loop
-from dejavu_jax.params import init_params, unstack_layers
+from dejavu_jax.params import fuse_qkv, init_params, unstack_layers
 
 BF16 = jnp.bfloat16
 
@@ -116,7 +116,7 @@ def mode_engine(config, mode: str, mlp: float, heads: float, dense_layers: int, 
                 per_layer: bool = False):
     """(engine, selector params) for a mode, None for dense (per_layer: the unrolled
     layout's per-layer index sets)."""
-    from dejavu_jax.eval.bench_decode import random_predictors, random_sets
+    from dejavu_jax.eval.bench_decode import random_predictors, random_sets, select_method
     from dejavu_jax.train.predictor_model import decode_predictors
     if mode == "dense":
         return None
@@ -128,7 +128,7 @@ def mode_engine(config, mode: str, mlp: float, heads: float, dense_layers: int, 
                 random_sets(config, scfg, per_layer=per_layer))
     if mode.startswith("sparse-predictor"):
         method = mode.removeprefix("sparse-predictor").lstrip("-") or "exact"
-        sel = sparse.predictor_selector(config.group_size, method=method)
+        sel = select_method(config, method)
         return sparse.sparse_engine(config, scfg, sel), decode_predictors(
             random_predictors(config, rank, jax.random.key(1)))
     raise ValueError(f"unknown mode {mode!r}")
@@ -146,7 +146,7 @@ def profile_mode(config, params, mode, args, out: Path, log) -> dict:
                       per_layer=unrolled)
     if eng is None:
         step_fn = lambda p, s, t: model.decode_step_fn(config, p, s, t)  # noqa: E731
-        run_params = params
+        run_params = params if args.dense_qkv == "separate" else fuse_qkv(params)
 
         def fresh():
             st = model.init_state(config, B, max_len, BF16, per_layer=unrolled)
@@ -204,11 +204,14 @@ def main(argv=None) -> int:
     """Profile the requested modes; writes profile.json into --out."""
     p = argparse.ArgumentParser(prog="python -m dejavu_jax.eval.profile_decode")
     p.add_argument("--model", default="opt-13b")
+    p.add_argument("--dense-qkv", default="fused", choices=("fused", "separate"),
+                   help="the dense mode's q/k/v weights: one GEMV (params.fuse_qkv) or three")
     p.add_argument("--modes", default="dense,sparse-fixed,sparse-fixed-no-kv-recompute,"
                                       "sparse-predictor-exact,sparse-predictor-radix",
                    help="dense, sparse-fixed[-no-kv-recompute], sparse-predictor[-METHOD] "
                         "(METHOD: one of sparse.SELECT_METHODS: exact, threshold, radix, "
-                        "chunked, local, packed)")
+                        "chunked, local, packed; local-apart: local, its launches not riding "
+                        "in the MLP's)")
     p.add_argument("--layout", default="unrolled", choices=("unrolled", "stacked"))
     p.add_argument("--context", type=int, default=128)
     p.add_argument("--batch", type=int, default=1)

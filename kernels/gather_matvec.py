@@ -36,6 +36,7 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
 from ._common import activation_fn, cdiv, check_array, next_pow2
+from .launch import LaunchPart, launch
 
 
 def batch_pad(B: int) -> int:
@@ -130,11 +131,10 @@ def check_segment(seg: Segment, x: jax.Array) -> None:
             raise ValueError(f"segment x has width {seg.x.shape[1]}, expected {x.shape[1]}")
 
 
-def _gather_matvec_kernel(*refs, seg_meta, d, bd, chunks, deferred):
+def _gather_matvec_body(pids, *refs, seg_meta, d, bd, chunks, deferred):
     nseg = len(seg_meta)
     in_refs, out_refs = refs[: 3 * nseg], refs[3 * nseg:]
-    i = pl.program_id(0)
-    j = pl.program_id(1)
+    i, j = pids
 
     for s, (start, nb, m, n_rows, B, Bp, bk) in enumerate(seg_meta):
         x_ref, ids_ref, w_ref = in_refs[3 * s: 3 * s + 3]
@@ -179,6 +179,9 @@ def gather_matvec(x: jax.Array, segments: Sequence[Segment], *, block_rows: int 
                   num_stages: int = 2, deferred_sum: bool = False, interpret: bool = False):
     """Gathered GEMV partials for one or more matrices sharing the input ``x [B, d]``.
 
+    One launch of :func:`gather_matvec_part` (which other kernels may join, see
+    :mod:`.launch`).
+
     Args:
       x: ``[B, d]`` input, shared by the segments that bring none of their own.
       segments: :class:`Segment` s; all weights are ``[R_s, d]``.
@@ -193,6 +196,16 @@ def gather_matvec(x: jax.Array, segments: Sequence[Segment], *, block_rows: int 
       One fp32 array per segment, ``[n_dsplit, B_s, n_blocks * block_rows]``; summing over
       axis 0 gives ``x @ W[rows].T`` (rows past ``n_rows`` hold zeros/garbage-free 0).
     """
+    part = gather_matvec_part(x, segments, block_rows=block_rows, block_d=block_d,
+                              d_chunks=d_chunks, deferred_sum=deferred_sum)
+    return launch([part], num_warps=num_warps, num_stages=num_stages, interpret=interpret,
+                  name="gather_matvec")[0]
+
+
+def gather_matvec_part(x: jax.Array, segments: Sequence[Segment], *, block_rows: int = 16,
+                       block_d: int = 512, d_chunks: int = 1,
+                       deferred_sum: bool = False) -> LaunchPart:
+    """:func:`gather_matvec` as a :class:`~.launch.LaunchPart` (same arguments)."""
     d = x.shape[1]
     bd = block_d
     nds = cdiv(d, bd * d_chunks)
@@ -211,20 +224,13 @@ def gather_matvec(x: jax.Array, segments: Sequence[Segment], *, block_rows: int 
         outs.append(jax.ShapeDtypeStruct((nds, B, nb * bk), jnp.float32))
         args += [xs, seg.ids.astype(jnp.int32), seg.w]
         start += nb
-    kernel = functools.partial(_gather_matvec_kernel, seg_meta=tuple(seg_meta), d=d, bd=bd,
-                               chunks=d_chunks, deferred=bool(deferred_sum))
-    return pl.pallas_call(
-        kernel,
-        grid=(start, nds),
-        out_shape=tuple(outs),
-        compiler_params=plgpu.CompilerParams(num_warps=num_warps, num_stages=num_stages),
-        interpret=interpret,
-        name="gather_matvec",
-    )(*args)
+    body = functools.partial(_gather_matvec_body, seg_meta=tuple(seg_meta), d=d, bd=bd,
+                             chunks=d_chunks, deferred=bool(deferred_sum))
+    return LaunchPart(body, (start, nds), tuple(args), tuple(outs))
 
 
-def _gather_matvec_t_kernel(*refs, n_act, load_act, B, Bp, d, m, n_rows, bk, bd, kblocks,
-                            accumulate, has_bias, deferred):
+def _gather_matvec_t_body(pids, *refs, n_act, load_act, B, Bp, d, m, n_rows, bk, bd, kblocks,
+                          accumulate, has_bias, deferred):
     act_refs = refs[:n_act]
     ids_ref, w_ref = refs[n_act:n_act + 2]
     rest = refs[n_act + 2:]
@@ -233,8 +239,7 @@ def _gather_matvec_t_kernel(*refs, n_act, load_act, B, Bp, d, m, n_rows, bk, bd,
         o_ref = rest[-1]
     else:
         o_ref = rest[0]
-    i = pl.program_id(0)
-    j = pl.program_id(1)
+    i, j = pids
     kk = jnp.arange(bk, dtype=jnp.int32)
     brow = jnp.arange(Bp, dtype=jnp.int32)
     bmask = brow < B
@@ -300,6 +305,21 @@ def gather_matvec_t(act_args: Sequence[jax.Array], load_act: Callable, w: jax.Ar
     ``deferred_sum`` (batch 1): accumulate the products elementwise over a program's row
     blocks and sum across rows once at the end (not once per block).
     """
+    part = gather_matvec_t_part(act_args, load_act, w, ids, B=B, rows_per_id=rows_per_id,
+                                block_rows=block_rows, block_d=block_d,
+                                row_blocks_per_program=row_blocks_per_program,
+                                residual=residual, bias=bias, deferred_sum=deferred_sum)
+    return launch([part], num_warps=num_warps, num_stages=num_stages, interpret=interpret,
+                  name="gather_matvec_t")[0][0]
+
+
+def gather_matvec_t_part(act_args: Sequence[jax.Array], load_act: Callable, w: jax.Array,
+                         ids: jax.Array, *, B: int, rows_per_id: int = 1,
+                         block_rows: int = 16, block_d: int = 512,
+                         row_blocks_per_program: int = 4,
+                         residual: jax.Array | None = None, bias: jax.Array | None = None,
+                         deferred_sum: bool = False) -> LaunchPart:
+    """:func:`gather_matvec_t` as a :class:`~.launch.LaunchPart` (same arguments)."""
     d = w.shape[1]
     m = rows_per_id
     n_rows = int(ids.shape[0]) * m
@@ -311,8 +331,8 @@ def gather_matvec_t(act_args: Sequence[jax.Array], load_act: Callable, w: jax.Ar
     accumulate = residual is not None
     if bias is not None and not accumulate:
         raise ValueError("bias is added only with residual (partials come without it)")
-    kernel = functools.partial(
-        _gather_matvec_t_kernel, n_act=len(act_args), load_act=load_act, B=B, Bp=Bp, d=d,
+    body = functools.partial(
+        _gather_matvec_t_body, n_act=len(act_args), load_act=load_act, B=B, Bp=Bp, d=d,
         m=m, n_rows=n_rows, bk=bk, bd=block_d, kblocks=kblocks, accumulate=accumulate,
         has_bias=bias is not None, deferred=bool(deferred_sum))
     args = [*act_args, ids.astype(jnp.int32), w]
@@ -328,15 +348,7 @@ def gather_matvec_t(act_args: Sequence[jax.Array], load_act: Callable, w: jax.Ar
     else:
         aliases = {}
         out_shape = jax.ShapeDtypeStruct((nkc, B, d), jnp.float32)
-    return pl.pallas_call(
-        kernel,
-        grid=(nkc, ndb),
-        out_shape=out_shape,
-        input_output_aliases=aliases,
-        compiler_params=plgpu.CompilerParams(num_warps=num_warps, num_stages=num_stages),
-        interpret=interpret,
-        name="gather_matvec_t",
-    )(*args)
+    return LaunchPart(body, (nkc, ndb), tuple(args), (out_shape,), aliases)
 
 
 def partials_loader(act_refs, r, valid, rows, *, nds, B, Bp, has_b1=False, gated=False,

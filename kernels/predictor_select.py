@@ -29,7 +29,8 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
 from ._common import activation_fn, check_array, next_pow2, resolve_impl
-from .gather_matvec import gather_matvec_t
+from .gather_matvec import gather_matvec_t_part
+from .launch import LaunchPart, launch
 from .top_k import (_ranked_slots, local_top_k_shape, score_keys, top_k_indices_local_reference,
                     top_k_indices_reference)
 
@@ -78,11 +79,11 @@ def _hidden_loader(act_refs, r, valid, rows, *, nds, r_mlp, r_all, activation, d
     return jnp.where(valid, _rounded(a, dtype), 0.0)
 
 
-def _select_kernel(layer_ref, sp_ref, b2m_ref, h_ref, b1_ref, w2h_ref, b2h_ref, om_ref, oh_ref,
-                   *, n_sp, F, c, kc, C, block, nds, r_mlp, r_heads, rhp, H, Hp, k_heads,
-                   activation, dtype):
+def _select_body(pids, layer_ref, sp_ref, b2m_ref, h_ref, b1_ref, w2h_ref, b2h_ref, om_ref,
+                 oh_ref, *, n_sp, F, c, kc, C, block, nds, r_mlp, r_heads, rhp, H, Hp, k_heads,
+                 activation, dtype):
     f32 = jnp.float32
-    p = pl.program_id(0)
+    p = pids[0]
     layer = layer_ref[0]
 
     @pl.when(p < C)
@@ -117,42 +118,67 @@ def _select_kernel(layer_ref, sp_ref, b2m_ref, h_ref, b1_ref, w2h_ref, b2h_ref, 
         plgpu.store(oh_ref.at[slots], hc, mask=slots < k_heads)
 
 
+def score_part(h_parts, b1, w2_mlp, layer, *, activation: str = "none", row_blocks: int = 2,
+               block_d: int = 256, deferred_sum: bool = True) -> LaunchPart:
+    """The neuron scores' product (step 1 of :func:`predictor_select`) as a
+    :class:`~.launch.LaunchPart`; its output is the fp32 score partials ``[P, 1, F]``."""
+    L, r_mlp, F = w2_mlp.shape
+    r_all = b1.shape[1]
+    loader = functools.partial(_hidden_loader, nds=h_parts.shape[0], r_mlp=r_mlp, r_all=r_all,
+                               activation=activation, dtype=w2_mlp.dtype)
+    return gather_matvec_t_part([h_parts, b1.reshape(-1)], loader,
+                                w2_mlp.reshape(L * r_mlp, F), _layer_array(layer), B=1,
+                                rows_per_id=r_mlp, block_rows=16,
+                                block_d=min(block_d, next_pow2(F)),
+                                row_blocks_per_program=row_blocks, deferred_sum=deferred_sum)
+
+
+def select_part(score_parts, h_parts, b1, b2_mlp, w2_heads, b2_heads, layer, k_mlp: int,
+                k_heads: int, *, activation: str = "none", chunk: int = 2048) -> LaunchPart:
+    """The selection (step 2 of :func:`predictor_select`) as a :class:`~.launch.LaunchPart`
+    of ``C + 1`` programs; its outputs are the neuron ids ``[C * kc]`` and head ids
+    ``[k_heads]``."""
+    L, F = b2_mlp.shape
+    r_heads, H = w2_heads.shape[1:]
+    r_mlp = b1.shape[1] - r_heads
+    C, c, kc = local_top_k_shape(F, k_mlp, chunk)
+    block = next_pow2(c)
+    body = functools.partial(
+        _select_body, n_sp=score_parts.shape[0], F=F, c=c, kc=kc, C=C, block=block,
+        nds=h_parts.shape[0], r_mlp=r_mlp, r_heads=r_heads, rhp=max(16, next_pow2(r_heads)),
+        H=H, Hp=max(16, next_pow2(H)), k_heads=k_heads, activation=activation,
+        dtype=w2_heads.dtype)
+    inputs = (_layer_array(layer), score_parts, b2_mlp.reshape(-1), h_parts, b1.reshape(-1),
+              w2_heads.reshape(L * r_heads, H), b2_heads.reshape(-1))
+    out_shape = (jax.ShapeDtypeStruct((C * kc,), jnp.int32),
+                 jax.ShapeDtypeStruct((k_heads,), jnp.int32))
+    return LaunchPart(body, (C + 1,), inputs, out_shape)
+
+
+def select_warps_default(F: int, k_mlp: int, chunk: int = 2048) -> int:
+    """Warps of a selection launch by its chunk length (8 for chunks of 2048)."""
+    return min(16, max(4, next_pow2(local_top_k_shape(F, k_mlp, chunk)[1]) // 256))
+
+
+def _layer_array(layer) -> jax.Array:
+    return jnp.asarray(layer, jnp.int32).reshape(1)
+
+
 @functools.partial(jax.jit, static_argnames=("k_mlp", "k_heads", "activation", "chunk",
                                              "interpret", "row_blocks", "block_d",
                                              "deferred_sum", "select_warps"))
 def _predictor_select_pallas(h_parts, b1, w2_mlp, b2_mlp, w2_heads, b2_heads, layer, *,
                              k_mlp, k_heads, activation, chunk, interpret, row_blocks=2,
                              block_d=256, deferred_sum=True, select_warps=None):
-    L, r_mlp, F = w2_mlp.shape
-    r_heads, H = w2_heads.shape[1:]
-    nds = h_parts.shape[0]
-    layer = jnp.asarray(layer, jnp.int32).reshape(1)
-    b1_flat = b1.reshape(-1)
-    loader = functools.partial(_hidden_loader, nds=nds, r_mlp=r_mlp, r_all=r_mlp + r_heads,
-                               activation=activation, dtype=w2_mlp.dtype)
-    score_parts = gather_matvec_t([h_parts, b1_flat], loader, w2_mlp.reshape(L * r_mlp, F),
-                                  layer, B=1, rows_per_id=r_mlp, block_rows=16,
-                                  block_d=min(block_d, next_pow2(F)),
-                                  row_blocks_per_program=row_blocks,
-                                  deferred_sum=deferred_sum, interpret=interpret)
-    C, c, kc = local_top_k_shape(F, k_mlp, chunk)
-    block = next_pow2(c)
-    Hp = max(16, next_pow2(H))
-    kernel = functools.partial(
-        _select_kernel, n_sp=score_parts.shape[0], F=F, c=c, kc=kc, C=C, block=block,
-        nds=nds, r_mlp=r_mlp, r_heads=r_heads, rhp=max(16, next_pow2(r_heads)), H=H, Hp=Hp,
-        k_heads=k_heads, activation=activation, dtype=w2_heads.dtype)
-    return pl.pallas_call(
-        kernel,
-        grid=(C + 1,),
-        out_shape=(jax.ShapeDtypeStruct((C * kc,), jnp.int32),
-                   jax.ShapeDtypeStruct((k_heads,), jnp.int32)),
-        compiler_params=plgpu.CompilerParams(
-            num_warps=select_warps or min(16, max(4, block // 256)), num_stages=1),
-        interpret=interpret,
-        name="predictor_select",
-    )(layer, score_parts, b2_mlp.reshape(-1), h_parts, b1_flat,
-      w2_heads.reshape(L * r_heads, H), b2_heads.reshape(-1))
+    score = score_part(h_parts, b1, w2_mlp, layer, activation=activation,
+                       row_blocks=row_blocks, block_d=block_d, deferred_sum=deferred_sum)
+    (score_parts,), = launch([score], interpret=interpret, name="gather_matvec_t")
+    select = select_part(score_parts, h_parts, b1, b2_mlp, w2_heads, b2_heads, layer, k_mlp,
+                         k_heads, activation=activation, chunk=chunk)
+    warps = select_warps or select_warps_default(w2_mlp.shape[2], k_mlp, chunk)
+    (ids_mlp, ids_heads), = launch([select], num_warps=warps, num_stages=1,
+                                   interpret=interpret, name="predictor_select")
+    return ids_mlp, ids_heads
 
 
 def predictor_select(h_parts, b1, w2_mlp, b2_mlp, w2_heads, b2_heads, layer, k_mlp: int,

@@ -22,8 +22,9 @@ from jax import lax
 
 from ._common import (activation_fn, balanced_chunks, cdiv, check_array, check_bias,
                       check_indices, resolve_impl)
-from .gather_matvec import (Segment, batch_pad, gather_matvec, gather_matvec_t,
+from .gather_matvec import (Segment, batch_pad, gather_matvec_part, gather_matvec_t_part,
                             partials_loader)
+from .launch import launch
 
 N_SM = 132  # H200; only used to size the grids
 
@@ -102,33 +103,46 @@ def sparse_mlp_reference(x, w1, b1, w2t, b2, idx, *, activation="relu", w_gate=N
 
 
 def sparse_mlp_pallas(x, w1, b1, w2t, b2, idx, *, activation="relu", w_gate=None,
-                      interpret=False, config: MLPConfig | None = None, residual=None):
-    """Pallas path of :func:`sparse_mlp` (no validation; see there for the contract)."""
+                      interpret=False, config: MLPConfig | None = None, residual=None,
+                      riders=None):
+    """Pallas path of :func:`sparse_mlp` (no validation; see there for the contract).
+
+    riders: optional ``(fc1_parts, fc2_parts_of)``: :class:`~.launch.LaunchPart` s that run
+    in the fc1 launch, and a function of their outputs (a list of tuples) returning the
+    parts that run in the fc2 launch, ahead of its own programs (the predictor's score
+    product and selection ride here, see ``dejavu_jax.sparse``). Returns then
+    ``(output, the fc2 riders' outputs)``.
+    """
     B, d = x.shape
     K = int(idx.shape[0])
     cfg = (config or MLPConfig()).resolve(K, d, B)
+    fc1_riders, fc2_riders_of = riders or ((), None)
     idx = idx.astype(jnp.int32)
     segs = [Segment(w1, idx)] + ([Segment(w_gate, idx)] if w_gate is not None else [])
-    parts = gather_matvec(x, segs, block_rows=cfg.fc1_block_rows, block_d=cfg.fc1_block_d,
-                          d_chunks=cfg.fc1_d_chunks, num_warps=cfg.num_warps,
-                          num_stages=cfg.num_stages, deferred_sum=cfg.fc1_deferred_sum,
-                          interpret=interpret)
+    fc1 = gather_matvec_part(x, segs, block_rows=cfg.fc1_block_rows, block_d=cfg.fc1_block_d,
+                             d_chunks=cfg.fc1_d_chunks, deferred_sum=cfg.fc1_deferred_sum)
+    *rider_outs, parts = launch([*fc1_riders, fc1], num_warps=cfg.num_warps,
+                                num_stages=cfg.num_stages, interpret=interpret,
+                                name="gather_matvec")
     act_args = list(parts) + ([b1] if b1 is not None else [])
     load_act = functools.partial(partials_loader, nds=parts[0].shape[0], B=B, Bp=batch_pad(B),
                                  has_b1=b1 is not None, gated=w_gate is not None,
                                  activation=activation)
-    out = gather_matvec_t(act_args, load_act, w2t, idx, B=B, block_rows=cfg.fc2_block_rows,
-                          block_d=cfg.fc2_block_d, row_blocks_per_program=cfg.fc2_row_blocks,
-                          num_warps=cfg.num_warps, num_stages=cfg.num_stages,
-                          interpret=interpret, residual=residual,
-                          bias=None if residual is None else b2,
-                          deferred_sum=cfg.fc2_deferred_sum)
-    if residual is not None:
-        return out
-    out = out.sum(axis=0)
-    if b2 is not None:
-        out = out + b2.astype(jnp.float32)
-    return out.astype(x.dtype)
+    fc2 = gather_matvec_t_part(act_args, load_act, w2t, idx, B=B,
+                               block_rows=cfg.fc2_block_rows, block_d=cfg.fc2_block_d,
+                               row_blocks_per_program=cfg.fc2_row_blocks, residual=residual,
+                               bias=None if residual is None else b2,
+                               deferred_sum=cfg.fc2_deferred_sum)
+    fc2_riders = fc2_riders_of(rider_outs) if fc2_riders_of is not None else ()
+    *rider_outs, (out,) = launch([*fc2_riders, fc2], num_warps=cfg.num_warps,
+                                 num_stages=cfg.num_stages, interpret=interpret,
+                                 name="gather_matvec_t")
+    if residual is None:
+        out = out.sum(axis=0)
+        if b2 is not None:
+            out = out + b2.astype(jnp.float32)
+        out = out.astype(x.dtype)
+    return (out, rider_outs) if riders is not None else out
 
 
 @functools.partial(jax.jit, static_argnames=("activation", "impl", "config"))
@@ -145,7 +159,7 @@ def _sparse_mlp_jit(x, w1, b1, w2t, b2, idx, w_gate, residual, *, activation, im
 
 def sparse_mlp(x, w1, b1, w2t, b2, idx, *, activation: str = "relu", w_gate=None,
                impl: str | None = None, config: MLPConfig | None = None,
-               residual: jax.Array | None = None):
+               residual: jax.Array | None = None, riders=None):
     """Sparse MLP over the neurons ``idx``: ``act(x W1[idx]ᵀ + b1[idx]) W2ᵀ[idx] + b2``.
 
     Args:
@@ -166,9 +180,11 @@ def sparse_mlp(x, w1, b1, w2t, b2, idx, *, activation: str = "relu", w_gate=None
         atomically in the fc2 launch, with no reduction launch after it (the summation
         order, so the low bits, vary between runs); inside a jitted step whose input they
         no longer are needed as, they are updated in place.
+      riders: optional launch parts that run inside the two launches (Pallas paths;
+        see :func:`sparse_mlp_pallas`); the call is then not jitted on its own.
     Returns:
       ``[B, d]`` in ``x.dtype``; all accumulation is fp32. With ``residual``:
-      ``residual + output``, fp32.
+      ``residual + output``, fp32. With ``riders``: ``(that, the fc2 riders' outputs)``.
     """
     _validate(x, w1, b1, w2t, b2, idx, activation, w_gate)
     if residual is not None:
@@ -176,5 +192,12 @@ def sparse_mlp(x, w1, b1, w2t, b2, idx, *, activation: str = "relu", w_gate=None
         if residual.dtype != jnp.float32:
             raise TypeError(f"residual must be float32, got {residual.dtype}")
     impl = resolve_impl(impl)
+    if riders is not None:
+        if impl == "reference":
+            raise ValueError("riders run only on the Pallas paths (impl 'pallas' or "
+                             "'interpret')")
+        return sparse_mlp_pallas(x, w1, b1, w2t, b2, idx, activation=activation, w_gate=w_gate,
+                                 interpret=impl == "interpret", config=config,
+                                 residual=residual, riders=riders)
     return _sparse_mlp_jit(x, w1, b1, w2t, b2, idx, w_gate, residual, activation=activation,
                            impl=impl, config=config)

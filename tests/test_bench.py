@@ -203,20 +203,21 @@ def test_loop_only_grid_reuses_the_sparse_prefill(tmp_path):
     assert bench_decode.main([
         "--models", "opt-tiny", "--contexts", "8", "--batch", "1", "--steps", "2",
         "--warmup", "1", "--prefill-reps", "1", "--mlp", "0.5", "--heads", "0.25,0.5",
-        "--layouts", "stacked", "--modes", "dense,sparse", "--select", "local",
-        "--loop-only", "--out", str(out)]) == 0
+        "--layouts", "stacked", "--modes", "dense,sparse", "--select", "local,local-apart",
+        "--dense-qkv", "both", "--loop-only", "--out", str(out)]) == 0
     rows = json.loads((out / "bench_decode.json").read_text())["rows"]
-    assert sorted(r["indices"] for r in rows) == ["-", "fixed", "predictor-local",
-                                                  "predictor-local"]
+    assert sorted(r["indices"] for r in rows) == [
+        "-", "fixed", "predictor-local", "predictor-local", "predictor-local-apart",
+        "predictor-local-apart", "qkv-separate"]
     for r in rows:
         assert r["ms"] is None and r["p90_ms"] is None and r["gbs_synced"] is None
         assert r["ms_loop"] > 0 and r["compile_loop_s"] > 0 and r["compile_step_s"] == 0
     sparse_rows = [r for r in rows if r["mode"] == "sparse"]
     cached = [r for r in sparse_rows if r.get("prefill_cached")]
-    # the predictor rows share one prefill (same selector params); the first compiles it
-    assert len(cached) == 1 and cached[0]["compile_prefill_s"] == 0
+    # the 4 predictor rows share one prefill (same selector params); the first compiles it
+    assert len(cached) == 3 and all(r["compile_prefill_s"] == 0 for r in cached)
     assert all(r["compile_prefill_s"] > 0 for r in rows if not r.get("prefill_cached"))
-    dense = next(r for r in rows if r["mode"] == "dense")
+    dense = next(r for r in rows if r["mode"] == "dense" and r["indices"] == "-")
     for r in sparse_rows:
         assert r["speedup"] is None
         assert r["speedup_loop"] == pytest.approx(dense["ms_loop"] / r["ms_loop"])

@@ -81,12 +81,14 @@ def test_predictor_select_rejects_bad_inputs():
         predictor_select(**{**good, "b1": jnp.zeros((L, r))}, layer=0, k_mlp=3, k_heads=2)
 
 
-@pytest.mark.parametrize("impl,dtype", [("reference", F32), ("interpret", F32),
-                                        ("reference", jnp.bfloat16)])
-def test_split_predictor_step_equals_the_called_selector(impl, dtype):
+@pytest.mark.parametrize("impl,dtype,ride", [("reference", F32, True), ("interpret", F32, True),
+                                             ("interpret", F32, False),
+                                             ("reference", jnp.bfloat16, True)])
+def test_split_predictor_step_equals_the_called_selector(impl, dtype, ride, monkeypatch):
     """The decode step that splits the predictor across the layer (first product in the
-    projection launch, selection after attention) picks the sets that calling the selector
-    on the layer's input picks, and gives the same logits."""
+    projection launch, selection after attention: in launches of its own, or riding in
+    the MLP's launches) picks the sets that calling the selector on the layer's input
+    picks, and gives the same logits."""
     from dejavu_jax.eval.bench_decode import random_predictors
     from dejavu_jax.train.predictor_model import decode_predictors
     config = dj.preset("opt-tiny").replace(n_layers=3)
@@ -94,7 +96,8 @@ def test_split_predictor_step_equals_the_called_selector(impl, dtype):
     preds = jax.tree.map(lambda a: a.astype(dtype) if a.dtype == jnp.bfloat16 else a,
                          decode_predictors(random_predictors(config, 8, jax.random.key(4))))
     scfg = sparse.sparse_config(config, 0.25, 0.5, dense_layers=1, impl=impl)
-    split = sparse.predictor_selector(config.group_size, method="local", impl=impl)
+    split = sparse.predictor_selector(config.group_size, method="local", impl=impl,
+                                      ride_mlp_launches=ride)
     assert split.splits(preds, 1) and not split.splits(preds, 2)
     calls = []
 
@@ -115,6 +118,27 @@ def test_split_predictor_step_equals_the_called_selector(impl, dtype):
         return sets
 
     split.finish = recording_finish
+    ridden = []  # layers whose selection rides in the MLP launches, in trace order
+    orig_riders = split.riders
+
+    def recording_riders(p, layer, parts, *args):
+        riders = orig_riders(p, layer, parts, *args)
+        if riders is not None:
+            ridden.append(layer)
+        return riders
+
+    orig_mlp = sparse._sparse_mlp
+
+    def recording_mlp(*args, riders=None, **kw):
+        out = orig_mlp(*args, riders=riders, **kw)
+        if riders is not None:  # the sets the fc2 launch selected, for layer ridden[-1]
+            jax.debug.callback(
+                lambda l, n, g: finished.append((int(l), np.asarray(n), np.asarray(g))),
+                ridden[-1], *out[1][0])
+        return out
+
+    split.riders = recording_riders
+    monkeypatch.setattr(sparse, "_sparse_mlp", recording_mlp)
     ids = jnp.asarray([[5, 9, 14, 3]])
     logits = {}
     for name, select in (("split", split), ("called", called)):
@@ -129,6 +153,7 @@ def test_split_predictor_step_equals_the_called_selector(impl, dtype):
         logits[name] = np.stack(seq)
     jax.effects_barrier()
     assert finished, "the split path did not run"
+    assert bool(ridden) == (ride and impl != "reference")
     np.testing.assert_allclose(logits["split"], logits["called"], atol=1e-5, rtol=1e-5)
     by_layer = {}
     for layer, n, g in calls:
