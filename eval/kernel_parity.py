@@ -17,6 +17,9 @@
    output, against its reference at model widths.
 5. The split predictor's selection (`kernels.predictor_select`) returns its reference's
    sets at OPT-13B / 30B predictor sizes.
+6. ("split") Batch-1 sparse decode on tiny OPT with the split predictor (local top-k),
+   its selection riding in the MLP launches and in launches of its own, unrolled and
+   stacked, against the reference step (sets and all): logits and K cache.
 
 Writes kernel_parity.json and exits 1 when a difference exceeds --tol or a set differs.
 """
@@ -39,13 +42,14 @@ from dejavu_jax.eval.bench_decode import random_sets
 from dejavu_jax.params import init_params, unstack_layers
 
 
-def _decode(config, scfg, params, sets, steps: int, per_layer: bool):
-    eng = sparse.sparse_engine(config, scfg, sparse.fixed_selector)
-    ids = jnp.asarray([[5, 9, 14, 3, 7], [8, 2, 4, 11, 6]])
-    state = eng.init_state(2, 64, jnp.float32, per_layer=per_layer)
+def _decode(config, scfg, params, sets, steps: int, per_layer: bool,
+            select=sparse.fixed_selector, batch: int = 2):
+    eng = sparse.sparse_engine(config, scfg, select)
+    ids = jnp.asarray([[5, 9, 14, 3, 7], [8, 2, 4, 11, 6]])[:batch]
+    state = eng.init_state(batch, 64, jnp.float32, per_layer=per_layer)
     logits, state = jax.jit(eng.prefill)((params, sets), ids, jnp.ones_like(ids), state)
     step = jax.jit(eng.step)
-    tokens = np.random.default_rng(1).integers(3, config.vocab_size, (steps, 2))
+    tokens = np.random.default_rng(1).integers(3, config.vocab_size, (steps, batch))
     out = []
     for t in range(steps):
         logits, state = step((params, sets), state, jnp.asarray(tokens[t], jnp.int32))
@@ -83,6 +87,33 @@ def _decode_rows(impl: str, steps: int) -> list[dict]:
                 rows.append(dict(check="decode", preset=preset, mlp=mlp, heads=heads,
                                  layout=layout, steps=steps,
                                  logits=float(np.abs(got[0] - ref[0]).max()),
+                                 k_cache=float(np.abs(got[1] - ref[1]).max())))
+    return rows
+
+
+def split_rows(impl: str, steps: int) -> list[dict]:
+    """The decode step with the split predictor (batch 1, local top-k; its selection riding
+    in the MLP launches or in launches of its own) against the reference step."""
+    from dejavu_jax.eval.bench_decode import random_predictors
+    from dejavu_jax.train.predictor_model import decode_predictors
+    rows = []
+    config = config_lib.preset("opt-tiny")
+    params = init_params(config, jax.random.key(0), jnp.float32, std=0.1)
+    preds = decode_predictors(random_predictors(config, 16, jax.random.key(1)))
+    scfg = sparse.sparse_config(config, 0.3, 0.5, dense_layers=1, kv_window=4)
+    with jax.default_matmul_precision("highest"):
+        ref = _decode(config, dataclasses.replace(scfg, impl="reference"), params, preds,
+                      steps, False, sparse.predictor_selector(1, method="local",
+                                                              impl="reference"), batch=1)
+        for ride in (True, False):
+            for layout in ("unrolled", "stacked"):
+                p = unstack_layers(params) if layout == "unrolled" else params
+                select = sparse.predictor_selector(1, method="local", impl=impl,
+                                                   ride_mlp_launches=ride)
+                got = _decode(config, dataclasses.replace(scfg, impl=impl), p, preds, steps,
+                              layout == "unrolled", select, batch=1)
+                rows.append(dict(check="split", preset="opt-tiny", ride=ride, layout=layout,
+                                 steps=steps, logits=float(np.abs(got[0] - ref[0]).max()),
                                  k_cache=float(np.abs(got[1] - ref[1]).max())))
     return rows
 
@@ -187,12 +218,13 @@ def main(argv=None) -> int:
     p.add_argument("--impl", default="pallas", choices=("pallas", "interpret"))
     p.add_argument("--steps", type=int, default=12)
     p.add_argument("--tol", type=float, default=1e-4)
-    p.add_argument("--checks", default="norm,window,decode,top-k,predictor",
-                   help="comma list of norm, window, decode, top-k, predictor")
+    p.add_argument("--checks", default="norm,window,decode,split,top-k,predictor",
+                   help="comma list of norm, window, decode, split, top-k, predictor")
     p.add_argument("--out", default="eval/results/kernel_parity")
     args = p.parse_args(argv)
     checks = {"norm": lambda: norm_rows(args.impl), "window": lambda: window_rows(args.impl),
               "decode": lambda: decode_rows(args.impl, args.steps),
+              "split": lambda: split_rows(args.impl, args.steps),
               "top-k": lambda: top_k_rows(args.impl),
               "predictor": lambda: predictor_rows(args.impl)}
     rows = []
