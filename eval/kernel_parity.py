@@ -227,23 +227,27 @@ def main(argv=None) -> int:
               "split": lambda: split_rows(args.impl, args.steps),
               "top-k": lambda: top_k_rows(args.impl),
               "predictor": lambda: predictor_rows(args.impl)}
-    rows = []
-    for name in args.checks.split(","):
-        if name not in checks:
-            p.error(f"unknown check {name!r}; choose from {', '.join(checks)}")
-        rows += checks[name]()
-    ok = True
-    for r in rows:
+    names = args.checks.split(",")
+    unknown = [n for n in names if n not in checks]
+    if unknown:
+        p.error(f"unknown checks {unknown}; choose from {', '.join(checks)}")
+
+    def passed(r) -> bool:
         if r["check"] in ("top-k", "predictor"):
-            r["ok"] = r["equal"]
-        elif r["check"] == "norm":
-            r["ok"] = r["max_diff"] <= args.tol
-        elif r["check"] == "window":
-            r["ok"] = max(r["out"], r["k_cache"], r["v_cache"]) <= args.tol
-        else:
-            r["ok"] = max(r["logits"], r["k_cache"]) <= args.tol
-        ok &= r["ok"]
-        print(json.dumps(r), flush=True)
+            return r["equal"]
+        if r["check"] == "norm":
+            return r["max_diff"] <= args.tol
+        if r["check"] == "window":
+            return max(r["out"], r["k_cache"], r["v_cache"]) <= args.tol
+        return max(r["logits"], r["k_cache"]) <= args.tol
+
+    rows, ok = [], True
+    for name in names:  # each check's rows print as it finishes (a run cut short keeps them)
+        for r in checks[name]():
+            r["ok"] = passed(r)
+            ok &= r["ok"]
+            rows.append(r)
+            print(json.dumps(r), flush=True)
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     meta = dict(device=str(jax.devices()[0].device_kind), jax=jax.__version__, impl=args.impl,
