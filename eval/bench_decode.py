@@ -443,14 +443,18 @@ def add_speedups(rows) -> list[dict]:
     """
     rows = sorted(rows, key=lambda r: (r["model"], r["context"], r["batch"],
                                        MODE_ORDER.get(r["mode"], 9)))
-    dense = {(r["model"], r.get("layout"), r["context"], r["batch"]): r
-             for r in rows if r["mode"] == "dense" and r.get("indices", "-") == "-"}
+    dense = {}
+    for r in rows:  # keyed with and without the run a merged row came from
+        if r["mode"] == "dense" and r.get("indices", "-") == "-":
+            key = (r["model"], r.get("layout"), r["context"], r["batch"])
+            dense[key] = dense[key + (r.get("source"),)] = r
     hf = {(r["mode"], r["model"], r["context"], r["batch"]): r
           for r in rows if r["mode"] in bench_hf.HF_MODES}
     for r in rows:
         if r["mode"] not in ("dense", "sparse"):
             continue
-        d = dense.get((r["model"], r.get("layout"), r["context"], r["batch"]))
+        key = (r["model"], r.get("layout"), r["context"], r["batch"])
+        d = dense.get(key + (r.get("source"),)) or dense.get(key)
         r["speedup"] = d["ms"] / r["ms"] if d and d.get("ms") and r.get("ms") else None
         r["speedup_loop"] = (d["ms_loop"] / r["ms_loop"]
                              if d and d.get("ms_loop") and r.get("ms_loop") else None)
@@ -484,13 +488,15 @@ def write_table(out: Path, meta: dict, rows, log=print):
 
 def merge_runs(dirs, out: Path, argv_text: str, log) -> int:
     """One JSON and table from the bench_decode.json of several runs (say one per model,
-    or HF rows from a separate run): rows concatenated, speedups recomputed across runs."""
+    or HF rows from a separate run): rows concatenated, each with its run's folder name as
+    `source`; speedups are against the dense row of the same run where it has one, else
+    of another run."""
     metas, rows = [], []
     for d in dirs:
         run = json.loads((d / "bench_decode.json").read_text())
         metas.append(dict(run["meta"], source=str(d)))
-        rows += [dict(r, roofline_gbs=r.get("roofline_gbs", run["meta"].get("roofline_gbs")))
-                 for r in run["rows"]]
+        rows += [dict(r, roofline_gbs=r.get("roofline_gbs", run["meta"].get("roofline_gbs")),
+                      source=r.get("source", d.name)) for r in run["rows"]]
     known = [m["roofline_gbs"] for m in metas if m.get("roofline_gbs")]
     meta = dict(command="python -m dejavu_jax.eval.bench_decode " + argv_text,
                 date=datetime.datetime.now().isoformat(timespec="seconds"),
@@ -523,6 +529,10 @@ def markdown(rows, roofline) -> str:
             "prefill ms", "compile s", "peak GB", "vs dense (synced / loop)", "vs hf-eager",
             "vs hf-compiled")
 
+    merged = any("source" in r for r in rows)
+    if merged:
+        cols += ("run",)
+
     def cells(r):
         peak = r.get("peak_bytes")
         return (r["model"], r.get("layout", "stacked"), r["mode"], r["context"], r["batch"],
@@ -533,7 +543,8 @@ def markdown(rows, roofline) -> str:
                 _f(r.get("gbs") and 100 * r["gbs"] / (r.get("roofline_gbs") or roofline),
                    ".0f", "%"),
                 _f(r.get("prefill_ms"), ".1f"), _f(r.get("compile_s"), ".1f"),
-                _f(peak and peak / 1e9, ".1f"), *speedup_cells(r))
+                _f(peak and peak / 1e9, ".1f"), *speedup_cells(r)) + (
+                    (r.get("source", "–"),) if merged else ())
 
     return table(cols, rows, cells)
 

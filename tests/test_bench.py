@@ -166,6 +166,27 @@ def test_bench_decode_cli(tmp_path, monkeypatch):
                 assert r["speedup_vs_hf_eager"] is None
             assert r["roofline_gbs"] == meta["roofline_gbs"]
     assert "| opt-tiny | hf | hf-eager | 8 | 2 |" in (merged / "bench_decode.md").read_text()
+    assert {r["source"] for r in rows} == {out.name, "hf"}
+
+    # a second run of the same settings whose dense rows are twice as slow: each run's
+    # sparse rows are compared with their own run's dense row
+    run2 = tmp_path / "run2"
+    run2.mkdir()
+    first = json.loads((out / "bench_decode.json").read_text())
+    slow = [dict(r, ms=2 * r["ms"], ms_loop=2 * r["ms_loop"]) if r["mode"] == "dense" else r
+            for r in first["rows"]]
+    (run2 / "bench_decode.json").write_text(json.dumps(dict(first, rows=slow)))
+    both = tmp_path / "both"
+    assert bench_decode.main(["--merge", f"{out},{run2}", "--out", str(both)]) == 0
+    rows = json.loads((both / "bench_decode.json").read_text())["rows"]
+    for r in rows:
+        if r["mode"] == "sparse":
+            d = next(x for x in rows if x["mode"] == "dense" and x["batch"] == r["batch"]
+                     and x["source"] == r["source"])
+            assert r["speedup_loop"] == pytest.approx(d["ms_loop"] / r["ms_loop"])
+    ratios = sorted(r["speedup_loop"] for r in rows if r["mode"] == "sparse" and r["batch"] == 1)
+    assert ratios[1] == pytest.approx(2 * ratios[0])
+    assert "| run |" in (both / "bench_decode.md").read_text()
 
 
 def test_unknown_mode_is_an_error(tmp_path):
