@@ -92,8 +92,9 @@ def category(name: str) -> str:
     n = name.lower()
     for key, label in (("gemv", "gemv"), ("gemm", "gemm"), ("cublas", "gemm"),
                        ("sm90", "gemm"), ("cutlass", "gemm"), ("triton", "triton/fusion"),
-                       ("gather_matvec", "pallas"), ("sparse", "pallas"),
-                       ("head_sparse", "pallas"), ("sort", "sort/topk"), ("topk", "sort/topk"),
+                       ("gather_matvec", "pallas"), ("gather_cols", "pallas"),
+                       ("predictor", "pallas"), ("layer_norm", "pallas"),
+                       ("top_k_local", "pallas"), ("sparse", "pallas"), ("sort", "sort/topk"), ("topk", "sort/topk"),
                        ("cub", "sort/topk"), ("memcpy", "memcpy"), ("memset", "memset"),
                        ("fusion", "fusion"), ("scatter", "scatter"), ("gather", "gather")):
         if key in n:

@@ -198,8 +198,7 @@ def gather_matvec(x: jax.Array, segments: Sequence[Segment], *, block_rows: int 
     """
     part = gather_matvec_part(x, segments, block_rows=block_rows, block_d=block_d,
                               d_chunks=d_chunks, deferred_sum=deferred_sum)
-    return launch([part], num_warps=num_warps, num_stages=num_stages, interpret=interpret,
-                  name="gather_matvec")[0]
+    return launch([part], num_warps=num_warps, num_stages=num_stages, interpret=interpret)[0]
 
 
 def gather_matvec_part(x: jax.Array, segments: Sequence[Segment], *, block_rows: int = 16,
@@ -226,7 +225,7 @@ def gather_matvec_part(x: jax.Array, segments: Sequence[Segment], *, block_rows:
         start += nb
     body = functools.partial(_gather_matvec_body, seg_meta=tuple(seg_meta), d=d, bd=bd,
                              chunks=d_chunks, deferred=bool(deferred_sum))
-    return LaunchPart(body, (start, nds), tuple(args), tuple(outs))
+    return LaunchPart(body, (start, nds), tuple(args), tuple(outs), name="gather_matvec")
 
 
 def _gather_matvec_t_body(pids, *refs, n_act, load_act, B, Bp, d, m, n_rows, bk, bd, kblocks,
@@ -309,8 +308,8 @@ def gather_matvec_t(act_args: Sequence[jax.Array], load_act: Callable, w: jax.Ar
                                 block_rows=block_rows, block_d=block_d,
                                 row_blocks_per_program=row_blocks_per_program,
                                 residual=residual, bias=bias, deferred_sum=deferred_sum)
-    return launch([part], num_warps=num_warps, num_stages=num_stages, interpret=interpret,
-                  name="gather_matvec_t")[0][0]
+    return launch([part], num_warps=num_warps, num_stages=num_stages,
+                  interpret=interpret)[0][0]
 
 
 def gather_matvec_t_part(act_args: Sequence[jax.Array], load_act: Callable, w: jax.Array,
@@ -348,7 +347,8 @@ def gather_matvec_t_part(act_args: Sequence[jax.Array], load_act: Callable, w: j
     else:
         aliases = {}
         out_shape = jax.ShapeDtypeStruct((nkc, B, d), jnp.float32)
-    return LaunchPart(body, (nkc, ndb), tuple(args), (out_shape,), aliases)
+    return LaunchPart(body, (nkc, ndb), tuple(args), (out_shape,), aliases,
+                      name="gather_matvec_t")
 
 
 def partials_loader(act_refs, r, valid, rows, *, nds, B, Bp, has_b1=False, gated=False,

@@ -25,13 +25,14 @@ class LaunchPart:
     """One kernel: ``body(pids, *input_refs, *output_refs)`` over ``grid``.
 
     pids: one int32 program id per grid axis. aliases: input position -> output position
-    (within this part) for outputs written in place.
+    (within this part) for outputs written in place. name: the kernel's name in profiles.
     """
     body: Callable
     grid: tuple[int, ...]
     inputs: tuple
     out_shape: tuple
     aliases: dict = dataclasses.field(default_factory=dict)
+    name: str = "kernel"
 
     @property
     def programs(self) -> int:
@@ -48,11 +49,12 @@ def _unravel(p, grid: tuple[int, ...]) -> tuple:
 
 
 def launch(parts: Sequence[LaunchPart], *, num_warps: int = 4, num_stages: int = 2,
-           interpret: bool = False, name: str = "launch") -> list[tuple]:
+           interpret: bool = False, name: str | None = None) -> list[tuple]:
     """Run the parts in one ``pallas_call``; returns each part's outputs as a tuple.
 
     A single part keeps its own grid; several share a flat grid of their programs' sum
-    and the launch's warps and pipeline stages.
+    and the launch's warps and pipeline stages. name: the launch's name in profiles
+    (default: the parts' names joined by "_").
     """
     parts = list(parts)
     if not parts:
@@ -97,7 +99,7 @@ def launch(parts: Sequence[LaunchPart], *, num_warps: int = 4, num_stages: int =
         input_output_aliases=aliases,
         compiler_params=plgpu.CompilerParams(num_warps=num_warps, num_stages=num_stages),
         interpret=interpret,
-        name=name,
+        name=name or "_".join(p.name for p in parts),
     )(*inputs)
     result, o = [], 0
     for part in parts:

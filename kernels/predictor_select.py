@@ -21,6 +21,7 @@ launches and the kernels that consume them.
 """
 from __future__ import annotations
 
+import dataclasses
 import functools
 
 import jax
@@ -126,11 +127,12 @@ def score_part(h_parts, b1, w2_mlp, layer, *, activation: str = "none", row_bloc
     r_all = b1.shape[1]
     loader = functools.partial(_hidden_loader, nds=h_parts.shape[0], r_mlp=r_mlp, r_all=r_all,
                                activation=activation, dtype=w2_mlp.dtype)
-    return gather_matvec_t_part([h_parts, b1.reshape(-1)], loader,
+    part = gather_matvec_t_part([h_parts, b1.reshape(-1)], loader,
                                 w2_mlp.reshape(L * r_mlp, F), _layer_array(layer), B=1,
                                 rows_per_id=r_mlp, block_rows=16,
                                 block_d=min(block_d, next_pow2(F)),
                                 row_blocks_per_program=row_blocks, deferred_sum=deferred_sum)
+    return dataclasses.replace(part, name="predictor_scores")
 
 
 def select_part(score_parts, h_parts, b1, b2_mlp, w2_heads, b2_heads, layer, k_mlp: int,
@@ -152,7 +154,7 @@ def select_part(score_parts, h_parts, b1, b2_mlp, w2_heads, b2_heads, layer, k_m
               w2_heads.reshape(L * r_heads, H), b2_heads.reshape(-1))
     out_shape = (jax.ShapeDtypeStruct((C * kc,), jnp.int32),
                  jax.ShapeDtypeStruct((k_heads,), jnp.int32))
-    return LaunchPart(body, (C + 1,), inputs, out_shape)
+    return LaunchPart(body, (C + 1,), inputs, out_shape, name="predictor_select")
 
 
 def select_warps_default(F: int, k_mlp: int, chunk: int = 2048) -> int:
@@ -172,12 +174,12 @@ def _predictor_select_pallas(h_parts, b1, w2_mlp, b2_mlp, w2_heads, b2_heads, la
                              block_d=256, deferred_sum=True, select_warps=None):
     score = score_part(h_parts, b1, w2_mlp, layer, activation=activation,
                        row_blocks=row_blocks, block_d=block_d, deferred_sum=deferred_sum)
-    (score_parts,), = launch([score], interpret=interpret, name="gather_matvec_t")
+    (score_parts,), = launch([score], interpret=interpret)
     select = select_part(score_parts, h_parts, b1, b2_mlp, w2_heads, b2_heads, layer, k_mlp,
                          k_heads, activation=activation, chunk=chunk)
     warps = select_warps or select_warps_default(w2_mlp.shape[2], k_mlp, chunk)
     (ids_mlp, ids_heads), = launch([select], num_warps=warps, num_stages=1,
-                                   interpret=interpret, name="predictor_select")
+                                   interpret=interpret)
     return ids_mlp, ids_heads
 
 

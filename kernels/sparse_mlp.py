@@ -122,8 +122,7 @@ def sparse_mlp_pallas(x, w1, b1, w2t, b2, idx, *, activation="relu", w_gate=None
     fc1 = gather_matvec_part(x, segs, block_rows=cfg.fc1_block_rows, block_d=cfg.fc1_block_d,
                              d_chunks=cfg.fc1_d_chunks, deferred_sum=cfg.fc1_deferred_sum)
     *rider_outs, parts = launch([*fc1_riders, fc1], num_warps=cfg.num_warps,
-                                num_stages=cfg.num_stages, interpret=interpret,
-                                name="gather_matvec")
+                                num_stages=cfg.num_stages, interpret=interpret)
     act_args = list(parts) + ([b1] if b1 is not None else [])
     load_act = functools.partial(partials_loader, nds=parts[0].shape[0], B=B, Bp=batch_pad(B),
                                  has_b1=b1 is not None, gated=w_gate is not None,
@@ -135,8 +134,7 @@ def sparse_mlp_pallas(x, w1, b1, w2t, b2, idx, *, activation="relu", w_gate=None
                                deferred_sum=cfg.fc2_deferred_sum)
     fc2_riders = fc2_riders_of(rider_outs) if fc2_riders_of is not None else ()
     *rider_outs, (out,) = launch([*fc2_riders, fc2], num_warps=cfg.num_warps,
-                                 num_stages=cfg.num_stages, interpret=interpret,
-                                 name="gather_matvec_t")
+                                 num_stages=cfg.num_stages, interpret=interpret)
     if residual is None:
         out = out.sum(axis=0)
         if b2 is not None:

@@ -81,17 +81,21 @@ def test_predictor_select_rejects_bad_inputs():
         predictor_select(**{**good, "b1": jnp.zeros((L, r))}, layer=0, k_mlp=3, k_heads=2)
 
 
-@pytest.mark.parametrize("impl,dtype,ride", [("reference", F32, True), ("interpret", F32, True),
-                                             ("interpret", F32, False),
-                                             ("reference", jnp.bfloat16, True)])
-def test_split_predictor_step_equals_the_called_selector(impl, dtype, ride, monkeypatch):
+@pytest.mark.parametrize("impl,dtype,ride,preset", [
+    ("reference", F32, True, "opt-tiny"), ("interpret", F32, True, "opt-tiny"),
+    ("interpret", F32, False, "opt-tiny"), ("reference", jnp.bfloat16, True, "opt-tiny"),
+    ("interpret", F32, True, "llama-tiny")])
+def test_split_predictor_step_equals_the_called_selector(impl, dtype, ride, preset,
+                                                         monkeypatch):
     """The decode step that splits the predictor across the layer (first product in the
     projection launch, selection after attention: in launches of its own, or riding in
     the MLP's launches) picks the sets that calling the selector on the layer's input
     picks, and gives the same logits."""
     from dejavu_jax.eval.bench_decode import random_predictors
     from dejavu_jax.train.predictor_model import decode_predictors
-    config = dj.preset("opt-tiny").replace(n_layers=3)
+    config = dj.preset(preset).replace(n_layers=3)
+    if config.family == "llama":  # one query head per KV head (the split needs it), gated MLP
+        config = config.replace(n_kv_heads=config.n_heads)
     params = dj.init_params(config, jax.random.key(3), F32, std=0.1)
     preds = jax.tree.map(lambda a: a.astype(dtype) if a.dtype == jnp.bfloat16 else a,
                          decode_predictors(random_predictors(config, 8, jax.random.key(4))))
