@@ -325,8 +325,13 @@ def _sparse_attention(config, scfg, view, io: _LayerIO, layer, y, groups, step,
 def _sparse_mlp(config, scfg, view, y, neurons, residual=None, riders=None):
     """The MLP over the selected neurons for normed inputs y [B, d], fp32 (added to
     `residual` when given). With `riders` (see `kernels.sparse_mlp`): (output, the riders'
-    outputs)."""
+    outputs). With several rows, a set of all F neurons runs the dense MLP."""
     F = config.ffn
+    if neurons.shape[-1] == F and y.shape[0] > 1:
+        # a batch's union of every neuron (its static capacity min(F, k * B) often is):
+        # XLA's dense products read the same rows faster than the gather kernels' batch path
+        out = ops.mlp(config, view.lp, y)
+        return out if residual is None else residual + out
     lp_flat = view.flat
     out = kernels.sparse_mlp(
         y.astype(lp_flat["w_in"].dtype), lp_flat["w_in"], lp_flat["b_in"],

@@ -275,6 +275,31 @@ def test_sparse_config_validation():
     assert scfg.mlp_k == (256, 26, 26, 26) and scfg.head_k == (4, 2, 2, 2)
 
 
+def test_a_set_of_every_neuron_runs_the_dense_mlp(monkeypatch):
+    """Batch 2 at MLP density 0.5: the union's static capacity is every neuron, so the MLP
+    runs XLA's dense products (no gather kernel) and the logits stay the dense ones; at
+    batch 1 the same density runs the kernel."""
+    from dejavu_jax import kernels
+    config = dj.preset("opt-tiny")
+    params = dj.init_params(config, jax.random.key(3), jnp.float32, std=0.1)
+    scfg = sparse.sparse_config(config, 0.5, 1.0, dense_layers=1, kv_window=4)
+    calls = []
+    real = kernels.sparse_mlp
+    monkeypatch.setattr(kernels, "sparse_mlp",
+                        lambda *a, **kw: calls.append(a[5].shape[0]) or real(*a, **kw))
+    select = sparse.predictor_selector(config.group_size)
+    from dejavu_jax.eval.bench_decode import random_predictors
+    preds = random_predictors(config, 8, jax.random.key(4))
+    eng = sparse.sparse_engine(config, scfg, select)
+    prompts = [[5, 9, 14, 3], [8, 2]]
+    got = generate_tokens(eng, (params, preds), prompts, 4, stop_ids=[])
+    assert calls == []
+    want = generate_tokens(dense_engine(config), params, prompts, 4, stop_ids=[])
+    assert got.tokens == want.tokens
+    generate_tokens(eng, (params, preds), prompts[:1], 2, stop_ids=[])
+    assert calls and all(k == config.ffn // 2 for k in calls)
+
+
 def test_sparse_step_refuses_fused_qkv():
     from dejavu_jax.params import fuse_qkv
     config = dj.preset("opt-tiny")
