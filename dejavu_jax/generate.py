@@ -52,7 +52,8 @@ def build_engine(args, config, params):
     """(engine, engine params, description) for the dense, sparse or oracle mode."""
     from dejavu_jax import sparse
     if not (args.sparse or args.oracle):
-        return dense_engine(config), fuse_qkv(params), None
+        # the loaded q/k/v weights are not needed beside their fused copy
+        return dense_engine(config), fuse_qkv(params, free_originals=True), None
 
     def one_or_all(values):
         return values[0] if len(values) == 1 else values

@@ -170,28 +170,29 @@ def unstack_layers(params: ModelParams, free_stacked: bool = False) -> ModelPara
     return params.replace(layers=tuple(LayerParams(**d) for d in per_layer))
 
 
-def fuse_qkv(params: ModelParams) -> ModelParams:
+def fuse_qkv(params: ModelParams, free_originals: bool = False) -> ModelParams:
     """The same model with each layer's q, k and v rows in one array (`wqkv`), so a dense
     decode step projects them in one GEMV instead of three; wq, wk and wv become None.
 
     For the dense paths only (the sparse kernels gather heads from wq/wk/wv, and
-    tensor-parallel sharding splits them by head). Per-layer params are fused one layer at
-    a time, each original freed as it goes, so the peak memory grows by one layer's q/k/v;
-    stacked layers by all layers' q/k/v until the caller drops the originals.
+    tensor-parallel sharding splits them by head). The fused arrays are copies: while the
+    caller keeps `params`, the q/k/v weights are held twice. free_originals: delete each
+    layer's wq/wk/wv once its copy exists (the caller's `params` are unusable afterwards),
+    so per-layer params grow the peak memory by one layer's q/k/v, stacked ones by all.
     """
     def fused(lp: LayerParams) -> LayerParams:
         if lp.wqkv is not None:
             return lp
         w = jnp.concatenate([lp.wq, lp.wk, lp.wv], axis=-3)
+        if free_originals:
+            jax.block_until_ready(w)
+            for original in (lp.wq, lp.wk, lp.wv):
+                original.delete()
         return lp.replace(wqkv=w, wq=None, wk=None, wv=None)
 
     if not isinstance(params.layers, tuple):
         return params.replace(layers=fused(params.layers))
-    layers = []
-    for lp in params.layers:
-        layers.append(fused(lp))
-        jax.block_until_ready(layers[-1].wqkv)
-    return params.replace(layers=tuple(layers))
+    return params.replace(layers=tuple(fused(lp) for lp in params.layers))
 
 
 def has_fused_qkv(params: ModelParams) -> bool:

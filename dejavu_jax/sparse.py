@@ -611,16 +611,18 @@ class PredictorSelector:
     def riders(self, pred_params, layer, h_parts, k_mlp, k_heads, impl):
         """The selection as parts of the MLP's launches (`kernels.sparse_mlp` riders): the
         score product beside fc1, the selection ahead of fc2, whose outputs are (neuron
-        ids, KV-group ids). None on the reference path or when `ride_mlp_launches` is off."""
+        ids, KV-group ids). None on the reference path (the selector's impl, else the
+        step's `impl`) or when `ride_mlp_launches` is off."""
         from dejavu_jax.kernels._common import resolve_impl
-        from dejavu_jax.kernels.predictor_select import score_part, select_part
+        from dejavu_jax.kernels.predictor_select import selection_parts
+        impl = self.impl if self.impl is not None else impl
         if not self.ride_mlp_launches or resolve_impl(impl) == "reference":
             return None
         p = pred_params
-        score = score_part(h_parts, p.b1, p.w2_mlp, layer, activation=p.activation)
-        return ([score], lambda outs: [select_part(
-            outs[0][0], h_parts, p.b1, p.b2_mlp, p.w2_heads, p.b2_heads, layer, k_mlp, k_heads,
-            activation=p.activation)])
+        score, select_of = selection_parts(h_parts, p.b1, p.w2_mlp, p.b2_mlp, p.w2_heads,
+                                           p.b2_heads, layer, k_mlp, k_heads,
+                                           activation=p.activation)
+        return [score], lambda outs: [select_of(outs[0][0])]
 
     def finish(self, pred_params, layer, h_parts, k_mlp, k_heads):
         """(neuron ids, KV-group ids) from the first product's partials."""

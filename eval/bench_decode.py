@@ -376,7 +376,14 @@ def measure_rows(config, params, preds, contexts, mlp_densities, head_densities,
                 variants = {"fused": [("-", fuse_qkv)], "separate": [("-", lambda p: p)],
                             "both": [("-", fuse_qkv), ("qkv-separate", lambda p: p)]}
                 for label_qkv, prepare in variants[dense_qkv]:
-                    res = measure(f"dense {label_qkv}", dense, prepare(params))
+                    try:  # the fused copy may not fit beside the model
+                        dense_params = prepare(params)
+                    except Exception as e:
+                        log(f"FAILED {label} ctx={ctx} batch={batch} dense {label_qkv}: "
+                            f"{type(e).__name__}: {str(e)[:400]}")
+                        continue
+                    res = measure(f"dense {label_qkv}", dense, dense_params)
+                    del dense_params  # a fused copy is freed before the next rows
                     if res is not None:
                         add(res, step_bytes(config, None, ctx, batch, rank, False),
                             mode="dense", mlp=1.0, heads=1.0, indices=label_qkv)
@@ -455,6 +462,8 @@ def add_speedups(rows) -> list[dict]:
             continue
         key = (r["model"], r.get("layout"), r["context"], r["batch"])
         d = dense.get(key + (r.get("source"),)) or dense.get(key)
+        if d is not None and d.get("source") != r.get("source"):
+            r["dense_source"] = d.get("source")  # a merged run without its own dense row
         r["speedup"] = d["ms"] / r["ms"] if d and d.get("ms") and r.get("ms") else None
         r["speedup_loop"] = (d["ms_loop"] / r["ms_loop"]
                              if d and d.get("ms_loop") and r.get("ms_loop") else None)
@@ -488,15 +497,18 @@ def write_table(out: Path, meta: dict, rows, log=print):
 
 def merge_runs(dirs, out: Path, argv_text: str, log) -> int:
     """One JSON and table from the bench_decode.json of several runs (say one per model,
-    or HF rows from a separate run): rows concatenated, each with its run's folder name as
-    `source`; speedups are against the dense row of the same run where it has one, else
-    of another run."""
+    or HF rows from a separate run): rows concatenated, each with its run's folder below the
+    runs' common parent as `source`; speedups are against the dense row of the same run
+    where it has one, else of another run (named in the row's `dense_source`)."""
     metas, rows = [], []
+    common = Path(os.path.commonpath([str(Path(d).resolve()) for d in dirs]))
     for d in dirs:
         run = json.loads((d / "bench_decode.json").read_text())
         metas.append(dict(run["meta"], source=str(d)))
+        # the run's folder below the merged folders' common parent: unique per run
+        name = str(Path(d).resolve().relative_to(common)) if len(dirs) > 1 else d.name
         rows += [dict(r, roofline_gbs=r.get("roofline_gbs", run["meta"].get("roofline_gbs")),
-                      source=r.get("source", d.name)) for r in run["rows"]]
+                      source=r.get("source", name)) for r in run["rows"]]
     known = [m["roofline_gbs"] for m in metas if m.get("roofline_gbs")]
     meta = dict(command="python -m dejavu_jax.eval.bench_decode " + argv_text,
                 date=datetime.datetime.now().isoformat(timespec="seconds"),

@@ -183,6 +183,40 @@ def _predictor_select_pallas(h_parts, b1, w2_mlp, b2_mlp, w2_heads, b2_heads, la
     return ids_mlp, ids_heads
 
 
+def _validate(h_parts, b1, w2_mlp, b2_mlp, w2_heads, b2_heads, k_mlp, k_heads, activation):
+    check_array("h_parts", h_parts, ndim=3, floating=True)
+    if activation not in ACTIVATIONS:
+        raise ValueError(f"unknown predictor activation {activation!r}; known: "
+                         f"{tuple(ACTIVATIONS)}")
+    check_array("w2_mlp", w2_mlp, ndim=3, floating=True)
+    L, r_mlp, F = w2_mlp.shape
+    r_heads, H = w2_heads.shape[1:]
+    if h_parts.shape[1] != 1 or h_parts.shape[2] < r_mlp + r_heads:
+        raise ValueError(f"h_parts must be [P, 1, >= {r_mlp + r_heads}] (one token), got "
+                         f"{tuple(h_parts.shape)}")
+    check_array("b1", b1, shape=(L, r_mlp + r_heads), floating=True)
+    check_array("b2_mlp", b2_mlp, shape=(L, F), floating=True)
+    check_array("w2_heads", w2_heads, shape=(L, r_heads, H), floating=True)
+    check_array("b2_heads", b2_heads, shape=(L, H), floating=True)
+    if not (0 < k_mlp <= F and 0 < k_heads <= H):
+        raise ValueError(f"k_mlp={k_mlp} / k_heads={k_heads} must be in 1..{F} / 1..{H}")
+    if H > 4096:
+        raise ValueError(f"{H} head scores exceed the one-program selection (4096)")
+
+
+def selection_parts(h_parts, b1, w2_mlp, b2_mlp, w2_heads, b2_heads, layer, k_mlp: int,
+                    k_heads: int, *, activation: str = "none", chunk: int = 2048):
+    """:func:`predictor_select` as launch parts for other kernels' launches: the score
+    product's part, and a function of its output (the score partials) giving the
+    selection's part, whose outputs are (neuron ids, head ids). Same arguments and checks
+    as :func:`predictor_select`; the parts run with their host launches' warps."""
+    _validate(h_parts, b1, w2_mlp, b2_mlp, w2_heads, b2_heads, k_mlp, k_heads, activation)
+    score = score_part(h_parts, b1, w2_mlp, layer, activation=activation)
+    return score, lambda score_parts: select_part(
+        score_parts, h_parts, b1, b2_mlp, w2_heads, b2_heads, layer, int(k_mlp),
+        int(k_heads), activation=activation, chunk=chunk)
+
+
 def predictor_select(h_parts, b1, w2_mlp, b2_mlp, w2_heads, b2_heads, layer, k_mlp: int,
                      k_heads: int, *, activation: str = "none", chunk: int = 2048,
                      impl: str | None = None, row_blocks: int = 2, block_d: int = 256,
@@ -205,23 +239,7 @@ def predictor_select(h_parts, b1, w2_mlp, b2_mlp, w2_heads, b2_heads, layer, k_m
         defaults were the fastest of 7 variants on an H200 at OPT-30B sizes (rank 256).
       select_warps: warps per program of the selection launch (None: by chunk length).
     """
-    check_array("h_parts", h_parts, ndim=3, floating=True)
-    if activation not in ACTIVATIONS:
-        raise ValueError(f"unknown predictor activation {activation!r}; known: "
-                         f"{tuple(ACTIVATIONS)}")
-    L, r_mlp, F = w2_mlp.shape
-    r_heads, H = w2_heads.shape[1:]
-    if h_parts.shape[1] != 1 or h_parts.shape[2] < r_mlp + r_heads:
-        raise ValueError(f"h_parts must be [P, 1, >= {r_mlp + r_heads}] (one token), got "
-                         f"{tuple(h_parts.shape)}")
-    check_array("b1", b1, shape=(L, r_mlp + r_heads), floating=True)
-    check_array("b2_mlp", b2_mlp, shape=(L, F), floating=True)
-    check_array("w2_heads", w2_heads, shape=(L, r_heads, H), floating=True)
-    check_array("b2_heads", b2_heads, shape=(L, H), floating=True)
-    if not (0 < k_mlp <= F and 0 < k_heads <= H):
-        raise ValueError(f"k_mlp={k_mlp} / k_heads={k_heads} must be in 1..{F} / 1..{H}")
-    if H > 4096:
-        raise ValueError(f"{H} head scores exceed the one-program selection (4096)")
+    _validate(h_parts, b1, w2_mlp, b2_mlp, w2_heads, b2_heads, k_mlp, k_heads, activation)
     if block_d < 1 or block_d & (block_d - 1) or row_blocks < 1:
         raise ValueError(f"block_d={block_d} must be a power of two and row_blocks="
                          f"{row_blocks} positive")

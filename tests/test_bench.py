@@ -168,10 +168,10 @@ def test_bench_decode_cli(tmp_path, monkeypatch):
     assert "| opt-tiny | hf | hf-eager | 8 | 2 |" in (merged / "bench_decode.md").read_text()
     assert {r["source"] for r in rows} == {out.name, "hf"}
 
-    # a second run of the same settings whose dense rows are twice as slow: each run's
-    # sparse rows are compared with their own run's dense row
-    run2 = tmp_path / "run2"
-    run2.mkdir()
+    # a second run of the same settings, in a folder of the same name, whose dense rows are
+    # twice as slow: each run's sparse rows are compared with their own run's dense row
+    run2 = tmp_path / "second" / out.name
+    run2.mkdir(parents=True)
     first = json.loads((out / "bench_decode.json").read_text())
     slow = [dict(r, ms=2 * r["ms"], ms_loop=2 * r["ms_loop"]) if r["mode"] == "dense" else r
             for r in first["rows"]]
@@ -184,6 +184,8 @@ def test_bench_decode_cli(tmp_path, monkeypatch):
             d = next(x for x in rows if x["mode"] == "dense" and x["batch"] == r["batch"]
                      and x["source"] == r["source"])
             assert r["speedup_loop"] == pytest.approx(d["ms_loop"] / r["ms_loop"])
+            assert "dense_source" not in r
+    assert {r["source"] for r in rows} == {out.name, f"second/{out.name}"}
     ratios = sorted(r["speedup_loop"] for r in rows if r["mode"] == "sparse" and r["batch"] == 1)
     assert ratios[1] == pytest.approx(2 * ratios[0])
     assert "| run |" in (both / "bench_decode.md").read_text()

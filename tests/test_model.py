@@ -92,9 +92,11 @@ def test_fused_qkv_decodes_like_hugging_face(name, unrolled):
     config, params, ref = _load(name)
     if unrolled:
         params = unstack_layers(params)
-    fused = fuse_qkv(params)
+    fused = fuse_qkv(params, free_originals=unrolled)
     layers = fused.layers if unrolled else (fused.layers,)
     assert has_fused_qkv(fused) and not has_fused_qkv(params)
+    originals = params.layers if unrolled else (params.layers,)
+    assert all(lp.wq.is_deleted() == unrolled for lp in originals)
     assert all(lp.wq is None and lp.wk is None and lp.wv is None for lp in layers)
     assert layers[0].wqkv.shape[-3] == config.n_heads + 2 * config.n_kv_heads
     _check_greedy_path_logits(config, fused, ref, per_layer=unrolled)
