@@ -1,5 +1,7 @@
 """The split predictor: its kernels against numpy, and the decode step that runs it."""
 
+import collections
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -159,9 +161,11 @@ def test_split_predictor_step_equals_the_called_selector(impl, dtype, ride, pres
     assert finished, "the split path did not run"
     assert bool(ridden) == (ride and impl != "reference")
     np.testing.assert_allclose(logits["split"], logits["called"], atol=1e-5, rtol=1e-5)
-    by_layer = {}
-    for layer, n, g in calls:
-        by_layer.setdefault(layer, []).append((n, g))
-    for layer, n, g in finished:
-        assert any(np.array_equal(n, n2) and np.array_equal(g, g2)
-                   for n2, g2 in by_layer.get(layer, [])), f"layer {layer} sets differ"
+    # per layer, the split path's sets (one per step) are among the called selector's,
+    # counted with multiplicity (the called path also selects the first sparse layer)
+    def counted(records):
+        return collections.Counter((layer, n.tobytes(), g.tobytes()) for layer, n, g in records)
+    split_sets, called_sets = counted(finished), counted(calls)
+    assert sum(split_sets.values()) == len(finished) >= 3
+    for key, count in split_sets.items():
+        assert called_sets[key] >= count, f"layer {key[0]}: a split set the selector never chose"
