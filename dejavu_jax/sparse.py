@@ -26,6 +26,7 @@ from flax import struct
 
 from dejavu_jax import kernels, ops
 from dejavu_jax.config import ModelConfig
+from dejavu_jax.kernels.sparse_mlp import Riders
 from dejavu_jax.model import (DecodeState, cache_layer, decode_layer, embed,
                               head_output_norms, set_cache_layer, unembed)
 from dejavu_jax.params import ModelParams, has_fused_qkv
@@ -384,10 +385,9 @@ def _fused_sparse_layer(config, scfg, view, io, layer, x, neurons, groups, step,
     """One DejaVu layer of a pre-norm model on one device, its residual adds done by the
     out-projection and fc2 launches (`residual=`), which add into the residual rows.
 
-    `lookahead(x, x_rms)` returns the next layer's sets, or a triple (Segment, finish,
-    riders) whose first product rides on the projection launch; then `riders(partials)`
-    gives the launch parts that finish the selection inside the MLP's two launches (see
-    `kernels.sparse_mlp`), or None, and `finish(partials)` selects in launches of its own.
+    `lookahead(x, x_rms)` returns the next layer's sets, or a pair (Segment, finish) whose
+    first product rides on the projection launch and whose `finish(partials)` gives the
+    sets, or the `Riders` that select inside the MLP's two launches.
     x_rms (x over its RMS, in `rms_dtype`) is None unless `rms_dtype` is given. Returns
     (output rows, the layer's input rows, io, next sets).
     """
@@ -408,16 +408,12 @@ def _fused_sparse_layer(config, scfg, view, io, layer, x, neurons, groups, step,
     h, io, *extra_parts = _sparse_attention(config, scfg, view, io, layer, y, groups, step,
                                             residual=x, extra_segments=(nxt[0],) if split else (),
                                             history_rows=rest[-1])
-    riders = None
     if split:
-        h_parts = extra_parts[0][0]
-        riders = nxt[2](h_parts)
-        if riders is None:
-            nxt = nxt[1](h_parts)
+        nxt = nxt[1](extra_parts[0][0])
     y = norm(h, lp.mlp_norm_scale, lp.mlp_norm_bias)
-    if riders is None:
+    if not isinstance(nxt, Riders):
         return _sparse_mlp(config, scfg, view, y, neurons, residual=h), x, io, nxt
-    out, (nxt,) = _sparse_mlp(config, scfg, view, y, neurons, residual=h, riders=riders)
+    out, (nxt,) = _sparse_mlp(config, scfg, view, y, neurons, residual=h, riders=nxt)
     return out, x, io, nxt
 
 
@@ -503,8 +499,6 @@ def _fused_segment(config, scfg, params, select, selector_params, x, io, step, i
             if split:
                 return (select.first_segment(selector_params, nxt, x_rms),
                         lambda parts: select.finish(selector_params, nxt, parts, k_mlp,
-                                                    k_heads),
-                        lambda parts: select.riders(selector_params, nxt, parts, k_mlp,
                                                     k_heads, scfg.impl))
             return select(selector_params, nxt, x_in, k_mlp, k_heads)
 
@@ -552,10 +546,10 @@ class PredictorSelector:
     With decode-form predictors (`train.predictor_model.DecodePredictors`), batch 1, the
     "local" method and one query head per KV group, a pre-norm decode step splits it
     across the layer (`splits`): the first product is one more segment of the attention's
-    projection launch (`first_segment`); on the Pallas paths the score product then rides
-    in the fc1 launch and the selection in the fc2 launch (`riders`), else `finish`
-    selects in two launches of its own (`kernels.predictor_select.predictor_select`). The
-    sets are those of calling it.
+    projection launch (`first_segment`); on the Pallas paths `finish` then has the score
+    product ride in the fc1 launch and the selection in the fc2 launch, else it selects
+    in two launches of its own (`kernels.predictor_select.predictor_select`). The sets are
+    those of calling it.
     """
 
     def __init__(self, group_size: int, union_capacity=None, method: str = "exact",
@@ -608,29 +602,21 @@ class PredictorSelector:
         return Segment(pred_params.w1t.reshape(L * r, d),
                        jnp.asarray(layer, jnp.int32).reshape(1), r, x=x_rms)
 
-    def riders(self, pred_params, layer, h_parts, k_mlp, k_heads, impl):
-        """The selection as parts of the MLP's launches (`kernels.sparse_mlp` riders): the
-        score product beside fc1, the selection ahead of fc2, whose outputs are (neuron
-        ids, KV-group ids). None on the reference path (the selector's impl, else the
-        step's `impl`) or when `ride_mlp_launches` is off."""
+    def finish(self, pred_params, layer, h_parts, k_mlp, k_heads, impl=None):
+        """(neuron ids, KV-group ids) from the first product's partials, or on the Pallas
+        paths (the selector's impl, else the step's `impl`) with `ride_mlp_launches` the
+        `kernels.sparse_mlp.Riders` that select inside the MLP's launches: the score
+        product beside fc1, the selection ahead of fc2, whose outputs are those ids."""
         from dejavu_jax.kernels._common import resolve_impl
-        from dejavu_jax.kernels.predictor_select import selection_parts
+        from dejavu_jax.kernels.predictor_select import predictor_select, selection_parts
+        p = pred_params
+        args = (h_parts, p.b1, p.w2_mlp, p.b2_mlp, p.w2_heads, p.b2_heads, layer, k_mlp,
+                k_heads)
         impl = self.impl if self.impl is not None else impl
-        if not self.ride_mlp_launches or resolve_impl(impl) == "reference":
-            return None
-        p = pred_params
-        score, select_of = selection_parts(h_parts, p.b1, p.w2_mlp, p.b2_mlp, p.w2_heads,
-                                           p.b2_heads, layer, k_mlp, k_heads,
-                                           activation=p.activation)
-        return [score], lambda outs: [select_of(outs[0][0])]
-
-    def finish(self, pred_params, layer, h_parts, k_mlp, k_heads):
-        """(neuron ids, KV-group ids) from the first product's partials."""
-        from dejavu_jax.kernels.predictor_select import predictor_select
-        p = pred_params
-        return predictor_select(h_parts, p.b1, p.w2_mlp, p.b2_mlp, p.w2_heads, p.b2_heads,
-                                layer, k_mlp, k_heads, activation=p.activation,
-                                impl=self.impl)
+        if self.ride_mlp_launches and resolve_impl(impl) != "reference":
+            score, select_of = selection_parts(*args, activation=p.activation)
+            return Riders((score,), lambda outs: [select_of(outs[0][0])])
+        return predictor_select(*args, activation=p.activation, impl=self.impl)
 
 
 def predictor_selector(group_size: int,

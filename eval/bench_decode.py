@@ -333,6 +333,15 @@ def rates(nbytes: int, batch: int, ms: float, ms_loop: float | None) -> dict:
                 tokens_per_s=batch * 1e3 / per_token)
 
 
+def _unchanged(params):
+    return params
+
+
+# --dense-qkv: the dense rows' (indices label, weights preparation)
+DENSE_QKV = {"fused": [("-", fuse_qkv)], "separate": [("-", _unchanged)],
+             "both": [("-", fuse_qkv), ("qkv-separate", _unchanged)]}
+
+
 def measure_rows(config, params, preds, contexts, mlp_densities, head_densities, batches,
                  rank, dense_layers, warmup, steps, bar, log, select_methods, modes,
                  prefill_reps, *, init_kwargs, label, dense, sparse_engine, fixed_sets,
@@ -373,9 +382,7 @@ def measure_rows(config, params, preds, contexts, mlp_densities, head_densities,
                 log(json.dumps(rows[-1]))
 
             if "dense" in modes:
-                variants = {"fused": [("-", fuse_qkv)], "separate": [("-", lambda p: p)],
-                            "both": [("-", fuse_qkv), ("qkv-separate", lambda p: p)]}
-                for label_qkv, prepare in variants[dense_qkv]:
+                for label_qkv, prepare in DENSE_QKV[dense_qkv]:
                     try:  # the fused copy may not fit beside the model
                         dense_params = prepare(params)
                     except Exception as e:
@@ -614,7 +621,7 @@ def main(argv=None) -> int:
     p.add_argument("--loop-only", action="store_true",
                    help="time only the device-chained steps (skips the host-synchronised "
                         "step's compile and timing; ms and p90 are left empty): for grids")
-    p.add_argument("--dense-qkv", default="fused", choices=("fused", "separate", "both"),
+    p.add_argument("--dense-qkv", default="fused", choices=tuple(DENSE_QKV),
                    help="the dense row's q/k/v weights: one fused GEMV (params.fuse_qkv, "
                         "what generate's dense engine runs), three separate ones, or a row "
                         "of each ('qkv-separate'; one GPU only)")

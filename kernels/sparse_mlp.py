@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+from typing import Callable
 
 import jax
 import jax.numpy as jnp
@@ -102,21 +103,25 @@ def sparse_mlp_reference(x, w1, b1, w2t, b2, idx, *, activation="relu", w_gate=N
     return out.astype(x.dtype)
 
 
+@dataclasses.dataclass(frozen=True)
+class Riders:
+    """Other kernels' :class:`~.launch.LaunchPart` s that run inside the sparse MLP's two
+    launches, ahead of its own programs: ``fc1`` in the fc1 launch, and ``fc2_of(their
+    outputs)`` (a list of tuples) in the fc2 launch. The predictor's score product and
+    selection ride here (see ``dejavu_jax.sparse``)."""
+    fc1: tuple
+    fc2_of: Callable
+
+
 def sparse_mlp_pallas(x, w1, b1, w2t, b2, idx, *, activation="relu", w_gate=None,
                       interpret=False, config: MLPConfig | None = None, residual=None,
-                      riders=None):
+                      riders: Riders | None = None):
     """Pallas path of :func:`sparse_mlp` (no validation; see there for the contract).
-
-    riders: optional ``(fc1_parts, fc2_parts_of)``: :class:`~.launch.LaunchPart` s that run
-    in the fc1 launch, and a function of their outputs (a list of tuples) returning the
-    parts that run in the fc2 launch, ahead of its own programs (the predictor's score
-    product and selection ride here, see ``dejavu_jax.sparse``). Returns then
-    ``(output, the fc2 riders' outputs)``.
-    """
+    With ``riders``: ``(output, the fc2 riders' outputs)``."""
     B, d = x.shape
     K = int(idx.shape[0])
     cfg = (config or MLPConfig()).resolve(K, d, B)
-    fc1_riders, fc2_riders_of = riders or ((), None)
+    fc1_riders = riders.fc1 if riders is not None else ()
     idx = idx.astype(jnp.int32)
     segs = [Segment(w1, idx)] + ([Segment(w_gate, idx)] if w_gate is not None else [])
     fc1 = gather_matvec_part(x, segs, block_rows=cfg.fc1_block_rows, block_d=cfg.fc1_block_d,
@@ -132,7 +137,7 @@ def sparse_mlp_pallas(x, w1, b1, w2t, b2, idx, *, activation="relu", w_gate=None
                                row_blocks_per_program=cfg.fc2_row_blocks, residual=residual,
                                bias=None if residual is None else b2,
                                deferred_sum=cfg.fc2_deferred_sum)
-    fc2_riders = fc2_riders_of(rider_outs) if fc2_riders_of is not None else ()
+    fc2_riders = riders.fc2_of(rider_outs) if riders is not None else ()
     *rider_outs, (out,) = launch([*fc2_riders, fc2], num_warps=cfg.num_warps,
                                  num_stages=cfg.num_stages, interpret=interpret)
     if residual is None:
@@ -157,7 +162,7 @@ def _sparse_mlp_jit(x, w1, b1, w2t, b2, idx, w_gate, residual, *, activation, im
 
 def sparse_mlp(x, w1, b1, w2t, b2, idx, *, activation: str = "relu", w_gate=None,
                impl: str | None = None, config: MLPConfig | None = None,
-               residual: jax.Array | None = None, riders=None):
+               residual: jax.Array | None = None, riders: Riders | None = None):
     """Sparse MLP over the neurons ``idx``: ``act(x W1[idx]ᵀ + b1[idx]) W2ᵀ[idx] + b2``.
 
     Args:
@@ -178,8 +183,8 @@ def sparse_mlp(x, w1, b1, w2t, b2, idx, *, activation: str = "relu", w_gate=None
         atomically in the fc2 launch, with no reduction launch after it (the summation
         order, so the low bits, vary between runs); inside a jitted step whose input they
         no longer are needed as, they are updated in place.
-      riders: optional launch parts that run inside the two launches (Pallas paths;
-        see :func:`sparse_mlp_pallas`); the call is then not jitted on its own.
+      riders: optional :class:`Riders`, launch parts that run inside the two launches
+        (Pallas paths); the call is then not jitted on its own.
     Returns:
       ``[B, d]`` in ``x.dtype``; all accumulation is fp32. With ``residual``:
       ``residual + output``, fp32. With ``riders``: ``(that, the fc2 riders' outputs)``.

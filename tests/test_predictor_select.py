@@ -10,6 +10,7 @@ import pytest
 import dejavu_jax as dj
 from dejavu_jax import sparse
 from dejavu_jax.kernels.predictor_select import predictor_select
+from dejavu_jax.kernels.sparse_mlp import Riders
 
 F32 = jnp.float32
 
@@ -116,23 +117,19 @@ def test_split_predictor_step_equals_the_called_selector(impl, dtype, ride, pres
     finished = []
     orig_finish = split.finish
 
-    def recording_finish(p, layer, parts, k_mlp, k_heads):
-        sets = orig_finish(p, layer, parts, k_mlp, k_heads)
+    ridden = []  # layers whose selection rides in the MLP launches, in trace order
+
+    def recording_finish(p, layer, parts, *args):
+        sets = orig_finish(p, layer, parts, *args)
+        if isinstance(sets, Riders):  # recorded where the fc2 launch returns them
+            ridden.append(layer)
+            return sets
         jax.debug.callback(
             lambda l, n, g: finished.append((int(l), np.asarray(n), np.asarray(g))),
             layer, *sets)
         return sets
 
     split.finish = recording_finish
-    ridden = []  # layers whose selection rides in the MLP launches, in trace order
-    orig_riders = split.riders
-
-    def recording_riders(p, layer, parts, *args):
-        riders = orig_riders(p, layer, parts, *args)
-        if riders is not None:
-            ridden.append(layer)
-        return riders
-
     orig_mlp = sparse._sparse_mlp
 
     def recording_mlp(*args, riders=None, **kw):
@@ -143,7 +140,6 @@ def test_split_predictor_step_equals_the_called_selector(impl, dtype, ride, pres
                 ridden[-1], *out[1][0])
         return out
 
-    split.riders = recording_riders
     monkeypatch.setattr(sparse, "_sparse_mlp", recording_mlp)
     ids = jnp.asarray([[5, 9, 14, 3]])
     logits = {}
