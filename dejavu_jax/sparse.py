@@ -57,6 +57,8 @@ class SparseConfig:
     that keeps every entry exact, ceil(n_kv_heads / kv_window); fewer, 0 included, gives
     up exactness: entries missed for longer than the window stay missing). Under tensor
     parallelism both count per shard, over the shard's own KV groups.
+    attn_config / mlp_config: block sizes and load layouts of the Pallas kernels
+    (`kernels.AttnConfig`, `kernels.MLPConfig`; None: their defaults).
     """
 
     mlp_k: tuple[int, ...]
@@ -67,6 +69,8 @@ class SparseConfig:
     impl: str | None = None
     kv_recompute: bool = True
     kv_refresh: int | None = None
+    attn_config: kernels.AttnConfig | None = None
+    mlp_config: kernels.MLPConfig | None = None
 
     def __post_init__(self):
         if len(self.mlp_k) != len(self.head_k):
@@ -310,7 +314,8 @@ def _sparse_attention(config, scfg, view, io: _LayerIO, layer, y, groups, step,
         y.astype(lp_flat["wq"].dtype), lp_flat["wq"], lp_flat["bq"], lp_flat["wk"],
         lp_flat["bk"], lp_flat["wv"], lp_flat["bv"], lp_flat["wo"], view.lp.bo,
         k_in, v_in, slot, head_idx, rope=rope, kv_mask=step["valid"], impl=scfg.impl,
-        window=window, residual=residual, extra_segments=extra_segments)
+        window=window, residual=residual, extra_segments=extra_segments,
+        config=scfg.attn_config)
     out, k_out, v_out = res[:3]
     if window is not None:
         io = io.replace(written=res[3].reshape(io.written.shape))
@@ -338,7 +343,7 @@ def _sparse_mlp(config, scfg, view, y, neurons, residual=None, riders=None):
         y.astype(lp_flat["w_in"].dtype), lp_flat["w_in"], lp_flat["b_in"],
         lp_flat["w_out_t"], view.lp.b_out, view.base * F + neurons,
         activation=config.activation, w_gate=lp_flat["w_gate"],
-        impl=scfg.impl, residual=residual, riders=riders)
+        impl=scfg.impl, residual=residual, riders=riders, config=scfg.mlp_config)
     if riders is not None:
         return out[0].astype(F32), out[1]
     return out.astype(F32)

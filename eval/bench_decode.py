@@ -33,6 +33,7 @@ import argparse
 import dataclasses
 import datetime
 import functools
+import itertools
 import json
 import os
 import platform
@@ -346,7 +347,7 @@ def measure_rows(config, params, preds, contexts, mlp_densities, head_densities,
                  rank, dense_layers, warmup, steps, bar, log, select_methods, modes,
                  prefill_reps, *, init_kwargs, label, dense, sparse_engine, fixed_sets,
                  make_row, kv_recompute_off=False, loop_only=False,
-                 dense_qkv="fused") -> list[dict]:
+                 dense_qkv="fused", kernel_configs=None) -> list[dict]:
     """The rows of one model for every context and batch: the `dense` engine, then for each
     density pair the sparse variants (`sparse_variants`) built by `sparse_engine(scfg,
     select)`; precomputed sets come from `fixed_sets(scfg)` (at heads 0.5, first context).
@@ -355,7 +356,9 @@ def measure_rows(config, params, preds, contexts, mlp_densities, head_densities,
     Compiled prefills are reused across rows of equal shapes (the sparse engines of a model
     share one); loop_only skips the host-synchronised timing (`measure_engine`).
     dense_qkv: the dense row's q/k/v weights "fused" (`params.fuse_qkv`, the dense
-    engine's form), "separate", or "both" (the separate row is labelled "qkv-separate")."""
+    engine's form), "separate", or "both" (the separate row is labelled "qkv-separate").
+    kernel_configs: variants of `SparseConfig` fields (attn_config, mlp_config), each
+    measured for every sparse row (see `parse_kernel_configs`)."""
     rows = []
     prefill_cache = {}
     for ctx in contexts:
@@ -399,10 +402,12 @@ def measure_rows(config, params, preds, contexts, mlp_densities, head_densities,
                 continue
             for md in mlp_densities:
                 for hdn in head_densities:
-                    scfg = sparse.sparse_config(config, md, hdn, dense_layers=dense_layers)
-                    fixed = fixed_sets(scfg) if hdn == 0.5 and ctx == contexts[0] else None
-                    for kind, select, sel_params in sparse_variants(
-                            config, preds, select_methods, fixed, kv_recompute_off):
+                    base_cfg = sparse.sparse_config(config, md, hdn, dense_layers=dense_layers)
+                    fixed = fixed_sets(base_cfg) if hdn == 0.5 and ctx == contexts[0] else None
+                    for kernel_cfg, (kind, select, sel_params) in itertools.product(
+                            kernel_configs or [{}], sparse_variants(
+                                config, preds, select_methods, fixed, kv_recompute_off)):
+                        scfg = dataclasses.replace(base_cfg, **kernel_cfg)
                         run_cfg = (dataclasses.replace(scfg, kv_recompute=False)
                                    if kind.endswith("no-kv-recompute") else scfg)
                         res = measure(f"mlp={md} heads={hdn} {kind}",
@@ -411,14 +416,40 @@ def measure_rows(config, params, preds, contexts, mlp_densities, head_densities,
                         if res is not None:
                             add(res, step_bytes(config, scfg, ctx, batch, rank,
                                                 kind.startswith("predictor")),
-                                mode="sparse", mlp=md, heads=hdn, indices=kind)
+                                mode="sparse", mlp=md, heads=hdn,
+                                indices=kind + config_label(kernel_cfg))
     return rows
+
+
+def config_label(kernel_configs) -> str:
+    """" [field=value,...]" naming the kernel config fields that differ from the defaults
+    ("" when none do), appended to a sparse row's indices label."""
+    fields = []
+    for cfg in (kernel_configs or {}).values():
+        if cfg is not None:
+            default = type(cfg)()
+            fields += [f"{f.name}={getattr(cfg, f.name)}" for f in dataclasses.fields(cfg)
+                       if getattr(cfg, f.name) != getattr(default, f.name)]
+    return f" [{','.join(fields)}]" if fields else ""
+
+
+def parse_kernel_configs(attn: str, mlp: str) -> list[dict]:
+    """SparseConfig fields for each sparse-row variant, from --attn-config / --mlp-config:
+    '/'-separated variants of "field=value,..." ("base": the defaults); every attention
+    variant with every MLP variant."""
+    from dejavu_jax.kernels import AttnConfig, MLPConfig
+    from dejavu_jax.kernels.bench_step_parts import parse_variants
+    choices = []
+    for key, text, cls in (("attn_config", attn, AttnConfig), ("mlp_config", mlp, MLPConfig)):
+        variants = parse_variants(text, cls) if text else []
+        choices.append([{key: cfg} for _, cfg in variants] or [{}])
+    return [{**a, **m} for a in choices[0] for m in choices[1]]
 
 
 def run_model(name, contexts, mlp_densities, head_densities, batches, rank, dense_layers,
               warmup, steps, bar, log, layout="unrolled", select_methods=("exact",),
               kv_recompute_off=False, modes=("dense", "sparse"), prefill_reps=3,
-              loop_only=False, dense_qkv="fused"):
+              loop_only=False, dense_qkv="fused", kernel_configs=None):
     """All rows for one model preset, with the layers stacked (scan) or unrolled: for every
     context and batch, dense (ours) and the sparse variants (`sparse_variants`)."""
     from dejavu_jax.generation import dense_engine
@@ -439,7 +470,8 @@ def run_model(name, contexts, mlp_densities, head_densities, batches, rank, dens
         dense=dense_engine(config), sparse_engine=functools.partial(sparse.sparse_engine, config),
         fixed_sets=lambda scfg: random_sets(config, scfg, per_layer=layout == "unrolled"),
         make_row=lambda r: dict(model=name, layout=layout, **r),
-        kv_recompute_off=kv_recompute_off, loop_only=loop_only, dense_qkv=dense_qkv)
+        kv_recompute_off=kv_recompute_off, loop_only=loop_only, dense_qkv=dense_qkv,
+        kernel_configs=kernel_configs)
     del params
     return rows
 
@@ -625,6 +657,11 @@ def main(argv=None) -> int:
                    help="the dense row's q/k/v weights: one fused GEMV (params.fuse_qkv, "
                         "what generate's dense engine runs), three separate ones, or a row "
                         "of each ('qkv-separate'; one GPU only)")
+    p.add_argument("--attn-config", default="",
+                   help="sparse rows' kernels.AttnConfig fields, '/'-separated variants "
+                        "each measured, e.g. 'base/out_group_view=1'")
+    p.add_argument("--mlp-config", default="",
+                   help="sparse rows' kernels.MLPConfig variants, e.g. 'base/num_stages=3'")
     p.add_argument("--layouts", default="unrolled",
                    help="stacked (lax.scan over stacked layers), unrolled, or both")
     p.add_argument("--select", default="exact",
@@ -657,6 +694,10 @@ def main(argv=None) -> int:
     if bad_select:
         p.error(f"unknown --select methods {bad_select}; known: "
                 f"{', '.join(sparse.SELECT_METHODS)}")
+    try:
+        kernel_configs = parse_kernel_configs(args.attn_config, args.mlp_config)
+    except ValueError as e:
+        p.error(str(e))
     hf_modes = [m for m in modes if m in bench_hf.HF_MODES]
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
@@ -685,6 +726,8 @@ def main(argv=None) -> int:
         from dejavu_jax import sharding
         sizes = sharding.parse_mesh(args.mesh) if args.mesh else {"data": 1, "tp": args.devices}
         mesh = sharding.make_mesh(**sizes)
+        if args.attn_config or args.mlp_config:
+            p.error("--attn-config / --mlp-config apply to single-device rows only")
     meta = dict(command="python -m dejavu_jax.eval.bench_decode " + argv_text,
                 date=datetime.datetime.now().isoformat(timespec="seconds"),
                 device=str(jax.devices()[0].device_kind), backend=jax.default_backend(),
@@ -692,7 +735,8 @@ def main(argv=None) -> int:
                 python=platform.python_version(), rank=args.rank,
                 xla_flags=os.environ.get("XLA_FLAGS", ""),
                 dense_layers=args.dense_layers, modes=modes, batches=batches,
-                loop_only=args.loop_only,
+                loop_only=args.loop_only, attn_config=args.attn_config,
+                mlp_config=args.mlp_config,
                 dense_qkv="separate" if mesh is not None else args.dense_qkv,
                 warmup=args.warmup, steps=args.steps,
                 mesh=None if mesh is None else dict(mesh.shape),
@@ -704,9 +748,10 @@ def main(argv=None) -> int:
     meta["roofline_detail"] = detail
     log(f"roofline (dense GEMV) {meta['roofline_gbs']:.0f} GB/s {detail}")
     ours = [m for m in modes if m in ("dense", "sparse")]
-    n_sparse = len(mlps) * len(heads) * len(split(args.select, str)) if "sparse" in ours else 0
+    n_sparse = (len(mlps) * len(heads) * len(split(args.select, str)) * len(kernel_configs)
+                if "sparse" in ours else 0)
     n_fixed = (len(mlps) * (0.5 in heads) * (1 + (args.diagnose_kv_recompute and mesh is None))
-               if "sparse" in ours else 0)
+               * len(kernel_configs) if "sparse" in ours else 0)
     n_rows = (len(models) * len(split(args.layouts, str)) * len(batches)
               * (len(contexts) * (("dense" in ours) + n_sparse) + n_fixed))
     bar = tqdm(total=n_rows, desc="decode benchmark")
@@ -738,7 +783,8 @@ def main(argv=None) -> int:
             rows += run_model(name, contexts, mlps, heads, batches, args.rank,
                               args.dense_layers, args.warmup, args.steps, bar, log, layout,
                               tuple(split(args.select, str)), args.diagnose_kv_recompute,
-                              ours, args.prefill_reps, args.loop_only, args.dense_qkv)
+                              ours, args.prefill_reps, args.loop_only, args.dense_qkv,
+                              kernel_configs)
             measured.clear()
         write()
     bar.close()

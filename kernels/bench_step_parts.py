@@ -10,8 +10,9 @@
   ``MLPConfig`` variants (``--mlp-variants``); a variant is ``field=value[,field=value]``,
   variants are separated by ``/`` and ``base`` is the default config.
 * ``out-proj``: the batch-1 out-projection of the selected heads into the residual, by the
-  column-gather kernel the attention uses and by the row-gather kernel with split-k atomics
-  it used before, for block variants (``--out-variants``).
+  column-gather kernel the attention uses (flat or 3-D group-view loads) and by the
+  row-gather kernel with split-k atomics it used before, for block, warp and stage
+  variants (``--out-variants``).
 * ``predictor``: the split predictor's selection launches (`kernels.predictor_select`) for
   score-product block variants (``--predictor-variants ROW_BLOCKSxBLOCK_D/...``).
 * ``top-k``: the selection of k of the F MLP scores by the radix, chunked and packed
@@ -105,7 +106,7 @@ def predictor_point(d, F, H, rank, k_mlp, k_heads, *, row_blocks, block_d, defer
 
 
 def out_proj_point(d, H, frac, *, kernel, block_rows, block_d, deferred, row_blocks=None,
-                   seed=0):
+                   group_view=False, num_warps=4, num_stages=2, seed=0):
     """µs per call of the batch-1 out-projection of ``frac``% of H heads into an fp32
     residual: ``rows`` (`gather_matvec_t` on the ``[H * hd, d]`` per-head rows, split-k
     with atomics) or ``cols`` (`gather_cols_matvec` on the ``[d, H * hd]`` layout, as the
@@ -136,13 +137,30 @@ def out_proj_point(d, H, frac, *, kernel, block_rows, block_d, deferred, row_blo
             return gather_cols_matvec([attn], load, w, ids, B=1, cols_per_id=HD,
                                       block_rows=block_rows, block_cols=block_d,
                                       deferred_sum=deferred, residual=res, bias=bias,
-                                      interpret=bench.INTERPRET) * 0.5
+                                      group_view=group_view, num_warps=num_warps,
+                                      num_stages=num_stages, interpret=bench.INTERPRET) * 0.5
     need = Kh * HD * d * 2
     t, _ = chain_time(step, jnp.zeros((1, d), jnp.float32), w, sets,
                       est_s=need / 3e12 + 5e-6)
     return dict(part="out-proj", d=d, H=H, Kh=Kh, kernel=kernel, block_rows=block_rows,
                 block_d=block_d, deferred=bool(deferred), row_blocks=row_blocks,
+                group_view=bool(group_view), num_warps=num_warps, num_stages=num_stages,
                 bytes=need, time_us=t * 1e6, gbps=need / t / 1e9)
+
+
+def parse_out_variant(item: str) -> dict:
+    """``"cols:8x512d[,group_view=1][,num_warps=8][,num_stages=3]"`` -> out_proj_point
+    keywords."""
+    head, *options = item.split(",")
+    kernel, _, blocks = head.partition(":")
+    block_rows, block_d, deferred = parse_blocks(blocks)
+    out = dict(kernel=kernel, block_rows=block_rows, block_d=block_d, deferred=deferred)
+    for kv in options:
+        key, _, value = kv.partition("=")
+        if key not in ("group_view", "num_warps", "num_stages"):
+            raise ValueError(f"unknown out-proj option {key!r} in {item!r}")
+        out[key] = bool(int(value)) if key == "group_view" else int(value)
+    return out
 
 
 def parse_blocks(spec: str) -> tuple[int, int, bool]:
@@ -205,9 +223,11 @@ def main(argv=None):
                         "sum, wN: N warps in the selection launch), '/'-separated")
     p.add_argument("--rank", type=int, default=256, help="predictor rank for the predictor part")
     p.add_argument("--out-variants",
-                   default="rows:16x512/rows:16x512d/cols:8x512/cols:8x512d/cols:4x512/"
-                           "cols:16x512/cols:8x1024/cols:4x1024d",
-                   help="out-proj part: KERNEL:BLOCK_ROWSxBLOCK_D[d] ('d': deferred sum)")
+                   default="cols:8x512d/cols:8x512d,group_view=1/cols:16x512d,group_view=1/"
+                           "cols:8x1024d,group_view=1/cols:8x512d,group_view=1,num_warps=8",
+                   help="out-proj part: KERNEL:BLOCK_ROWSxBLOCK_D[d][,OPTION=VALUE...] "
+                        "('d': deferred sum; options group_view, num_warps, num_stages; "
+                        "KERNEL rows or cols), '/'-separated")
     p.add_argument("--out", default=os.environ.get("OUT", "."))
     args = p.parse_args(argv)
     d, H = MODELS[args.model]
@@ -242,10 +262,7 @@ def main(argv=None):
         del W
     if "out-proj" in parts:
         for item in args.out_variants.split("/"):
-            kernel, _, blocks = item.partition(":")
-            block_rows, block_d, deferred = parse_blocks(blocks)
-            log(out_proj_point(d, H, args.heads, kernel=kernel, block_rows=block_rows,
-                               block_d=block_d, deferred=deferred))
+            log(out_proj_point(d, H, args.heads, **parse_out_variant(item)))
     if "predictor" in parts:
         F = 4 * d
         for item in args.predictor_variants.split("/"):

@@ -9,6 +9,11 @@ Stacked layers ``[L * d_out, n]`` (a free reshape of ``[L, d_out, n]``) take glo
 ``layer * (n / m) + local``: a call's ids all lie in one layer, whose rows it reads.
 The activations ``a`` come from a caller-supplied loader, as in
 :func:`~.gather_matvec.gather_matvec_t`.
+
+Batch 1 with a power-of-two group width loads the weight as a 3-D view ``[rows, groups,
+m]`` (``group_view``): the innermost index is then a plain range, which Triton can prove
+contiguous and read with vector loads, where the flat gathered column index of the 2-D
+load hides that contiguity.
 """
 from __future__ import annotations
 
@@ -58,16 +63,57 @@ def _kernel(*refs, n_act, load_act, B, Bp, m, n_cols, d_out, n_local, layers, bk
     acc = accumulate_blocks(chunk, chunks, shape)
     if Bp == 1 and deferred:
         acc = jnp.sum(acc, axis=1)
-    if has_bias:
+    _store_rows(acc, rows, rm, brow, bmask, Bp, res_ref, b_ref, o_ref)
+
+
+def _group_kernel(*refs, n_act, load_act, m, n_groups, d_out, n_local, layers, bk, gc,
+                  chunks, has_res, has_bias, deferred):
+    """Batch 1 over the ``[rows, n_local / m, m]`` view: ``gc`` selected groups per load."""
+    act_refs = refs[:n_act]
+    ids_ref, w_ref = refs[n_act:n_act + 2]
+    rest = list(refs[n_act + 2:])
+    res_ref = rest.pop(0) if has_res else None
+    b_ref = rest.pop(0) if has_bias else None
+    o_ref = rest[-1]
+    i = pl.program_id(0)
+    rows = i * bk + jnp.arange(bk, dtype=jnp.int32)
+    rm = rows < d_out
+    lane = jnp.arange(m, dtype=jnp.int32)
+    layer = ids_ref[0] // (n_local // m) if layers > 1 else 0
+    w_rows = layer * d_out + rows
+
+    def chunk(c, acc):
+        g = c * gc + jnp.arange(gc, dtype=jnp.int32)
+        vg = g < n_groups
+        gid = plgpu.load(ids_ref.at[g], mask=vg, other=0)
+        valid = jnp.broadcast_to(vg[:, None], (gc, m))
+        a = load_act(act_refs, g[:, None] * m + lane[None, :], valid,
+                     gid[:, None] * m + lane[None, :])            # fp32 [gc, m]
+        if layers > 1:
+            gid = jnp.where(vg, gid - layer * (n_local // m), 0)
+        w = plgpu.load(w_ref.at[w_rows[:, None, None], gid[None, :, None], lane[None, None, :]],
+                       mask=rm[:, None, None] & valid[None], other=0)
+        prod = w.astype(jnp.float32) * a[None]
+        return acc + (prod if deferred else jnp.sum(jnp.sum(prod, axis=2), axis=1))
+
+    acc = accumulate_blocks(chunk, chunks, (bk, gc, m) if deferred else (bk,))
+    if deferred:
+        acc = jnp.sum(jnp.sum(acc, axis=2), axis=1)
+    _store_rows(acc, rows, rm, None, None, 1, res_ref, b_ref, o_ref)
+
+
+def _store_rows(acc, rows, rm, brow, bmask, Bp, res_ref, b_ref, o_ref):
+    """Add bias and residual to the fp32 rows ``acc`` and store them."""
+    if b_ref is not None:
         bias = plgpu.load(b_ref.at[rows], mask=rm, other=0).astype(jnp.float32)
         acc = acc + (bias if Bp == 1 else bias[None, :])
     if Bp == 1:
-        if has_res:
+        if res_ref is not None:
             acc = acc + plgpu.load(res_ref.at[0, rows], mask=rm, other=0.0)
         plgpu.store(o_ref.at[0, rows], acc, mask=rm)
     else:
         msk = bmask[:, None] & rm[None, :]
-        if has_res:
+        if res_ref is not None:
             acc = acc + plgpu.load(res_ref.at[brow[:, None], rows[None, :]], mask=msk,
                                    other=0.0)
         plgpu.store(o_ref.at[brow[:, None], rows[None, :]], acc, mask=msk)
@@ -78,7 +124,7 @@ def gather_cols_matvec(act_args: Sequence[jax.Array], load_act: Callable, w: jax
                        block_cols: int = 512, num_warps: int = 4, num_stages: int = 2,
                        deferred_sum: bool = False, residual: jax.Array | None = None,
                        bias: jax.Array | None = None, layers: int = 1,
-                       interpret: bool = False) -> jax.Array:
+                       group_view: bool = False, interpret: bool = False) -> jax.Array:
     """``residual + a @ W[:, cols].T + bias`` as fp32 ``[B, d_out]`` for ``w [d_out, n]``.
 
     Args:
@@ -93,6 +139,9 @@ def gather_cols_matvec(act_args: Sequence[jax.Array], load_act: Callable, w: jax
         bias: optional ``[d_out]``.
       layers: ``w`` stacks this many layers' ``[d_out, n]`` matrices by rows; the ids are
         then global (``layer * n // cols_per_id + local``), all from one layer.
+      group_view: at batch 1, load ``[block_rows, groups, cols_per_id]`` tiles of the
+        3-D view (vector loads); needs a power-of-two ``cols_per_id <= block_cols``, and
+        ``load_act`` then gets ``[groups, cols_per_id]`` columns. Ignored at B > 1.
     """
     if w.shape[0] % layers:
         raise ValueError(f"{layers} layers must divide the weight's {w.shape[0]} rows")
@@ -108,11 +157,20 @@ def gather_cols_matvec(act_args: Sequence[jax.Array], load_act: Callable, w: jax
                                  or residual.dtype != jnp.float32):
         raise ValueError(f"residual must be fp32 [{B}, {d_out}], got {residual.dtype} "
                          f"{tuple(residual.shape)}")
-    kernel = functools.partial(
-        _kernel, n_act=len(act_args), load_act=load_act, B=B, Bp=Bp, m=m, n_cols=n_cols,
-        d_out=d_out, n_local=w.shape[1], layers=layers, bk=bk, bc=block_cols,
-        chunks=cdiv(n_cols, block_cols),
-        has_res=residual is not None, has_bias=bias is not None, deferred=bool(deferred_sum))
+    common = dict(n_act=len(act_args), load_act=load_act, m=m, d_out=d_out,
+                  n_local=w.shape[1], layers=layers, bk=bk, has_res=residual is not None,
+                  has_bias=bias is not None, deferred=bool(deferred_sum))
+    if group_view and Bp == 1:
+        if m & (m - 1) or m > block_cols:
+            raise ValueError(f"group_view needs a power-of-two cols_per_id <= block_cols, "
+                             f"got {m} and {block_cols}")
+        gc = block_cols // m
+        kernel = functools.partial(_group_kernel, n_groups=int(ids.shape[0]), gc=gc,
+                                   chunks=cdiv(int(ids.shape[0]), gc), **common)
+        w = w.reshape(w.shape[0], w.shape[1] // m, m)
+    else:
+        kernel = functools.partial(_kernel, B=B, Bp=Bp, n_cols=n_cols, bc=block_cols,
+                                   chunks=cdiv(n_cols, block_cols), **common)
     args = [*act_args, ids.astype(jnp.int32), w]
     aliases = {}
     if residual is not None:

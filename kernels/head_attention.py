@@ -71,6 +71,7 @@ class AttnConfig:
     max_fused_splits: int = 1              # merge splits in the out-projection up to this
     proj_deferred_sum: bool = False        # batch 1: one cross-lane sum per program
     out_deferred_sum: bool = True
+    out_group_view: bool = False           # batch 1: 3-D [rows, heads, hd] weight loads
 
 
 @jax.tree_util.register_dataclass
@@ -753,12 +754,14 @@ def head_sparse_attention_pallas(x, wq, bq, wk, bk, wv, bv, wo, bo, k_cache, v_c
     else:
         act_args = [o.reshape(ns, B, Kh * G * hd), m, l]
     load_act = functools.partial(merged_attention_loader, ns=ns, B=B, Bp=batch_pad(B), hd=hd)
+    out_cols = min(cfg.out_block_d, next_pow2(Kh * G * hd))
     out = gather_cols_matvec(act_args, load_act, wo.reshape(wo.shape[0], -1), head_idx, B=B,
                              cols_per_id=G * hd, layers=H // wo.shape[1],
-                             block_rows=cfg.out_block_rows,
-                             block_cols=min(cfg.out_block_d, next_pow2(Kh * G * hd)),
+                             block_rows=cfg.out_block_rows, block_cols=out_cols,
                              num_warps=cfg.num_warps, num_stages=cfg.num_stages,
                              deferred_sum=cfg.out_deferred_sum, residual=residual, bias=bo,
+                             group_view=(cfg.out_group_view and G * hd <= out_cols
+                                         and (G * hd) & (G * hd - 1) == 0),
                              interpret=interpret)
     if residual is None:
         out = out.astype(x.dtype)

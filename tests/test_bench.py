@@ -202,6 +202,23 @@ def test_unknown_select_method_is_an_error(tmp_path, capsys):
     assert "unknown --select methods ['fastest']" in capsys.readouterr().err
 
 
+def test_kernel_config_flags_parse_and_label_the_rows(tmp_path):
+    from dejavu_jax.kernels import AttnConfig, MLPConfig
+    [got] = bench_decode.parse_kernel_configs("out_group_view=1,out_block_rows=16", "")
+    assert got == {"attn_config": AttnConfig(out_group_view=True, out_block_rows=16)}
+    assert bench_decode.config_label(got) == " [out_block_rows=16,out_group_view=True]"
+    assert bench_decode.parse_kernel_configs("", "") == [{}]
+    grid = bench_decode.parse_kernel_configs("base/out_group_view=1", "base/num_stages=3")
+    assert grid == [{"attn_config": a, "mlp_config": m}
+                    for a in (AttnConfig(), AttnConfig(out_group_view=True))
+                    for m in (MLPConfig(), MLPConfig(num_stages=3))]
+    assert [bench_decode.config_label(c) for c in grid] == [
+        "", " [num_stages=3]", " [out_group_view=True]", " [out_group_view=True,num_stages=3]"]
+    assert bench_decode.config_label({}) == ""
+    with pytest.raises(SystemExit):
+        bench_decode.main(["--attn-config", "no_such_field=1", "--out", str(tmp_path)])
+
+
 def test_step_parts_config_variants_parse():
     from dejavu_jax.kernels.bench_step_parts import parse_variants
     from dejavu_jax.kernels.head_attention import AttnConfig
@@ -213,6 +230,11 @@ def test_step_parts_config_variants_parse():
     assert got[0][1] == AttnConfig()
     from dejavu_jax.kernels.bench_step_parts import parse_blocks
     assert parse_blocks("2x256d") == (2, 256, True) and parse_blocks("8x512") == (8, 512, False)
+    from dejavu_jax.kernels.bench_step_parts import parse_out_variant
+    assert parse_out_variant("cols:8x512d,group_view=1,num_warps=8") == dict(
+        kernel="cols", block_rows=8, block_d=512, deferred=True, group_view=True, num_warps=8)
+    with pytest.raises(ValueError, match="unknown out-proj option"):
+        parse_out_variant("cols:8x512,warps=8")
     assert got[1][1].max_fused_splits == 0 and got[1][1].num_warps == AttnConfig().num_warps
     assert (got[2][1].num_warps, got[2][1].num_stages) == (8, 3)
     assert got[3][1].seq_splits is None

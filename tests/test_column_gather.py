@@ -13,6 +13,7 @@ from dejavu_jax.kernels.head_attention import merged_attention_loader
 F32 = jnp.float32
 
 
+@pytest.mark.parametrize("group_view", [False, True])
 @pytest.mark.parametrize("B,d_out,n_groups,m,ids,block_rows,block_cols,deferred,res,bias", [
     (1, 40, 6, 8, (4, 1, 3), 8, 16, False, True, True),     # ragged rows, 2 chunks
     (1, 40, 6, 8, (0, 5), 4, 32, True, True, False),        # deferred sum, one masked chunk
@@ -21,7 +22,7 @@ F32 = jnp.float32
     (2, 24, 4, 16, (1, 3), 16, 64, False, False, False),
 ])
 def test_gather_cols_matvec_equals_numpy(rng, B, d_out, n_groups, m, ids, block_rows,
-                                         block_cols, deferred, res, bias):
+                                         block_cols, deferred, res, bias, group_view):
     w = rng.standard_normal((d_out, n_groups * m)).astype(np.float32)
     ids = np.asarray(ids, np.int32)
     cols = (ids[:, None] * m + np.arange(m)).reshape(-1)
@@ -37,6 +38,7 @@ def test_gather_cols_matvec_equals_numpy(rng, B, d_out, n_groups, m, ids, block_
     got = gather_cols_matvec([jnp.asarray(a)[None]], load, jnp.asarray(w), jnp.asarray(ids),
                              B=B, cols_per_id=m, block_rows=block_rows,
                              block_cols=block_cols, deferred_sum=deferred,
+                             group_view=group_view,
                              residual=None if r is None else jnp.asarray(r),
                              bias=None if b is None else jnp.asarray(b), interpret=True)
     assert got.shape == (B, d_out) and got.dtype == F32
@@ -50,10 +52,12 @@ def test_gather_cols_matvec_rejects_bad_blocks_and_residual():
         gather_cols_matvec(*args, B=1, cols_per_id=4, block_rows=6)
     with pytest.raises(ValueError, match="residual must be fp32"):
         gather_cols_matvec(*args, B=1, cols_per_id=4, residual=jnp.zeros((1, 16), jnp.bfloat16))
+    with pytest.raises(ValueError, match="group_view needs"):
+        gather_cols_matvec(*args, B=1, cols_per_id=4, block_cols=2, group_view=True)
 
 
-@pytest.mark.parametrize("B", [1, 2])
-def test_gather_cols_matvec_reads_the_ids_layer_of_stacked_weights(rng, B):
+@pytest.mark.parametrize("B,group_view", [(1, False), (1, True), (2, False)])
+def test_gather_cols_matvec_reads_the_ids_layer_of_stacked_weights(rng, B, group_view):
     """Three layers stacked by rows: global ids of layer 1 read only layer 1's rows."""
     L, d_out, n_groups, m = 3, 24, 4, 8
     w = rng.standard_normal((L, d_out, n_groups * m)).astype(np.float32)
@@ -67,5 +71,6 @@ def test_gather_cols_matvec_reads_the_ids_layer_of_stacked_weights(rng, B):
     load = functools.partial(merged_attention_loader, ns=0, B=B, Bp=batch_pad(B), hd=m)
     got = gather_cols_matvec([jnp.asarray(a)[None]], load, jnp.asarray(w.reshape(L * d_out, -1)),
                              jnp.asarray(n_groups + local), B=B, cols_per_id=m, layers=L,
-                             block_rows=16, block_cols=8, interpret=True)
+                             block_rows=16, block_cols=8, group_view=group_view,
+                             interpret=True)
     np.testing.assert_allclose(np.asarray(got), want, rtol=1e-5, atol=1e-5)

@@ -456,16 +456,19 @@ def test_head_sparse_attention_rejects_bad_rope_and_mask(rng):
         head_sparse_attention(*args, kv_mask=jnp.ones((2, 9), bool))
 
 
-@pytest.mark.parametrize("B,max_fused,deferred", [(2, 1, False), (2, 8, False), (1, 1, True),
-                                                 (1, 8, True)])
-def test_head_sparse_attention_many_splits(rng, B, max_fused, deferred):
-    """Splits merged in XLA or inside the out-projection; batch 1 with deferred sums."""
+@pytest.mark.parametrize("B,max_fused,deferred,group_view", [
+    (2, 1, False, False), (2, 8, False, True), (1, 1, True, False), (1, 8, True, False),
+    (1, 8, True, True), (1, 1, False, True)])
+def test_head_sparse_attention_many_splits(rng, B, max_fused, deferred, group_view):
+    """Splits merged in XLA or inside the out-projection; batch 1 with deferred sums and
+    with the out-projection's 3-D group view (ignored at batch 2)."""
     from dejavu_jax.kernels import AttnConfig
     d, H, hd, S, Kh, pos = 96, 6, 16, 70, 3, 52
     hidx, arrs = _attn_inputs(rng, B, d, H, H, hd, S, Kh, pos, F32, True)
     ref, _, _ = _np_attention(*arrs, pos, hidx, None, None, None)
     cfg = AttnConfig(block_s=16, seq_splits=4, max_fused_splits=max_fused, proj_block_d=32,
-                     out_block_d=32, proj_deferred_sum=deferred, out_deferred_sum=deferred)
+                     out_block_d=32, proj_deferred_sum=deferred, out_deferred_sum=deferred,
+                     out_group_view=group_view)
     out, _, _ = head_sparse_attention(*(None if a is None else jnp.asarray(a, F32) for a in arrs),
                                       pos, jnp.asarray(hidx), impl="interpret", config=cfg)
     assert _rel(out, ref) < 1e-5

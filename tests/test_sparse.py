@@ -1,5 +1,6 @@
 """Sparse decode parity against dense: density 1.0, oracle masking, lookahead, missing KV."""
 
+import dataclasses
 from pathlib import Path
 
 import jax
@@ -331,3 +332,23 @@ def test_unrolled_layers_equal_stacked_scan():
     dense = generate_tokens(dense_engine(config), unstack_layers(params), prompts, 5, stop_ids=[])
     assert dense.tokens == generate_tokens(dense_engine(config), params, prompts, 5,
                                            stop_ids=[]).tokens
+
+
+def test_kernel_configs_reach_the_kernels(monkeypatch):
+    """SparseConfig.attn_config / mlp_config are the configs the step's kernels receive."""
+    from dejavu_jax import kernels
+    config = dj.preset("opt-tiny")
+    params = dj.init_params(config, jax.random.key(3), jnp.float32, std=0.1)
+    attn_cfg = kernels.AttnConfig(out_group_view=True, out_block_rows=4)
+    mlp_cfg = kernels.MLPConfig(num_stages=3)
+    scfg = dataclasses.replace(sparse.sparse_config(config, 0.5, 0.5, dense_layers=1),
+                               attn_config=attn_cfg, mlp_config=mlp_cfg)
+    seen = []
+    for name in ("sparse_mlp", "head_sparse_attention"):
+        real = getattr(kernels, name)
+        monkeypatch.setattr(kernels, name, lambda *a, _real=real, _n=name, **kw:
+                            seen.append((_n, kw["config"])) or _real(*a, **kw))
+    eng = sparse.sparse_engine(config, scfg, sparse.fixed_selector)
+    generate_tokens(eng, (params, _full_sets(config)), [[5, 9]], 2, stop_ids=[])
+    assert {n for n, _ in seen} == {"sparse_mlp", "head_sparse_attention"}
+    assert all(c is (attn_cfg if n == "head_sparse_attention" else mlp_cfg) for n, c in seen)

@@ -88,10 +88,10 @@ def test_deferred_sums_and_column_gather_lower(B):
                                          impl="pallas"),
            z(B, d), z(F, d), z(F), z(F, d), z(d), jnp.arange(K, dtype=jnp.int32))
     load = functools.partial(merged_attention_loader, ns=0, B=B, Bp=batch_pad(B), hd=128)
-    for deferred in (False, True):
+    for deferred, group_view in ((False, False), (True, False), (False, True), (True, True)):
         text = lowers(lambda a, w, r: gather_cols_matvec(
             [a], load, w, jnp.asarray([3, 0, 5], jnp.int32), B=B, cols_per_id=128,
-            deferred_sum=deferred, residual=r, bias=w[:, 0]),
+            deferred_sum=deferred, group_view=group_view, residual=r, bias=w[:, 0]),
             z(1, B, 384, dtype=F32), z(1000, 768), z(B, 1000, dtype=F32))
         assert "gather_cols_matvec" in text
 
