@@ -72,6 +72,7 @@ class AttnConfig:
     proj_deferred_sum: bool = False        # batch 1: one cross-lane sum per program
     out_deferred_sum: bool = True
     out_group_view: bool = False           # batch 1: 3-D [rows, heads, hd] weight loads
+    out_num_warps: int | None = None       # the out-projection's warps (None: num_warps)
 
 
 @jax.tree_util.register_dataclass
@@ -758,7 +759,8 @@ def head_sparse_attention_pallas(x, wq, bq, wk, bk, wv, bv, wo, bo, k_cache, v_c
     out = gather_cols_matvec(act_args, load_act, wo.reshape(wo.shape[0], -1), head_idx, B=B,
                              cols_per_id=G * hd, layers=H // wo.shape[1],
                              block_rows=cfg.out_block_rows, block_cols=out_cols,
-                             num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+                             num_warps=cfg.out_num_warps or cfg.num_warps,
+                             num_stages=cfg.num_stages,
                              deferred_sum=cfg.out_deferred_sum, residual=residual, bias=bo,
                              group_view=(cfg.out_group_view and G * hd <= out_cols
                                          and (G * hd) & (G * hd - 1) == 0),
