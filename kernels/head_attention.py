@@ -70,8 +70,8 @@ class AttnConfig:
     attn_target_programs: int = 4 * N_SM   # flash-decoding grid (B x heads x splits)
     max_fused_splits: int = 1              # merge splits in the out-projection up to this
     proj_deferred_sum: bool = False        # batch 1: one cross-lane sum per program
-    out_deferred_sum: bool = True
-    out_group_view: bool = False           # batch 1: 3-D [rows, heads, hd] weight loads
+    out_deferred_sum: bool = False
+    out_group_view: bool = True            # batch 1: 3-D [rows, heads, hd] weight loads
     out_num_warps: int | None = None       # the out-projection's warps (None: num_warps)
 
 

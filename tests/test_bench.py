@@ -204,16 +204,16 @@ def test_unknown_select_method_is_an_error(tmp_path, capsys):
 
 def test_kernel_config_flags_parse_and_label_the_rows(tmp_path):
     from dejavu_jax.kernels import AttnConfig, MLPConfig
-    [got] = bench_decode.parse_kernel_configs("out_group_view=1,out_block_rows=16", "")
-    assert got == {"attn_config": AttnConfig(out_group_view=True, out_block_rows=16)}
-    assert bench_decode.config_label(got) == " [out_block_rows=16,out_group_view=True]"
+    [got] = bench_decode.parse_kernel_configs("out_group_view=0,out_block_rows=16", "")
+    assert got == {"attn_config": AttnConfig(out_group_view=False, out_block_rows=16)}
+    assert bench_decode.config_label(got) == " [out_block_rows=16,out_group_view=False]"
     assert bench_decode.parse_kernel_configs("", "") == [{}]
-    grid = bench_decode.parse_kernel_configs("base/out_group_view=1", "base/num_stages=3")
+    grid = bench_decode.parse_kernel_configs("base/out_group_view=0", "base/num_stages=3")
     assert grid == [{"attn_config": a, "mlp_config": m}
-                    for a in (AttnConfig(), AttnConfig(out_group_view=True))
+                    for a in (AttnConfig(), AttnConfig(out_group_view=False))
                     for m in (MLPConfig(), MLPConfig(num_stages=3))]
     assert [bench_decode.config_label(c) for c in grid] == [
-        "", " [num_stages=3]", " [out_group_view=True]", " [out_group_view=True,num_stages=3]"]
+        "", " [num_stages=3]", " [out_group_view=False]", " [out_group_view=False,num_stages=3]"]
     assert bench_decode.config_label({}) == ""
     with pytest.raises(SystemExit):
         bench_decode.main(["--attn-config", "no_such_field=1", "--out", str(tmp_path)])
