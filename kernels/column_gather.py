@@ -10,10 +10,10 @@ Stacked layers ``[L * d_out, n]`` (a free reshape of ``[L, d_out, n]``) take glo
 The activations ``a`` come from a caller-supplied loader, as in
 :func:`~.gather_matvec.gather_matvec_t`.
 
-Batch 1 with a power-of-two group width loads the weight as a 3-D view ``[rows, groups,
+With a power-of-two group width the weight can be loaded as a 3-D view ``[rows, groups,
 m]`` (``group_view``): the innermost index is then a plain range, which Triton can prove
 contiguous and read with vector loads, where the flat gathered column index of the 2-D
-load hides that contiguity.
+load hides that contiguity. A batch flattens the loaded tile for the tensor cores.
 """
 from __future__ import annotations
 
@@ -66,9 +66,10 @@ def _kernel(*refs, n_act, load_act, B, Bp, m, n_cols, d_out, n_local, layers, bk
     _store_rows(acc, rows, rm, brow, bmask, Bp, res_ref, b_ref, o_ref)
 
 
-def _group_kernel(*refs, n_act, load_act, m, n_groups, d_out, n_local, layers, bk, gc,
+def _group_kernel(*refs, n_act, load_act, B, Bp, m, n_groups, d_out, n_local, layers, bk, gc,
                   chunks, has_res, has_bias, deferred):
-    """Batch 1 over the ``[rows, n_local / m, m]`` view: ``gc`` selected groups per load."""
+    """Over the ``[rows, n_local / m, m]`` view, ``gc`` selected groups per load: batch 1
+    multiplies the 3-D tile elementwise; a batch flattens it for the tensor cores."""
     act_refs = refs[:n_act]
     ids_ref, w_ref = refs[n_act:n_act + 2]
     rest = list(refs[n_act + 2:])
@@ -79,6 +80,7 @@ def _group_kernel(*refs, n_act, load_act, m, n_groups, d_out, n_local, layers, b
     rows = i * bk + jnp.arange(bk, dtype=jnp.int32)
     rm = rows < d_out
     lane = jnp.arange(m, dtype=jnp.int32)
+    brow = jnp.arange(Bp, dtype=jnp.int32)
     layer = ids_ref[0] // (n_local // m) if layers > 1 else 0
     w_rows = layer * d_out + rows
 
@@ -87,19 +89,27 @@ def _group_kernel(*refs, n_act, load_act, m, n_groups, d_out, n_local, layers, b
         vg = g < n_groups
         gid = plgpu.load(ids_ref.at[g], mask=vg, other=0)
         valid = jnp.broadcast_to(vg[:, None], (gc, m))
-        a = load_act(act_refs, g[:, None] * m + lane[None, :], valid,
-                     gid[:, None] * m + lane[None, :])            # fp32 [gc, m]
+        if Bp == 1:
+            a = load_act(act_refs, g[:, None] * m + lane[None, :], valid,
+                         gid[:, None] * m + lane[None, :])        # fp32 [gc, m]
+        else:
+            lc = c * gc * m + jnp.arange(gc * m, dtype=jnp.int32)
+            lv = lc < n_groups * m
+            a = load_act(act_refs, lc, lv, logical_rows(ids_ref, lc, lv, m))  # [Bp, gc*m]
         if layers > 1:
             gid = jnp.where(vg, gid - layer * (n_local // m), 0)
         w = plgpu.load(w_ref.at[w_rows[:, None, None], gid[None, :, None], lane[None, None, :]],
                        mask=rm[:, None, None] & valid[None], other=0)
+        if Bp > 1:
+            return acc + mma(a, w.reshape(bk, gc * m), trans_b=True)
         prod = w.astype(jnp.float32) * a[None]
         return acc + (prod if deferred else jnp.sum(jnp.sum(prod, axis=2), axis=1))
 
-    acc = accumulate_blocks(chunk, chunks, (bk, gc, m) if deferred else (bk,))
-    if deferred:
+    shape = ((bk, gc, m) if deferred else (bk,)) if Bp == 1 else (Bp, bk)
+    acc = accumulate_blocks(chunk, chunks, shape)
+    if Bp == 1 and deferred:
         acc = jnp.sum(jnp.sum(acc, axis=2), axis=1)
-    _store_rows(acc, rows, rm, None, None, 1, res_ref, b_ref, o_ref)
+    _store_rows(acc, rows, rm, brow, brow < B, Bp, res_ref, b_ref, o_ref)
 
 
 def _store_rows(acc, rows, rm, brow, bmask, Bp, res_ref, b_ref, o_ref):
@@ -139,9 +149,9 @@ def gather_cols_matvec(act_args: Sequence[jax.Array], load_act: Callable, w: jax
         bias: optional ``[d_out]``.
       layers: ``w`` stacks this many layers' ``[d_out, n]`` matrices by rows; the ids are
         then global (``layer * n // cols_per_id + local``), all from one layer.
-      group_view: at batch 1, load ``[block_rows, groups, cols_per_id]`` tiles of the
-        3-D view (vector loads); needs a power-of-two ``cols_per_id <= block_cols``, and
-        ``load_act`` then gets ``[groups, cols_per_id]`` columns. Ignored at B > 1.
+      group_view: load ``[block_rows, groups, cols_per_id]`` tiles of the 3-D view (vector
+        loads); needs a power-of-two ``cols_per_id <= block_cols``. At batch 1
+        ``load_act`` then gets ``[groups, cols_per_id]`` columns.
     """
     if w.shape[0] % layers:
         raise ValueError(f"{layers} layers must divide the weight's {w.shape[0]} rows")
@@ -160,13 +170,13 @@ def gather_cols_matvec(act_args: Sequence[jax.Array], load_act: Callable, w: jax
     common = dict(n_act=len(act_args), load_act=load_act, m=m, d_out=d_out,
                   n_local=w.shape[1], layers=layers, bk=bk, has_res=residual is not None,
                   has_bias=bias is not None, deferred=bool(deferred_sum))
-    if group_view and Bp == 1:
+    if group_view:
         if m & (m - 1) or m > block_cols:
             raise ValueError(f"group_view needs a power-of-two cols_per_id <= block_cols, "
                              f"got {m} and {block_cols}")
         gc = block_cols // m
-        kernel = functools.partial(_group_kernel, n_groups=int(ids.shape[0]), gc=gc,
-                                   chunks=cdiv(int(ids.shape[0]), gc), **common)
+        kernel = functools.partial(_group_kernel, B=B, Bp=Bp, n_groups=int(ids.shape[0]),
+                                   gc=gc, chunks=cdiv(int(ids.shape[0]), gc), **common)
         w = w.reshape(w.shape[0], w.shape[1] // m, m)
     else:
         kernel = functools.partial(_kernel, B=B, Bp=Bp, n_cols=n_cols, bc=block_cols,

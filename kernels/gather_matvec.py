@@ -82,12 +82,16 @@ class Segment:
     x: this segment's own input ``[B_s, d]`` (None: the call's shared x); block_rows: its
     own rows per program (None: the call's). A segment with more input rows (the missing-KV
     window) takes the tensor-core path while a one-row segment keeps the vector path.
+    block_d: its own columns per load, a power of two dividing the call's (None: the
+    call's); a many-row input takes narrower loads so its tile fits, while the other
+    segments keep their wide ones.
     """
     w: jax.Array
     ids: jax.Array
     rows_per_id: int = 1
     x: jax.Array | None = None
     block_rows: int | None = None
+    block_d: int | None = None
 
     @property
     def n_rows(self) -> int:
@@ -95,7 +99,7 @@ class Segment:
 
 
 jax.tree_util.register_dataclass(Segment, data_fields=["w", "ids", "x"],
-                                 meta_fields=["rows_per_id", "block_rows"])
+                                 meta_fields=["rows_per_id", "block_rows", "block_d"])
 
 
 def segment_rows(seg: Segment) -> jax.Array:
@@ -136,13 +140,13 @@ def _gather_matvec_body(pids, *refs, seg_meta, d, bd, chunks, deferred):
     in_refs, out_refs = refs[: 3 * nseg], refs[3 * nseg:]
     i, j = pids
 
-    for s, (start, nb, m, n_rows, B, Bp, bk) in enumerate(seg_meta):
+    for s, (start, nb, m, n_rows, B, Bp, bk, bd_s) in enumerate(seg_meta):
         x_ref, ids_ref, w_ref = in_refs[3 * s: 3 * s + 3]
         o_ref = out_refs[s]
 
         @pl.when((i >= start) & (i < start + nb))
         def _(x_ref=x_ref, ids_ref=ids_ref, w_ref=w_ref, o_ref=o_ref, start=start, m=m,
-              n_rows=n_rows, B=B, Bp=Bp, bk=bk):
+              n_rows=n_rows, B=B, Bp=Bp, bk=bk, bd=bd_s, chunks=chunks * (bd // bd_s)):
             kk = jnp.arange(bk, dtype=jnp.int32)
             brow = jnp.arange(Bp, dtype=jnp.int32)
             bmask = brow < B
@@ -218,8 +222,12 @@ def gather_matvec_part(x: jax.Array, segments: Sequence[Segment], *, block_rows:
         Bp = batch_pad(B)
         bk = seg.block_rows or block_rows
         bk = bk if Bp == 1 else max(16, bk)
+        bd_s = seg.block_d or bd
+        if bd_s < 1 or bd_s & (bd_s - 1) or bd_s > bd:
+            raise ValueError(f"a segment's block_d={bd_s} must be a power of two <= the "
+                             f"call's block_d={bd}")
         nb = cdiv(seg.n_rows, bk)
-        seg_meta.append((start, nb, seg.rows_per_id, seg.n_rows, B, Bp, bk))
+        seg_meta.append((start, nb, seg.rows_per_id, seg.n_rows, B, Bp, bk, bd_s))
         outs.append(jax.ShapeDtypeStruct((nds, B, nb * bk), jnp.float32))
         args += [xs, seg.ids.astype(jnp.int32), seg.w]
         start += nb

@@ -704,19 +704,24 @@ def head_sparse_attention_pallas(x, wq, bq, wk, bk, wv, bv, wo, bo, k_cache, v_c
     Kh = head_idx.shape[0]
     head_idx = head_idx.astype(jnp.int32)
     pos = jnp.asarray(pos, jnp.int32).reshape(1)
-    kv_ids, x_rows, kv_block = head_idx, x, None
+    # columns per load: an x tile of at most 8192 elements, for x's rows and, narrower
+    # where they are many more, for the window's
+    tile_d = lambda rows: min(cfg.proj_block_d, 1 << (d.bit_length() - 1),
+                              max(32, 8192 // batch_pad(rows)))
+    bd = tile_d(B)
+    kv_ids, x_rows, kv_block, kv_bd = head_idx, x, None, None
     if window is not None:
         # K/V read the window's rows (the current token's among them); q keeps x's rows
         kv_ids = window_heads(head_idx, window)
         W = window.x.shape[1]
         x_rows = window.x.reshape(B * W, d).astype(x.dtype)
-        kv_block = cfg.window_block_rows
+        kv_block, kv_bd = cfg.window_block_rows, min(bd, tile_d(B * W))
     segs = [Segment(wq.reshape(H * hd, d), head_idx, G * hd),
-            Segment(wk.reshape(n_kv * hd, d), kv_ids, hd, x=x_rows, block_rows=kv_block),
-            Segment(wv.reshape(n_kv * hd, d), kv_ids, hd, x=x_rows, block_rows=kv_block)]
-    Bp = batch_pad(x_rows.shape[0])
+            Segment(wk.reshape(n_kv * hd, d), kv_ids, hd, x=x_rows, block_rows=kv_block,
+                    block_d=kv_bd),
+            Segment(wv.reshape(n_kv * hd, d), kv_ids, hd, x=x_rows, block_rows=kv_block,
+                    block_d=kv_bd)]
     bk_rows = cfg.proj_block_rows if batch_pad(B) == 1 else max(16, cfg.proj_block_rows)
-    bd = min(cfg.proj_block_d, 1 << (d.bit_length() - 1), max(32, 8192 // Bp))
     chunks = cfg.proj_d_chunks
     if chunks is None:
         tiles = cdiv(Kh * G * hd + 2 * kv_ids.shape[0] * hd, bk_rows) * cdiv(d, bd)

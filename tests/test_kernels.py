@@ -118,6 +118,29 @@ def test_gather_matvec_writes_every_partial(rng):
                                rtol=1e-5, atol=1e-5)
 
 
+def test_gather_matvec_segment_with_its_own_block_d(rng):
+    """A many-row segment loading 8 columns at a time beside a one-row segment loading 32:
+    both sums are numpy's, over every d-split; a block_d above the call's is refused."""
+    d = 100
+    x = jnp.asarray(rng.standard_normal((1, d)), F32)
+    xs = rng.standard_normal((40, d))
+    w1, w2 = rng.standard_normal((24, d)), rng.standard_normal((30, d))
+    i1, i2 = np.asarray([3, 0, 7], np.int32), np.asarray([2, 5], np.int32)
+    segs = [Segment(jnp.asarray(w1, F32), jnp.asarray(i1), 3),
+            Segment(jnp.asarray(w2, F32), jnp.asarray(i2), 5, x=jnp.asarray(xs, F32),
+                    block_d=8)]
+    p1, p2 = gather_matvec(x, segs, block_rows=16, block_d=32, d_chunks=2, interpret=True)
+    r1 = (i1[:, None] * 3 + np.arange(3)).reshape(-1)
+    r2 = (i2[:, None] * 5 + np.arange(5)).reshape(-1)
+    np.testing.assert_allclose(np.asarray(p1).sum(0)[:, :r1.size],
+                               np.asarray(x, np.float64) @ w1[r1].T, rtol=1e-5, atol=1e-5)
+    np.testing.assert_allclose(np.asarray(p2).sum(0)[:, :r2.size], xs @ w2[r2].T,
+                               rtol=1e-5, atol=1e-5)
+    with pytest.raises(ValueError, match="block_d=64 must be a power of two"):
+        gather_matvec(x, [Segment(jnp.asarray(w1, F32), jnp.asarray(i1), 3, block_d=64)],
+                      block_d=32, interpret=True)
+
+
 # ----------------------------------------------------------------------------
 # head-sparse attention
 # ----------------------------------------------------------------------------

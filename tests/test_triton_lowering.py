@@ -46,7 +46,8 @@ def test_sparse_mlp_lowers(B, gated, residual):
 @pytest.mark.parametrize("B,n_kv,rope,window,residual", [(1, 8, False, True, True),
                                                          (2, 4, True, True, True),
                                                          (1, 8, False, False, False),
-                                                         (3, 8, False, False, True)])
+                                                         (3, 8, False, False, True),
+                                                         (16, 4, False, True, True)])
 def test_head_sparse_attention_lowers(B, n_kv, rope, window, residual):
     from dejavu_jax.kernels.gather_matvec import Segment
     d, H, hd, S, W = 512, 8, 64, 64, 16
