@@ -85,6 +85,11 @@ class Segment:
     block_d: its own columns per load, a power of two dividing the call's (None: the
     call's); a many-row input takes narrower loads so its tile fits, while the other
     segments keep their wide ones.
+    window, current, past_flags: ``x`` holds ``x.shape[0] // window`` windows of
+    ``window`` rows each, row ``current`` ([1] int32) of every window always needed; the
+    other rows of an id's outputs only where ``past_flags[id_slot]`` ([K] int32) is
+    nonzero: a program whose ids are all unflagged multiplies the current rows alone
+    and leaves the others unwritten (the missing-KV window once nothing is missing).
     """
     w: jax.Array
     ids: jax.Array
@@ -92,14 +97,17 @@ class Segment:
     x: jax.Array | None = None
     block_rows: int | None = None
     block_d: int | None = None
+    past_flags: jax.Array | None = None
+    current: jax.Array | None = None
+    window: int = 0
 
     @property
     def n_rows(self) -> int:
         return int(self.ids.shape[0]) * self.rows_per_id
 
 
-jax.tree_util.register_dataclass(Segment, data_fields=["w", "ids", "x"],
-                                 meta_fields=["rows_per_id", "block_rows", "block_d"])
+jax.tree_util.register_dataclass(Segment, data_fields=["w", "ids", "x", "past_flags", "current"],
+                                 meta_fields=["rows_per_id", "block_rows", "block_d", "window"])
 
 
 def segment_rows(seg: Segment) -> jax.Array:
@@ -136,46 +144,68 @@ def check_segment(seg: Segment, x: jax.Array) -> None:
 
 
 def _gather_matvec_body(pids, *refs, seg_meta, d, bd, chunks, deferred):
-    nseg = len(seg_meta)
-    in_refs, out_refs = refs[: 3 * nseg], refs[3 * nseg:]
+    n_in = sum(meta[-1] for meta in seg_meta)
+    in_refs, out_refs = refs[:n_in], refs[n_in:]
     i, j = pids
 
-    for s, (start, nb, m, n_rows, B, Bp, bk, bd_s) in enumerate(seg_meta):
-        x_ref, ids_ref, w_ref = in_refs[3 * s: 3 * s + 3]
+    first = 0
+    for s, (start, nb, m, n_rows, B, Bp, bk, bd_s, W, n_refs) in enumerate(seg_meta):
+        x_ref, ids_ref, w_ref, *skip_refs = in_refs[first:first + n_refs]
+        first += n_refs
         o_ref = out_refs[s]
 
         @pl.when((i >= start) & (i < start + nb))
-        def _(x_ref=x_ref, ids_ref=ids_ref, w_ref=w_ref, o_ref=o_ref, start=start, m=m,
-              n_rows=n_rows, B=B, Bp=Bp, bk=bk, bd=bd_s, chunks=chunks * (bd // bd_s)):
+        def _(x_ref=x_ref, ids_ref=ids_ref, w_ref=w_ref, o_ref=o_ref, skip_refs=skip_refs,
+              start=start, m=m, n_rows=n_rows, B=B, Bp=Bp, bk=bk, bd=bd_s, W=W,
+              chunks=chunks * (bd // bd_s)):
             kk = jnp.arange(bk, dtype=jnp.int32)
-            brow = jnp.arange(Bp, dtype=jnp.int32)
-            bmask = brow < B
             local = (i - start) * bk + kk
             valid = local < n_rows
             rows = logical_rows(ids_ref, local, valid, m)
 
-            def chunk(c, acc):
-                cols = (j * chunks + c) * bd + jnp.arange(bd, dtype=jnp.int32)
-                cm = cols < d
-                w = plgpu.load(w_ref.at[rows[:, None], cols[None, :]],
-                               mask=valid[:, None] & cm[None, :], other=0)
-                if Bp == 1:
-                    xv = plgpu.load(x_ref.at[0, cols], mask=cm, other=0)
-                    prod = w.astype(jnp.float32) * xv.astype(jnp.float32)[None, :]
-                    return acc + (prod if deferred else jnp.sum(prod, axis=1))
-                xb = plgpu.load(x_ref.at[brow[:, None], cols[None, :]],
-                                mask=bmask[:, None] & cm[None, :], other=0)
-                return acc + mma(xb, w, trans_b=True)
+            def product(brow, nrows, out_rows):
+                """Partials of x rows ``brow`` (valid below ``nrows``) into ``out_rows``."""
+                Bq = brow.shape[0]
+                bmask = jnp.arange(Bq, dtype=jnp.int32) < nrows
 
-            acc_shape = ((bk, bd) if deferred else (bk,)) if Bp == 1 else (Bp, bk)
-            acc = accumulate_blocks(chunk, chunks, acc_shape)
-            if Bp == 1:
-                if deferred:
-                    acc = jnp.sum(acc, axis=1)
-                plgpu.store(o_ref.at[j, 0, local], acc)
-            else:
-                plgpu.store(o_ref.at[j, brow[:, None], local[None, :]], acc,
-                            mask=bmask[:, None])
+                def chunk(c, acc):
+                    cols = (j * chunks + c) * bd + jnp.arange(bd, dtype=jnp.int32)
+                    cm = cols < d
+                    w = plgpu.load(w_ref.at[rows[:, None], cols[None, :]],
+                                   mask=valid[:, None] & cm[None, :], other=0)
+                    if Bq == 1:
+                        xv = plgpu.load(x_ref.at[0, cols], mask=cm, other=0)
+                        prod = w.astype(jnp.float32) * xv.astype(jnp.float32)[None, :]
+                        return acc + (prod if deferred else jnp.sum(prod, axis=1))
+                    xb = plgpu.load(x_ref.at[brow[:, None], cols[None, :]],
+                                    mask=bmask[:, None] & cm[None, :], other=0)
+                    return acc + mma(xb, w, trans_b=True)
+
+                acc_shape = ((bk, bd) if deferred else (bk,)) if Bq == 1 else (Bq, bk)
+                acc = accumulate_blocks(chunk, chunks, acc_shape)
+                if Bq == 1:
+                    if deferred:
+                        acc = jnp.sum(acc, axis=1)
+                    plgpu.store(o_ref.at[j, 0, local], acc)
+                else:
+                    plgpu.store(o_ref.at[j, out_rows[:, None], local[None, :]], acc,
+                                mask=bmask[:, None])
+
+            every = jnp.arange(Bp, dtype=jnp.int32)
+            if not W:
+                product(every, B, every)
+                return
+            flags_ref, cur_ref = skip_refs
+            past = jnp.max(plgpu.load(flags_ref.at[local // m], mask=valid, other=0)) != 0
+
+            @pl.when(past)
+            def _():
+                product(every, B, every)
+
+            @pl.when(jnp.logical_not(past))
+            def _():
+                current = jnp.arange(batch_pad(B // W), dtype=jnp.int32) * W + cur_ref[0]
+                product(current, B // W, current)
 
 
 def gather_matvec(x: jax.Array, segments: Sequence[Segment], *, block_rows: int = 16,
@@ -227,9 +257,20 @@ def gather_matvec_part(x: jax.Array, segments: Sequence[Segment], *, block_rows:
             raise ValueError(f"a segment's block_d={bd_s} must be a power of two <= the "
                              f"call's block_d={bd}")
         nb = cdiv(seg.n_rows, bk)
-        seg_meta.append((start, nb, seg.rows_per_id, seg.n_rows, B, Bp, bk, bd_s))
+        W = seg.window
+        refs = [xs, seg.ids.astype(jnp.int32), seg.w]
+        if W:
+            if B % W or seg.past_flags is None or seg.current is None:
+                raise ValueError(f"a windowed segment needs past_flags, current and "
+                                 f"{W}-row windows, got {B} rows")
+            if batch_pad(B // W) == 1:
+                raise ValueError("a windowed segment needs more than one window")
+            refs += [seg.past_flags.astype(jnp.int32).reshape(-1),
+                     jnp.asarray(seg.current, jnp.int32).reshape(1)]
+        seg_meta.append((start, nb, seg.rows_per_id, seg.n_rows, B, Bp, bk, bd_s, W,
+                         len(refs)))
         outs.append(jax.ShapeDtypeStruct((nds, B, nb * bk), jnp.float32))
-        args += [xs, seg.ids.astype(jnp.int32), seg.w]
+        args += refs
         start += nb
     body = functools.partial(_gather_matvec_body, seg_meta=tuple(seg_meta), d=d, bd=bd,
                              chunks=d_chunks, deferred=bool(deferred_sum))

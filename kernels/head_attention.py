@@ -234,6 +234,15 @@ def window_need(window: KVWindow, ids) -> jax.Array:
     return ~held & window.row_valid[:, None, :]
 
 
+def window_past_flags(window: KVWindow, ids) -> jax.Array:
+    """``[n]`` int32: 1 for the KV heads ``ids`` that need some window row other than the
+    current token's, in any batch row."""
+    W = window.x.shape[1]
+    past = jnp.arange(W, dtype=jnp.int32) != jnp.asarray(window.current, jnp.int32)
+    need = window_need(window, ids) & past[None, None, :]
+    return jnp.any(need, axis=(0, 2)).astype(jnp.int32)
+
+
 def mark_written(window: KVWindow, ids, need) -> jax.Array:
     """The window's bitmap with the entries ``need [B, n, W]`` of heads ``ids`` set."""
     written = window.written
@@ -437,7 +446,7 @@ def _decode_attention_kernel(*refs, nds, has_bq, has_bk, has_bv, has_rope, has_m
         # the current token of a selected head is written below, with its attention
         wwrite = wneed & ~((wslot == pos) & attend)
         wrows = b * W + jw
-        wm = jwm[:, None] & cm[None, :]
+        wm = wneed[:, None] & cm[None, :]      # rows not needed may hold no partials
 
         def window_rows(p_ref, b_ref, rotary):       # [Wp, hdp] finished K or V rows
             def gathered(c):
@@ -709,18 +718,21 @@ def head_sparse_attention_pallas(x, wq, bq, wk, bk, wv, bv, wo, bo, k_cache, v_c
     tile_d = lambda rows: min(cfg.proj_block_d, 1 << (d.bit_length() - 1),
                               max(32, 8192 // batch_pad(rows)))
     bd = tile_d(B)
-    kv_ids, x_rows, kv_block, kv_bd = head_idx, x, None, None
+    kv_ids, x_rows, kv_opts = head_idx, x, {}
     if window is not None:
         # K/V read the window's rows (the current token's among them); q keeps x's rows
         kv_ids = window_heads(head_idx, window)
         W = window.x.shape[1]
         x_rows = window.x.reshape(B * W, d).astype(x.dtype)
-        kv_block, kv_bd = cfg.window_block_rows, min(bd, tile_d(B * W))
+        kv_opts = dict(block_rows=cfg.window_block_rows, block_d=min(bd, tile_d(B * W)))
+        if batch_pad(B) > 1:
+            # a batch's window is many rows: multiply the earlier ones only for heads
+            # that miss some entry there (one XLA fusion finds them)
+            kv_opts.update(window=W, current=window.current,
+                           past_flags=window_past_flags(window, kv_ids))
     segs = [Segment(wq.reshape(H * hd, d), head_idx, G * hd),
-            Segment(wk.reshape(n_kv * hd, d), kv_ids, hd, x=x_rows, block_rows=kv_block,
-                    block_d=kv_bd),
-            Segment(wv.reshape(n_kv * hd, d), kv_ids, hd, x=x_rows, block_rows=kv_block,
-                    block_d=kv_bd)]
+            Segment(wk.reshape(n_kv * hd, d), kv_ids, hd, x=x_rows, **kv_opts),
+            Segment(wv.reshape(n_kv * hd, d), kv_ids, hd, x=x_rows, **kv_opts)]
     bk_rows = cfg.proj_block_rows if batch_pad(B) == 1 else max(16, cfg.proj_block_rows)
     chunks = cfg.proj_d_chunks
     if chunks is None:

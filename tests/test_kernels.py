@@ -118,6 +118,34 @@ def test_gather_matvec_writes_every_partial(rng):
                                rtol=1e-5, atol=1e-5)
 
 
+def test_gather_matvec_windowed_segment_skips_unflagged_past_rows(rng):
+    """Three windows of 4 rows, current row 2: ids flagged 0 get only their current rows
+    (the others stay unwritten: NaN in the interpreter), flagged ids every row."""
+    d, W, nwin, m = 64, 4, 3, 16
+    xs = rng.standard_normal((nwin * W, d))
+    w = rng.standard_normal((6 * m, d))
+    ids = np.asarray([4, 1, 3, 0], np.int32)
+    flags = np.asarray([0, 1, 0, 0], np.int32)     # one program per id (16 rows each)
+    seg = Segment(jnp.asarray(w, F32), jnp.asarray(ids), m, x=jnp.asarray(xs, F32),
+                  window=W, current=jnp.asarray([2], jnp.int32),
+                  past_flags=jnp.asarray(flags))
+    (p,) = gather_matvec(jnp.zeros((1, d), F32), [seg], block_rows=16, block_d=32,
+                         d_chunks=1, interpret=True)
+    got = np.asarray(p).sum(0)
+    rows = (ids[:, None] * m + np.arange(m)).reshape(-1)
+    want = xs @ w[rows].T
+    current = np.arange(nwin) * W + 2
+    for slot, flag in enumerate(flags):
+        cols = slice(slot * m, slot * m + m)
+        done = np.arange(nwin * W) if flag else current
+        np.testing.assert_allclose(got[done, cols], want[done, cols], rtol=1e-5, atol=1e-5)
+        if not flag:
+            assert np.isnan(np.delete(got[:, cols], current, axis=0)).all()
+    with pytest.raises(ValueError, match="needs past_flags"):
+        gather_matvec(jnp.zeros((1, d), F32), [dataclasses.replace(seg, past_flags=None)],
+                      interpret=True)
+
+
 def test_gather_matvec_segment_with_its_own_block_d(rng):
     """A many-row segment loading 8 columns at a time beside a one-row segment loading 32:
     both sums are numpy's, over every d-split; a block_d above the call's is refused."""
@@ -290,7 +318,8 @@ def test_window_recompute_writes_needed_entries_then_attends(rng, impl, ring_shi
     need[:, :, -1] = True                                     # the current token is missing
     need[:, :, raw == 0] = True                               # the real slot 0 is needed ...
     need[:, :, raw < 0] = False                               # ... its clamped copies not
-    first = {}
+    need[:, :2, :-1] = False     # head slots 0 and 1 miss nothing earlier: in a batch the
+    first = {}                   # program of their 32 rows multiplies the current rows alone
     for i, h in enumerate(ids):                               # duplicates agree on need
         need[:, i] = need[:, first.setdefault(int(h), i)]
     cos = sin = None
