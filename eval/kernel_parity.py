@@ -11,7 +11,8 @@
    sets on random scores of MLP sizes.
 3. Head-sparse attention with a missing-KV window whose needed entries are random (so
    selected heads attend to rewritten entries and refresh heads only write), MHA and GQA
-   with rotary tables, rows rotated as in a ring: output and caches.
+   with rotary tables, rows rotated as in a ring: output and caches. In the batch case
+   one head misses no earlier entry (its programs take the current-rows-only path).
 4. The fused LayerNorm / RMSNorm (`kernels.layer_norm`, which every decode path uses on
    GPU, the reference runs of check 1 included), with and without its RMS-scaled second
    output, against its reference at model widths.
@@ -149,6 +150,8 @@ def window_rows(impl: str) -> list[dict]:
         need = rng.random((B, len(hidx) + 1, W)) > 0.5
         need[:, :, raw == pos] = True
         need[:, :, raw < 0] = False
+        if B > 1:   # head slot 0 misses nothing earlier: a batch multiplies its current rows
+            need[:, 0, raw != pos] = False
         x = f(B, d)
         ring = f(B, W, d).at[:, pos % W].set(x)
         cos = sin = rope_now = None
