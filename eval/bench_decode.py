@@ -22,8 +22,8 @@ jitted `lax.fori_loop` (no host round trip; the difference is launch and sync ov
 `prefill_ms`; compile seconds (`compile_s`, split into prefill, step and loop); the device
 peak memory (`peak_bytes`; a process-lifetime peak, null on CPU) and XLA's estimate for the
 step (`step_peak_bytes`); the bytes a step must read (`step_bytes`), and GB/s and tokens/s
-from `ms_loop`. `roofline_gbs` is a large dense GEMV measured in the same run (the faster
-orientation; both in `roofline_detail`). Speedups: sparse against dense-ours of the same
+from `ms_loop`. `roofline_gbs` is a large dense GEMV measured in the same run (the fastest
+of a square `W @ x`, `x @ W` and a decode-like chain of GEMVs; all in `roofline_detail`). Speedups: sparse against dense-ours of the same
 (model, context, batch), and every row of ours against the HF rows of the same setting.
 """
 
@@ -167,20 +167,38 @@ def step_bytes(config, scfg, context: int, batch: int, rank: int, predictors: bo
 
 
 def measure_roofline(gb: float = 4.0, detail: dict | None = None) -> float:
-    """GB/s of XLA's dense GEMV on a matrix of `gb` GB (bf16): the faster of `W @ x` and
-    `x @ W`, median of 20 calls each (`detail` receives both)."""
+    """GB/s of XLA's dense GEMV over `gb` GB of bf16 weights, the fastest of three forms
+    (all in `detail`): one square `W @ x` and one `x @ W` (median of 20 synchronised
+    calls each), and "chain": a decode-like chain of [4·n, n] GEMVs (n = 4096) whose
+    output feeds the next, in one jitted call (median of 5)."""
     n = int((gb * 1e9 / 2) ** 0.5) // 128 * 128
     w = jax.random.normal(jax.random.key(0), (n, n), BF16)
     x = jax.random.normal(jax.random.key(1), (n,), BF16)
     rates = {}
-    for label, f in (("W@x", jax.jit(lambda w, x: w @ x)), ("x@W", jax.jit(lambda w, x: x @ w))):
-        f(w, x).block_until_ready()
+
+    def median_rate(f, args, nbytes, reps):
+        jax.block_until_ready(f(*args))
         times = []
-        for _ in range(20):
+        for _ in range(reps):
             t = time.perf_counter()
-            f(w, x).block_until_ready()
+            jax.block_until_ready(f(*args))
             times.append(time.perf_counter() - t)
-        rates[label] = n * n * 2 / float(np.median(times)) / 1e9
+        return nbytes / float(np.median(times)) / 1e9
+
+    for label, f in (("W@x", jax.jit(lambda w, x: w @ x)), ("x@W", jax.jit(lambda w, x: x @ w))):
+        rates[label] = median_rate(f, (w, x), n * n * 2, 20)
+    del w
+    cols = min(4096, max(128, n // 4 // 128 * 128))
+    count = max(1, int(gb * 1e9 / 2 // (4 * cols * cols)))
+    ws = [jax.random.normal(jax.random.key(2 + i), (4 * cols, cols), BF16) for i in range(count)]
+
+    @jax.jit
+    def chain(ws, x):
+        for m in ws:
+            x = (m @ x)[:cols] * 0.5
+        return x
+
+    rates["chain"] = median_rate(chain, (ws, x[:cols]), count * 4 * cols * cols * 2, 5)
     if detail is not None:
         detail.update(rates)
     return max(rates.values())

@@ -107,7 +107,7 @@ def test_bench_decode_cli(tmp_path, monkeypatch):
     result = json.loads((out / "bench_decode.json").read_text())
     meta, rows = result["meta"], result["rows"]
     assert meta["hf"]["skipped"] and meta["batches"] == [1, 2]
-    assert set(meta["roofline_detail"]) == {"W@x", "x@W"}
+    assert set(meta["roofline_detail"]) == {"W@x", "x@W", "chain"}
     assert meta["roofline_gbs"] == max(meta["roofline_detail"].values())
 
     assert sorted((r["mode"], r["batch"]) for r in rows) == [
