@@ -156,15 +156,15 @@ def _gather_matvec_body(pids, *refs, seg_meta, d, bd, chunks, deferred):
 
         @pl.when((i >= start) & (i < start + nb))
         def _(x_ref=x_ref, ids_ref=ids_ref, w_ref=w_ref, o_ref=o_ref, skip_refs=skip_refs,
-              start=start, m=m, n_rows=n_rows, B=B, Bp=Bp, bk=bk, bd=bd_s, W=W,
-              chunks=chunks * (bd // bd_s)):
+              start=start, m=m, n_rows=n_rows, B=B, Bp=Bp, bk=bk, bd_s=bd_s, W=W):
             kk = jnp.arange(bk, dtype=jnp.int32)
             local = (i - start) * bk + kk
             valid = local < n_rows
             rows = logical_rows(ids_ref, local, valid, m)
 
-            def product(brow, nrows, out_rows):
-                """Partials of x rows ``brow`` (valid below ``nrows``) into ``out_rows``."""
+            def product(brow, nrows, out_rows, bd=bd_s, chunks=chunks * (bd // bd_s)):
+                """Partials of x rows ``brow`` (valid below ``nrows``) into ``out_rows``,
+                ``bd`` columns per load over this d-split's ``chunks * bd`` columns."""
                 Bq = brow.shape[0]
                 bmask = jnp.arange(Bq, dtype=jnp.int32) < nrows
 
@@ -203,9 +203,9 @@ def _gather_matvec_body(pids, *refs, seg_meta, d, bd, chunks, deferred):
                 product(every, B, every)
 
             @pl.when(jnp.logical_not(past))
-            def _():
+            def _():   # a window's worth fewer rows: the call's full-width loads
                 current = jnp.arange(batch_pad(B // W), dtype=jnp.int32) * W + cur_ref[0]
-                product(current, B // W, current)
+                product(current, B // W, current, bd, chunks)
 
 
 def gather_matvec(x: jax.Array, segments: Sequence[Segment], *, block_rows: int = 16,

@@ -120,7 +120,8 @@ def test_gather_matvec_writes_every_partial(rng):
 
 def test_gather_matvec_windowed_segment_skips_unflagged_past_rows(rng):
     """Three windows of 4 rows, current row 2: ids flagged 0 get only their current rows
-    (the others stay unwritten: NaN in the interpreter), flagged ids every row."""
+    (the others stay unwritten: NaN in the interpreter), flagged ids every row; the
+    window's rows load 8 columns at a time, the current rows alone the call's 32."""
     d, W, nwin, m = 64, 4, 3, 16
     xs = rng.standard_normal((nwin * W, d))
     w = rng.standard_normal((6 * m, d))
@@ -128,7 +129,7 @@ def test_gather_matvec_windowed_segment_skips_unflagged_past_rows(rng):
     flags = np.asarray([0, 1, 0, 0], np.int32)     # one program per id (16 rows each)
     seg = Segment(jnp.asarray(w, F32), jnp.asarray(ids), m, x=jnp.asarray(xs, F32),
                   window=W, current=jnp.asarray([2], jnp.int32),
-                  past_flags=jnp.asarray(flags))
+                  past_flags=jnp.asarray(flags), block_d=8)
     (p,) = gather_matvec(jnp.zeros((1, d), F32), [seg], block_rows=16, block_d=32,
                          d_chunks=1, interpret=True)
     got = np.asarray(p).sum(0)
