@@ -428,7 +428,7 @@ def measure_rows(config, params, preds, contexts, mlp_densities, head_densities,
                         scfg = dataclasses.replace(base_cfg, **kernel_cfg)
                         run_cfg = (dataclasses.replace(scfg, kv_recompute=False)
                                    if kind.endswith("no-kv-recompute") else scfg)
-                        res = measure(f"mlp={md} heads={hdn} {kind}",
+                        res = measure(f"mlp={md} heads={hdn} {kind}{config_label(kernel_cfg)}",
                                       sparse_engine(run_cfg, select), (params, sel_params))
                         bar.update()
                         if res is not None:
@@ -439,14 +439,18 @@ def measure_rows(config, params, preds, contexts, mlp_densities, head_densities,
     return rows
 
 
+CONFIG_PREFIX = {"attn_config": "attn.", "mlp_config": "mlp."}
+
+
 def config_label(kernel_configs) -> str:
-    """" [field=value,...]" naming the kernel config fields that differ from the defaults
-    ("" when none do), appended to a sparse row's indices label."""
+    """" [attn.field=value,mlp.field=value,...]" naming the kernel config fields that
+    differ from the defaults ("" when none do), appended to a sparse row's indices label."""
     fields = []
-    for cfg in (kernel_configs or {}).values():
+    for key, cfg in (kernel_configs or {}).items():
         if cfg is not None:
             default = type(cfg)()
-            fields += [f"{f.name}={getattr(cfg, f.name)}" for f in dataclasses.fields(cfg)
+            fields += [f"{CONFIG_PREFIX[key]}{f.name}={getattr(cfg, f.name)}"
+                       for f in dataclasses.fields(cfg)
                        if getattr(cfg, f.name) != getattr(default, f.name)]
     return f" [{','.join(fields)}]" if fields else ""
 

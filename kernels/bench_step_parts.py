@@ -159,6 +159,8 @@ def parse_out_variant(item: str) -> dict:
         key, _, value = kv.partition("=")
         if key not in ("group_view", "num_warps", "num_stages"):
             raise ValueError(f"unknown out-proj option {key!r} in {item!r}")
+        if kernel != "cols":
+            raise ValueError(f"out-proj options apply to the cols kernel only: {item!r}")
         out[key] = bool(int(value)) if key == "group_view" else int(value)
     return out
 

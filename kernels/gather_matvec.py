@@ -110,6 +110,28 @@ jax.tree_util.register_dataclass(Segment, data_fields=["w", "ids", "x", "past_fl
                                  meta_fields=["rows_per_id", "block_rows", "block_d", "window"])
 
 
+def _check_window(seg: Segment, rows: int) -> None:
+    """Raise on a windowed segment's malformed window, current row or flags."""
+    W = seg.window
+    if W < 1 or rows % W or batch_pad(rows // W) == 1:
+        raise ValueError(f"a windowed segment needs two or more {W}-row windows, got "
+                         f"{rows} rows")
+    if seg.past_flags is None or seg.current is None:
+        raise ValueError("a windowed segment needs past_flags and current")
+    if seg.past_flags.shape != seg.ids.shape:
+        raise ValueError(f"past_flags has shape {seg.past_flags.shape}, the ids "
+                         f"{seg.ids.shape}")
+    if jnp.size(seg.current) != 1:
+        raise ValueError(f"current must be one row index, got shape "
+                         f"{jnp.shape(seg.current)}")
+    try:
+        current = int(jnp.asarray(seg.current).reshape(()))
+    except (jax.errors.ConcretizationTypeError, jax.errors.TracerIntegerConversionError):
+        return                                  # traced: checked by its producer
+    if not 0 <= current < W:
+        raise ValueError(f"current={current} is not a row of a {W}-row window")
+
+
 def segment_rows(seg: Segment) -> jax.Array:
     """The physical weight rows ``[n_rows]`` of a segment's logical rows."""
     m = seg.rows_per_id
@@ -118,7 +140,8 @@ def segment_rows(seg: Segment) -> jax.Array:
 
 def segment_reference(seg: Segment, x: jax.Array) -> jax.Array:
     """jnp reference of one segment's :func:`gather_matvec` result, as one partial
-    ``[1, B_s, n_rows]`` fp32 (``x`` is used when the segment brings no input)."""
+    ``[1, B_s, n_rows]`` fp32 (``x`` is used when the segment brings no input). It
+    computes every row, also those a windowed segment's kernel may leave unwritten."""
     xs = (x if seg.x is None else seg.x).astype(jnp.float32)
     w = seg.w[segment_rows(seg)].astype(jnp.float32)
     return jnp.dot(xs, w.T, precision=lax.Precision.HIGHEST)[None]
@@ -228,7 +251,9 @@ def gather_matvec(x: jax.Array, segments: Sequence[Segment], *, block_rows: int 
         across columns once per program (not once per chunk).
     Returns:
       One fp32 array per segment, ``[n_dsplit, B_s, n_blocks * block_rows]``; summing over
-      axis 0 gives ``x @ W[rows].T`` (rows past ``n_rows`` hold zeros/garbage-free 0).
+      axis 0 gives ``x @ W[rows].T`` in the first ``n_rows`` columns (the padding columns
+      past them hold zeros). A windowed segment leaves the earlier window rows of
+      unflagged ids unwritten (undefined values; NaN in the interpreter).
     """
     part = gather_matvec_part(x, segments, block_rows=block_rows, block_d=block_d,
                               d_chunks=d_chunks, deferred_sum=deferred_sum)
@@ -241,6 +266,8 @@ def gather_matvec_part(x: jax.Array, segments: Sequence[Segment], *, block_rows:
     """:func:`gather_matvec` as a :class:`~.launch.LaunchPart` (same arguments)."""
     d = x.shape[1]
     bd = block_d
+    if bd < 1 or bd & (bd - 1):
+        raise ValueError(f"block_d={bd} must be a power of two")
     nds = cdiv(d, bd * d_chunks)
     seg_meta, outs, args = [], [], []
     start = 0
@@ -260,12 +287,8 @@ def gather_matvec_part(x: jax.Array, segments: Sequence[Segment], *, block_rows:
         W = seg.window
         refs = [xs, seg.ids.astype(jnp.int32), seg.w]
         if W:
-            if B % W or seg.past_flags is None or seg.current is None:
-                raise ValueError(f"a windowed segment needs past_flags, current and "
-                                 f"{W}-row windows, got {B} rows")
-            if batch_pad(B // W) == 1:
-                raise ValueError("a windowed segment needs more than one window")
-            refs += [seg.past_flags.astype(jnp.int32).reshape(-1),
+            _check_window(seg, B)
+            refs += [seg.past_flags.astype(jnp.int32),
                      jnp.asarray(seg.current, jnp.int32).reshape(1)]
         seg_meta.append((start, nb, seg.rows_per_id, seg.n_rows, B, Bp, bk, bd_s, W,
                          len(refs)))

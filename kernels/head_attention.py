@@ -71,7 +71,7 @@ class AttnConfig:
     max_fused_splits: int = 1              # merge splits in the out-projection up to this
     proj_deferred_sum: bool = False        # batch 1: one cross-lane sum per program
     out_deferred_sum: bool = False
-    out_group_view: bool = True            # batch 1: 3-D [rows, heads, hd] weight loads
+    out_group_view: bool = True            # 3-D [rows, heads, hd] weight loads (pow2 hd)
     out_num_warps: int | None = None       # the out-projection's warps (None: num_warps)
 
 
@@ -580,7 +580,9 @@ def decode_attention(qp, kp, vp, head_idx, pos, k_cache, v_cache, *, group, bq=N
         ``b * W + j`` for window row j, columns ``window_heads(head_idx, window)``; its
         ``x`` is not read). Its needed entries are finished (bias, rotary), written to the
         caches and attended to here, and the current token's K/V come from row
-        ``b * W + window.current``; the refresh heads get writes, no attention.
+        ``b * W + window.current``; the refresh heads get writes, no attention. Only
+        those rows are read: the others may hold no partials (see
+        :func:`window_past_flags`).
     Returns:
       ``(o [ns, B, Kh*G, hd], m [ns, B, Kh*G], l [ns, B, Kh*G], k_cache, v_cache)``:
       unnormalised split partials (merged by :func:`merged_attention_loader` or
@@ -715,8 +717,9 @@ def head_sparse_attention_pallas(x, wq, bq, wk, bk, wv, bv, wo, bo, k_cache, v_c
     pos = jnp.asarray(pos, jnp.int32).reshape(1)
     # columns per load: an x tile of at most 8192 elements, for x's rows and, narrower
     # where they are many more, for the window's
-    tile_d = lambda rows: min(cfg.proj_block_d, 1 << (d.bit_length() - 1),
-                              max(32, 8192 // batch_pad(rows)))
+    def tile_d(rows):
+        return min(cfg.proj_block_d, 1 << (d.bit_length() - 1), max(32, 8192 // batch_pad(rows)))
+
     bd = tile_d(B)
     kv_ids, x_rows, kv_opts = head_idx, x, {}
     if window is not None:

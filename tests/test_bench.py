@@ -206,14 +206,15 @@ def test_kernel_config_flags_parse_and_label_the_rows(tmp_path):
     from dejavu_jax.kernels import AttnConfig, MLPConfig
     [got] = bench_decode.parse_kernel_configs("out_group_view=0,out_block_rows=16", "")
     assert got == {"attn_config": AttnConfig(out_group_view=False, out_block_rows=16)}
-    assert bench_decode.config_label(got) == " [out_block_rows=16,out_group_view=False]"
+    assert bench_decode.config_label(got) == " [attn.out_block_rows=16,attn.out_group_view=False]"
     assert bench_decode.parse_kernel_configs("", "") == [{}]
     grid = bench_decode.parse_kernel_configs("base/out_group_view=0", "base/num_stages=3")
     assert grid == [{"attn_config": a, "mlp_config": m}
                     for a in (AttnConfig(), AttnConfig(out_group_view=False))
                     for m in (MLPConfig(), MLPConfig(num_stages=3))]
     assert [bench_decode.config_label(c) for c in grid] == [
-        "", " [num_stages=3]", " [out_group_view=False]", " [out_group_view=False,num_stages=3]"]
+        "", " [mlp.num_stages=3]", " [attn.out_group_view=False]",
+        " [attn.out_group_view=False,mlp.num_stages=3]"]
     assert bench_decode.config_label({}) == ""
     with pytest.raises(SystemExit):
         bench_decode.main(["--attn-config", "no_such_field=1", "--out", str(tmp_path)])
@@ -235,6 +236,8 @@ def test_step_parts_config_variants_parse():
         kernel="cols", block_rows=8, block_d=512, deferred=True, group_view=True, num_warps=8)
     with pytest.raises(ValueError, match="unknown out-proj option"):
         parse_out_variant("cols:8x512,warps=8")
+    with pytest.raises(ValueError, match="cols kernel only"):
+        parse_out_variant("rows:16x512,num_warps=8")
     assert got[1][1].max_fused_splits == 0 and got[1][1].num_warps == AttnConfig().num_warps
     assert (got[2][1].num_warps, got[2][1].num_stages) == (8, 3)
     assert got[3][1].seq_splits is None

@@ -56,7 +56,7 @@ def test_gather_cols_matvec_rejects_bad_blocks_and_residual():
         gather_cols_matvec(*args, B=1, cols_per_id=4, block_cols=2, group_view=True)
 
 
-@pytest.mark.parametrize("B,group_view", [(1, False), (1, True), (2, False)])
+@pytest.mark.parametrize("B,group_view", [(1, False), (1, True), (2, False), (2, True)])
 def test_gather_cols_matvec_reads_the_ids_layer_of_stacked_weights(rng, B, group_view):
     """Three layers stacked by rows: global ids of layer 1 read only layer 1's rows."""
     L, d_out, n_groups, m = 3, 24, 4, 8

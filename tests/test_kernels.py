@@ -142,9 +142,13 @@ def test_gather_matvec_windowed_segment_skips_unflagged_past_rows(rng):
         np.testing.assert_allclose(got[done, cols], want[done, cols], rtol=1e-5, atol=1e-5)
         if not flag:
             assert np.isnan(np.delete(got[:, cols], current, axis=0)).all()
-    with pytest.raises(ValueError, match="needs past_flags"):
-        gather_matvec(jnp.zeros((1, d), F32), [dataclasses.replace(seg, past_flags=None)],
-                      interpret=True)
+    for bad, match in ((dict(past_flags=None), "needs past_flags"),
+                       (dict(past_flags=jnp.zeros(2, jnp.int32)), "past_flags has shape"),
+                       (dict(current=jnp.asarray([4], jnp.int32)), "not a row of a 4-row"),
+                       (dict(window=5), "two or more 5-row windows")):
+        with pytest.raises(ValueError, match=match):
+            gather_matvec(jnp.zeros((1, d), F32), [dataclasses.replace(seg, **bad)],
+                          block_d=32, interpret=True)
 
 
 def test_gather_matvec_segment_with_its_own_block_d(rng):
@@ -319,8 +323,9 @@ def test_window_recompute_writes_needed_entries_then_attends(rng, impl, ring_shi
     need[:, :, -1] = True                                     # the current token is missing
     need[:, :, raw == 0] = True                               # the real slot 0 is needed ...
     need[:, :, raw < 0] = False                               # ... its clamped copies not
-    need[:, :2, :-1] = False     # head slots 0 and 1 miss nothing earlier: in a batch the
-    first = {}                   # program of their 32 rows multiplies the current rows alone
+    if B > 1:   # head slots 0 and 1 miss nothing earlier: the program of their 32 rows
+        need[:, :2, :-1] = False  # multiplies the current rows alone
+    first = {}
     for i, h in enumerate(ids):                               # duplicates agree on need
         need[:, i] = need[:, first.setdefault(int(h), i)]
     cos = sin = None
@@ -513,8 +518,8 @@ def test_head_sparse_attention_rejects_bad_rope_and_mask(rng):
     (2, 1, False, False), (2, 8, False, True), (1, 1, True, False), (1, 8, True, False),
     (1, 8, True, True), (1, 1, False, True)])
 def test_head_sparse_attention_many_splits(rng, B, max_fused, deferred, group_view):
-    """Splits merged in XLA or inside the out-projection; batch 1 with deferred sums and
-    with the out-projection's 3-D group view (ignored at batch 2)."""
+    """Splits merged in XLA or inside the out-projection; batch 1 with deferred sums, and
+    the out-projection's 3-D group view at batch 1 and 2."""
     from dejavu_jax.kernels import AttnConfig
     d, H, hd, S, Kh, pos = 96, 6, 16, 70, 3, 52
     hidx, arrs = _attn_inputs(rng, B, d, H, H, hd, S, Kh, pos, F32, True)
