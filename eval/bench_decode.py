@@ -435,7 +435,10 @@ def measure_rows(config, params, preds, contexts, mlp_densities, head_densities,
                             add(res, step_bytes(config, scfg, ctx, batch, rank,
                                                 kind.startswith("predictor")),
                                 mode="sparse", mlp=md, heads=hdn,
-                                indices=kind + config_label(kernel_cfg))
+                                indices=kind + config_label(kernel_cfg),
+                                **({"kernel_config": {key: dataclasses.asdict(cfg)
+                                                      for key, cfg in kernel_cfg.items()}}
+                                   if kernel_cfg else {}))
     return rows
 
 

@@ -220,6 +220,20 @@ def test_kernel_config_flags_parse_and_label_the_rows(tmp_path):
         bench_decode.main(["--attn-config", "no_such_field=1", "--out", str(tmp_path)])
 
 
+def test_kernel_config_variants_are_rows_of_one_run(tmp_path):
+    """Each --mlp-config variant gets its own sparse rows, labelled, with its config."""
+    out = tmp_path / "variants"
+    assert bench_decode.main([
+        "--models", "opt-tiny", "--contexts", "8", "--steps", "1", "--warmup", "1",
+        "--prefill-reps", "1", "--mlp", "0.5", "--heads", "0.5", "--modes", "sparse",
+        "--select", "local", "--loop-only", "--mlp-config", "base/num_stages=3",
+        "--out", str(out)]) == 0
+    rows = json.loads((out / "bench_decode.json").read_text())["rows"]
+    got = {r["indices"]: r["kernel_config"]["mlp_config"]["num_stages"] for r in rows}
+    assert got == {"predictor-local": 2, "fixed": 2, "predictor-local [mlp.num_stages=3]": 3,
+                   "fixed [mlp.num_stages=3]": 3}
+
+
 def test_step_parts_config_variants_parse():
     from dejavu_jax.kernels.bench_step_parts import parse_variants
     from dejavu_jax.kernels.head_attention import AttnConfig
