@@ -32,6 +32,11 @@ def next_pow2(n: int) -> int:
     return 1 if n <= 1 else 1 << (n - 1).bit_length()
 
 
+def is_pow2(n: int) -> bool:
+    """Whether n is a positive power of two."""
+    return n >= 1 and not n & (n - 1)
+
+
 def cdiv(a: int, b: int) -> int:
     """Ceiling division of non-negative ints."""
     return -(-a // b)

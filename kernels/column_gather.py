@@ -25,25 +25,34 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
-from ._common import cdiv
+from ._common import cdiv, is_pow2
 from .gather_matvec import accumulate_blocks, batch_pad, logical_rows, mma
 
 
-def _kernel(*refs, n_act, load_act, B, Bp, m, n_cols, d_out, n_local, layers, bk, bc,
-            chunks, has_res, has_bias, deferred):
+def _split_refs(refs, n_act: int, has_res: bool, has_bias: bool):
+    """(activation refs, ids, w, residual or None, bias or None, out) of a kernel's refs."""
     act_refs = refs[:n_act]
     ids_ref, w_ref = refs[n_act:n_act + 2]
     rest = list(refs[n_act + 2:])
     res_ref = rest.pop(0) if has_res else None
     b_ref = rest.pop(0) if has_bias else None
-    o_ref = rest[-1]
-    i = pl.program_id(0)
-    rows = i * bk + jnp.arange(bk, dtype=jnp.int32)
-    rm = rows < d_out
+    return act_refs, ids_ref, w_ref, res_ref, b_ref, rest[-1]
+
+
+def _program_rows(ids_ref, bk: int, d_out: int, groups_per_layer: int, layers: int):
+    """This program's output rows, their mask, the ids' layer and its weight rows."""
+    rows = pl.program_id(0) * bk + jnp.arange(bk, dtype=jnp.int32)
+    layer = ids_ref[0] // groups_per_layer if layers > 1 else 0
+    return rows, rows < d_out, layer, layer * d_out + rows
+
+
+def _kernel(*refs, n_act, load_act, B, Bp, m, n_cols, d_out, n_local, layers, bk, bc,
+            chunks, has_res, has_bias, deferred):
+    act_refs, ids_ref, w_ref, res_ref, b_ref, o_ref = _split_refs(refs, n_act, has_res,
+                                                                  has_bias)
+    rows, rm, layer, w_rows = _program_rows(ids_ref, bk, d_out, n_local // m, layers)
     brow = jnp.arange(Bp, dtype=jnp.int32)
     bmask = brow < B
-    layer = ids_ref[0] // (n_local // m) if layers > 1 else 0
-    w_rows = layer * d_out + rows
 
     def chunk(c, acc):
         lc = c * bc + jnp.arange(bc, dtype=jnp.int32)
@@ -70,19 +79,11 @@ def _group_kernel(*refs, n_act, load_act, B, Bp, m, n_groups, d_out, n_local, la
                   chunks, has_res, has_bias, deferred):
     """Over the ``[rows, n_local / m, m]`` view, ``gc`` selected groups per load: batch 1
     multiplies the 3-D tile elementwise; a batch flattens it for the tensor cores."""
-    act_refs = refs[:n_act]
-    ids_ref, w_ref = refs[n_act:n_act + 2]
-    rest = list(refs[n_act + 2:])
-    res_ref = rest.pop(0) if has_res else None
-    b_ref = rest.pop(0) if has_bias else None
-    o_ref = rest[-1]
-    i = pl.program_id(0)
-    rows = i * bk + jnp.arange(bk, dtype=jnp.int32)
-    rm = rows < d_out
+    act_refs, ids_ref, w_ref, res_ref, b_ref, o_ref = _split_refs(refs, n_act, has_res,
+                                                                  has_bias)
+    rows, rm, layer, w_rows = _program_rows(ids_ref, bk, d_out, n_local // m, layers)
     lane = jnp.arange(m, dtype=jnp.int32)
     brow = jnp.arange(Bp, dtype=jnp.int32)
-    layer = ids_ref[0] // (n_local // m) if layers > 1 else 0
-    w_rows = layer * d_out + rows
 
     def chunk(c, acc):
         g = c * gc + jnp.arange(gc, dtype=jnp.int32)
@@ -161,7 +162,7 @@ def gather_cols_matvec(act_args: Sequence[jax.Array], load_act: Callable, w: jax
     Bp = batch_pad(B)
     bk = block_rows if Bp == 1 else max(16, block_rows)
     for name, v in (("block_rows", bk), ("block_cols", block_cols)):
-        if v < 1 or v & (v - 1):
+        if not is_pow2(v):
             raise ValueError(f"{name}={v} must be a power of two")
     if residual is not None and (residual.shape != (B, d_out)
                                  or residual.dtype != jnp.float32):
@@ -171,7 +172,7 @@ def gather_cols_matvec(act_args: Sequence[jax.Array], load_act: Callable, w: jax
                   n_local=w.shape[1], layers=layers, bk=bk, has_res=residual is not None,
                   has_bias=bias is not None, deferred=bool(deferred_sum))
     if group_view:
-        if m & (m - 1) or m > block_cols:
+        if not is_pow2(m) or m > block_cols:
             raise ValueError(f"group_view needs a power-of-two cols_per_id <= block_cols, "
                              f"got {m} and {block_cols}")
         gc = block_cols // m

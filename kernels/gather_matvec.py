@@ -35,7 +35,7 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
-from ._common import activation_fn, cdiv, check_array, next_pow2
+from ._common import activation_fn, cdiv, check_array, is_pow2, next_pow2
 from .launch import LaunchPart, launch
 
 
@@ -266,7 +266,7 @@ def gather_matvec_part(x: jax.Array, segments: Sequence[Segment], *, block_rows:
     """:func:`gather_matvec` as a :class:`~.launch.LaunchPart` (same arguments)."""
     d = x.shape[1]
     bd = block_d
-    if bd < 1 or bd & (bd - 1):
+    if not is_pow2(bd):
         raise ValueError(f"block_d={bd} must be a power of two")
     nds = cdiv(d, bd * d_chunks)
     seg_meta, outs, args = [], [], []
@@ -280,7 +280,7 @@ def gather_matvec_part(x: jax.Array, segments: Sequence[Segment], *, block_rows:
         bk = seg.block_rows or block_rows
         bk = bk if Bp == 1 else max(16, bk)
         bd_s = seg.block_d or bd
-        if bd_s < 1 or bd_s & (bd_s - 1) or bd_s > bd:
+        if not is_pow2(bd_s) or bd_s > bd:
             raise ValueError(f"a segment's block_d={bd_s} must be a power of two <= the "
                              f"call's block_d={bd}")
         nb = cdiv(seg.n_rows, bk)

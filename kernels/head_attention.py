@@ -42,8 +42,8 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
-from ._common import (balanced_chunks, cdiv, check_array, check_bias, check_indices, next_pow2,
-                      resolve_impl)
+from ._common import (balanced_chunks, cdiv, check_array, check_bias, check_indices, is_pow2,
+                      next_pow2, resolve_impl)
 from .column_gather import gather_cols_matvec
 from .gather_matvec import (Segment, batch_pad, check_segment, gather_matvec, mma,
                             segment_reference)
@@ -783,7 +783,7 @@ def head_sparse_attention_pallas(x, wq, bq, wk, bk, wv, bv, wo, bo, k_cache, v_c
                              num_stages=cfg.num_stages,
                              deferred_sum=cfg.out_deferred_sum, residual=residual, bias=bo,
                              group_view=(cfg.out_group_view and G * hd <= out_cols
-                                         and (G * hd) & (G * hd - 1) == 0),
+                                         and is_pow2(G * hd)),
                              interpret=interpret)
     if residual is None:
         out = out.astype(x.dtype)
