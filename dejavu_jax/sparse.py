@@ -369,8 +369,19 @@ def _dense_layer(config, view, io: _LayerIO, layer, x, step, oracle_k=None, redu
     return x, io.replace(k=k, v=v, written=written)
 
 
+def _covers_everything(config: ModelConfig, x: jax.Array, neurons, groups) -> bool:
+    """Whether a batch's sets hold every neuron and every KV group (static set sizes, as a
+    union's capacity min(n, k * B) often is): the layer is then dense, and the dense path's
+    XLA products read the same weights faster than the gather kernels' batch path."""
+    return (x.shape[0] > 1 and neurons.shape[-1] == config.ffn
+            and groups.shape[-1] == config.n_kv_heads)
+
+
 def _sparse_layer(config, scfg, view, io, layer, x, neurons, groups, step, reduce=None):
-    """One DejaVu layer: head-sparse attention, then the sparse MLP."""
+    """One DejaVu layer: head-sparse attention, then the sparse MLP (a batch whose sets
+    cover everything runs `_dense_layer`)."""
+    if _covers_everything(config, x, neurons, groups):
+        return _dense_layer(config, view, io, layer, x, step, reduce=reduce)
     box = {}
 
     def attn(y):
@@ -394,11 +405,16 @@ def _fused_sparse_layer(config, scfg, view, io, layer, x, neurons, groups, step,
     first product rides on the projection launch and whose `finish(partials)` gives the
     sets, or the `Riders` that select inside the MLP's two launches.
     x_rms (x over its RMS, in `rms_dtype`) is None unless `rms_dtype` is given. Returns
-    (output rows, the layer's input rows, io, next sets).
+    (output rows, the layer's input rows, io, next sets). A batch whose sets cover
+    everything runs `_dense_layer`.
     """
     lp = view.lp
     eps = config.norm_eps
     x = x.astype(F32)
+    if _covers_everything(config, x, neurons, groups):
+        nxt = lookahead(x, None)
+        out, io = _dense_layer(config, view, io, layer, x, step)
+        return out.astype(F32), x, io, nxt
     def norm(rows, scale, bias, **kw):
         return kernels.layer_norm(rows, scale, bias, eps, out_dtype=scale.dtype,
                                   impl=scfg.impl, **kw)

@@ -48,12 +48,14 @@ def _run_both(config, params, scfg, sets, prompts, steps):
 
 
 @pytest.mark.parametrize("preset", ["opt-tiny", "llama-tiny"])
-def test_density_one_equals_dense_every_step(preset):
+@pytest.mark.parametrize("prompts", [[[5, 9, 14, 3]], [[5, 9, 14, 3], [8, 2]]],
+                         ids=["batch1-sparse-path", "batch2-dense-fallback"])
+def test_density_one_equals_dense_every_step(preset, prompts):
     config = dj.preset(preset)
     params = dj.init_params(config, jax.random.key(1), jnp.float32, std=0.1)
     scfg = _full_sparse(config, kv_window=4)
     for dense_logits, sparse_logits in _run_both(config, params, scfg, _full_sets(config),
-                                                 [[5, 9, 14, 3], [8, 2]], steps=9):
+                                                 prompts, steps=9):
         assert np.abs(dense_logits - sparse_logits).max() <= 1e-5
 
 
@@ -276,29 +278,55 @@ def test_sparse_config_validation():
     assert scfg.mlp_k == (256, 26, 26, 26) and scfg.head_k == (4, 2, 2, 2)
 
 
-def test_a_set_of_every_neuron_runs_the_dense_mlp(monkeypatch):
+@pytest.mark.parametrize("head_density", [1.0, 0.5])
+def test_a_set_of_every_neuron_runs_the_dense_mlp(monkeypatch, head_density):
     """Batch 2 at MLP density 0.5: the union's static capacity is every neuron, so the MLP
     runs XLA's dense products (no gather kernel) and the logits stay the dense ones; at
-    batch 1 the same density runs the kernel."""
+    batch 1 the same density runs the kernel. When the union also holds every head (head
+    density 1.0, or 0.5 over 2 rows) the whole layer is the dense one: no attention kernel
+    either; with head density 0.25 the attention kernel runs."""
     from dejavu_jax import kernels
     config = dj.preset("opt-tiny")
     params = dj.init_params(config, jax.random.key(3), jnp.float32, std=0.1)
-    scfg = sparse.sparse_config(config, 0.5, 1.0, dense_layers=1, kv_window=4)
-    calls = []
-    real = kernels.sparse_mlp
+    scfg = sparse.sparse_config(config, 0.5, head_density, dense_layers=1, kv_window=4)
+    calls, attn_calls = [], []
+    real, real_attn = kernels.sparse_mlp, kernels.head_sparse_attention
     monkeypatch.setattr(kernels, "sparse_mlp",
                         lambda *a, **kw: calls.append(a[5].shape[0]) or real(*a, **kw))
+    monkeypatch.setattr(kernels, "head_sparse_attention",
+                        lambda *a, **kw: attn_calls.append(a[12].shape[0])
+                        or real_attn(*a, **kw))
     select = sparse.predictor_selector(config.group_size)
     from dejavu_jax.eval.bench_decode import random_predictors
     preds = random_predictors(config, 8, jax.random.key(4))
     eng = sparse.sparse_engine(config, scfg, select)
     prompts = [[5, 9, 14, 3], [8, 2]]
     got = generate_tokens(eng, (params, preds), prompts, 4, stop_ids=[])
-    assert calls == []
+    assert calls == [] and attn_calls == []
     want = generate_tokens(dense_engine(config), params, prompts, 4, stop_ids=[])
     assert got.tokens == want.tokens
     generate_tokens(eng, (params, preds), prompts[:1], 2, stop_ids=[])
     assert calls and all(k == config.ffn // 2 for k in calls)
+    assert attn_calls and all(k == config.n_kv_heads * head_density for k in attn_calls)
+
+
+def test_a_batch_union_of_some_heads_runs_the_attention_kernel(monkeypatch):
+    """Batch 2 at heads 0.25: the union holds half the heads, so the attention kernel
+    runs with that many (and the MLP, whose union is every neuron, runs dense)."""
+    from dejavu_jax import kernels
+    config = dj.preset("opt-tiny")
+    params = dj.init_params(config, jax.random.key(3), jnp.float32, std=0.1)
+    scfg = sparse.sparse_config(config, 0.5, 0.25, dense_layers=1, kv_window=4)
+    attn_calls = []
+    real_attn = kernels.head_sparse_attention
+    monkeypatch.setattr(kernels, "head_sparse_attention",
+                        lambda *a, **kw: attn_calls.append(a[12].shape[0])
+                        or real_attn(*a, **kw))
+    from dejavu_jax.eval.bench_decode import random_predictors
+    preds = random_predictors(config, 8, jax.random.key(4))
+    eng = sparse.sparse_engine(config, scfg, sparse.predictor_selector(config.group_size))
+    generate_tokens(eng, (params, preds), [[5, 9, 14, 3], [8, 2]], 3, stop_ids=[])
+    assert attn_calls and all(k == config.n_kv_heads // 2 for k in attn_calls)
 
 
 def test_sparse_step_refuses_fused_qkv():
