@@ -135,6 +135,11 @@ def step_bytes(config, scfg, context: int, batch: int, rank: int, predictors: bo
     predictor rows, both predictors of every sparse layer. scfg None: dense. At density 1.0
     this is the model's weight bytes minus the position table plus the gathered rows plus
     the KV (tests/test_bench.py checks it against the parameter arrays).
+
+    Predictor rows with batch > 1 read the union's static capacity, min(n, k * batch)
+    units (`train.predict.select_top_k`); a layer whose union holds every neuron and every
+    KV group runs dense and reads no predictor (`sparse._covers_everything`). Fixed-index
+    rows read their k units for every batch.
     """
     c = config
     d, E, hd, G = c.hidden, c.embed_dim, c.head_dim, c.group_size
@@ -150,6 +155,9 @@ def step_bytes(config, scfg, context: int, batch: int, rank: int, predictors: bo
     for layer in range(c.n_layers):
         km = c.ffn if scfg is None else scfg.mlp_k[layer]
         kh = c.n_kv_heads if scfg is None else scfg.head_k[layer]
+        if predictors and batch > 1:
+            km, kh = min(c.ffn, km * batch), min(c.n_kv_heads, kh * batch)
+        union_is_dense = batch > 1 and km == c.ffn and kh == c.n_kv_heads
         total += 2 * d * (2 if layer_norm else 1)  # attention and MLP norms
         total += kh * (2 * G + 2) * hd * d  # q and o of the group's query heads, k, v
         if c.attention_bias:
@@ -158,7 +166,8 @@ def step_bytes(config, scfg, context: int, batch: int, rank: int, predictors: bo
         if c.mlp_bias:
             total += km + d  # b_in of the selected neurons; b_out
         total += batch * kh * 2 * context * hd  # K and V
-        if predictors and scfg is not None and layer >= scfg.dense_layers:
+        if (predictors and scfg is not None and layer >= scfg.dense_layers
+                and not union_is_dense):
             # both predictors in decode form (`decode_predictors`): w1t [2r, d] and
             # w2 [r, n] bf16, b1 [2r] and b2 [n] fp32 (2 bf16 units each), n = ffn, n_heads
             total += 2 * d * rank + rank * (c.ffn + c.n_heads)

@@ -69,6 +69,17 @@ def test_step_bytes_counts_every_weight(name):
     # fewer units read fewer bytes
     half = sparse.sparse_config(config, 0.5, 0.5, dense_layers=dense_layers)
     assert bench_decode.step_bytes(config, half, 8, 1, rank, False) < without
+    # a batch's predicted sets are the union's capacity: 2 rows at half density read every
+    # unit, run dense and read no predictor; fixed sets read their k units at any batch
+    assert (bench_decode.step_bytes(config, half, 8, 2, rank, True)
+            == bench_decode.step_bytes(config, None, 8, 2, rank, False))
+    assert (bench_decode.step_bytes(config, half, 8, 2, rank, False)
+            < bench_decode.step_bytes(config, None, 8, 2, rank, False))
+    quarter = sparse.sparse_config(config, 0.25, 1.0, dense_layers=dense_layers)
+    half_mlp = sparse.sparse_config(config, 0.5, 1.0, dense_layers=dense_layers)
+    assert (bench_decode.step_bytes(config, quarter, 8, 2, rank, True)
+            == bench_decode.step_bytes(config, half_mlp, 8, 2, rank, False)
+            + per_layer * (config.n_layers - dense_layers))
 
 
 @pytest.mark.parametrize("name", sorted(config_lib.PRESETS))
