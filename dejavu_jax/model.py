@@ -234,6 +234,21 @@ def write_kv(cache, layer, slot: jax.Array, new: jax.Array):
     return jax.lax.dynamic_update_slice(cache, upd, (0, layer, 0, slot, 0))
 
 
+def dense_attention(config: ModelConfig, lp, y: jax.Array, k_all, v_all, layer, step: dict,
+                    mask_heads=None):
+    """Dense attention for one new token per row, normed inputs y [B, d]: (output [B, d]
+    before any residual add, k_all, v_all with this layer's K/V written at step["slot"]).
+    step and mask_heads are as in `decode_layer`."""
+    q, k, v = ops.project_qkv(config, lp, y, step["positions"])
+    k_all = write_kv(k_all, layer, step["slot"], k)
+    v_all = write_kv(v_all, layer, step["slot"], v)
+    heads = cached_attention(config, q, cache_layer(k_all, layer), cache_layer(v_all, layer),
+                             step["valid"])
+    if mask_heads is not None:
+        heads = mask_heads(lp, heads)
+    return ops.out_project(lp, heads), k_all, v_all
+
+
 def decode_layer(config: ModelConfig, lp, x: jax.Array, k_all, v_all, layer, step: dict,
                  mask_heads=None, mask_neurons=None, reduce=None):
     """One dense layer for one new token per row; returns (x, k_all, v_all) with this
@@ -248,14 +263,9 @@ def decode_layer(config: ModelConfig, lp, x: jax.Array, k_all, v_all, layer, ste
     box = {}
 
     def attn(y):
-        q, k, v = ops.project_qkv(config, lp, y, step["positions"])
-        box["k"] = write_kv(k_all, layer, step["slot"], k)
-        box["v"] = write_kv(v_all, layer, step["slot"], v)
-        heads = cached_attention(config, q, cache_layer(box["k"], layer),
-                                 cache_layer(box["v"], layer), step["valid"])
-        if mask_heads is not None:
-            heads = mask_heads(lp, heads)
-        return reduce(ops.out_project(lp, heads))
+        out, box["k"], box["v"] = dense_attention(config, lp, y, k_all, v_all, layer, step,
+                                                  mask_heads)
+        return reduce(out)
 
     def mlp(y):
         hidden = ops.mlp_hidden(config, lp, y)

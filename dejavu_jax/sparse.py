@@ -27,7 +27,7 @@ from flax import struct
 from dejavu_jax import kernels, ops
 from dejavu_jax.config import ModelConfig
 from dejavu_jax.kernels.sparse_mlp import Riders
-from dejavu_jax.model import (DecodeState, cache_layer, decode_layer, embed,
+from dejavu_jax.model import (DecodeState, cache_layer, decode_layer, dense_attention, embed,
                               head_output_norms, set_cache_layer, unembed)
 from dejavu_jax.params import ModelParams, has_fused_qkv
 
@@ -364,28 +364,48 @@ def _dense_layer(config, view, io: _LayerIO, layer, x, step, oracle_k=None, redu
 
     masks = (None, None) if oracle_k is None else (mask_heads, mask_neurons)
     x, k, v = decode_layer(config, view.lp, x, io.k, io.v, layer, step, *masks, reduce)
+    return x, _all_written(config, io.replace(k=k, v=v), layer, step)
+
+
+def _all_written(config, io: _LayerIO, layer, step) -> _LayerIO:
+    """io with every KV group's entry of this layer at this token marked written."""
     all_written = jnp.ones((io.written.shape[0], 1, config.n_kv_heads, 1), bool)
-    written = jax.lax.dynamic_update_slice(io.written, all_written, (0, layer, 0, step["slot"]))
-    return x, io.replace(k=k, v=v, written=written)
+    return io.replace(written=jax.lax.dynamic_update_slice(
+        io.written, all_written, (0, layer, 0, step["slot"])))
+
+
+def _dense_batch_attention(config, view, io: _LayerIO, layer, y, step):
+    """(output [B, d] fp32, io): XLA's dense attention, for a batch whose union holds every
+    KV group (it writes and marks every group's K/V of this token)."""
+    out, k, v = dense_attention(config, view.lp, y, io.k, io.v, layer, step)
+    return out.astype(F32), _all_written(config, io.replace(k=k, v=v), layer, step)
+
+
+def _covers_all_heads(config: ModelConfig, x: jax.Array, groups) -> bool:
+    """Whether a batch's (static-size) KV-group set is every group, as a union's capacity
+    min(n, k * B) often is: the attention is then dense, and XLA's products read the same
+    weights faster than the gather kernels' batch path."""
+    return x.shape[0] > 1 and groups.shape[-1] == config.n_kv_heads
 
 
 def _covers_everything(config: ModelConfig, x: jax.Array, neurons, groups) -> bool:
-    """Whether a batch's sets hold every neuron and every KV group (static set sizes, as a
-    union's capacity min(n, k * B) often is): the layer is then dense, and the dense path's
-    XLA products read the same weights faster than the gather kernels' batch path."""
-    return (x.shape[0] > 1 and neurons.shape[-1] == config.ffn
-            and groups.shape[-1] == config.n_kv_heads)
+    """Whether a batch's sets hold every neuron and every KV group: the layer is dense."""
+    return _covers_all_heads(config, x, groups) and neurons.shape[-1] == config.ffn
 
 
 def _sparse_layer(config, scfg, view, io, layer, x, neurons, groups, step, reduce=None):
-    """One DejaVu layer: head-sparse attention, then the sparse MLP (a batch whose sets
-    cover everything runs `_dense_layer`)."""
+    """One DejaVu layer: head-sparse attention, then the sparse MLP. A batch whose set
+    holds every KV group runs XLA's dense attention; one whose sets hold every neuron too
+    runs `_dense_layer`."""
     if _covers_everything(config, x, neurons, groups):
         return _dense_layer(config, view, io, layer, x, step, reduce=reduce)
     box = {}
 
     def attn(y):
-        out, box["io"] = _sparse_attention(config, scfg, view, io, layer, y, groups, step)
+        if _covers_all_heads(config, x, groups):
+            out, box["io"] = _dense_batch_attention(config, view, io, layer, y, step)
+        else:
+            out, box["io"] = _sparse_attention(config, scfg, view, io, layer, y, groups, step)
         return _reduced(reduce, out)
 
     lp = view.lp
@@ -405,8 +425,9 @@ def _fused_sparse_layer(config, scfg, view, io, layer, x, neurons, groups, step,
     first product rides on the projection launch and whose `finish(partials)` gives the
     sets, or the `Riders` that select inside the MLP's two launches.
     x_rms (x over its RMS, in `rms_dtype`) is None unless `rms_dtype` is given. Returns
-    (output rows, the layer's input rows, io, next sets). A batch whose sets cover
-    everything runs `_dense_layer`.
+    (output rows, the layer's input rows, io, next sets). A batch whose set holds every
+    KV group runs XLA's dense attention; one whose sets hold every neuron too runs
+    `_dense_layer`.
     """
     lp = view.lp
     eps = config.norm_eps
@@ -426,9 +447,13 @@ def _fused_sparse_layer(config, scfg, view, io, layer, x, neurons, groups, step,
     rms = rest[0] if rms_dtype is not None else None
     nxt = lookahead(x, rms)
     split = isinstance(nxt, tuple) and callable(nxt[1])
-    h, io, *extra_parts = _sparse_attention(config, scfg, view, io, layer, y, groups, step,
-                                            residual=x, extra_segments=(nxt[0],) if split else (),
-                                            history_rows=rest[-1])
+    if _covers_all_heads(config, x, groups):  # batches only: never split
+        out, io = _dense_batch_attention(config, view, io, layer, y, step)
+        h = x + out
+    else:
+        h, io, *extra_parts = _sparse_attention(
+            config, scfg, view, io, layer, y, groups, step, residual=x,
+            extra_segments=(nxt[0],) if split else (), history_rows=rest[-1])
     if split:
         nxt = nxt[1](extra_parts[0][0])
     y = norm(h, lp.mlp_norm_scale, lp.mlp_norm_bias)

@@ -310,6 +310,51 @@ def test_a_set_of_every_neuron_runs_the_dense_mlp(monkeypatch, head_density):
     assert attn_calls and all(k == config.n_kv_heads * head_density for k in attn_calls)
 
 
+@pytest.mark.parametrize("preset", ["opt-tiny", "llama-tiny"])
+def test_a_batch_with_every_head_runs_dense_attention_and_matches_single_rows(
+        preset, monkeypatch):
+    """Batch 2 with fixed sets of every KV group and half the neurons: the attention is
+    XLA's dense one (no attention kernel), the MLP the sparse one, and each row's logits at
+    every step equal those of that prompt decoded alone, where batch 1 runs the sparse
+    attention path with the same sets."""
+    from dejavu_jax import kernels
+    config = dj.preset(preset)
+    params = dj.init_params(config, jax.random.key(5), jnp.float32, std=0.1)
+    L, F = config.n_layers, config.ffn
+    rng = np.random.default_rng(2)
+    neurons = jnp.asarray(np.sort(np.stack([rng.permutation(F)[:F // 2] for _ in range(L)]),
+                                  axis=1), jnp.int32)
+    sets = (neurons, _full_sets(config)[1])
+    scfg = sparse.SparseConfig((F // 2,) * L, (config.n_kv_heads,) * L, dense_layers=1,
+                               kv_window=4)
+    attn_calls = []
+    real_attn = kernels.head_sparse_attention
+    monkeypatch.setattr(kernels, "head_sparse_attention",
+                        lambda *a, **kw: attn_calls.append(a[12].shape[0])
+                        or real_attn(*a, **kw))
+    eng = sparse.sparse_engine(config, scfg, sparse.fixed_selector)
+    prompts = [[5, 9, 14, 3, 7], [8, 2]]
+    tokens = np.random.default_rng(0).integers(3, config.vocab_size, (5, 2))
+
+    def run(rows):
+        ids, mask = (jnp.asarray(a) for a in __import__(
+            "dejavu_jax.generation", fromlist=["left_pad"]).left_pad([prompts[r] for r in rows]))
+        state = eng.init_state(len(rows), 32, jnp.float32)
+        logits, state = eng.prefill((params, sets), ids, mask, state)
+        out = []
+        for t in range(tokens.shape[0]):
+            logits, state = eng.step((params, sets), state, jnp.asarray(tokens[t, rows]))
+            out.append(np.asarray(logits))
+        return np.stack(out)
+
+    batch = run([0, 1])
+    assert attn_calls == []
+    for r in range(2):
+        alone = run([r])
+        assert attn_calls  # batch 1: the sparse attention path
+        assert np.abs(batch[:, r] - alone[:, 0]).max() <= 1e-5
+
+
 def test_a_batch_union_of_some_heads_runs_the_attention_kernel(monkeypatch):
     """Batch 2 at heads 0.25: the union holds half the heads, so the attention kernel
     runs with that many (and the MLP, whose union is every neuron, runs dense)."""
