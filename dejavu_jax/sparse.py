@@ -610,7 +610,7 @@ class PredictorSelector:
     def _top(self, scores, k, capacity):
         from dejavu_jax.kernels.top_k import (top_k_indices, top_k_indices_chunked,
                                               top_k_indices_local)
-        from dejavu_jax.topk import packed_top_k, threshold_top_k
+        from dejavu_jax.topk import packed_top_k, threshold_top_k, union_top_k
         from dejavu_jax.train.predict import select_top_k
         method, impl = self.method, self.impl
         if scores.shape[0] == 1 and capacity in (None, k):
@@ -624,6 +624,9 @@ class PredictorSelector:
                 return top_k_indices_local(scores[0], k, impl=impl)
             if method == "packed" and scores.shape[1] <= 1 << 16:
                 return packed_top_k(scores[0], k)
+        if scores.shape[0] > 1 and method != "exact":
+            capacity = capacity or min(scores.shape[1], k * scores.shape[0])
+            return union_top_k(scores, k, capacity)
         return select_top_k(scores, k, capacity)
 
     def __call__(self, pred_params, layer, x, k_mlp, k_heads):
@@ -671,7 +674,11 @@ def predictor_selector(group_size: int,
                        ride_mlp_launches: bool = True) -> PredictorSelector:
     """A Selector whose parameters are trained predictors (`dejavu_jax.train.predict`).
 
-    method, for a single row (batches take the union through `select_top_k` either way):
+    Batches select the union of their rows' sets, of static size min(n, k * B) by default
+    (`union_capacity` sets it): "exact" through `train.predict.select_top_k` (per-row
+    `lax.top_k` and a sort), every other method through `topk.union_top_k` (counting
+    passes, no sort). A union of every unit needs no ranking at all.
+    method, for a single row:
     "exact" (`lax.top_k`, a sort on the GPU), "threshold" (`topk.threshold_top_k`,
     sort-free jnp), "radix" (`kernels.top_k_indices`: one Pallas launch, exact top-k of
     the scores at bfloat16 precision, ties to the lower id; impl picks its kernel path),

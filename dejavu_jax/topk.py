@@ -16,6 +16,28 @@ import jax
 import jax.numpy as jnp
 
 
+def kth_largest_bracket(scores: jax.Array, k: int, levels: int = 3,
+                        candidates: int = 128) -> tuple[jax.Array, jax.Array]:
+    """(lo, hi), each [...] fp32, bracketing the k-th largest of each row of scores [..., n]:
+    at least k scores of a row are >= lo and fewer than k are > hi, with
+    hi - lo <= (max - min) / candidates**levels. Vectorised counting passes, no sort."""
+    n = scores.shape[-1]
+    if not 0 < k <= n:
+        raise ValueError(f"k={k} must be in 1..{n}")
+    s = scores.astype(jnp.float32)
+    lo, hi = s.min(-1), s.max(-1)
+    steps = jnp.arange(1, candidates + 1, dtype=jnp.float32) / candidates
+    for _ in range(levels):
+        t = lo[..., None] + (hi - lo)[..., None] * steps              # ascending, t[-1] = hi
+        counts = jnp.sum(s[..., None, :] >= t[..., None], axis=-1)  # non-increasing
+        above = jnp.sum(counts >= k, axis=-1)                        # thresholds keeping >= k
+        pick = lambda i: jnp.take_along_axis(t, i[..., None], axis=-1)[..., 0]  # noqa: E731
+        new_lo = jnp.where(above > 0, pick(jnp.maximum(above - 1, 0)), lo)
+        hi = jnp.where(above < candidates, pick(jnp.minimum(above, candidates - 1)), hi)
+        lo = new_lo
+    return lo, hi
+
+
 def threshold_top_k(scores: jax.Array, k: int, levels: int = 3,
                     candidates: int = 128) -> jax.Array:
     """Indices [k] (int32, ascending) of the k largest of scores [n].
@@ -23,19 +45,8 @@ def threshold_top_k(scores: jax.Array, k: int, levels: int = 3,
     Exact except among scores that lie within (max - min) / candidates**levels of the
     k-th largest, where ties are broken by lower index.
     """
-    n = scores.shape[-1]
-    if not 0 < k <= n:
-        raise ValueError(f"k={k} must be in 1..{n}")
     s = scores.astype(jnp.float32)
-    lo, hi = s.min(), s.max()
-    steps = jnp.arange(1, candidates + 1, dtype=jnp.float32) / candidates
-    for _ in range(levels):
-        t = lo + (hi - lo) * steps                                   # ascending, t[-1] = hi
-        counts = jnp.sum(s[None, :] >= t[:, None], axis=1)           # non-increasing
-        above = jnp.sum(counts >= k)                                 # thresholds keeping >= k
-        new_lo = jnp.where(above > 0, t[jnp.maximum(above - 1, 0)], lo)
-        hi = jnp.where(above < candidates, t[jnp.minimum(above, candidates - 1)], hi)
-        lo = new_lo
+    lo, hi = kth_largest_bracket(s, k, levels, candidates)
     definite = s > hi
     marginal = (s >= lo) & ~definite
     room = k - jnp.sum(definite)
@@ -61,3 +72,25 @@ def packed_top_k(scores: jax.Array, k: int) -> jax.Array:
     packed = (rank << 16) | jnp.arange(n, dtype=jnp.uint32)
     best = jax.lax.sort(packed)[:k]
     return jnp.sort((best & 0xFFFF).astype(jnp.int32))
+
+
+def union_top_k(scores: jax.Array, k: int, capacity: int) -> jax.Array:
+    """A batch's union of its rows' top-k sets as `capacity` ids (int32, ascending), for
+    scores [B, n] and k * B >= capacity: no sort.
+
+    Each row's set is bracketed by `kth_largest_bracket` (the scores >= the bracket's low
+    end: exact except within its resolution of the row's k-th score). A unit's margin is
+    its largest score minus that row's low end, over the rows; the `capacity` largest
+    margins (`threshold_top_k`) hold the whole union when it fits, and pad it with the
+    non-members closest to some row's set. The same union as `train.predict.select_top_k`,
+    which pads by raw score and ranks with a sort.
+    """
+    B, n = scores.shape
+    if not 0 < capacity <= n:
+        raise ValueError(f"capacity={capacity} must be in 1..{n}")
+    if capacity == n:
+        return jnp.arange(n, dtype=jnp.int32)
+    s = scores.astype(jnp.float32)
+    lo, _ = kth_largest_bracket(s, k)
+    margin = (s - lo[:, None]).max(axis=0)
+    return threshold_top_k(margin, capacity)

@@ -110,3 +110,41 @@ def test_predictor_selector_methods_pick_the_top_scores(rng, method):
         # every chosen score is >= every score left out
         left = np.setdiff1d(np.arange(len(scores)), got)
         assert scores[got].min() >= (scores[left].max() if len(left) else -np.inf)
+
+
+@pytest.mark.parametrize("B,n,k", [(2, 300, 30), (4, 20480, 2048), (3, 1000, 1)])
+def test_kth_largest_bracket_holds_each_rows_kth_score(rng, B, n, k):
+    from dejavu_jax.topk import kth_largest_bracket
+    s = rng.standard_normal((B, n)).astype(np.float32)
+    lo, hi = jax.jit(kth_largest_bracket, static_argnums=1)(jnp.asarray(s), k)
+    kth = -np.sort(-s, axis=1)[:, k - 1]
+    assert np.all(np.asarray(lo) <= kth) and np.all(kth <= np.asarray(hi))
+    assert np.all((s >= np.asarray(lo)[:, None]).sum(1) >= k)
+    assert np.all((s > np.asarray(hi)[:, None]).sum(1) < k)
+
+
+@pytest.mark.parametrize("B,n,k", [(2, 300, 30), (4, 20480, 2048), (4, 1000, 100)])
+def test_union_top_k_holds_every_rows_top_k(rng, B, n, k):
+    """The union of numpy's per-row top-k sets, padded to k * B distinct ids (and
+    truncated when a smaller capacity is asked for)."""
+    from dejavu_jax.topk import union_top_k
+    s = rng.standard_normal((B, n)).astype(np.float32)
+    union = set(np.argsort(-s, axis=1)[:, :k].reshape(-1).tolist())
+    got = np.asarray(jax.jit(union_top_k, static_argnums=(1, 2))(jnp.asarray(s), k, k * B))
+    assert got.shape == (min(n, k * B),) and len(set(got.tolist())) == got.size
+    assert np.all(np.diff(got) > 0) and union <= set(got.tolist())
+    # the padding is the non-members nearest to some row's k-th score
+    kth = -np.sort(-s, axis=1)[:, k - 1]
+    margin = (s - kth[:, None]).max(0)
+    pad = sorted(set(got.tolist()) - union)
+    if pad:
+        rest = np.setdiff1d(np.arange(n), got)
+        assert margin[pad].min() >= margin[rest].max() - 1e-5
+    full = np.asarray(union_top_k(jnp.asarray(s), k, n))
+    assert np.array_equal(full, np.arange(n))
+
+
+def test_union_top_k_rejects_bad_capacity():
+    from dejavu_jax.topk import union_top_k
+    with pytest.raises(ValueError, match="capacity"):
+        union_top_k(jnp.zeros((2, 5)), 2, 6)
