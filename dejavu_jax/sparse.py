@@ -59,6 +59,10 @@ class SparseConfig:
     parallelism both count per shard, over the shard's own KV groups.
     attn_config / mlp_config: block sizes and load layouts of the Pallas kernels
     (`kernels.AttnConfig`, `kernels.MLPConfig`; None: their defaults).
+    batch_dense_mlp: with several rows, a neuron set of at least this fraction of F runs
+    XLA's dense products with the other neurons masked to zero (the same result as the
+    gather kernels, which read at about 1.4 TB/s at batch 4 against dense's 3.5, so at a
+    40% set both take about as long on an H200: eval/results, session 8).
     """
 
     mlp_k: tuple[int, ...]
@@ -71,12 +75,15 @@ class SparseConfig:
     kv_refresh: int | None = None
     attn_config: kernels.AttnConfig | None = None
     mlp_config: kernels.MLPConfig | None = None
+    batch_dense_mlp: float = 0.4
 
     def __post_init__(self):
         if len(self.mlp_k) != len(self.head_k):
             raise ValueError("mlp_k and head_k must have one entry per layer")
         if self.kv_window < 1:
             raise ValueError(f"kv_window must be >= 1, got {self.kv_window}")
+        if not self.batch_dense_mlp > 0:
+            raise ValueError(f"batch_dense_mlp must be > 0, got {self.batch_dense_mlp}")
         if self.kv_refresh is not None and self.kv_refresh < 0:
             raise ValueError(f"kv_refresh must be >= 0, got {self.kv_refresh}")
 
@@ -331,12 +338,16 @@ def _sparse_attention(config, scfg, view, io: _LayerIO, layer, y, groups, step,
 def _sparse_mlp(config, scfg, view, y, neurons, residual=None, riders=None):
     """The MLP over the selected neurons for normed inputs y [B, d], fp32 (added to
     `residual` when given). With `riders` (see `kernels.sparse_mlp`): (output, the riders'
-    outputs). With several rows, a set of all F neurons runs the dense MLP."""
+    outputs). With several rows, a set of `scfg.batch_dense_mlp` of the neurons or more
+    runs the dense MLP, the others masked."""
     F = config.ffn
-    if neurons.shape[-1] == F and y.shape[0] > 1:
-        # a batch's union of every neuron (its static capacity min(F, k * B) often is):
+    if y.shape[0] > 1 and neurons.shape[-1] >= scfg.batch_dense_mlp * F:
+        # a batch's large union (its static capacity min(F, k * B) often is every neuron):
         # XLA's dense products read the same rows faster than the gather kernels' batch path
-        out = ops.mlp(config, view.lp, y)
+        hidden = ops.mlp_hidden(config, view.lp, y)
+        if neurons.shape[-1] < F:
+            hidden = hidden * jnp.zeros((F,), hidden.dtype).at[neurons].set(1)
+        out = ops.mlp_output(view.lp, hidden)
         return out if residual is None else residual + out
     lp_flat = view.flat
     out = kernels.sparse_mlp(

@@ -311,27 +311,32 @@ def test_a_set_of_every_neuron_runs_the_dense_mlp(monkeypatch, head_density):
 
 
 @pytest.mark.parametrize("preset", ["opt-tiny", "llama-tiny"])
+@pytest.mark.parametrize("mlp_share", [2, 4], ids=["half-masked-dense-mlp", "quarter-kernel"])
 def test_a_batch_with_every_head_runs_dense_attention_and_matches_single_rows(
-        preset, monkeypatch):
-    """Batch 2 with fixed sets of every KV group and half the neurons: the attention is
-    XLA's dense one (no attention kernel), the MLP the sparse one, and each row's logits at
-    every step equal those of that prompt decoded alone, where batch 1 runs the sparse
-    attention path with the same sets."""
+        preset, mlp_share, monkeypatch):
+    """Batch 2 with fixed sets of every KV group and 1/mlp_share of the neurons: the
+    attention is XLA's dense one (no attention kernel); the MLP is XLA's dense one with
+    the other neurons masked for half the neurons (>= SparseConfig.batch_dense_mlp), the
+    gather kernel for a quarter. Each row's logits at every step equal those of that prompt
+    decoded alone, where batch 1 runs the sparse attention and MLP paths with the same sets."""
     from dejavu_jax import kernels
     config = dj.preset(preset)
     params = dj.init_params(config, jax.random.key(5), jnp.float32, std=0.1)
     L, F = config.n_layers, config.ffn
+    k = F // mlp_share
     rng = np.random.default_rng(2)
-    neurons = jnp.asarray(np.sort(np.stack([rng.permutation(F)[:F // 2] for _ in range(L)]),
+    neurons = jnp.asarray(np.sort(np.stack([rng.permutation(F)[:k] for _ in range(L)]),
                                   axis=1), jnp.int32)
     sets = (neurons, _full_sets(config)[1])
-    scfg = sparse.SparseConfig((F // 2,) * L, (config.n_kv_heads,) * L, dense_layers=1,
+    scfg = sparse.SparseConfig((k,) * L, (config.n_kv_heads,) * L, dense_layers=1,
                                kv_window=4)
-    attn_calls = []
-    real_attn = kernels.head_sparse_attention
+    attn_calls, mlp_calls = [], []
+    real_attn, real_mlp = kernels.head_sparse_attention, kernels.sparse_mlp
     monkeypatch.setattr(kernels, "head_sparse_attention",
                         lambda *a, **kw: attn_calls.append(a[12].shape[0])
                         or real_attn(*a, **kw))
+    monkeypatch.setattr(kernels, "sparse_mlp",
+                        lambda *a, **kw: mlp_calls.append(a[0].shape[0]) or real_mlp(*a, **kw))
     eng = sparse.sparse_engine(config, scfg, sparse.fixed_selector)
     prompts = [[5, 9, 14, 3, 7], [8, 2]]
     tokens = np.random.default_rng(0).integers(3, config.vocab_size, (5, 2))
@@ -349,6 +354,8 @@ def test_a_batch_with_every_head_runs_dense_attention_and_matches_single_rows(
 
     batch = run([0, 1])
     assert attn_calls == []
+    assert mlp_calls == ([] if mlp_share == 2 else [2] * len(mlp_calls)) and (
+        mlp_share == 2 or mlp_calls)
     for r in range(2):
         alone = run([r])
         assert attn_calls  # batch 1: the sparse attention path
