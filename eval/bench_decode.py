@@ -158,9 +158,9 @@ def step_bytes(config, scfg, context: int, batch: int, rank: int, predictors: bo
         kh = c.n_kv_heads if scfg is None else scfg.head_k[layer]
         if predictors and batch > 1:
             km, kh = min(c.ffn, km * batch), min(c.n_kv_heads, kh * batch)
+        union_is_dense = batch > 1 and km == c.ffn and kh == c.n_kv_heads
         if batch > 1 and scfg is not None and km >= scfg.batch_dense_mlp * c.ffn:
             km = c.ffn  # XLA's dense MLP, the other neurons masked
-        union_is_dense = batch > 1 and km == c.ffn and kh == c.n_kv_heads
         total += 2 * d * (2 if layer_norm else 1)  # attention and MLP norms
         total += kh * (2 * G + 2) * hd * d  # q and o of the group's query heads, k, v
         if c.attention_bias:
