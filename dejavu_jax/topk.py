@@ -74,12 +74,15 @@ def packed_top_k(scores: jax.Array, k: int) -> jax.Array:
     return jnp.sort((best & 0xFFFF).astype(jnp.int32))
 
 
-def union_top_k(scores: jax.Array, k: int, capacity: int) -> jax.Array:
+def union_top_k(scores: jax.Array, k: int, capacity: int, levels: int = 3,
+                candidates: int = 32) -> jax.Array:
     """A batch's union of its rows' top-k sets as `capacity` ids (int32, ascending), for
     scores [B, n] and k * B >= capacity: no sort.
 
     Each row's set is bracketed by `kth_largest_bracket` (the scores >= the bracket's low
-    end: exact except within its resolution of the row's k-th score). A unit's margin is
+    end: exact except within its resolution, (max - min) / candidates**levels, of the row's
+    k-th score; each level costs B * candidates * n comparisons, 23 µs at 4 x 128 x 20480
+    on an H200, hence the fewer candidates than `threshold_top_k`). A unit's margin is
     its largest score minus that row's low end, over the rows; the `capacity` largest
     margins (`threshold_top_k`) hold the whole union when it fits, and pad it with the
     non-members closest to some row's set. The same union as `train.predict.select_top_k`,
@@ -91,6 +94,6 @@ def union_top_k(scores: jax.Array, k: int, capacity: int) -> jax.Array:
     if capacity == n:
         return jnp.arange(n, dtype=jnp.int32)
     s = scores.astype(jnp.float32)
-    lo, _ = kth_largest_bracket(s, k)
+    lo, _ = kth_largest_bracket(s, k, levels, candidates)
     margin = (s - lo[:, None]).max(axis=0)
-    return threshold_top_k(margin, capacity)
+    return threshold_top_k(margin, capacity, levels, candidates)
