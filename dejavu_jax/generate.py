@@ -81,14 +81,34 @@ def sparse_select_methods() -> tuple[str, ...]:
     return sparse.SELECT_METHODS
 
 
-def describe_sparsity(config, scfg) -> str:
-    """One line per layer: the fraction of neurons and KV groups each token computes."""
-    dens = scfg.density(config)
-    lines = [f"  layer {l:2d}: mlp {m:6.1%}  heads {h:6.1%}" + ("  (dense)" if l < scfg.dense_layers
-                                                               else "")
-             for l, (m, h) in enumerate(zip(dens["mlp"], dens["heads"]))]
-    total = sum(dens["mlp"]) / len(dens["mlp"])
-    return "realised per-layer density:\n" + "\n".join(lines) + f"\n  mean mlp density {total:.1%}"
+def describe_sparsity(config, scfg, batch: int = 1) -> str:
+    """One line per layer: the fraction of neurons and KV groups each token selects and,
+    for a batch, the fraction its union computes (static size min(n, k * batch)) and which
+    of the layer's parts then run XLA's dense products (see `dejavu_jax.sparse`)."""
+    lines, union_mlp = [], []
+    for l, (km, kh) in enumerate(zip(scfg.mlp_k, scfg.head_k)):
+        m, h = km / config.ffn, kh / config.n_kv_heads
+        line = f"  layer {l:2d}: mlp {m:6.1%}  heads {h:6.1%}"
+        if l < scfg.dense_layers:
+            union_mlp.append(1.0)
+            lines.append(line + "  (dense)")
+            continue
+        um, uh = min(config.ffn, km * batch), min(config.n_kv_heads, kh * batch)
+        union_mlp.append(um / config.ffn)
+        if batch > 1:
+            line += f"  union mlp {um / config.ffn:6.1%}  heads {uh / config.n_kv_heads:6.1%}"
+            dense_parts = [part for part, full in (
+                ("attention", uh == config.n_kv_heads),
+                ("mlp" if um == config.ffn else "masked mlp",
+                 um >= scfg.batch_dense_mlp * config.ffn)) if full]
+            if dense_parts:
+                line += "  (dense " + " + ".join(dense_parts) + ")"
+        lines.append(line)
+    per_token = sum(scfg.mlp_k) / (config.ffn * len(scfg.mlp_k))
+    total = f"\n  mean mlp density {per_token:.1%} per token"
+    if batch > 1:
+        total += f", {sum(union_mlp) / len(union_mlp):.1%} computed for the batch of {batch}"
+    return "realised per-layer density:\n" + "\n".join(lines) + total
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -226,7 +246,7 @@ def main(argv: list[str] | None = None) -> int:
           f"call (compile) {result.first_step_seconds:.2f} s; {speed}, batch {len(prompts)} "
           f"[{engine.name}]")
     if scfg is not None:
-        print(describe_sparsity(config, scfg))
+        print(describe_sparsity(config, scfg, len(prompts)))
     return 0
 
 
