@@ -84,7 +84,7 @@ def sparse_select_methods() -> tuple[str, ...]:
 def describe_sparsity(config, scfg, batch: int = 1) -> str:
     """One line per layer: the fraction of neurons and KV groups each token selects and,
     for a batch, the fraction its union computes (static size min(n, k * batch)) and which
-    of the layer's parts then run XLA's dense products (see `dejavu_jax.sparse`)."""
+    of the layer's parts then run XLA's dense products (`SparseConfig.batch_dense`)."""
     lines, union_mlp = [], []
     for l, (km, kh) in enumerate(zip(scfg.mlp_k, scfg.head_k)):
         m, h = km / config.ffn, kh / config.n_kv_heads
@@ -97,12 +97,15 @@ def describe_sparsity(config, scfg, batch: int = 1) -> str:
         union_mlp.append(um / config.ffn)
         if batch > 1:
             line += f"  union mlp {um / config.ffn:6.1%}  heads {uh / config.n_kv_heads:6.1%}"
-            dense_parts = [part for part, full in (
-                ("attention", uh == config.n_kv_heads),
-                ("mlp" if um == config.ffn else "masked mlp",
-                 um >= scfg.batch_dense_mlp * config.ffn)) if full]
-            if dense_parts:
-                line += "  (dense " + " + ".join(dense_parts) + ")"
+            all_heads = uh == config.n_kv_heads
+            if scfg.oracle or not scfg.batch_dense:
+                pass  # the oracle computes densely and masks; no batch fallbacks
+            elif all_heads and um == config.ffn:
+                line += "  (dense layer)"
+            elif all_heads or um >= scfg.batch_dense_mlp * config.ffn:
+                parts = (["attention"] if all_heads else []) + (
+                    ["masked mlp"] if um >= scfg.batch_dense_mlp * config.ffn else [])
+                line += "  (dense " + " + ".join(parts) + ")"
         lines.append(line)
     per_token = sum(scfg.mlp_k) / (config.ffn * len(scfg.mlp_k))
     total = f"\n  mean mlp density {per_token:.1%} per token"

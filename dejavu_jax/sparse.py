@@ -46,7 +46,8 @@ class SparseConfig:
     mlp_k[l]: neurons computed in layer l (F = dense). head_k[l]: KV groups computed
     (n_kv_heads = dense; for multi-head models a group is one head).
     dense_layers: the first layers run the dense path (the others run the sparse path
-    even when k covers every unit, which is how density-1.0 parity is tested).
+    even when k covers every unit, which is how density-1.0 parity is tested; with several
+    rows see `batch_dense`).
     oracle: take the true top-k of this layer's dense activations and head output norms
     instead of predicted sets (research mode: computes densely, then masks).
     kv_window: tokens of layer inputs kept for missing-KV recomputation.
@@ -59,10 +60,14 @@ class SparseConfig:
     parallelism both count per shard, over the shard's own KV groups.
     attn_config / mlp_config: block sizes and load layouts of the Pallas kernels
     (`kernels.AttnConfig`, `kernels.MLPConfig`; None: their defaults).
-    batch_dense_mlp: with several rows, a neuron set of at least this fraction of F runs
-    XLA's dense products with the other neurons masked to zero (the same result as the
-    gather kernels, which read at about 1.4 TB/s at batch 4 against dense's 3.5, so at a
-    40% set both take about as long on an H200: eval/results, session 8).
+    batch_dense: with several rows, run XLA's dense products where a batch's sets make
+    them faster than the gather kernels' batch path: a set of every KV group runs dense
+    attention (writing every group's K/V), a neuron set of at least `batch_dense_mlp` of
+    F the dense MLP with the other neurons masked to zero (the same result), and sets of
+    everything the dense layer. False keeps the kernels at every batch (parity checks).
+    batch_dense_mlp: that fraction. On an H200 at batch 4 a 40% set took the gather
+    kernels about 106 µs per opt-13b layer against 120 µs for the masked dense MLP
+    (eval/results, session 8, calls 4 and 5), which puts the break-even near 45%.
     """
 
     mlp_k: tuple[int, ...]
@@ -75,7 +80,8 @@ class SparseConfig:
     kv_refresh: int | None = None
     attn_config: kernels.AttnConfig | None = None
     mlp_config: kernels.MLPConfig | None = None
-    batch_dense_mlp: float = 0.4
+    batch_dense: bool = True
+    batch_dense_mlp: float = 0.5
 
     def __post_init__(self):
         if len(self.mlp_k) != len(self.head_k):
@@ -341,7 +347,8 @@ def _sparse_mlp(config, scfg, view, y, neurons, residual=None, riders=None):
     outputs). With several rows, a set of `scfg.batch_dense_mlp` of the neurons or more
     runs the dense MLP, the others masked."""
     F = config.ffn
-    if y.shape[0] > 1 and neurons.shape[-1] >= scfg.batch_dense_mlp * F:
+    if scfg.batch_dense and y.shape[0] > 1 and neurons.shape[-1] >= scfg.batch_dense_mlp * F:
+        assert riders is None, "riders ride only in batch-1 steps"
         # a batch's large union (its static capacity min(F, k * B) often is every neuron):
         # XLA's dense products read the same rows faster than the gather kernels' batch path
         hidden = ops.mlp_hidden(config, view.lp, y)
@@ -387,33 +394,34 @@ def _all_written(config, io: _LayerIO, layer, step) -> _LayerIO:
 
 def _dense_batch_attention(config, view, io: _LayerIO, layer, y, step):
     """(output [B, d] fp32, io): XLA's dense attention, for a batch whose union holds every
-    KV group (it writes and marks every group's K/V of this token)."""
+    KV group (it writes and marks every group's K/V of this token, so no later token needs
+    this token's row of the missing-KV ring, which it may leave unwritten)."""
     out, k, v = dense_attention(config, view.lp, y, io.k, io.v, layer, step)
     return out.astype(F32), _all_written(config, io.replace(k=k, v=v), layer, step)
 
 
-def _covers_all_heads(config: ModelConfig, x: jax.Array, groups) -> bool:
+def _covers_all_heads(config: ModelConfig, scfg: SparseConfig, x: jax.Array, groups) -> bool:
     """Whether a batch's (static-size) KV-group set is every group, as a union's capacity
-    min(n, k * B) often is: the attention is then dense, and XLA's products read the same
-    weights faster than the gather kernels' batch path."""
-    return x.shape[0] > 1 and groups.shape[-1] == config.n_kv_heads
+    min(n, k * B) often is: with `scfg.batch_dense` the attention is then dense, and XLA's
+    products read the same weights faster than the gather kernels' batch path."""
+    return scfg.batch_dense and x.shape[0] > 1 and groups.shape[-1] == config.n_kv_heads
 
 
-def _covers_everything(config: ModelConfig, x: jax.Array, neurons, groups) -> bool:
+def _covers_everything(config, scfg, x: jax.Array, neurons, groups) -> bool:
     """Whether a batch's sets hold every neuron and every KV group: the layer is dense."""
-    return _covers_all_heads(config, x, groups) and neurons.shape[-1] == config.ffn
+    return _covers_all_heads(config, scfg, x, groups) and neurons.shape[-1] == config.ffn
 
 
 def _sparse_layer(config, scfg, view, io, layer, x, neurons, groups, step, reduce=None):
     """One DejaVu layer: head-sparse attention, then the sparse MLP. A batch whose set
     holds every KV group runs XLA's dense attention; one whose sets hold every neuron too
     runs `_dense_layer`."""
-    if _covers_everything(config, x, neurons, groups):
+    if _covers_everything(config, scfg, x, neurons, groups):
         return _dense_layer(config, view, io, layer, x, step, reduce=reduce)
     box = {}
 
     def attn(y):
-        if _covers_all_heads(config, x, groups):
+        if _covers_all_heads(config, scfg, x, groups):
             out, box["io"] = _dense_batch_attention(config, view, io, layer, y, step)
         else:
             out, box["io"] = _sparse_attention(config, scfg, view, io, layer, y, groups, step)
@@ -443,7 +451,7 @@ def _fused_sparse_layer(config, scfg, view, io, layer, x, neurons, groups, step,
     lp = view.lp
     eps = config.norm_eps
     x = x.astype(F32)
-    if _covers_everything(config, x, neurons, groups):
+    if _covers_everything(config, scfg, x, neurons, groups):
         nxt = lookahead(x, None)
         out, io = _dense_layer(config, view, io, layer, x, step)
         return out.astype(F32), x, io, nxt
@@ -458,7 +466,8 @@ def _fused_sparse_layer(config, scfg, view, io, layer, x, neurons, groups, step,
     rms = rest[0] if rms_dtype is not None else None
     nxt = lookahead(x, rms)
     split = isinstance(nxt, tuple) and callable(nxt[1])
-    if _covers_all_heads(config, x, groups):  # batches only: never split
+    if _covers_all_heads(config, scfg, x, groups):  # batches only: never split
+        io, _ = _with_history_rows(io, layer, rest[-1])  # keep the norm's ring write
         out, io = _dense_batch_attention(config, view, io, layer, y, step)
         h = x + out
     else:

@@ -77,7 +77,7 @@ def packed_top_k(scores: jax.Array, k: int) -> jax.Array:
 def union_top_k(scores: jax.Array, k: int, capacity: int, levels: int = 3,
                 candidates: int = 32) -> jax.Array:
     """A batch's union of its rows' top-k sets as `capacity` ids (int32, ascending), for
-    scores [B, n] and k * B >= capacity: no sort.
+    scores [B, n]: no sort.
 
     Each row's set is bracketed by `kth_largest_bracket` (the scores >= the bracket's low
     end: exact except within its resolution, (max - min) / candidates**levels, of the row's
@@ -85,8 +85,9 @@ def union_top_k(scores: jax.Array, k: int, capacity: int, levels: int = 3,
     on an H200, hence the fewer candidates than `threshold_top_k`). A unit's margin is
     its largest score minus that row's low end, over the rows; the `capacity` largest
     margins (`threshold_top_k`) hold the whole union when it fits, and pad it with the
-    non-members closest to some row's set. The same union as `train.predict.select_top_k`,
-    which pads by raw score and ranks with a sort.
+    non-members closest to some row's set; a larger union keeps its members of largest
+    margin. When the union fits, it is `train.predict.select_top_k`'s union (which pads
+    with the best raw scores, and truncates by them, ranking with a sort).
     """
     B, n = scores.shape
     if not 0 < capacity <= n:

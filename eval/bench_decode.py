@@ -140,7 +140,8 @@ def step_bytes(config, scfg, context: int, batch: int, rank: int, predictors: bo
     units (`train.predict.select_top_k`); a layer whose union holds every neuron and every
     KV group runs dense and reads no predictor (`sparse._covers_everything`). Fixed-index
     rows read their k units for every batch. A batch's neuron set of at least
-    `scfg.batch_dense_mlp` of F reads every neuron (the masked dense MLP).
+    `scfg.batch_dense_mlp` of F reads every neuron (the masked dense MLP; both only with
+    `scfg.batch_dense`).
     """
     c = config
     d, E, hd, G = c.hidden, c.embed_dim, c.head_dim, c.group_size
@@ -158,8 +159,9 @@ def step_bytes(config, scfg, context: int, batch: int, rank: int, predictors: bo
         kh = c.n_kv_heads if scfg is None else scfg.head_k[layer]
         if predictors and batch > 1:
             km, kh = min(c.ffn, km * batch), min(c.n_kv_heads, kh * batch)
-        union_is_dense = batch > 1 and km == c.ffn and kh == c.n_kv_heads
-        if batch > 1 and scfg is not None and km >= scfg.batch_dense_mlp * c.ffn:
+        batch_dense = batch > 1 and scfg is not None and scfg.batch_dense
+        union_is_dense = batch_dense and km == c.ffn and kh == c.n_kv_heads
+        if batch_dense and km >= scfg.batch_dense_mlp * c.ffn:
             km = c.ffn  # XLA's dense MLP, the other neurons masked
         total += 2 * d * (2 if layer_norm else 1)  # attention and MLP norms
         total += kh * (2 * G + 2) * hd * d  # q and o of the group's query heads, k, v

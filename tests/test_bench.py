@@ -80,6 +80,10 @@ def test_step_bytes_counts_every_weight(name):
     assert (bench_decode.step_bytes(config, quarter, 8, 2, rank, True)
             == bench_decode.step_bytes(config, half_mlp, 8, 2, rank, False)
             + per_layer * (config.n_layers - dense_layers))
+    # without the batch fallbacks the half-neuron union is read as gathered rows
+    kernels_only = dataclasses.replace(quarter, batch_dense=False)
+    assert (bench_decode.step_bytes(config, kernels_only, 8, 2, rank, True)
+            < bench_decode.step_bytes(config, quarter, 8, 2, rank, True))
 
 
 @pytest.mark.parametrize("name", sorted(config_lib.PRESETS))

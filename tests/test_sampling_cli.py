@@ -67,29 +67,39 @@ def test_cli_oracle_mode_prints_realised_density(capsys):
 
 
 def test_cli_batch_prints_the_unions_density(capsys):
-    """Two prompts at MLP 25% / heads 50%: each layer's union is half the neurons (the
-    masked dense MLP, >= SparseConfig.batch_dense_mlp) and every head (dense attention)."""
+    """Two prompts at MLP 25% / heads 50% in oracle mode: each layer's union is half the
+    neurons and every head (the oracle computes densely and masks: no fallback label)."""
     assert cli.main(["--preset", "opt-tiny", "--oracle", "--mlp-density", "0.25",
                      "--head-density", "0.5", "--dense-layers", "1", "--greedy",
                      "--prompt-ids", "2,100,200", "--prompt-ids", "2,7", "--max-new-tokens",
                      "2", "--no-stream"]) == 0
     out = capsys.readouterr().out
-    assert ("layer  1: mlp  25.0%  heads  50.0%  union mlp  50.0%  heads 100.0%  "
-            "(dense attention + masked mlp)") in out
+    assert "layer  1: mlp  25.0%  heads  50.0%  union mlp  50.0%  heads 100.0%\n" in out
     assert "layer  0: mlp 100.0%  heads 100.0%  (dense)" in out
     # 4 layers: one dense, three computing half the neurons for the batch
     assert "mean mlp density 43.8% per token, 62.5% computed for the batch of 2" in out
 
 
-def test_describe_sparsity_of_a_batch_whose_union_is_everything():
+def test_describe_sparsity_names_a_batchs_dense_parts():
+    import dataclasses
+
     import dejavu_jax as dj
     from dejavu_jax import sparse
     config = dj.preset("opt-tiny")
     scfg = sparse.sparse_config(config, 0.1, 0.5, dense_layers=1)
     text = cli.describe_sparsity(config, scfg, batch=16)
-    assert "union mlp 100.0%  heads 100.0%  (dense attention + mlp)" in text
+    assert "union mlp 100.0%  heads 100.0%  (dense layer)" in text
     assert "per token" in text and "100.0% computed for the batch of 16" in text
     assert "union" not in cli.describe_sparsity(config, scfg)
+    masked = cli.describe_sparsity(config, sparse.sparse_config(config, 0.25, 0.5,
+                                                                dense_layers=1), batch=2)
+    assert "union mlp  50.0%  heads 100.0%  (dense attention + masked mlp)" in masked
+    some = cli.describe_sparsity(config, sparse.sparse_config(config, 0.1, 0.25,
+                                                              dense_layers=1), batch=2)
+    assert "union mlp  20.3%  heads  50.0%\n" in some
+    kernels_only = cli.describe_sparsity(
+        config, dataclasses.replace(scfg, batch_dense=False), batch=16)
+    assert "(dense layer)" not in kernels_only and "union mlp 100.0%" in kernels_only
 
 
 def test_cli_sparse_without_predictors_is_an_error():

@@ -141,15 +141,18 @@ else:
         return (jnp.tile(jnp.arange(config.ffn // tp, dtype=jnp.int32), (L, tp)),
                 jnp.tile(jnp.arange(config.n_kv_heads // tp, dtype=jnp.int32), (L, tp)))
 
-    @pytest.mark.parametrize("preset,tp,unrolled", [("opt", 4, False), ("opt", 8, True),
-                                                    ("llama", 2, False)])
-    def test_sparse_density_one_equals_dense(preset, tp, unrolled):
+    @pytest.mark.parametrize("preset,tp,unrolled,batch_dense", [
+        ("opt", 4, False, False), ("opt", 8, True, False), ("llama", 2, False, False),
+        ("opt", 4, True, True)])
+    def test_sparse_density_one_equals_dense(preset, tp, unrolled, batch_dense):
+        """Two prompts with every unit selected: through the kernels' batch path
+        (batch_dense=False) and through XLA's dense layer with the psum (True)."""
         config = _opt8() if preset == "opt" else _llama()
         params = _params(config)
         mesh = sharding.make_mesh(tp=tp)
         L = config.n_layers
         scfg = sparse.SparseConfig((config.ffn,) * L, (config.n_kv_heads,) * L, dense_layers=1,
-                                   kv_window=4)
+                                   kv_window=4, batch_dense=batch_dense)
         sets = _full_sets_per_shard(config, tp)
         sharded = sharding.shard_params(params, mesh)
         if unrolled:
@@ -158,6 +161,36 @@ else:
         many, state = _decode(engine, (sharded, sets), steps=2)
         assert _max_diff(_dense_reference(config, 2), many) <= TOL
         assert state.written.sharding.spec[2] == "tp"
+
+    @pytest.mark.parametrize("mlp_share", [2, 4], ids=["masked-dense-mlp", "kernel-mlp"])
+    def test_a_batch_with_every_head_equals_one_device(mlp_share):
+        """Two prompts, tp=4, every KV group and 1/mlp_share of each shard's neurons: the
+        dense attention with the psum, and the masked dense MLP (half the neurons) or the
+        gather kernel (a quarter), against one device with the same global sets."""
+        config = _opt8()
+        params = _params(config)
+        tp, L = 4, config.n_layers
+        F_shard = config.ffn // tp
+        k = F_shard // mlp_share
+        rng = np.random.default_rng(4)
+        local = np.sort(np.stack([rng.permutation(F_shard)[:k] for _ in range(L * tp)]),
+                        axis=1).reshape(L, tp, k)
+        glob = (local + (np.arange(tp) * F_shard)[None, :, None]).reshape(L, tp * k)
+        heads_local = _full_sets_per_shard(config, tp)[1]
+        scfg_tp = sparse.SparseConfig((tp * k,) * L, (config.n_kv_heads,) * L,
+                                      dense_layers=1, kv_window=4)
+        mesh = sharding.make_mesh(tp=tp)
+        engine = tp_decode.tp_sparse_engine(config, scfg_tp, sparse.fixed_selector, mesh)
+        sets_tp = (jnp.asarray(local.reshape(L, tp * k), jnp.int32), heads_local)
+        many, state = _decode(engine, (sharding.shard_params(params, mesh), sets_tp), steps=3)
+        one_engine = sparse.sparse_engine(config, scfg_tp, sparse.fixed_selector)
+        sets_one = (jnp.asarray(glob, jnp.int32),
+                    jnp.tile(jnp.arange(config.n_kv_heads, dtype=jnp.int32), (L, 1)))
+        one, _ = _decode(one_engine, (params, sets_one), steps=3)
+        assert _max_diff(one, many) <= TOL
+        # every head's entry of every valid token is written (the dense attention marks them)
+        written, valid = np.asarray(state.written)[:, 1:], np.asarray(state.dense.valid)
+        assert np.all(written | ~valid[:, None, None, :])
 
     def _random_predictors(config, seed, zero_w2=False, rank=8):
         from dejavu_jax.train.predictor_model import Predictor, PredictorParams

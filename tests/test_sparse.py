@@ -48,12 +48,14 @@ def _run_both(config, params, scfg, sets, prompts, steps):
 
 
 @pytest.mark.parametrize("preset", ["opt-tiny", "llama-tiny"])
-@pytest.mark.parametrize("prompts", [[[5, 9, 14, 3]], [[5, 9, 14, 3], [8, 2]]],
-                         ids=["batch1-sparse-path", "batch2-dense-fallback"])
-def test_density_one_equals_dense_every_step(preset, prompts):
+@pytest.mark.parametrize("prompts,batch_dense", [([[5, 9, 14, 3]], True),
+                                                 ([[5, 9, 14, 3], [8, 2]], True),
+                                                 ([[5, 9, 14, 3], [8, 2]], False)],
+                         ids=["batch1-sparse-path", "batch2-dense-layer", "batch2-kernels"])
+def test_density_one_equals_dense_every_step(preset, prompts, batch_dense):
     config = dj.preset(preset)
     params = dj.init_params(config, jax.random.key(1), jnp.float32, std=0.1)
-    scfg = _full_sparse(config, kv_window=4)
+    scfg = _full_sparse(config, kv_window=4, batch_dense=batch_dense)
     for dense_logits, sparse_logits in _run_both(config, params, scfg, _full_sets(config),
                                                  prompts, steps=9):
         assert np.abs(dense_logits - sparse_logits).max() <= 1e-5

@@ -125,8 +125,9 @@ def test_kth_largest_bracket_holds_each_rows_kth_score(rng, B, n, k):
 
 @pytest.mark.parametrize("B,n,k", [(2, 300, 30), (4, 20480, 2048), (4, 1000, 100)])
 def test_union_top_k_holds_every_rows_top_k(rng, B, n, k):
-    """The union of numpy's per-row top-k sets, padded to k * B distinct ids (and
-    truncated when a smaller capacity is asked for)."""
+    """The union of numpy's per-row top-k sets, padded to k * B distinct ids by the
+    largest margins over the rows' k-th scores; a smaller capacity keeps the union's
+    members of largest margin."""
     from dejavu_jax.topk import union_top_k
     # rows of different scales and offsets: one row's raw scores must not crowd out another's
     scale, shift = np.array([1, 10, 0.1, 3])[:B], np.array([0, 5, -3, 1])[:B]
@@ -146,6 +147,11 @@ def test_union_top_k_holds_every_rows_top_k(rng, B, n, k):
     assert margin[pad].min() >= margin[rest].max() - tol
     full = np.asarray(union_top_k(jnp.asarray(s), k, n))
     assert np.array_equal(full, np.arange(n))
+    small = np.asarray(union_top_k(jnp.asarray(s), k, k + 3))
+    members = np.array(sorted(union))
+    assert small.size == k + 3 and set(small.tolist()) <= union
+    left_out = np.setdiff1d(members, small)
+    assert margin[small].min() >= margin[left_out].max() - tol
 
 
 def test_union_top_k_rejects_bad_capacity():
