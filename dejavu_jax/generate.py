@@ -84,7 +84,9 @@ def sparse_select_methods() -> tuple[str, ...]:
 def describe_sparsity(config, scfg, batch: int = 1) -> str:
     """One line per layer: the fraction of neurons and KV groups each token selects and,
     for a batch, the fraction its union computes (static size min(n, k * batch)) and which
-    of the layer's parts then run XLA's dense products (`SparseConfig.batch_dense`)."""
+    of the layer's parts then run XLA's dense products (`sparse.batch_dense_parts`)."""
+    from dejavu_jax.sparse import batch_dense_parts
+    from dejavu_jax.train.predict import default_union_size
     lines, union_mlp = [], []
     for l, (km, kh) in enumerate(zip(scfg.mlp_k, scfg.head_k)):
         m, h = km / config.ffn, kh / config.n_kv_heads
@@ -93,18 +95,18 @@ def describe_sparsity(config, scfg, batch: int = 1) -> str:
             union_mlp.append(1.0)
             lines.append(line + "  (dense)")
             continue
-        um, uh = min(config.ffn, km * batch), min(config.n_kv_heads, kh * batch)
+        um = default_union_size(config.ffn, km, batch)
+        uh = default_union_size(config.n_kv_heads, kh, batch)
         union_mlp.append(um / config.ffn)
         if batch > 1:
             line += f"  union mlp {um / config.ffn:6.1%}  heads {uh / config.n_kv_heads:6.1%}"
-            all_heads = uh == config.n_kv_heads
-            if scfg.oracle or not scfg.batch_dense:
-                pass  # the oracle computes densely and masks; no batch fallbacks
-            elif all_heads and um == config.ffn:
+            attention, mlp, layer = batch_dense_parts(config, scfg, um, uh, batch)
+            if scfg.oracle:
+                pass  # the oracle computes densely and masks
+            elif layer:
                 line += "  (dense layer)"
-            elif all_heads or um >= scfg.batch_dense_mlp * config.ffn:
-                parts = (["attention"] if all_heads else []) + (
-                    ["masked mlp"] if um >= scfg.batch_dense_mlp * config.ffn else [])
+            elif attention or mlp:
+                parts = ["attention"] * attention + ["masked mlp"] * mlp
                 line += "  (dense " + " + ".join(parts) + ")"
         lines.append(line)
     per_token = sum(scfg.mlp_k) / (config.ffn * len(scfg.mlp_k))

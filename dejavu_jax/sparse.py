@@ -341,13 +341,13 @@ def _sparse_attention(config, scfg, view, io: _LayerIO, layer, y, groups, step,
     return (out.astype(F32), io) + tuple(res[3:])
 
 
-def _sparse_mlp(config, scfg, view, y, neurons, residual=None, riders=None):
+def _sparse_mlp(config, scfg, view, y, neurons, residual=None, riders=None, dense=False):
     """The MLP over the selected neurons for normed inputs y [B, d], fp32 (added to
     `residual` when given). With `riders` (see `kernels.sparse_mlp`): (output, the riders'
-    outputs). With several rows, a set of `scfg.batch_dense_mlp` of the neurons or more
-    runs the dense MLP, the others masked."""
+    outputs). `dense` (a batch's large set, `batch_dense_parts`): XLA's dense MLP, the
+    other neurons masked."""
     F = config.ffn
-    if scfg.batch_dense and y.shape[0] > 1 and neurons.shape[-1] >= scfg.batch_dense_mlp * F:
+    if dense:
         assert riders is None, "riders ride only in batch-1 steps"
         # a batch's large union (its static capacity min(F, k * B) often is every neuron):
         # XLA's dense products read the same rows faster than the gather kernels' batch path
@@ -400,28 +400,37 @@ def _dense_batch_attention(config, view, io: _LayerIO, layer, y, step):
     return out.astype(F32), _all_written(config, io.replace(k=k, v=v), layer, step)
 
 
-def _covers_all_heads(config: ModelConfig, scfg: SparseConfig, x: jax.Array, groups) -> bool:
-    """Whether a batch's (static-size) KV-group set is every group, as a union's capacity
-    min(n, k * B) often is: with `scfg.batch_dense` the attention is then dense, and XLA's
-    products read the same weights faster than the gather kernels' batch path."""
-    return scfg.batch_dense and x.shape[0] > 1 and groups.shape[-1] == config.n_kv_heads
+def batch_dense_parts(config: ModelConfig, scfg: SparseConfig, n_neurons: int,
+                      n_groups: int, batch: int) -> tuple[bool, bool, bool]:
+    """(attention, mlp, layer): which parts of a sparse layer run XLA's dense products for
+    a batch whose (static-size) sets hold n_neurons neurons and n_groups KV groups, as a
+    union's capacity min(n, k * B) often makes them (`SparseConfig.batch_dense`): every
+    group, the attention; at least `batch_dense_mlp` of F, the MLP (masked unless every
+    neuron); every group and every neuron, the whole dense layer."""
+    if not (scfg.batch_dense and batch > 1):
+        return False, False, False
+    attention = n_groups == config.n_kv_heads
+    return (attention, n_neurons >= scfg.batch_dense_mlp * config.ffn,
+            attention and n_neurons == config.ffn)
 
 
-def _covers_everything(config, scfg, x: jax.Array, neurons, groups) -> bool:
-    """Whether a batch's sets hold every neuron and every KV group: the layer is dense."""
-    return _covers_all_heads(config, scfg, x, groups) and neurons.shape[-1] == config.ffn
+def _dense_parts(config, scfg, x: jax.Array, neurons, groups) -> tuple[bool, bool, bool]:
+    """`batch_dense_parts` of a layer's rows x [B, d] and index sets."""
+    return batch_dense_parts(config, scfg, neurons.shape[-1], groups.shape[-1], x.shape[0])
 
 
 def _sparse_layer(config, scfg, view, io, layer, x, neurons, groups, step, reduce=None):
     """One DejaVu layer: head-sparse attention, then the sparse MLP. A batch whose set
     holds every KV group runs XLA's dense attention; one whose sets hold every neuron too
     runs `_dense_layer`."""
-    if _covers_everything(config, scfg, x, neurons, groups):
+    dense_attention_part, dense_mlp, dense_layer = _dense_parts(config, scfg, x, neurons,
+                                                                 groups)
+    if dense_layer:
         return _dense_layer(config, view, io, layer, x, step, reduce=reduce)
     box = {}
 
     def attn(y):
-        if _covers_all_heads(config, scfg, x, groups):
+        if dense_attention_part:
             out, box["io"] = _dense_batch_attention(config, view, io, layer, y, step)
         else:
             out, box["io"] = _sparse_attention(config, scfg, view, io, layer, y, groups, step)
@@ -430,7 +439,8 @@ def _sparse_layer(config, scfg, view, io, layer, x, neurons, groups, step, reduc
     lp = view.lp
     h = ops.residual(config, x, attn, lp.attn_norm_scale, lp.attn_norm_bias)
     x = ops.residual(config, h,
-                     lambda y: _reduced(reduce, _sparse_mlp(config, scfg, view, y, neurons)),
+                     lambda y: _reduced(reduce, _sparse_mlp(config, scfg, view, y, neurons,
+                                                            dense=dense_mlp)),
                      lp.mlp_norm_scale, lp.mlp_norm_bias)
     return x, box["io"]
 
@@ -451,7 +461,9 @@ def _fused_sparse_layer(config, scfg, view, io, layer, x, neurons, groups, step,
     lp = view.lp
     eps = config.norm_eps
     x = x.astype(F32)
-    if _covers_everything(config, scfg, x, neurons, groups):
+    dense_attention_part, dense_mlp, dense_layer = _dense_parts(config, scfg, x, neurons,
+                                                                 groups)
+    if dense_layer:
         nxt = lookahead(x, None)
         out, io = _dense_layer(config, view, io, layer, x, step)
         return out.astype(F32), x, io, nxt
@@ -466,7 +478,7 @@ def _fused_sparse_layer(config, scfg, view, io, layer, x, neurons, groups, step,
     rms = rest[0] if rms_dtype is not None else None
     nxt = lookahead(x, rms)
     split = isinstance(nxt, tuple) and callable(nxt[1])
-    if _covers_all_heads(config, scfg, x, groups):  # batches only: never split
+    if dense_attention_part:  # batches only: never split
         io, _ = _with_history_rows(io, layer, rest[-1])  # keep the norm's ring write
         out, io = _dense_batch_attention(config, view, io, layer, y, step)
         h = x + out
@@ -478,7 +490,8 @@ def _fused_sparse_layer(config, scfg, view, io, layer, x, neurons, groups, step,
         nxt = nxt[1](extra_parts[0][0])
     y = norm(h, lp.mlp_norm_scale, lp.mlp_norm_bias)
     if not isinstance(nxt, Riders):
-        return _sparse_mlp(config, scfg, view, y, neurons, residual=h), x, io, nxt
+        out = _sparse_mlp(config, scfg, view, y, neurons, residual=h, dense=dense_mlp)
+        return out, x, io, nxt
     out, (nxt,) = _sparse_mlp(config, scfg, view, y, neurons, residual=h, riders=nxt)
     return out, x, io, nxt
 
@@ -631,7 +644,7 @@ class PredictorSelector:
         from dejavu_jax.kernels.top_k import (top_k_indices, top_k_indices_chunked,
                                               top_k_indices_local)
         from dejavu_jax.topk import packed_top_k, threshold_top_k, union_top_k
-        from dejavu_jax.train.predict import select_top_k
+        from dejavu_jax.train.predict import default_union_size, select_top_k
         method, impl = self.method, self.impl
         if scores.shape[0] == 1 and capacity in (None, k):
             if method == "threshold":
@@ -645,7 +658,7 @@ class PredictorSelector:
             if method == "packed" and scores.shape[1] <= 1 << 16:
                 return packed_top_k(scores[0], k)
         if scores.shape[0] > 1 and method != "exact":
-            capacity = capacity or min(scores.shape[1], k * scores.shape[0])
+            capacity = capacity or default_union_size(scores.shape[1], k, scores.shape[0])
             return union_top_k(scores, k, capacity)
         return select_top_k(scores, k, capacity)
 

@@ -52,6 +52,7 @@ from dejavu_jax import sparse
 from dejavu_jax.eval import bench_hf
 from dejavu_jax.eval.bench_hf import cache_len
 from dejavu_jax.params import fuse_qkv, init_params, param_bytes, unstack_layers
+from dejavu_jax.train.predict import default_union_size
 from dejavu_jax.train.predictor_model import Predictor, PredictorParams, decode_predictors
 
 BF16 = jnp.bfloat16
@@ -136,12 +137,10 @@ def step_bytes(config, scfg, context: int, batch: int, rank: int, predictors: bo
     this is the model's weight bytes minus the position table plus the gathered rows plus
     the KV (tests/test_bench.py checks it against the parameter arrays).
 
-    Predictor rows with batch > 1 read the union's static capacity, min(n, k * batch)
-    units (`train.predict.select_top_k`); a layer whose union holds every neuron and every
-    KV group runs dense and reads no predictor (`sparse._covers_everything`). Fixed-index
-    rows read their k units for every batch. A batch's neuron set of at least
-    `scfg.batch_dense_mlp` of F reads every neuron (the masked dense MLP; both only with
-    `scfg.batch_dense`).
+    Predictor rows with batch > 1 read the union's static capacity
+    (`train.predict.default_union_size`); fixed-index rows read their k units for every
+    batch. Where `sparse.batch_dense_parts` runs a batch's MLP dense, every neuron is read;
+    a layer it runs dense reads no predictor.
     """
     c = config
     d, E, hd, G = c.hidden, c.embed_dim, c.head_dim, c.group_size
@@ -158,11 +157,12 @@ def step_bytes(config, scfg, context: int, batch: int, rank: int, predictors: bo
         km = c.ffn if scfg is None else scfg.mlp_k[layer]
         kh = c.n_kv_heads if scfg is None else scfg.head_k[layer]
         if predictors and batch > 1:
-            km, kh = min(c.ffn, km * batch), min(c.n_kv_heads, kh * batch)
-        batch_dense = batch > 1 and scfg is not None and scfg.batch_dense
-        union_is_dense = batch_dense and km == c.ffn and kh == c.n_kv_heads
-        if batch_dense and km >= scfg.batch_dense_mlp * c.ffn:
-            km = c.ffn  # XLA's dense MLP, the other neurons masked
+            km = default_union_size(c.ffn, km, batch)
+            kh = default_union_size(c.n_kv_heads, kh, batch)
+        dense_layer = False
+        if scfg is not None:
+            _, dense_mlp, dense_layer = sparse.batch_dense_parts(c, scfg, km, kh, batch)
+            km = c.ffn if dense_mlp else km  # XLA's dense MLP, the other neurons masked
         total += 2 * d * (2 if layer_norm else 1)  # attention and MLP norms
         total += kh * (2 * G + 2) * hd * d  # q and o of the group's query heads, k, v
         if c.attention_bias:
@@ -172,7 +172,7 @@ def step_bytes(config, scfg, context: int, batch: int, rank: int, predictors: bo
             total += km + d  # b_in of the selected neurons; b_out
         total += batch * kh * 2 * context * hd  # K and V
         if (predictors and scfg is not None and layer >= scfg.dense_layers
-                and not union_is_dense):
+                and not dense_layer):
             # both predictors in decode form (`decode_predictors`): w1t [2r, d] and
             # w2 [r, n] bf16, b1 [2r] and b2 [n] fp32 (2 bf16 units each), n = ffn, n_heads
             total += 2 * d * rank + rank * (c.ffn + c.n_heads)

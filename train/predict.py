@@ -19,7 +19,7 @@ from dejavu_jax.train.checkpoint import PredictorCheckpointError, load_predictor
 from dejavu_jax.train.predictor_model import PredictorParams, layer_slice, predictor_logits
 
 __all__ = ["load_predictors", "PredictorCheckpointError", "predictor_scores", "predict",
-           "select_top_k", "group_scores", "recommended_k"]
+           "select_top_k", "default_union_size", "group_scores", "recommended_k"]
 
 
 def predictor_scores(pred_params: PredictorParams, layer: jax.Array,
@@ -53,6 +53,12 @@ def group_scores(head_scores: jax.Array, group_size: int) -> jax.Array:
     return head_scores.reshape(B, H // group_size, group_size).max(axis=-1)
 
 
+def default_union_size(n: int, k: int, batch: int) -> int:
+    """The static size of a batch's union of its rows' k-unit sets, by default: every
+    possible member, min(n, k * batch)."""
+    return min(n, k * batch)
+
+
 def select_top_k(scores: jax.Array, k: int, capacity: int | None = None) -> jax.Array:
     """A static-size set of distinct unit ids [capacity], sorted ascending.
 
@@ -64,7 +70,7 @@ def select_top_k(scores: jax.Array, k: int, capacity: int | None = None) -> jax.
     B, n = scores.shape
     if not 0 < k <= n:
         raise ValueError(f"k={k} must be in 1..{n}")
-    capacity = capacity or min(n, k * B)
+    capacity = capacity or default_union_size(n, k, B)
     if not 0 < capacity <= n:
         raise ValueError(f"capacity={capacity} must be in 1..{n}")
     if capacity == n:  # every unit: nothing to rank
