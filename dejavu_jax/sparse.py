@@ -65,9 +65,9 @@ class SparseConfig:
     attention (writing every group's K/V), a neuron set of at least `batch_dense_mlp` of
     F the dense MLP with the other neurons masked to zero (the same result), and sets of
     everything the dense layer. False keeps the kernels at every batch (parity checks).
-    batch_dense_mlp: that fraction. On an H200 at batch 4 a 40% set took the gather
-    kernels about 106 µs per opt-13b layer against 120 µs for the masked dense MLP
-    (eval/results, session 8, calls 4 and 5), which puts the break-even near 45%.
+    batch_dense_mlp: that fraction. On an H200 at batch 4 the masked dense MLP on a 40%
+    set made the opt-13b step 0.53 ms slower than the gather kernels, about 14 µs a layer
+    (eval/results, session 8, calls 4 and 5); the break-even is estimated near 45%.
     """
 
     mlp_k: tuple[int, ...]
