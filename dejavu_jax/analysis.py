@@ -423,3 +423,37 @@ def eval_points(paths) -> list[dict]:
             continue
         walk(data, os.path.basename(str(path)), "")
     return points
+
+
+def frontier_results(folder) -> dict | None:
+    """An `eval.frontier` output folder read back: {"model", "rows" (its JSONL rows),
+    "profiles" ({file stem: SparsityProfile})}, or None when the folder holds no rows."""
+    from dejavu_jax.sparsity_profile import ProfileError, load_profile
+    folder = Path(folder)
+    rows_file = folder / "frontier.jsonl"
+    if not rows_file.is_file():
+        return None
+    rows = [json.loads(line) for line in rows_file.read_text().splitlines() if line.strip()]
+    profiles = {}
+    for path in sorted((folder / "profiles").glob("*.json")):
+        try:
+            profiles[path.stem] = load_profile(path)
+        except ProfileError:
+            continue
+    model = folder.name.removesuffix("-frontier")
+    return {"model": model, "rows": rows, "profiles": profiles}
+
+
+def frontier_curves(rows: list[dict], text: str = "wikitext2") -> dict[str, list[tuple]]:
+    """{method: [(bytes skipped, perplexity cost), ...] sorted} of one text's sweep rows
+    (allocation paths, the oracle, predictors), costs against the dense row."""
+    dense = [r for r in rows if r["kind"] == "dense" and r["text"] == text]
+    if not dense:
+        return {}
+    base = dense[0]["perplexity"]
+    curves = {}
+    for r in rows:
+        if r["text"] == text and r["kind"] in ("path", "oracle", "predictors"):
+            curves.setdefault(r["method"], []).append(
+                (r["bytes_skipped"], r["perplexity"] / base - 1))
+    return {m: sorted(v) for m, v in curves.items()}

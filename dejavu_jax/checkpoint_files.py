@@ -1,23 +1,24 @@
 """Reading named tensors from Hugging Face checkpoint files, lazily and without torch.
 
 `open_tensors(dir)` returns a TensorSource over model.safetensors, sharded safetensors
-(with an index) or pytorch_model*.bin (this last one needs torch).
+(with an index) or pytorch_model*.bin (this last one needs torch). A missing, truncated or
+corrupt file raises CheckpointError naming it.
+
+Safetensors are read with `safetensors.safe_open(...).get_slice`, which copies each
+tensor out of the file when it is asked for. A numpy memmap of the raw bytes was not worth
+its hand-written header parsing: on a 1.0 GB fp16 OPT checkpoint (opt-1.3b width, 8
+layers, CPU, page cache warm) `load_pretrained` took 14-23 s either way, and
+`load_pretrained_sharded` over 8 devices, whose callbacks each read whole tensors from
+safe_open, 4.2-5.9 s against 3.9-4.9 s with the memmap's views.
 """
 
 from __future__ import annotations
 
 import json
-import struct as pystruct
 from pathlib import Path
 
-import ml_dtypes
+import ml_dtypes  # also registers bfloat16 with numpy, which safe_open needs for BF16
 import numpy as np
-
-SAFETENSORS_DTYPES = {
-    "F64": np.float64, "F32": np.float32, "F16": np.float16, "BF16": ml_dtypes.bfloat16,
-    "I64": np.int64, "I32": np.int32, "I16": np.int16, "I8": np.int8, "U8": np.uint8,
-    "BOOL": np.bool_,
-}
 
 
 class CheckpointError(ValueError):
@@ -47,41 +48,25 @@ class TensorSource:
         return self._reader(key, self._index[key])
 
 
-def _safetensors_header(path: Path) -> tuple[dict, int]:
-    with open(path, "rb") as f:
-        head = f.read(8)
-        if len(head) != 8:
-            raise CheckpointError(f"{path}: not a safetensors file (too short)")
-        (n,) = pystruct.unpack("<Q", head)
-        try:
-            header = json.loads(f.read(n))
-        except (json.JSONDecodeError, UnicodeDecodeError) as e:
-            raise CheckpointError(f"{path}: unreadable safetensors header ({e})") from None
-    header.pop("__metadata__", None)
-    return header, 8 + n
-
-
 def _safetensors_source(files: list[Path]) -> TensorSource:
-    headers = {}
+    """Tensors of safetensors files through `safetensors.safe_open`, which checks each
+    header (its length, JSON, dtypes, and offsets that cover the file exactly)."""
+    from safetensors import SafetensorError, safe_open
+    handles = {}
     index = {}
     for path in files:
-        header, offset = _safetensors_header(path)
-        headers[path] = (header, offset)
-        for key in header:
+        try:
+            handles[path] = safe_open(path, framework="numpy")
+        except (SafetensorError, OSError) as e:
+            raise CheckpointError(f"{path}: not a readable safetensors file ({e})") from None
+        for key in handles[path].keys():
             index[key] = path
 
     def read(key: str, path: Path) -> np.ndarray:
-        header, offset = headers[path]
-        meta = header[key]
-        dtype = SAFETENSORS_DTYPES.get(meta["dtype"])
-        if dtype is None:
-            raise CheckpointError(f"{path}: tensor {key!r} has unsupported dtype {meta['dtype']}")
-        start, end = meta["data_offsets"]
-        count = int(np.prod(meta["shape"])) if meta["shape"] else 1
-        if end - start != count * np.dtype(dtype).itemsize:
-            raise CheckpointError(f"{path}: tensor {key!r} byte size does not match its shape")
-        arr = np.memmap(path, dtype=dtype, mode="r", offset=offset + start, shape=(count,))
-        return arr.reshape(meta["shape"])
+        try:
+            return handles[path].get_slice(key)[...]
+        except (SafetensorError, TypeError) as e:  # TypeError: a dtype numpy lacks
+            raise CheckpointError(f"{path}: cannot read tensor {key!r} ({e})") from None
 
     return TensorSource(index, read)
 

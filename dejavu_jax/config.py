@@ -1,4 +1,4 @@
-"""Model configuration: one frozen dataclass for the OPT and Llama families.
+"""Model configuration: one frozen dataclass for the OPT, Llama, Qwen2 and Gemma 3 families.
 
 A config is hashable, so jitted functions take it as a static argument.
 """
@@ -10,19 +10,38 @@ import hashlib
 import json
 from typing import Any
 
-FAMILIES = ("opt", "llama")
+FAMILIES = ("opt", "llama", "qwen2", "gemma3")
+ACTIVATIONS = ("relu", "silu", "gelu", "gelu_tanh")
 
 
 @dataclasses.dataclass(frozen=True)
 class ModelConfig:
     """Shapes and switches of a decoder-only transformer.
 
-    family: "opt" (learned positions, LayerNorm, ReLU MLP, biases) or
-      "llama" (RoPE, RMSNorm, SwiGLU MLP, grouped-query attention).
+    family: "opt" (learned positions, LayerNorm, ReLU MLP, biases), or a rotary family
+      with RMSNorm and a gated MLP: "llama" (SwiGLU, grouped-query attention), "qwen2"
+      (Llama with q/k/v biases) or "gemma3" (GeGLU, q/k norms, post-norms, sliding-window
+      layers). The family picks the checkpoint's tensor names; the switches below pick
+      the math, so every family runs the same model code.
     hidden: residual width d.  ffn: MLP width F.  head_dim * n_heads need not
-      equal hidden for llama-family models.
+      equal hidden for rotary models.
     embed_dim: width of the token embedding; OPT's word_embed_proj_dim. When it
       differs from hidden, project_in/project_out map between them.
+    activation: "relu", "silu", "gelu" (exact erf) or "gelu_tanh" (tanh approximation).
+    attention_bias: q/k/v (and, unless attention_out_bias says otherwise, output)
+      projection biases. attention_out_bias: the output projection's bias (None: as
+      attention_bias).
+    qk_norm: RMSNorm over each head's query and key (weights shared by the heads), after
+      the projection and before RoPE.
+    post_norms: RMSNorm of each sublayer's output before the residual add (Gemma's
+      post-attention and post-feedforward norms).
+    embed_scale: token embeddings are multiplied by it, in the embedding's dtype.
+    query_scale: the attention logits' scale (None: head_dim ** -0.5).
+    sliding_window: tokens a sliding layer attends to, the current one included;
+      sliding_layers: one flag per layer (empty when no layer slides).
+    rope_theta: RoPE base of full-attention layers; rope_local_theta: of sliding layers
+      (None: rope_theta). rope_linear_factor: full-attention layers divide positions by it.
+    final_logit_softcap: logits become cap * tanh(logits / cap) when set.
     """
 
     family: str
@@ -48,6 +67,16 @@ class ModelConfig:
     eos_token_id: int | None = 2
     pad_token_id: int | None = 1
     name: str = "custom"
+    attention_out_bias: bool | None = None
+    qk_norm: bool = False
+    post_norms: bool = False
+    embed_scale: float | None = None
+    query_scale: float | None = None
+    sliding_window: int | None = None
+    sliding_layers: tuple[bool, ...] = ()
+    rope_local_theta: float | None = None
+    rope_linear_factor: float = 1.0
+    final_logit_softcap: float | None = None
 
     def __post_init__(self):
         if self.family not in FAMILIES:
@@ -55,8 +84,43 @@ class ModelConfig:
         if self.n_heads % self.n_kv_heads:
             raise ValueError(
                 f"n_heads={self.n_heads} is not a multiple of n_kv_heads={self.n_kv_heads}")
-        if self.activation not in ("relu", "silu", "gelu"):
-            raise ValueError(f"unsupported activation {self.activation!r}")
+        if self.activation not in ACTIVATIONS:
+            raise ValueError(f"unsupported activation {self.activation!r}; "
+                             f"supported: {ACTIVATIONS}")
+        object.__setattr__(self, "sliding_layers", tuple(bool(s) for s in self.sliding_layers))
+        if self.sliding_layers and len(self.sliding_layers) != self.n_layers:
+            raise ValueError(f"sliding_layers has {len(self.sliding_layers)} flags for "
+                             f"{self.n_layers} layers")
+        if any(self.sliding_layers) and not (self.sliding_window or 0) > 0:
+            raise ValueError("sliding_layers needs a positive sliding_window")
+        if self.family == "opt" and (self.qk_norm or self.post_norms or self.sliding_layers):
+            raise ValueError("OPT models have no q/k norms, post-norms or sliding layers")
+
+    @property
+    def rotary(self) -> bool:
+        """Whether positions enter through RoPE (every family but OPT)."""
+        return self.family != "opt"
+
+    @property
+    def layer_norm(self) -> bool:
+        """LayerNorm with a bias (OPT), else RMSNorm."""
+        return self.family == "opt"
+
+    @property
+    def out_bias(self) -> bool:
+        """Whether the attention's output projection has a bias."""
+        return self.attention_bias if self.attention_out_bias is None else \
+            self.attention_out_bias
+
+    @property
+    def attention_scale(self) -> float:
+        """The factor on attention logits q.k."""
+        return self.head_dim ** -0.5 if self.query_scale is None else self.query_scale
+
+    @property
+    def has_sliding_layers(self) -> bool:
+        """Whether some layer attends over a sliding window only."""
+        return any(self.sliding_layers)
 
     @property
     def group_size(self) -> int:
@@ -79,15 +143,57 @@ class ModelConfig:
 
 
 def from_hf_config(hf: dict, name: str = "custom") -> ModelConfig:
-    """Build a ModelConfig from a Hugging Face `config.json` dict (OPT or Llama)."""
+    """Build a ModelConfig from a Hugging Face `config.json` dict (OPT, Llama, Mistral,
+    Qwen2 or Gemma 3; for the multimodal `gemma3` its `text_config`)."""
     model_type = hf.get("model_type")
     if model_type == "opt":
         return _opt_from_hf(hf, name)
     if model_type in ("llama", "mistral", "qwen2"):
         return _llama_from_hf(hf, name)
+    if model_type == "gemma3":
+        return _gemma3_from_hf({**hf.get("text_config", {}), "model_type": "gemma3_text"}, name)
+    if model_type == "gemma3_text":
+        return _gemma3_from_hf(hf, name)
     raise ValueError(
         f"unknown model_type {model_type!r} in config.json (model {name!r}); "
-        "supported: 'opt', 'llama'")
+        "supported: 'opt', 'llama', 'mistral', 'qwen2', 'gemma3_text', 'gemma3'")
+
+
+def _rope(params: dict | None, legacy_theta, legacy_scaling, default_theta: float,
+          name: str) -> tuple[float, float]:
+    """(theta, linear factor) from a `rope_parameters` entry or the older `rope_theta` /
+    `rope_scaling` keys; only default and linear RoPE are supported."""
+    params = dict(params or {})
+    scaling = dict(legacy_scaling or {})
+    kind = params.get("rope_type", scaling.get("rope_type", scaling.get("type", "default")))
+    if kind not in ("default", "linear", None):
+        raise ValueError(f"rope type {kind!r} is not supported (model {name!r}); "
+                         "supported: default, linear")
+    theta = params.get("rope_theta", legacy_theta if legacy_theta is not None else default_theta)
+    factor = params.get("factor", scaling.get("factor", 1.0)) if kind == "linear" else 1.0
+    return float(theta), float(factor)
+
+
+def _sliding_layers(hf: dict, n_layers: int, pattern: int | None = None) -> tuple[bool, ...]:
+    """Per-layer sliding flags from `layer_types`; else every layer but each `pattern`-th
+    (Gemma 3); else Qwen2's `use_sliding_window` (layers from `max_window_layers` on)."""
+    types = hf.get("layer_types")
+    if types:
+        unknown = set(types) - {"sliding_attention", "full_attention"}
+        if unknown:
+            raise ValueError(f"layer_types {sorted(unknown)} are not supported")
+        return tuple(t == "sliding_attention" for t in types)
+    if pattern:
+        return tuple(bool((i + 1) % pattern) for i in range(n_layers))
+    if hf.get("use_sliding_window") and hf.get("sliding_window"):
+        start = hf.get("max_window_layers", 0)
+        return tuple(i >= start for i in range(n_layers))
+    return ()
+
+
+def _first(value):
+    """The first id of a list of ids (config eos lists), or the value itself."""
+    return value[0] if isinstance(value, list) else value
 
 
 def _opt_from_hf(hf: dict, name: str) -> ModelConfig:
@@ -126,25 +232,22 @@ def _opt_from_hf(hf: dict, name: str) -> ModelConfig:
 
 
 def _llama_from_hf(hf: dict, name: str) -> ModelConfig:
-    rope_scaling = hf.get("rope_scaling") or {}
-    rope_type = rope_scaling.get("rope_type", rope_scaling.get("type", "default"))
-    if rope_type not in ("default", None):
-        raise ValueError(f"rope_scaling type {rope_type!r} is not supported (model {name!r})")
     act = hf.get("hidden_act", "silu")
     if act != "silu":
-        raise ValueError(f"Llama hidden_act {act!r} is not supported (model {name!r})")
+        raise ValueError(f"{hf['model_type']} hidden_act {act!r} is not supported "
+                         f"(model {name!r})")
     hidden = hf["hidden_size"]
     n_heads = hf["num_attention_heads"]
-    rope_params = hf.get("rope_parameters") or {}
-    theta = hf.get("rope_theta", rope_params.get("rope_theta", 10000.0))
-    eos = hf.get("eos_token_id")
-    if isinstance(eos, list):
-        eos = eos[0]
+    theta, factor = _rope(hf.get("rope_parameters"), hf.get("rope_theta"),
+                          hf.get("rope_scaling"), 10000.0, name)
+    qwen2 = hf["model_type"] == "qwen2"
+    n_layers = hf["num_hidden_layers"]
+    sliding = _sliding_layers(hf, n_layers)
     return ModelConfig(
-        family="llama",
+        family="qwen2" if qwen2 else "llama",
         vocab_size=hf["vocab_size"],
         hidden=hidden,
-        n_layers=hf["num_hidden_layers"],
+        n_layers=n_layers,
         n_heads=n_heads,
         n_kv_heads=hf.get("num_key_value_heads") or n_heads,
         head_dim=hf.get("head_dim") or hidden // n_heads,
@@ -156,15 +259,86 @@ def _llama_from_hf(hf: dict, name: str) -> ModelConfig:
         final_norm=True,
         activation="silu",
         gated_mlp=True,
-        attention_bias=hf.get("attention_bias", False),
+        attention_bias=True if qwen2 else hf.get("attention_bias", False),
+        attention_out_bias=False if qwen2 else None,
         mlp_bias=hf.get("mlp_bias", False),
-        rope_theta=float(theta),
+        rope_theta=theta,
+        rope_linear_factor=factor,
+        sliding_window=hf.get("sliding_window") if any(sliding) else None,
+        sliding_layers=sliding if any(sliding) else (),
         tie_embeddings=hf.get("tie_word_embeddings", False),
         bos_token_id=hf.get("bos_token_id"),
-        eos_token_id=eos,
+        eos_token_id=_first(hf.get("eos_token_id")),
         pad_token_id=hf.get("pad_token_id"),
         name=name,
     )
+
+
+def _gemma3_from_hf(hf: dict, name: str) -> ModelConfig:
+    act = hf.get("hidden_activation", hf.get("hidden_act", "gelu_pytorch_tanh"))
+    if act != "gelu_pytorch_tanh":
+        raise ValueError(f"gemma3 hidden_activation {act!r} is not supported (model {name!r})")
+    if hf.get("attn_logit_softcapping") is not None:
+        raise ValueError(f"attn_logit_softcapping is not supported (model {name!r})")
+    if hf.get("use_bidirectional_attention"):
+        raise ValueError(f"use_bidirectional_attention is not supported (model {name!r})")
+    hidden = hf["hidden_size"]
+    n_layers = hf["num_hidden_layers"]
+    n_heads = hf["num_attention_heads"]
+    head_dim = hf.get("head_dim", 256)
+    params = hf.get("rope_parameters") or {}
+    if params and "full_attention" not in params:  # one entry for every layer type
+        params = {"full_attention": params, "sliding_attention": params}
+    theta, factor = _rope(params.get("full_attention"), hf.get("rope_theta"),
+                          hf.get("rope_scaling"), 1_000_000.0, name)
+    local_theta, local_factor = _rope(params.get("sliding_attention"),
+                                      hf.get("rope_local_base_freq"), None, 10_000.0, name)
+    if local_factor != 1.0:
+        raise ValueError(f"scaled RoPE on sliding layers is not supported (model {name!r})")
+    pattern = hf.get("sliding_window_pattern", hf.get("_sliding_window_pattern", 6))
+    sliding = _sliding_layers(hf, n_layers, pattern)
+    return ModelConfig(
+        family="gemma3",
+        vocab_size=hf.get("vocab_size", 262_208),
+        hidden=hidden,
+        n_layers=n_layers,
+        n_heads=n_heads,
+        n_kv_heads=hf.get("num_key_value_heads") or n_heads,
+        head_dim=head_dim,
+        ffn=hf["intermediate_size"],
+        max_positions=hf.get("max_position_embeddings", 131_072),
+        embed_dim=hidden,
+        norm_eps=hf.get("rms_norm_eps", 1e-6),
+        activation="gelu_tanh",
+        gated_mlp=True,
+        attention_bias=hf.get("attention_bias", False),
+        mlp_bias=False,
+        rope_theta=theta,
+        rope_linear_factor=factor,
+        rope_local_theta=local_theta,
+        qk_norm=True,
+        post_norms=True,
+        embed_scale=hidden ** 0.5,
+        query_scale=hf.get("query_pre_attn_scalar", 256) ** -0.5,
+        sliding_window=hf.get("sliding_window", 4096) if any(sliding) else None,
+        sliding_layers=sliding if any(sliding) else (),
+        final_logit_softcap=hf.get("final_logit_softcapping"),
+        tie_embeddings=hf.get("tie_word_embeddings", True),
+        bos_token_id=hf.get("bos_token_id", 2),
+        eos_token_id=_first(hf.get("eos_token_id", 1)),
+        pad_token_id=hf.get("pad_token_id", 0),
+        name=name,
+    )
+
+
+def _qwen2_preset(name, hidden, n_layers, n_heads, n_kv_heads, ffn, vocab=151936,
+                  tie=True):
+    return _llama_from_hf(dict(
+        model_type="qwen2", vocab_size=vocab, hidden_size=hidden, num_hidden_layers=n_layers,
+        num_attention_heads=n_heads, num_key_value_heads=n_kv_heads, intermediate_size=ffn,
+        max_position_embeddings=32768, rms_norm_eps=1e-6, rope_theta=1_000_000.0,
+        tie_word_embeddings=tie, bos_token_id=151643, eos_token_id=151645,
+        pad_token_id=151643), name)
 
 
 def _opt_preset(name, hidden, n_layers, n_heads, ffn=None, embed_dim=None, pre_norm=True):
@@ -201,6 +375,20 @@ PRESETS: dict[str, ModelConfig] = {
         activation="silu", gated_mlp=True, attention_bias=False, mlp_bias=False,
         rope_theta=100000.0, tie_embeddings=True, bos_token_id=1, eos_token_id=2,
         pad_token_id=None, name="smollm2-135m"),
+    "qwen2.5-0.5b": _qwen2_preset("qwen2.5-0.5b", 896, 24, 14, 2, 4864),
+    "qwen2.5-1.5b": _qwen2_preset("qwen2.5-1.5b", 1536, 28, 12, 2, 8960),
+    "qwen2.5-7b": _qwen2_preset("qwen2.5-7b", 3584, 28, 28, 4, 18944, vocab=152064,
+                                tie=False),
+    "gemma3-270m": _gemma3_from_hf(dict(
+        vocab_size=262144, hidden_size=640, num_hidden_layers=18, num_attention_heads=4,
+        num_key_value_heads=1, head_dim=256, intermediate_size=2048,
+        max_position_embeddings=32768, query_pre_attn_scalar=256, sliding_window=512,
+        rope_theta=1_000_000.0, rope_local_base_freq=10_000.0), "gemma3-270m"),
+    "llama3-8b": _llama_from_hf(dict(
+        model_type="llama", vocab_size=128256, hidden_size=4096, num_hidden_layers=32,
+        num_attention_heads=32, num_key_value_heads=8, intermediate_size=14336,
+        max_position_embeddings=8192, rms_norm_eps=1e-5, rope_theta=500_000.0,
+        tie_word_embeddings=False, bos_token_id=128000, eos_token_id=128001), "llama3-8b"),
 }
 
 

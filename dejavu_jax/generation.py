@@ -20,6 +20,7 @@ import numpy as np
 
 from dejavu_jax import model
 from dejavu_jax.config import ModelConfig
+from dejavu_jax.inputs import check_token_ids
 from dejavu_jax.sampling import SamplingConfig, sample
 
 
@@ -30,6 +31,8 @@ class Engine:
     prefill(params, input_ids [B,T], mask [B,T], state) -> (logits [B,V], state)
     step(params, state, tokens [B]) -> (logits [B,V], state)
     init_state(batch, max_len, dtype, per_layer) -> state
+    Token ids must lie in [0, config.vocab_size): prefill and step raise ValueError for
+    concrete ids outside it; traced ids (inside jit) are the caller's contract.
     """
 
     config: ModelConfig
@@ -139,18 +142,19 @@ def generate_tokens(engine: Engine, params, prompts: Sequence[Sequence[int]],
     chunk: decode steps per device call (a `lax.scan`; the host sees tokens once per
     chunk). Results do not depend on it; a row's tokens after its stop id are dropped.
     `on_token(tokens [B])` is called once per generated position (-1 for finished rows),
-    for streaming output.
+    for streaming output. Raises ValueError for an empty prompt or an id outside the
+    vocabulary. On a GPU, model weights in the fastest layout (`params.decode_layout`, as
+    `generate` passes them) decode fastest.
     """
     config = engine.config
     if max_new_tokens < 1:
         raise ValueError(f"max_new_tokens must be >= 1, got {max_new_tokens}")
     if chunk < 1:
         raise ValueError(f"chunk must be >= 1, got {chunk}")
-    for p in prompts:
-        bad = [t for t in p if not 0 <= int(t) < config.vocab_size]
-        if bad:
-            raise ValueError(f"token ids {bad[:5]} are outside the vocabulary [0, "
-                             f"{config.vocab_size})")
+    if not len(prompts):
+        raise ValueError("no prompts: give at least one")
+    for row, p in enumerate(prompts):
+        check_token_ids(p, config.vocab_size, f"prompt {row}", "[time]")
     if stop_ids is None:
         stop_ids = [] if config.eos_token_id is None else [config.eos_token_id]
     ids, mask = left_pad(prompts, config.pad_token_id or 0)

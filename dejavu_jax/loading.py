@@ -17,7 +17,7 @@ import ml_dtypes
 import numpy as np
 from tqdm.auto import tqdm
 
-from dejavu_jax.checkpoint_files import CheckpointError, DictSource, TensorSource, open_tensors
+from dejavu_jax.checkpoint_files import CheckpointError, TensorSource, open_tensors
 from dejavu_jax.config import ModelConfig, from_hf_config
 from dejavu_jax.params import LayerParams, ModelParams, layer_shapes, model_shapes
 
@@ -91,7 +91,30 @@ LLAMA_LAYER = {
     "b_in": ("mlp.up_proj.bias", _same),
     "b_out": ("mlp.down_proj.bias", _same),
 }
-LAYER_PREFIX = {"opt": "decoder.layers.{i}.", "llama": "model.layers.{i}."}
+def _gemma_norm(a, c):
+    """Gemma's RMSNorm multiplies by 1 + w; our norms take the factor itself."""
+    return a.astype(np.float32) + 1.0
+
+
+GEMMA3_TOP = {**LLAMA_TOP, "final_norm_scale": ("model.norm.weight", _gemma_norm)}
+GEMMA3_LAYER = {
+    **LLAMA_LAYER,
+    "attn_norm_scale": ("input_layernorm.weight", _gemma_norm),
+    "post_attn_norm_scale": ("post_attention_layernorm.weight", _gemma_norm),
+    "mlp_norm_scale": ("pre_feedforward_layernorm.weight", _gemma_norm),
+    "post_mlp_norm_scale": ("post_feedforward_layernorm.weight", _gemma_norm),
+    "q_norm_scale": ("self_attn.q_norm.weight", _gemma_norm),
+    "k_norm_scale": ("self_attn.k_norm.weight", _gemma_norm),
+}
+LAYER_PREFIX = {"opt": "decoder.layers.{i}.", "llama": "model.layers.{i}.",
+                "qwen2": "model.layers.{i}.", "gemma3": "model.layers.{i}."}
+# Hugging Face names of a family's tensors, by ModelParams / LayerParams leaf
+NAME_SPECS = {"opt": (OPT_TOP, OPT_LAYER), "llama": (LLAMA_TOP, LLAMA_LAYER),
+              "qwen2": (LLAMA_TOP, LLAMA_LAYER), "gemma3": (GEMMA3_TOP, GEMMA3_LAYER)}
+# a multimodal Gemma 3 checkpoint's text tensors sit under one of these prefixes
+_GEMMA3_TEXT_PREFIXES = (("model.language_model.", "model."),
+                         ("language_model.model.", "model."),
+                         ("language_model.lm_head.", "lm_head."))
 
 
 def _canonical_opt_names(source: TensorSource) -> dict[str, str]:
@@ -100,6 +123,19 @@ def _canonical_opt_names(source: TensorSource) -> dict[str, str]:
     for key in source.keys():
         canon = key[len("model."):] if key.startswith("model.") else key
         names[canon] = key
+    return names
+
+
+def canonical_names(config: ModelConfig, source: TensorSource) -> dict[str, str]:
+    """Map the names `NAME_SPECS` uses to the file's own key names."""
+    if config.family == "opt":
+        return _canonical_opt_names(source)
+    names = {k: k for k in source.keys()}
+    if config.family == "gemma3":
+        for key in source.keys():
+            for prefix, canon in _GEMMA3_TEXT_PREFIXES:
+                if key.startswith(prefix):
+                    names[canon + key[len(prefix):]] = key
     return names
 
 
@@ -115,12 +151,8 @@ def params_from_tensors(config: ModelConfig, source: TensorSource, dtype=jnp.flo
     Raises CheckpointError naming the file and key for a missing tensor or a shape
     mismatch.
     """
-    if config.family == "opt":
-        names = _canonical_opt_names(source)
-        top_spec, layer_spec = OPT_TOP, OPT_LAYER
-    else:
-        names = {k: k for k in source.keys()}
-        top_spec, layer_spec = LLAMA_TOP, LLAMA_LAYER
+    names = canonical_names(config, source)
+    top_spec, layer_spec = NAME_SPECS[config.family]
     np_dtype = _numpy_dtype(dtype)
     origin = next(iter(source.keys()), None)
     origin_file = source.file_of(origin) if origin else "<empty checkpoint>"
@@ -130,12 +162,13 @@ def params_from_tensors(config: ModelConfig, source: TensorSource, dtype=jnp.flo
         if key is None:
             raise CheckpointError(f"{origin_file}: missing tensor {canon!r} for "
                                   f"{config.family} model {config.name!r}")
-        arr = transform(np.asarray(source.get(key)), config)
+        raw = np.asarray(source.get(key))
+        arr = transform(raw, config)
         if tuple(arr.shape) != tuple(want):
             raise CheckpointError(
-                f"{source.file_of(key)}: tensor {key!r} has shape {tuple(source.get(key).shape)},"
+                f"{source.file_of(key)}: tensor {key!r} has shape {tuple(raw.shape)},"
                 f" which does not fit the config (expected {want} after layout change)")
-        return arr.astype(np_dtype)
+        return arr.astype(np_dtype, copy=False)
 
     top = {}
     for name, shape in model_shapes(config).items():
@@ -143,7 +176,7 @@ def params_from_tensors(config: ModelConfig, source: TensorSource, dtype=jnp.flo
             top[name] = None
             continue
         canon, transform = top_spec[name]
-        top[name] = jnp.asarray(fetch(canon, transform, shape))
+        top[name] = jax.device_put(fetch(canon, transform, shape))
 
     layers = {}
     prefix = LAYER_PREFIX[config.family]
@@ -156,19 +189,35 @@ def params_from_tensors(config: ModelConfig, source: TensorSource, dtype=jnp.flo
             layers[name] = None
             continue
         suffix, transform = layer_spec[name]
-        per_layer = [fetch(prefix.format(i=i) + suffix, transform, shape[1:])
-                     for i in range(config.n_layers)]
-        layers[name] = jnp.asarray(np.stack(per_layer))
+        stacked = np.empty(shape, np_dtype)  # filled layer by layer: one host copy at most
+        for i in range(config.n_layers):
+            stacked[i] = fetch(prefix.format(i=i) + suffix, transform, shape[1:])
+        layers[name] = jax.device_put(stacked)
+        del stacked
     bar.close()
     return ModelParams(layers=LayerParams(**layers), **top)
+
+
+def hub_id(path_or_id: str | os.PathLike) -> str | None:
+    """The text as a Hugging Face hub id ('org/name') when it names no local file or
+    folder and has that form, else None."""
+    text = str(path_or_id)
+    if Path(text).expanduser().exists():
+        return None
+    if text.count("/") == 1 and not text.startswith((".", "/", "~")):
+        return text
+    return None
 
 
 def _resolve_directory(path_or_id: str | os.PathLike) -> Path:
     path = Path(path_or_id).expanduser()
     if path.exists():
         return path
-    text = str(path_or_id)
-    if text.count("/") == 1 and not text.startswith((".", "/", "~")):
+    from dejavu_jax.fetch_model import resolve_model
+    if (resolved := resolve_model(str(path_or_id))) != str(path_or_id):
+        return Path(resolved)  # a registered model name: its cached file
+    text = hub_id(path_or_id)
+    if text is not None:
         try:
             from huggingface_hub import snapshot_download
             return Path(snapshot_download(
@@ -178,7 +227,7 @@ def _resolve_directory(path_or_id: str | os.PathLike) -> Path:
             raise CheckpointError(
                 f"{text!r} is not a local path, and downloading it from the Hugging Face hub "
                 f"failed: {type(e).__name__}: {e}") from None
-    raise CheckpointError(f"{text}: no such file or directory")
+    raise CheckpointError(f"{path_or_id}: no such file or directory")
 
 
 def default_dtype():
@@ -186,32 +235,59 @@ def default_dtype():
     return jnp.float32 if jax.default_backend() == "cpu" else jnp.bfloat16
 
 
-def open_checkpoint(path: str | os.PathLike) -> tuple[ModelConfig, TensorSource]:
-    """(config, tensors) of a HF directory (config.json + weights), a hub id, or a .gguf file.
-
-    Nothing is loaded yet: tensors are read (memory-mapped where possible) on demand.
-    """
-    location = _resolve_directory(path)
-    if location.is_file() and location.suffix == ".gguf":
-        from dejavu_jax.gguf_loader import load_gguf
-        hf_config, tensors = load_gguf(location)
-        try:
-            return from_hf_config(hf_config, name=location.stem), DictSource(tensors, location)
-        except (ValueError, KeyError) as e:
-            raise CheckpointError(f"{location}: {e}") from None
-    if location.is_file():
-        raise CheckpointError(f"{location}: expected a checkpoint directory or a .gguf file")
+def _hf_directory_config(location: Path) -> ModelConfig:
     config_path = location / "config.json"
     try:
         hf_config = json.loads(config_path.read_text())
     except FileNotFoundError:
         raise CheckpointError(f"{config_path}: missing config.json") from None
-    except json.JSONDecodeError as e:
+    except (json.JSONDecodeError, UnicodeDecodeError) as e:
         raise CheckpointError(f"{config_path}: invalid JSON ({e})") from None
+    if not isinstance(hf_config, dict):
+        raise CheckpointError(f"{config_path}: not a JSON object")
+    return _config_from(hf_config, location.name, config_path)
+
+
+def _config_from(hf_config: dict, name: str, origin: Path) -> ModelConfig:
     try:
-        config = from_hf_config(hf_config, name=location.name)
-    except (ValueError, KeyError) as e:
-        raise CheckpointError(f"{config_path}: {e}") from None
+        return from_hf_config(hf_config, name=name)
+    except (ValueError, KeyError, TypeError) as e:
+        what = f"missing key {e}" if isinstance(e, KeyError) else str(e)
+        raise CheckpointError(f"{origin}: {what}") from None
+
+
+def _is_gguf(location: Path) -> bool:
+    return location.is_file() and location.suffix == ".gguf"
+
+
+def read_config(path: str | os.PathLike) -> ModelConfig:
+    """The ModelConfig of a checkpoint (a HF directory, a hub id or a .gguf file), read
+    without its weights: from config.json, or from the GGUF metadata.
+
+    Raises CheckpointError naming the file for anything missing or unreadable.
+    """
+    location = _resolve_directory(path)
+    if _is_gguf(location):
+        from dejavu_jax.gguf_loader import gguf_config
+        return _config_from(gguf_config(location), location.stem, location)
+    if location.is_file():
+        raise CheckpointError(f"{location}: expected a checkpoint directory or a .gguf file")
+    return _hf_directory_config(location)
+
+
+def open_checkpoint(path: str | os.PathLike) -> tuple[ModelConfig, TensorSource]:
+    """(config, tensors) of a HF directory (config.json + weights), a hub id, or a .gguf file.
+
+    Nothing is loaded yet: tensors are read on demand (memory-mapped where possible; GGUF
+    tensors are dequantised when read). Raises CheckpointError naming the file for anything
+    missing or unreadable.
+    """
+    location = _resolve_directory(path)
+    if _is_gguf(location):
+        from dejavu_jax.gguf_loader import open_gguf
+        hf_config, tensors = open_gguf(location)
+        return _config_from(hf_config, location.stem, location), tensors
+    config = read_config(location)
     return config, open_tensors(location)
 
 

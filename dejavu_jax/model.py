@@ -14,6 +14,7 @@ from flax import struct
 
 from dejavu_jax import ops
 from dejavu_jax.config import ModelConfig
+from dejavu_jax.inputs import check_mask, check_prompt, check_step_tokens, check_token_ids, checked
 from dejavu_jax.params import OPT_POSITION_OFFSET, ModelParams, scan_layers
 
 F32 = jnp.float32
@@ -45,8 +46,12 @@ def positions_from_mask(mask: jax.Array) -> jax.Array:
 
 
 def embed(config: ModelConfig, params: ModelParams, ids: jax.Array, positions: jax.Array):
-    """Token (and for OPT, learned position) embeddings in fp32: [..., d]."""
-    x = jnp.take(params.embed, ids, axis=0).astype(F32)
+    """Token (and for OPT, learned position) embeddings in fp32: [..., d]. Models with an
+    `embed_scale` (Gemma) multiply by it in the embedding's dtype."""
+    x = jnp.take(params.embed, ids, axis=0)
+    if config.embed_scale is not None:
+        x = x * jnp.asarray(config.embed_scale, x.dtype)
+    x = x.astype(F32)
     if params.project_in is not None:
         x = ops.rows_matmul(x, params.project_in)
     if params.pos_embed is not None:
@@ -61,7 +66,7 @@ def unembed(config: ModelConfig, params: ModelParams, x: jax.Array) -> jax.Array
     if params.project_out is not None:
         x = ops.rows_matmul(x, params.project_out)
     head = params.embed if params.lm_head is None else params.lm_head
-    return ops.rows_matmul(x, head)
+    return ops.softcap(ops.rows_matmul(x, head), config.final_logit_softcap)
 
 
 def head_output_norms(lp, heads_out: jax.Array) -> jax.Array:
@@ -75,17 +80,26 @@ def head_output_norms(lp, heads_out: jax.Array) -> jax.Array:
     return jnp.sqrt(jnp.maximum(sq, 0.0))
 
 
-def _sequence_attention(config, lp, y, positions, mask):
-    """Causal self-attention over a whole sequence; returns (out, heads_out, k, v)."""
+def sequence_attention(config: ModelConfig, lp, y: jax.Array, positions: jax.Array,
+                       mask: jax.Array, layer, mask_heads=None):
+    """Causal self-attention of normed inputs y [B, T, d] over the whole sequence (the
+    layer's sliding window and RoPE included): (output [B, T, d], per-head outputs
+    [B, T, H, hd], k, v [B, T, Hk, hd]). mask_heads(heads) may zero parts of the per-head
+    outputs before the out-projection (the returned heads are the unmasked ones)."""
     B, T, _ = y.shape
-    q, k, v = ops.project_qkv(config, lp, y, positions)  # [B,T,H,hd], [B,T,Hk,hd]
+    q, k, v = ops.project_qkv(config, lp, y, positions, layer)  # [B,T,H,hd], [B,T,Hk,hd]
     q = q.reshape(B, T, config.n_kv_heads, config.group_size, config.head_dim)
     scores = jnp.einsum("btkgd,bskd->bkgts", q, k)
     causal = jnp.tril(jnp.ones((T, T), bool))
+    steps = jnp.arange(T)
+    window = ops.window_mask(config, layer, steps, steps)
+    if window is not None:
+        causal = causal & window
     allowed = causal[None, None, None] & mask[:, None, None, None, :].astype(bool)
     weights = ops.attention_weights(scores, allowed)
     heads = jnp.einsum("bkgts,bskd->btkgd", weights, v).reshape(B, T, config.n_heads, -1)
-    return ops.out_project(lp, heads), heads, k, v
+    projected = heads if mask_heads is None else mask_heads(heads)
+    return ops.out_project(lp, projected), heads, k, v
 
 
 def sequence_forward(config: ModelConfig, params: ModelParams, input_ids: jax.Array,
@@ -102,11 +116,13 @@ def sequence_forward(config: ModelConfig, params: ModelParams, input_ids: jax.Ar
     positions = positions_from_mask(attention_mask)
     x = embed(config, params, input_ids, positions)
 
-    def layer(x, lp):
+    def layer(x, inputs):
+        lp, index = inputs
         rec = {}
 
         def attn(y):
-            out, heads, k, v = _sequence_attention(config, lp, y, positions, attention_mask)
+            out, heads, k, v = sequence_attention(config, lp, y, positions, attention_mask,
+                                                   index)
             rec["kv"] = (k, v)
             if records:
                 rec["head_norm"] = head_output_norms(lp, heads)
@@ -119,15 +135,17 @@ def sequence_forward(config: ModelConfig, params: ModelParams, input_ids: jax.Ar
             return ops.mlp_output(lp, hidden)
 
         rec_in = {"attn_in": x} if records else {}
-        h = ops.residual(config, x, attn, lp.attn_norm_scale, lp.attn_norm_bias)
+        h = ops.residual(config, x, attn, lp.attn_norm_scale, lp.attn_norm_bias,
+                         lp.post_attn_norm_scale)
         if records:
             rec_in["mlp_in"] = h
-        out = ops.residual(config, h, mlp, lp.mlp_norm_scale, lp.mlp_norm_bias)
+        out = ops.residual(config, h, mlp, lp.mlp_norm_scale, lp.mlp_norm_bias,
+                           lp.post_mlp_norm_scale)
         k, v = rec.pop("kv")
         kv = (k.transpose(0, 2, 1, 3), v.transpose(0, 2, 1, 3))
         return out, (kv, {**rec_in, **rec})
 
-    x, ((k, v), recs) = scan_layers(layer, x, params.layers)
+    x, ((k, v), recs) = scan_layers(layer, x, params.layers, with_index=True)
     kv = (k.transpose(1, 0, 2, 3, 4), v.transpose(1, 0, 2, 3, 4))
     return x, kv, (recs if records else None)
 
@@ -140,17 +158,17 @@ def _logits(config, params, input_ids, attention_mask):
 
 def logits(config: ModelConfig, params: ModelParams, input_ids,
            attention_mask=None) -> jax.Array:
-    """Full-sequence float32 logits [B, T, V] for token ids [B, T] (mask: 1 = real token)."""
+    """Full-sequence float32 logits [B, T, V] for token ids [B, T] (mask: 1 = real token).
+
+    Raises ValueError for ids outside [0, vocab_size) (checked when concrete: traced ids
+    must be in range), non-integer ids, or a mask not shaped like the ids.
+    """
+    check_token_ids(input_ids, config.vocab_size)
     input_ids = jnp.asarray(input_ids, jnp.int32)
-    if input_ids.ndim != 2:
-        raise ValueError(f"input_ids must be [batch, time], got shape {input_ids.shape}")
     if attention_mask is None:
         attention_mask = jnp.ones_like(input_ids)
-    attention_mask = jnp.asarray(attention_mask, jnp.int32)
-    if attention_mask.shape != input_ids.shape:
-        raise ValueError(f"attention_mask shape {attention_mask.shape} != input_ids shape "
-                         f"{input_ids.shape}")
-    return _logits(config, params, input_ids, attention_mask)
+    check_mask(attention_mask, input_ids.shape)
+    return _logits(config, params, input_ids, jnp.asarray(attention_mask, jnp.int32))
 
 
 def init_state(config: ModelConfig, batch: int, max_len: int, dtype,
@@ -177,8 +195,10 @@ def prefill_fn(config: ModelConfig, params: ModelParams, input_ids: jax.Array,
     """Dense forward over left-padded prompts [B, T] with mask [B, T] (1 = token).
 
     Fills cache slots 0..T-1 for every head and returns (last-position logits [B, V],
-    the state ready for decoding at slot T).
+    the state ready for decoding at slot T). Ids must lie in [0, vocab_size): concrete ids
+    are checked (ValueError), traced ones are the caller's contract (`dejavu_jax.inputs`).
     """
+    check_prompt(input_ids, attention_mask, config.vocab_size, state)
     T = input_ids.shape[1]
     hidden, (k, v), _ = sequence_forward(config, params, input_ids, attention_mask)
     logits_last = unembed(config, params, hidden[:, -1])
@@ -196,7 +216,10 @@ def prefill_fn(config: ModelConfig, params: ModelParams, input_ids: jax.Array,
     return logits_last, new_state
 
 
-prefill = jax.jit(prefill_fn, static_argnums=0, donate_argnums=(4,))
+prefill = checked(
+    jax.jit(prefill_fn, static_argnums=0, donate_argnums=(4,)),
+    lambda config, params, ids, mask, state: check_prompt(ids, mask, config.vocab_size, state))
+prefill.__doc__ = """Jitted `prefill_fn` (the state donated), after a check of concrete ids."""
 
 
 def cached_attention(config: ModelConfig, q: jax.Array, k_layer: jax.Array,
@@ -234,16 +257,25 @@ def write_kv(cache, layer, slot: jax.Array, new: jax.Array):
     return jax.lax.dynamic_update_slice(cache, upd, (0, layer, 0, slot, 0))
 
 
+def layer_valid(config: ModelConfig, layer, step: dict) -> jax.Array:
+    """The cache slots [B, S] that `layer` attends to at this step: step["valid"], on
+    sliding layers narrowed to the window that ends at step["slot"]."""
+    valid = step["valid"]
+    window = ops.window_mask(config, layer, step["slot"],
+                             jnp.arange(valid.shape[-1], dtype=jnp.int32))
+    return valid if window is None else valid & window[None]
+
+
 def dense_attention(config: ModelConfig, lp, y: jax.Array, k_all, v_all, layer, step: dict,
                     mask_heads=None):
     """Dense attention for one new token per row, normed inputs y [B, d]: (output [B, d]
     before any residual add, k_all, v_all with this layer's K/V written at step["slot"]).
     step and mask_heads are as in `decode_layer`."""
-    q, k, v = ops.project_qkv(config, lp, y, step["positions"])
+    q, k, v = ops.project_qkv(config, lp, y, step["positions"], layer)
     k_all = write_kv(k_all, layer, step["slot"], k)
     v_all = write_kv(v_all, layer, step["slot"], v)
     heads = cached_attention(config, q, cache_layer(k_all, layer), cache_layer(v_all, layer),
-                             step["valid"])
+                             layer_valid(config, layer, step))
     if mask_heads is not None:
         heads = mask_heads(lp, heads)
     return ops.out_project(lp, heads), k_all, v_all
@@ -273,8 +305,10 @@ def decode_layer(config: ModelConfig, lp, x: jax.Array, k_all, v_all, layer, ste
             hidden = mask_neurons(hidden)
         return reduce(ops.mlp_output(lp, hidden))
 
-    h = ops.residual(config, x, attn, lp.attn_norm_scale, lp.attn_norm_bias)
-    x = ops.residual(config, h, mlp, lp.mlp_norm_scale, lp.mlp_norm_bias)
+    h = ops.residual(config, x, attn, lp.attn_norm_scale, lp.attn_norm_bias,
+                     lp.post_attn_norm_scale)
+    x = ops.residual(config, h, mlp, lp.mlp_norm_scale, lp.mlp_norm_bias,
+                     lp.post_mlp_norm_scale)
     return x, box["k"], box["v"]
 
 
@@ -298,12 +332,18 @@ def decode_step_fn(config: ModelConfig, params: ModelParams, state: DecodeState,
                    tokens: jax.Array):
     """One cached decode step for tokens [B]: returns (logits [B, V] fp32, new state).
 
-    Pure and unjitted; `decode_step` is the jitted form with the state donated.
+    Pure and unjitted; `decode_step` is the jitted form with the state donated. Tokens must
+    lie in [0, vocab_size): concrete ones are checked (ValueError), traced ones are the
+    caller's contract (`dejavu_jax.inputs`).
     """
+    check_step_tokens(tokens, config.vocab_size, state)
     x = embed(config, params, tokens, state.positions)
     x, state = decode_layers(config, params, x, state)
     return unembed(config, params, x), state
 
 
-decode_step = jax.jit(decode_step_fn, static_argnums=0, donate_argnums=(2,))
-decode_step.__doc__ = """Jitted `decode_step_fn`; the state's cache buffers are updated in place."""
+decode_step = checked(
+    jax.jit(decode_step_fn, static_argnums=0, donate_argnums=(2,)),
+    lambda config, params, state, tokens: check_step_tokens(tokens, config.vocab_size, state))
+decode_step.__doc__ = """Jitted `decode_step_fn`, after a check of concrete tokens; the
+state's cache buffers are updated in place."""

@@ -10,17 +10,16 @@ from __future__ import annotations
 
 import argparse
 import os
-import sys
 
 import jax
 
-from dejavu_jax import sharding, tp_decode
+from dejavu_jax import cli, sharding, tp_decode
 
 
 def add_mesh_arguments(parser: argparse.ArgumentParser) -> None:
     """Add --devices and --mesh to a CLI parser."""
     g = parser.add_argument_group("multi-device (tensor parallel)")
-    g.add_argument("--devices", type=int,
+    g.add_argument("--devices", type=cli.positive_int,
                    help="split heads and neurons over N devices (shorthand for --mesh tp=N)")
     g.add_argument("--mesh", help="device mesh, e.g. 'tp=2' or 'data=2,tp=4' (batch on data)")
     g.add_argument("--distributed", action="store_true",
@@ -34,69 +33,52 @@ def initialize_distributed() -> None:
     DEJAVU_NUM_PROCESSES / DEJAVU_PROCESS_ID when set (jax itself reads
     JAX_COORDINATOR_ADDRESS, and detects Slurm, Open MPI and TPU pods)."""
     kw = {}
-    if "DEJAVU_NUM_PROCESSES" in os.environ:
-        kw["num_processes"] = int(os.environ["DEJAVU_NUM_PROCESSES"])
-    if "DEJAVU_PROCESS_ID" in os.environ:
-        kw["process_id"] = int(os.environ["DEJAVU_PROCESS_ID"])
+    for key, env in (("num_processes", "DEJAVU_NUM_PROCESSES"),
+                     ("process_id", "DEJAVU_PROCESS_ID")):
+        if env in os.environ:
+            try:
+                kw[key] = int(os.environ[env])
+            except ValueError:
+                cli.fail(f"{env}={os.environ[env]!r} is not an integer")
     jax.distributed.initialize(**kw)
 
 
 def mesh_from_args(args) -> "jax.sharding.Mesh | None":
-    """The mesh the CLI options ask for, or None for one device."""
+    """The mesh the CLI options ask for, or None for one device (a malformed mesh, or one
+    larger than the devices present, exits with one `error:` line)."""
     if getattr(args, "distributed", False):
         initialize_distributed()
     if not (args.mesh or args.devices):
         return None
     if args.mesh and args.devices:
-        raise SystemExit("error: give --devices or --mesh, not both")
+        cli.fail("give --devices or --mesh, not both")
     try:
         sizes = sharding.parse_mesh(args.mesh) if args.mesh else {"data": 1, "tp": args.devices}
         return sharding.make_mesh(**sizes)
     except ValueError as e:
-        raise SystemExit(f"error: {e}")
+        cli.fail(str(e))
 
 
-def load_model(args, mesh):
-    """(config, params, model_path or None, label), like `generate.load_model`, with every
-    weight created or read straight into its shard on `mesh`."""
-    from pathlib import Path
-
-    from dejavu_jax import config as config_lib
-    from dejavu_jax.generate import DTYPES
-    from dejavu_jax.loading import default_dtype
+def load_params(source, config, dtype, seed: int, mesh):
+    """The weights of checkpoint `source` (None: random weights of `config`, drawn with
+    `seed`), each created or read straight into its shard on `mesh`. Raises
+    sharding.ShardingError when the mesh does not divide the heads and neurons."""
+    if source is None:
+        return sharding.init_params_sharded(config, jax.random.key(seed), dtype, mesh)
     from dejavu_jax.sharded_loading import load_pretrained_sharded
-    dtype = DTYPES[args.dtype] if args.dtype else default_dtype()
-    where = f"on mesh {dict(mesh.shape)}"
-    try:
-        if args.model:
-            config, params = load_pretrained_sharded(args.model, mesh, dtype)
-            path = Path(args.model).expanduser()
-            return config, params, path if path.exists() else None, f"{args.model} {where}"
-        if args.preset:
-            config = config_lib.preset(args.preset)
-            params = sharding.init_params_sharded(config, jax.random.key(args.seed), dtype, mesh)
-            return config, params, None, f"{args.preset} [random weights] {where}"
-        from dejavu_jax.gguf_loader import fetch_smollm2, smollm2_cache_path
-        if not smollm2_cache_path().is_file():
-            print("fetching SmolLM2-135M-Instruct (98 MB, once) ...", file=sys.stderr)
-        path = fetch_smollm2()
-        config, params = load_pretrained_sharded(path, mesh, dtype)
-    except sharding.ShardingError as e:
-        raise SystemExit(f"error: {e}")
-    return config, params, path, f"SmolLM2-135M-Instruct (Q4_1 GGUF, dequantised) {where}"
+    return load_pretrained_sharded(source, mesh, dtype)[1]
 
 
-def build_engine(args, config, params, mesh):
-    """(engine, engine params, SparseConfig or None) on `mesh`, for the same options as
-    `generate.build_engine` (dense, --sparse with predictors, --oracle)."""
-    from dejavu_jax import generate, sparse
-    _, engine_params, scfg = generate.build_engine(args, config, params)
+def build_engine(config, params, scfg, predictors, select_method: str, mesh):
+    """(engine, engine params) on `mesh`: the dense engine when `scfg` is None, else the
+    sparse one with decode-form `predictors` (None: the oracle, `scfg.oracle`) selecting by
+    `select_method` (`sparse.SELECT_METHODS`)."""
+    from dejavu_jax import sparse
     if scfg is None:
-        return tp_decode.tp_dense_engine(config, mesh), params, None
-    predictors = engine_params[1]
-    if args.oracle:
+        return tp_decode.tp_dense_engine(config, mesh), params
+    if scfg.oracle:
         select = sparse.no_selector
     else:
-        select = sparse.predictor_selector(config.group_size, method=args.select)
+        select = sparse.predictor_selector(config.group_size, method=select_method)
         predictors = tp_decode.shard_predictors(predictors, mesh)
-    return tp_decode.tp_sparse_engine(config, scfg, select, mesh), (params, predictors), scfg
+    return tp_decode.tp_sparse_engine(config, scfg, select, mesh), (params, predictors)

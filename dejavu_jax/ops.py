@@ -37,6 +37,8 @@ def activation(name: str, x: jax.Array) -> jax.Array:
         return jax.nn.silu(x)
     if name == "gelu":
         return jax.nn.gelu(x, approximate=False)
+    if name == "gelu_tanh":
+        return jax.nn.gelu(x, approximate=True)
     raise ValueError(f"unknown activation {name!r}")
 
 
@@ -51,9 +53,13 @@ def add_bias(x: jax.Array, b: jax.Array | None) -> jax.Array:
     return x if b is None else x + b.astype(F32)
 
 
-def rope_tables(positions: jax.Array, head_dim: int, theta: float):
-    """cos and sin tables [..., head_dim] for integer positions (HF Llama convention)."""
+def rope_tables(positions: jax.Array, head_dim: int, theta: float,
+                linear_factor: float = 1.0):
+    """cos and sin tables [..., head_dim] for integer positions (HF Llama convention);
+    linear_factor > 1 divides the positions (linear RoPE scaling)."""
     inv_freq = 1.0 / (theta ** (jnp.arange(0, head_dim, 2, dtype=F32) / head_dim))
+    if linear_factor != 1.0:
+        inv_freq = inv_freq / linear_factor
     angles = positions.astype(F32)[..., None] * inv_freq
     angles = jnp.concatenate([angles, angles], axis=-1)
     return jnp.cos(angles), jnp.sin(angles)
@@ -66,39 +72,124 @@ def apply_rope(x: jax.Array, cos: jax.Array, sin: jax.Array) -> jax.Array:
     return x * cos[..., None, :] + rotated * sin[..., None, :]
 
 
-def project_qkv(config: ModelConfig, lp, y: jax.Array, positions: jax.Array):
+def is_sliding(config: ModelConfig, layer):
+    """Whether `layer` attends over a sliding window: a Python bool for a Python int layer,
+    a traced bool for a traced one."""
+    if not config.has_sliding_layers:
+        return False
+    if isinstance(layer, int):
+        return config.sliding_layers[layer]
+    if layer is None:
+        raise ValueError(f"model {config.name!r} has sliding layers: pass the layer index")
+    return jnp.asarray(config.sliding_layers)[layer]
+
+
+def layer_rope_tables(config: ModelConfig, positions: jax.Array, layer=None):
+    """cos and sin tables [..., head_dim] of `layer`: sliding layers use
+    `rope_local_theta`, full-attention layers `rope_theta` and `rope_linear_factor`."""
+    full = rope_tables(positions, config.head_dim, config.rope_theta, config.rope_linear_factor)
+    if config.rope_local_theta is None or not config.has_sliding_layers:
+        return full
+    sliding = is_sliding(config, layer)
+    if sliding is True or sliding is False:
+        return rope_tables(positions, config.head_dim, config.rope_local_theta) if sliding \
+            else full
+    local = rope_tables(positions, config.head_dim, config.rope_local_theta)
+    return tuple(jnp.where(sliding, lo, fu) for lo, fu in zip(local, full))
+
+
+def window_mask(config: ModelConfig, layer, query_pos: jax.Array, key_pos: jax.Array):
+    """Which keys a query may see under `layer`'s sliding window (those fewer than
+    `sliding_window` positions back), broadcast as query_pos[..., None] against key_pos;
+    None when the model has no sliding layer. Full-attention layers allow every key."""
+    if not config.has_sliding_layers:
+        return None
+    within = (query_pos[..., None] - key_pos) < config.sliding_window
+    sliding = is_sliding(config, layer)
+    if sliding is True or sliding is False:
+        return within if sliding else jnp.ones_like(within)
+    return within | jnp.logical_not(sliding)
+
+
+def project_qkv(config: ModelConfig, lp, y: jax.Array, positions: jax.Array, layer=None):
     """Queries, keys and values for inputs y [..., d] at `positions` [...].
 
-    Returns q [..., H, hd] already scaled by hd^-0.5, and k, v [..., Hk, hd], fp32.
+    Returns q [..., H, hd] already scaled by `config.attention_scale`, and k, v
+    [..., Hk, hd], fp32. `layer` (an int or a traced index) picks the RoPE base of models
+    with sliding layers.
     """
     def project(w):
         return jnp.einsum("...d,hkd->...hk", y.astype(w.dtype), w, preferred_element_type=F32)
 
+    H, Hk = config.n_heads, config.n_kv_heads
+    if lp.wqkv_t is not None:  # `params.input_major`
+        qkv = jnp.einsum("...d,dn->...n", y.astype(lp.wqkv_t.dtype), lp.wqkv_t,
+                         preferred_element_type=F32)
+        return finish_qkv(config, lp, qkv, positions, layer)
     if lp.wqkv is not None:  # `params.fuse_qkv`: one GEMV
-        H, Hk = config.n_heads, config.n_kv_heads
         q, k, v = jnp.split(project(lp.wqkv), [H, H + Hk], axis=-2)
     else:
         q, k, v = project(lp.wq), project(lp.wk), project(lp.wv)
+    return _finish(config, lp, q, k, v, positions, layer)
+
+
+def finish_qkv(config: ModelConfig, lp, qkv: jax.Array, positions: jax.Array, layer=None):
+    """`project_qkv` from the raw projections qkv [..., (H + 2 Hk) * hd] fp32 (q's heads,
+    then k's, then v's): biases, q/k norms, RoPE and the query scale."""
+    H, Hk, hd = config.n_heads, config.n_kv_heads, config.head_dim
+    qkv = qkv.reshape(*qkv.shape[:-1], H + 2 * Hk, hd)
+    q, k, v = jnp.split(qkv, [H, H + Hk], axis=-2)
+    return _finish(config, lp, q, k, v, positions, layer)
+
+
+def _finish(config, lp, q, k, v, positions, layer):
     q, k, v = add_bias(q, lp.bq), add_bias(k, lp.bk), add_bias(v, lp.bv)
-    if config.family == "llama":
-        cos, sin = rope_tables(positions, config.head_dim, config.rope_theta)
+    if config.qk_norm:
+        q = norm(q, lp.q_norm_scale, None, config.norm_eps)
+        k = norm(k, lp.k_norm_scale, None, config.norm_eps)
+    if config.rotary:
+        cos, sin = layer_rope_tables(config, positions, layer)
         q = apply_rope(q, cos, sin)
         k = apply_rope(k, cos, sin)
-    return q * (config.head_dim ** -0.5), k, v
+    return q * config.attention_scale, k, v
 
 
 def out_project(lp, heads_out: jax.Array) -> jax.Array:
     """Attention heads' outputs [..., H, hd] through the per-head out-projection: [..., d]."""
-    out = jnp.einsum("...hk,dhk->...d", heads_out.astype(lp.wo.dtype), lp.wo,
-                     preferred_element_type=F32)
+    if lp.wo_t is not None:  # `params.input_major`
+        flat = heads_out.reshape(*heads_out.shape[:-2], -1)
+        out = jnp.einsum("...n,nd->...d", flat.astype(lp.wo_t.dtype), lp.wo_t,
+                         preferred_element_type=F32)
+    else:
+        out = jnp.einsum("...hk,dhk->...d", heads_out.astype(lp.wo.dtype), lp.wo,
+                         preferred_element_type=F32)
     return add_bias(out, lp.bo)
+
+
+def columns_matmul(x: jax.Array, w_cols: jax.Array) -> jax.Array:
+    """x [..., d] times an input-major weight [d, n]: [..., n] fp32."""
+    return jnp.einsum("...d,dn->...n", x.astype(w_cols.dtype), w_cols,
+                      preferred_element_type=F32)
+
+
+def up_projection(lp, y: jax.Array) -> jax.Array:
+    """fc1 / the up projection of y [..., d], before any bias: [..., F] fp32."""
+    return rows_matmul(y, lp.w_in) if lp.w_in is not None else columns_matmul(y, lp.w_in_t)
+
+
+def gate_projection(lp, y: jax.Array) -> jax.Array | None:
+    """The gate projection of y [..., d] before its activation, or None (ungated MLPs)."""
+    if lp.w_gate is not None:
+        return rows_matmul(y, lp.w_gate)
+    return None if lp.w_gate_t is None else columns_matmul(y, lp.w_gate_t)
 
 
 def mlp_hidden(config: ModelConfig, lp, y: jax.Array) -> jax.Array:
     """The MLP's neuron activations [..., F] in fp32 (after the nonlinearity and gate)."""
-    h = add_bias(rows_matmul(y, lp.w_in), lp.b_in)
-    if lp.w_gate is not None:
-        return activation(config.activation, rows_matmul(y, lp.w_gate)) * h
+    h = add_bias(up_projection(lp, y), lp.b_in)
+    gate = gate_projection(lp, y)
+    if gate is not None:
+        return activation(config.activation, gate) * h
     return activation(config.activation, h)
 
 
@@ -114,11 +205,21 @@ def mlp(config: ModelConfig, lp, y: jax.Array) -> jax.Array:
     return mlp_output(lp, mlp_hidden(config, lp, y))
 
 
-def residual(config: ModelConfig, x: jax.Array, sublayer, scale, bias) -> jax.Array:
-    """Pre-norm `x + f(norm(x))` or post-norm `norm(x + f(x))`, per the config."""
+def residual(config: ModelConfig, x: jax.Array, sublayer, scale, bias,
+             post_scale=None) -> jax.Array:
+    """Pre-norm `x + f(norm(x))` or post-norm `norm(x + f(x))`, per the config; with
+    `post_scale` (Gemma's post-norms) `x + norm'(f(norm(x)))`."""
     if config.pre_norm:
-        return x + sublayer(norm_input(x, scale, bias, config.norm_eps))
+        out = sublayer(norm_input(x, scale, bias, config.norm_eps))
+        if post_scale is not None:
+            out = norm(out, post_scale, None, config.norm_eps)
+        return x + out
     return norm(x + sublayer(x), scale, bias, config.norm_eps)
+
+
+def softcap(logits: jax.Array, cap: float | None) -> jax.Array:
+    """cap * tanh(logits / cap), or the logits when cap is None."""
+    return logits if cap is None else cap * jnp.tanh(logits / cap)
 
 
 def attention_weights(scores: jax.Array, mask: jax.Array) -> jax.Array:

@@ -7,15 +7,26 @@ Layouts (L layers, H query heads, Hk KV heads, hd head dim, d hidden, F ffn):
                                only, wq/wk/wv are then None)
   wo: [L, d, H, hd]       out_proj.weight as stored ([d, H*hd]), its columns per head
   w_in, w_gate, w_out_t: [L, F, d]   one contiguous row per neuron (fc1, gate, fc2ᵀ)
+  wqkv_t: [L, d, (H + 2 Hk) hd], wo_t: [L, H hd, d], w_gate_t, w_in_t: [L, d, F]
+                          input-major copies for activation sparsity (`input_major`): one
+                          contiguous row per input channel; the row-major arrays they
+                          replace are then None
+  q_norm_scale, k_norm_scale: [L, hd]   per-head RMSNorm weights (`config.qk_norm`)
+  post_attn_norm_scale, post_mlp_norm_scale: [L, d]   sublayer output norms
+                                                      (`config.post_norms`)
 Absent parts (biases of Llama, OPT's projections, a tied LM head) are None.
+Norm scales are the factors the norms multiply by: Gemma's checkpoints store w for a
+factor of 1 + w, and the loaders add the 1.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import functools
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from flax import struct
 
 from dejavu_jax.config import ModelConfig
@@ -43,6 +54,14 @@ class LayerParams:
     w_out_t: jax.Array
     b_out: jax.Array | None
     wqkv: jax.Array | None = None
+    wqkv_t: jax.Array | None = None
+    wo_t: jax.Array | None = None
+    w_gate_t: jax.Array | None = None
+    w_in_t: jax.Array | None = None
+    q_norm_scale: jax.Array | None = None
+    k_norm_scale: jax.Array | None = None
+    post_attn_norm_scale: jax.Array | None = None
+    post_mlp_norm_scale: jax.Array | None = None
 
 
 @struct.dataclass
@@ -66,7 +85,7 @@ def layer_shapes(config: ModelConfig) -> dict[str, tuple[int, ...] | None]:
     """Shape of every LayerParams leaf (with the layer axis), None for absent leaves."""
     c = config
     L, H, Hk, hd, d, F = c.n_layers, c.n_heads, c.n_kv_heads, c.head_dim, c.hidden, c.ffn
-    layer_norm = c.family == "opt"
+    layer_norm = c.layer_norm
     return {
         "attn_norm_scale": (L, d),
         "attn_norm_bias": (L, d) if layer_norm else None,
@@ -77,7 +96,7 @@ def layer_shapes(config: ModelConfig) -> dict[str, tuple[int, ...] | None]:
         "wv": (L, Hk, hd, d),
         "bv": (L, Hk, hd) if c.attention_bias else None,
         "wo": (L, d, H, hd),
-        "bo": (L, d) if c.attention_bias else None,
+        "bo": (L, d) if c.out_bias else None,
         "mlp_norm_scale": (L, d),
         "mlp_norm_bias": (L, d) if layer_norm else None,
         "w_in": (L, F, d),
@@ -85,13 +104,17 @@ def layer_shapes(config: ModelConfig) -> dict[str, tuple[int, ...] | None]:
         "w_gate": (L, F, d) if c.gated_mlp else None,
         "w_out_t": (L, F, d),
         "b_out": (L, d) if c.mlp_bias else None,
+        "q_norm_scale": (L, hd) if c.qk_norm else None,
+        "k_norm_scale": (L, hd) if c.qk_norm else None,
+        "post_attn_norm_scale": (L, d) if c.post_norms else None,
+        "post_mlp_norm_scale": (L, d) if c.post_norms else None,
     }
 
 
 def model_shapes(config: ModelConfig) -> dict[str, tuple[int, ...] | None]:
     """Shape of every top-level ModelParams leaf, None for absent leaves."""
     c = config
-    layer_norm = c.family == "opt"
+    layer_norm = c.layer_norm
     return {
         "embed": (c.vocab_size, c.embed_dim),
         "pos_embed": (c.max_positions + OPT_POSITION_OFFSET, c.hidden)
@@ -104,33 +127,35 @@ def model_shapes(config: ModelConfig) -> dict[str, tuple[int, ...] | None]:
     }
 
 
+@functools.partial(jax.jit, static_argnames=("shape", "dtype", "scale", "norm_scale"))
+def _random_leaf(key: jax.Array, shape: tuple[int, ...], dtype, scale: float,
+                 norm_scale: bool) -> jax.Array:
+    """normal(0, scale) of `shape`, or 1 + normal(0, 0.1) for a norm scale, as `dtype`; one
+    compile per shape, dtype and scale, shared by every config."""
+    x = jax.random.normal(key, shape)
+    return ((1.0 + 0.1 * x) if norm_scale else (scale * x)).astype(dtype)
+
+
 def init_params(config: ModelConfig, key: jax.Array, dtype=jnp.bfloat16,
                 std: float = 0.02) -> ModelParams:
     """Random weights for `config`: normal(0, std) matrices, norms near 1, small biases.
 
-    Built under jit so that large presets are created on the device directly.
+    Each leaf is built under jit, so that large presets are created on the device directly.
     """
-
-    @jax.jit
-    def build(key):
-        leaves = {**model_shapes(config), **layer_shapes(config)}
-        keys = dict(zip(leaves, jax.random.split(key, len(leaves))))
-        out = {}
-        for name, shape in leaves.items():
-            if shape is None:
-                out[name] = None
-            elif "norm_scale" in name:
-                out[name] = (1.0 + 0.1 * jax.random.normal(keys[name], shape)).astype(dtype)
-            else:
-                scale = std if len(shape) >= 2 and "norm" not in name else 0.1 * std
-                if name in ("b_in",):
-                    scale = std
-                out[name] = (scale * jax.random.normal(keys[name], shape)).astype(dtype)
-        layer_keys = layer_shapes(config).keys()
-        layers = LayerParams(**{k: out.pop(k) for k in layer_keys})
-        return ModelParams(layers=layers, **out)
-
-    return build(key)
+    leaves = {**model_shapes(config), **layer_shapes(config)}
+    keys = dict(zip(leaves, jax.random.split(key, len(leaves))))
+    out = {}
+    for name, shape in leaves.items():
+        if shape is None:
+            out[name] = None
+            continue
+        scale = std if len(shape) >= 2 and "norm" not in name else 0.1 * std
+        if name in ("b_in",):
+            scale = std
+        out[name] = _random_leaf(keys[name], shape, jnp.dtype(dtype), float(scale),
+                                 "norm_scale" in name)
+    layers = LayerParams(**{k: out.pop(k) for k in layer_shapes(config).keys()})
+    return ModelParams(layers=layers, **out)
 
 
 def param_count(params: ModelParams) -> int:
@@ -170,6 +195,17 @@ def unstack_layers(params: ModelParams, free_stacked: bool = False) -> ModelPara
     return params.replace(layers=tuple(LayerParams(**d) for d in per_layer))
 
 
+def decode_layout(params: ModelParams, free_stacked: bool = False) -> ModelParams:
+    """The weights in the layout whose decode step runs fastest on the default backend:
+    per-layer buffers (`unstack_layers`) on a GPU, where the `lax.scan` over stacked
+    weights hands each layer's kernels copied slices (docs/benchmarks.md gives the
+    measured cost); unchanged on other backends. Already unstacked weights pass through."""
+    import jax
+    if jax.default_backend() != "gpu" or isinstance(params.layers, tuple):
+        return params
+    return unstack_layers(params, free_stacked=free_stacked)
+
+
 def fuse_qkv(params: ModelParams, free_originals: bool = False) -> ModelParams:
     """The same model with each layer's q, k and v rows in one array (`wqkv`), so a dense
     decode step projects them in one GEMV instead of three; wq, wk and wv become None.
@@ -193,6 +229,45 @@ def fuse_qkv(params: ModelParams, free_originals: bool = False) -> ModelParams:
     if not isinstance(params.layers, tuple):
         return params.replace(layers=fused(params.layers))
     return params.replace(layers=tuple(fused(lp) for lp in params.layers))
+
+
+def input_major(params: ModelParams, up_rows: bool = False,
+                free_originals: bool = False) -> ModelParams:
+    """The same model with the q/k/v, out-projection, gate and up weights stored input-
+    major (`wqkv_t`, `wo_t`, `w_gate_t`, `w_in_t`), so that an input channel's weights are
+    one contiguous row: the layout activation sparsity reads (`kernels.threshold_matvec`).
+    The row-major arrays become None; with `up_rows` the up projection keeps its row-major
+    `w_in` (the gate site reads whole rows of the neurons that pass it). fc2ᵀ is input-
+    major already. free_originals: delete each replaced array once its copy exists."""
+    def moved(lp: LayerParams) -> LayerParams:
+        if lp.wqkv_t is not None:
+            return lp
+        if lp.wq is None:
+            raise ValueError("input_major needs wq/wk/wv (not params.fuse_qkv's wqkv)")
+        lead = lp.wq.shape[:-3]  # the layer axis, when stacked
+        d = lp.wq.shape[-1]
+        qkv = jnp.concatenate([lp.wq, lp.wk, lp.wv], axis=-3).reshape(*lead, -1, d)
+        new = {"wqkv_t": jnp.swapaxes(qkv, -1, -2),
+               "wo_t": jnp.swapaxes(lp.wo.reshape(*lead, d, -1), -1, -2),
+               "w_gate_t": None if lp.w_gate is None else jnp.swapaxes(lp.w_gate, -1, -2),
+               "w_in_t": None if up_rows else jnp.swapaxes(lp.w_in, -1, -2)}
+        gone = ["wq", "wk", "wv", "wo", "w_gate"] + ([] if up_rows else ["w_in"])
+        if free_originals:
+            jax.block_until_ready([w for w in new.values() if w is not None])
+            for name in gone:
+                if getattr(lp, name) is not None:
+                    getattr(lp, name).delete()
+        return lp.replace(**new, **{name: None for name in gone})
+
+    if not isinstance(params.layers, tuple):
+        return params.replace(layers=moved(params.layers))
+    return params.replace(layers=tuple(moved(lp) for lp in params.layers))
+
+
+def is_input_major(params: ModelParams) -> bool:
+    """Whether `input_major` has moved these params' weights."""
+    layers = params.layers if isinstance(params.layers, tuple) else (params.layers,)
+    return any(lp.wqkv_t is not None for lp in layers)
 
 
 def has_fused_qkv(params: ModelParams) -> bool:

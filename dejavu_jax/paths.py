@@ -9,7 +9,8 @@ REPO_ROOT = Path(__file__).resolve().parents[1]
 
 
 def data_root() -> Path:
-    """The shared data folder: $DEJAVU_DATA, else ../shared/data beside the repository."""
+    """The offline data folder: $DEJAVU_DATA, else ../shared/data beside the repository
+    (its layout: tokenizers/opt/, eval/wikitext-2/, eval/tasks/, corpus/)."""
     env = os.environ.get("DEJAVU_DATA")
     return Path(env) if env else (REPO_ROOT.parent / "shared" / "data").resolve()
 
@@ -23,3 +24,20 @@ def cache_root() -> Path:
 def opt_tokenizer_dir() -> Path:
     """The offline OPT tokenizer (Hugging Face format) in the data folder."""
     return data_root() / "tokenizers" / "opt"
+
+
+class MissingDataError(FileNotFoundError):
+    """An offline data file is absent; the message says where it was looked for and how to
+    provide it."""
+
+
+def data_file(relative: str, what: str, hint: str = "") -> Path:
+    """data_root() / relative when it exists, else MissingDataError naming `what`, the path
+    and the DEJAVU_DATA layout that provides it (then `hint`, e.g. another way out)."""
+    path = data_root() / relative
+    if path.exists():
+        return path
+    where = ("DEJAVU_DATA=" + os.environ["DEJAVU_DATA"] if "DEJAVU_DATA" in os.environ
+             else "the default data folder")
+    raise MissingDataError(f"{what} not found: no {path} ({where}); set DEJAVU_DATA=DIR to "
+                           f"a folder holding {relative}{hint}")

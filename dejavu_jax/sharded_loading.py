@@ -1,10 +1,10 @@
 """Loading checkpoints straight into the tensor-parallel layout.
 
 Every weight is built with `jax.make_array_from_callback`: for each device the callback
-reads only that device's slice from the checkpoint (safetensors are numpy memmaps, so
-the layout changes of `loading.py` are views and slicing reads just the shard's bytes),
-converts it and hands it to the device. The full model is never assembled on one device
-(nor in host memory beyond one tensor's shard at a time). Works with several processes
+reads the tensor from the checkpoint, takes that device's slice (the layout changes of
+`loading.py` are views), converts it and hands it to the device. The full model is never
+assembled on one device (nor in host memory beyond one tensor at a time; figures for the
+cost of reading whole tensors are in `checkpoint_files`). Works with several processes
 (`jax.distributed.initialize()`): each process fills only its addressable devices.
 
   mesh = sharding.make_mesh(tp=2)
@@ -27,9 +27,7 @@ from dejavu_jax.params import LayerParams, ModelParams, layer_shapes, model_shap
 
 
 def _name_maps(config: ModelConfig, source: TensorSource):
-    if config.family == "opt":
-        return (loading._canonical_opt_names(source), loading.OPT_TOP, loading.OPT_LAYER)
-    return {k: k for k in source.keys()}, loading.LLAMA_TOP, loading.LLAMA_LAYER
+    return (loading.canonical_names(config, source), *loading.NAME_SPECS[config.family])
 
 
 def params_from_tensors_sharded(config: ModelConfig, source: TensorSource, mesh: Mesh,

@@ -46,6 +46,10 @@ LAYER_AXES = {
     "w_in": ("mlp", "hidden"), "b_in": ("mlp",), "w_gate": ("mlp", "hidden"),
     "w_out_t": ("mlp", "hidden"), "b_out": ("hidden",),
     "wqkv": None,  # fused q/k/v rows are not sharded (see _layer_specs)
+    "wqkv_t": None, "wo_t": None,  # input-major copies run on one device (see _layer_specs)
+    "w_gate_t": ("hidden", "mlp"), "w_in_t": ("hidden", "mlp"),
+    "q_norm_scale": ("head_dim",), "k_norm_scale": ("head_dim",),
+    "post_attn_norm_scale": ("hidden",), "post_mlp_norm_scale": ("hidden",),
 }
 TOP_AXES = {
     "embed": ("vocab", "embed_dim"), "lm_head": ("vocab", "embed_dim"),
@@ -150,6 +154,9 @@ def _layer_specs(lp: LayerParams, mesh: Mesh) -> LayerParams:
     if lp.wqkv is not None:
         raise ValueError("fused q/k/v weights (params.fuse_qkv) cannot be split by head; "
                          "shard the unfused params")
+    if lp.wqkv_t is not None:
+        raise ValueError("input-major weights (params.input_major, activation sparsity) run "
+                         "on one device; shard the row-major params")
     return LayerParams(**{f.name: _leaf_spec(LAYER_AXES[f.name], getattr(lp, f.name), mesh)
                           for f in dataclasses.fields(LayerParams)})
 

@@ -26,9 +26,10 @@ from flax import struct
 
 from dejavu_jax import kernels, ops
 from dejavu_jax.config import ModelConfig
+from dejavu_jax.inputs import check_step_tokens
 from dejavu_jax.kernels.sparse_mlp import Riders
 from dejavu_jax.model import (DecodeState, cache_layer, decode_layer, dense_attention, embed,
-                              head_output_norms, set_cache_layer, unembed)
+                              head_output_norms, layer_valid, set_cache_layer, unembed)
 from dejavu_jax.params import ModelParams, has_fused_qkv
 
 F32 = jnp.float32
@@ -39,6 +40,9 @@ F32 = jnp.float32
 Selector = Callable[..., tuple[jax.Array, jax.Array]]
 
 
+BATCH_POLICIES = ("dense", "union", "kernels")
+
+
 @dataclasses.dataclass(frozen=True)
 class SparseConfig:
     """Static sparsity settings.
@@ -47,7 +51,7 @@ class SparseConfig:
     (n_kv_heads = dense; for multi-head models a group is one head).
     dense_layers: the first layers run the dense path (the others run the sparse path
     even when k covers every unit, which is how density-1.0 parity is tested; with several
-    rows see `batch_dense`).
+    rows see `batch_policy`).
     oracle: take the true top-k of this layer's dense activations and head output norms
     instead of predicted sets (research mode: computes densely, then masks).
     kv_window: tokens of layer inputs kept for missing-KV recomputation.
@@ -60,14 +64,23 @@ class SparseConfig:
     parallelism both count per shard, over the shard's own KV groups.
     attn_config / mlp_config: block sizes and load layouts of the Pallas kernels
     (`kernels.AttnConfig`, `kernels.MLPConfig`; None: their defaults).
-    batch_dense: with several rows, run XLA's dense products where a batch's sets make
-    them faster than the gather kernels' batch path: a set of every KV group runs dense
-    attention (writing every group's K/V), a neuron set of at least `batch_dense_mlp` of
-    F the dense MLP with the other neurons masked to zero (the same result), and sets of
-    everything the dense layer. False keeps the kernels at every batch (parity checks).
-    batch_dense_mlp: that fraction. On an H200 at batch 4 the masked dense MLP on a 40%
-    set made the opt-13b step 0.53 ms slower than the gather kernels, about 14 µs a layer
-    (eval/results, session 8, calls 4 and 5); the break-even is estimated near 45%.
+    batch_policy: how a step of several rows decodes. "dense" (the default): every layer
+    runs dense, since a batch's union of per-row sets and its selection cost more than they
+    save (eval/results/h200/: opt-13b at batch 4 with predictors ran at 0.64 of dense, fixed
+    sets at 1.37: the selection is the cost). "union": the union of the rows' sets, with
+    XLA's dense products where they beat the gather kernels' batch path: a union of every KV
+    group runs dense attention (writing every group's K/V), one of at least
+    `batch_dense_mlp` of F neurons the dense MLP with the other neurons masked to zero (the
+    same result), and a union of everything the dense layer. "kernels": the union through
+    the sparse kernels at every size (parity checks of the kernels' batch path).
+    batch_dense_mlp: that fraction (policy "union"). On an H200 at batch 4 the masked dense
+    MLP on a 40% set was slower than the gather kernels: the opt-30b step ran at x0.65 of
+    its run's dense step against x0.73 (eval/results/h200/opt-30b-batch4/); the break-even
+    is estimated near 45%.
+    threshold_sites: activation sparsity by per-layer thresholds instead of index sets
+    (`dejavu_jax.activation_sparsity`: TEAL's input channels, CATS' gate): the sites
+    thresholded in the sparse layers; the engine's selector params are then the
+    thresholds [L, len(SITES)] (`threshold_config`).
     """
 
     mlp_k: tuple[int, ...]
@@ -80,18 +93,24 @@ class SparseConfig:
     kv_refresh: int | None = None
     attn_config: kernels.AttnConfig | None = None
     mlp_config: kernels.MLPConfig | None = None
-    batch_dense: bool = True
+    batch_policy: str = "dense"
     batch_dense_mlp: float = 0.5
+    threshold_sites: tuple[str, ...] = ()
 
     def __post_init__(self):
         if len(self.mlp_k) != len(self.head_k):
             raise ValueError("mlp_k and head_k must have one entry per layer")
         if self.kv_window < 1:
             raise ValueError(f"kv_window must be >= 1, got {self.kv_window}")
+        if self.batch_policy not in BATCH_POLICIES:
+            raise ValueError(f"batch_policy must be one of {BATCH_POLICIES}, got "
+                             f"{self.batch_policy!r}")
         if not self.batch_dense_mlp > 0:
             raise ValueError(f"batch_dense_mlp must be > 0, got {self.batch_dense_mlp}")
         if self.kv_refresh is not None and self.kv_refresh < 0:
             raise ValueError(f"kv_refresh must be >= 0, got {self.kv_refresh}")
+        if self.threshold_sites and self.oracle:
+            raise ValueError("threshold_sites and oracle are two selection methods; pick one")
 
     def refresh_groups(self, config: ModelConfig) -> int:
         """KV groups refreshed per token (see `kv_refresh`)."""
@@ -154,6 +173,20 @@ def sparse_config(config: ModelConfig, mlp_density=0.1, head_density=0.5,
     head_k = tuple(config.n_kv_heads if l < dense_layers else count(heads[l], config.n_kv_heads)
                    for l in range(L))
     return SparseConfig(mlp_k, head_k, dense_layers, oracle, kv_window, impl)
+
+
+def threshold_config(config: ModelConfig, sites, dense_layers: int = 0,
+                     impl: str | None = None) -> SparseConfig:
+    """A SparseConfig of activation sparsity at threshold `sites` (names of
+    `activation_sparsity.SITES`) in every layer from `dense_layers` on; the engine's
+    selector params are the thresholds [L, len(SITES)] (`activation_sparsity`)."""
+    from dejavu_jax.activation_sparsity import check_sites
+    sites = check_sites(config, sites)
+    if not 0 <= dense_layers <= config.n_layers:
+        raise ValueError(f"dense_layers={dense_layers} must be in 0..{config.n_layers}")
+    L = config.n_layers
+    return SparseConfig((config.ffn,) * L, (config.n_kv_heads,) * L, dense_layers,
+                        impl=impl, threshold_sites=sites)
 
 
 @struct.dataclass
@@ -240,7 +273,7 @@ def _layer_view(params: ModelParams, layer) -> _LayerView:
 def _window_step(config: ModelConfig, scfg: SparseConfig, step: dict) -> dict:
     """Per-token window bookkeeping shared by every layer, in ring order (row j holds the
     token of the last W whose slot is j mod W): cache slots, validity, the current token's
-    row, the round-robin refresh groups and the rotary tables."""
+    row, the round-robin refresh groups and the rows' positions (rotary models)."""
     W = scfg.kv_window
     slot, valid = step["slot"], step["valid"]
     back = (slot - jnp.arange(W, dtype=jnp.int32)) % W          # tokens before the current
@@ -252,14 +285,12 @@ def _window_step(config: ModelConfig, scfg: SparseConfig, step: dict) -> dict:
     if n_refresh:
         out["refresh"] = ((slot * n_refresh + jnp.arange(n_refresh, dtype=jnp.int32))
                           % config.n_kv_heads).astype(jnp.int32)
-    if config.family == "llama":
-        pos_w = step["positions"][:, None] - back[None]
-        out["cos"], out["sin"] = ops.rope_tables(jnp.maximum(pos_w, 0), config.head_dim,
-                                                 config.rope_theta)
+    if config.rotary:  # the window rows' positions; each layer takes its own RoPE tables
+        out["positions"] = jnp.maximum(step["positions"][:, None] - back[None], 0)
     return out
 
 
-def _missing_kv_window(view, io: _LayerIO, layer, win: dict, ring):
+def _missing_kv_window(config: ModelConfig, view, io: _LayerIO, layer, win: dict, ring):
     """The KVWindow for this layer (selected + refresh groups, `ring` its [B, W, d] inputs).
 
     It carries the whole bitmap (`written` viewed as [B, L * Hk, S]): the attention finds
@@ -268,10 +299,13 @@ def _missing_kv_window(view, io: _LayerIO, layer, win: dict, ring):
     base = view.base * Hk
     # the kernels' head ids are base + group (stacked) or the group (unrolled layers)
     rows0 = layer * Hk - base
+    cos = sin = None
+    if "positions" in win:  # this layer's RoPE (Gemma 3's sliding layers have their own)
+        cos, sin = ops.layer_rope_tables(config, win["positions"], layer)
     return kernels.KVWindow(
         x=ring, current=win["current"],
         extra_ids=None if win["refresh"] is None else base + win["refresh"],
-        need=None, slots=win["slots"], cos=win["cos"], sin=win["sin"],
+        need=None, slots=win["slots"], cos=cos, sin=sin,
         written=io.written.reshape(B, L * Hk, S),
         written_base=jnp.asarray(rows0, jnp.int32), row_valid=win["row_valid"])
 
@@ -310,11 +344,17 @@ def _sparse_attention(config, scfg, view, io: _LayerIO, layer, y, groups, step,
     io, ring = _with_history_rows(io, layer, history_rows)
     window = None
     if scfg.kv_recompute:
-        window = _missing_kv_window(view, io, layer, step["window"], ring)
+        window = _missing_kv_window(config, view, io, layer, step["window"], ring)
     B, S, hd = io.written.shape[0], io.written.shape[-1], config.head_dim
     rope = None
-    if config.family == "llama":
-        rope = ops.rope_tables(step["positions"], config.head_dim, config.rope_theta)
+    if config.rotary:
+        rope = ops.layer_rope_tables(config, step["positions"], layer)
+    norms = {}
+    if config.qk_norm:
+        norms["qk_norm"] = (view.lp.q_norm_scale, view.lp.k_norm_scale)
+        norms["norm_eps"] = config.norm_eps
+    if config.query_scale is not None:
+        norms["scale"] = config.attention_scale
     lp_flat = view.flat
     if view.unrolled:
         k_in, v_in, head_idx = cache_layer(io.k, layer), cache_layer(io.v, layer), groups
@@ -326,9 +366,9 @@ def _sparse_attention(config, scfg, view, io: _LayerIO, layer, y, groups, step,
     res = kernels.head_sparse_attention(
         y.astype(lp_flat["wq"].dtype), lp_flat["wq"], lp_flat["bq"], lp_flat["wk"],
         lp_flat["bk"], lp_flat["wv"], lp_flat["bv"], lp_flat["wo"], view.lp.bo,
-        k_in, v_in, slot, head_idx, rope=rope, kv_mask=step["valid"], impl=scfg.impl,
-        window=window, residual=residual, extra_segments=extra_segments,
-        config=scfg.attn_config)
+        k_in, v_in, slot, head_idx, rope=rope, kv_mask=layer_valid(config, layer, step),
+        impl=scfg.impl, window=window, residual=residual, extra_segments=extra_segments,
+        config=scfg.attn_config, **norms)
     out, k_out, v_out = res[:3]
     if window is not None:
         io = io.replace(written=res[3].reshape(io.written.shape))
@@ -385,6 +425,85 @@ def _dense_layer(config, view, io: _LayerIO, layer, x, step, oracle_k=None, redu
     return x, _all_written(config, io.replace(k=k, v=v), layer, step)
 
 
+def _threshold_layer(config, scfg, view, io: _LayerIO, layer, x, step, thresholds,
+                     reduce=None):
+    """A layer under activation thresholds [len(SITES)] (`activation_sparsity`): every
+    head computes, from the kept input channels, so every K/V entry is written. On the
+    Pallas paths with input-major weights (`params.input_major`) the kernels of
+    `kernels.threshold_matvec` read only the kept channels' rows; elsewhere the jnp
+    computation masks the activations (the same result)."""
+    from dejavu_jax import activation_sparsity
+    from dejavu_jax.kernels._common import resolve_impl
+    lp = view.lp
+    if (lp.wqkv_t is not None and resolve_impl(scfg.impl) != "reference"
+            and reduce is None and config.pre_norm):
+        return _threshold_layer_kernels(config, scfg, lp, io, layer, x, step, thresholds)
+    mask_input, mask_heads = activation_sparsity.attention_hooks(thresholds)
+    box = {}
+
+    def attn(y):
+        out, k, v = dense_attention(config, lp, mask_input(y), io.k, io.v, layer, step,
+                                    lambda _, heads: mask_heads(heads))
+        box["io"] = io.replace(k=k, v=v)
+        return _reduced(reduce, out)
+
+    def mlp(y):
+        return _reduced(reduce, activation_sparsity.mlp(config, lp, y, thresholds)[0])
+
+    h = ops.residual(config, x, attn, lp.attn_norm_scale, lp.attn_norm_bias,
+                     lp.post_attn_norm_scale)
+    x = ops.residual(config, h, mlp, lp.mlp_norm_scale, lp.mlp_norm_bias,
+                     lp.post_mlp_norm_scale)
+    return x, _all_written(config, box["io"], layer, step)
+
+
+def _threshold_layer_kernels(config, scfg, lp, io: _LayerIO, layer, x, step, t):
+    """`_threshold_layer` of a pre-norm model through the activation-sparse kernels: q/k/v
+    and the out-projection, the gate (and without the gate site the up projection) read
+    the kept input channels' rows of their input-major weights, the up projection under
+    the gate site the rows of the neurons that pass it, fc2 the rows of nonzero
+    activations; the out-projection and fc2 add into the residual rows in their launches
+    unless a post-norm comes between."""
+    from dejavu_jax import activation_sparsity as act
+    from dejavu_jax.kernels.threshold_matvec import row_masked_matvec, threshold_matvec
+    from dejavu_jax.model import cache_layer, cached_attention, write_kv
+    impl, eps = scfg.impl, config.norm_eps
+    B = x.shape[0]
+    x = x.astype(F32)
+    y = ops.norm_input(x, lp.attn_norm_scale, lp.attn_norm_bias, eps)
+    qkv = threshold_matvec(y, lp.wqkv_t, t[act.QKV], impl=impl)
+    q, k, v = ops.finish_qkv(config, lp, qkv, step["positions"], layer)
+    k_all = write_kv(io.k, layer, step["slot"], k)
+    v_all = write_kv(io.v, layer, step["slot"], v)
+    heads = cached_attention(config, q, cache_layer(k_all, layer), cache_layer(v_all, layer),
+                             layer_valid(config, layer, step)).reshape(B, -1)
+    if lp.post_attn_norm_scale is None:
+        h = threshold_matvec(heads, lp.wo_t, t[act.O], residual=x, bias=lp.bo, impl=impl)
+    else:
+        out = threshold_matvec(heads, lp.wo_t, t[act.O], bias=lp.bo, impl=impl)
+        h = x + ops.norm(out, lp.post_attn_norm_scale, None, eps)
+    ym = ops.norm_input(h, lp.mlp_norm_scale, lp.mlp_norm_bias, eps)
+    if lp.w_in_t is not None:
+        up = ops.add_bias(threshold_matvec(ym, lp.w_in_t, t[act.GATE_UP], impl=impl), lp.b_in)
+    if lp.w_gate_t is not None:
+        gate = ops.activation(config.activation,
+                              threshold_matvec(ym, lp.w_gate_t, t[act.GATE_UP], impl=impl))
+        neurons = jnp.abs(gate) > t[act.GATE]
+        if lp.w_in_t is None:  # the gate site's layout: whole rows of the kept neurons
+            up = ops.add_bias(row_masked_matvec(act.sparse_input(ym, t[act.GATE_UP]),
+                                                lp.w_in, neurons, impl=impl), lp.b_in)
+        hidden = jnp.where(neurons, gate * up, 0.0)
+    else:
+        hidden = ops.activation(config.activation, up)
+    if lp.post_mlp_norm_scale is None:
+        out = threshold_matvec(hidden, lp.w_out_t, t[act.DOWN], residual=h, bias=lp.b_out,
+                               impl=impl)
+    else:
+        mlp_out = threshold_matvec(hidden, lp.w_out_t, t[act.DOWN], bias=lp.b_out, impl=impl)
+        out = h + ops.norm(mlp_out, lp.post_mlp_norm_scale, None, eps)
+    return out, _all_written(config, io.replace(k=k_all, v=v_all), layer, step)
+
+
 def _all_written(config, io: _LayerIO, layer, step) -> _LayerIO:
     """io with every KV group's entry of this layer at this token marked written."""
     all_written = jnp.ones((io.written.shape[0], 1, config.n_kv_heads, 1), bool)
@@ -400,15 +519,24 @@ def _dense_batch_attention(config, view, io: _LayerIO, layer, y, step):
     return out.astype(F32), _all_written(config, io.replace(k=k, v=v), layer, step)
 
 
+def batch_runs_dense(scfg: SparseConfig, batch: int) -> bool:
+    """Whether a step of `batch` rows runs every layer dense (`SparseConfig.batch_policy`
+    "dense"; the oracle, which computes densely anyway, keeps its masks)."""
+    return batch > 1 and scfg.batch_policy == "dense" and not scfg.oracle
+
+
 def batch_dense_parts(config: ModelConfig, scfg: SparseConfig, n_neurons: int,
                       n_groups: int, batch: int) -> tuple[bool, bool, bool]:
     """(attention, mlp, layer): which parts of a sparse layer run XLA's dense products for
     a batch whose (static-size) sets hold n_neurons neurons and n_groups KV groups, as a
-    union's capacity min(n, k * B) often makes them (`SparseConfig.batch_dense`): every
-    group, the attention; at least `batch_dense_mlp` of F, the MLP (masked unless every
-    neuron); every group and every neuron, the whole dense layer."""
-    if not (scfg.batch_dense and batch > 1):
+    union's capacity min(n, k * B) often makes them (`SparseConfig.batch_policy`): under
+    "dense", everything; under "union", every group, the attention; at least
+    `batch_dense_mlp` of F, the MLP (masked unless every neuron); every group and every
+    neuron, the whole dense layer."""
+    if batch == 1 or scfg.batch_policy == "kernels":
         return False, False, False
+    if batch_runs_dense(scfg, batch):
+        return True, True, True
     attention = n_groups == config.n_kv_heads
     return (attention, n_neurons >= scfg.batch_dense_mlp * config.ffn,
             attention and n_neurons == config.ffn)
@@ -437,11 +565,12 @@ def _sparse_layer(config, scfg, view, io, layer, x, neurons, groups, step, reduc
         return _reduced(reduce, out)
 
     lp = view.lp
-    h = ops.residual(config, x, attn, lp.attn_norm_scale, lp.attn_norm_bias)
+    h = ops.residual(config, x, attn, lp.attn_norm_scale, lp.attn_norm_bias,
+                     lp.post_attn_norm_scale)
     x = ops.residual(config, h,
                      lambda y: _reduced(reduce, _sparse_mlp(config, scfg, view, y, neurons,
                                                             dense=dense_mlp)),
-                     lp.mlp_norm_scale, lp.mlp_norm_bias)
+                     lp.mlp_norm_scale, lp.mlp_norm_bias, lp.post_mlp_norm_scale)
     return x, box["io"]
 
 
@@ -527,6 +656,8 @@ def sparse_layers(config: ModelConfig, scfg: SparseConfig, params: ModelParams,
     parallelism passes a psum over the mesh axis, see `dejavu_jax.tp_decode`).
     """
     unrolled = isinstance(params.layers, tuple)
+    if batch_runs_dense(scfg, x.shape[0]):
+        scfg = dataclasses.replace(scfg, dense_layers=config.n_layers)
     step = {**step, "window": _window_step(config, scfg, step)}  # this (shard's) config
     prev_input = x  # the input of the layer before the segment (lookahead source)
     for start, stop, dense, k_mlp, k_heads in scfg.segments(config):
@@ -542,10 +673,22 @@ def sparse_layers(config: ModelConfig, scfg: SparseConfig, params: ModelParams,
             x, io, prev_input = _layer_loop(dense_body, (x, io, prev_input), start, stop,
                                             unrolled)
             continue
+        if scfg.threshold_sites:
+            def threshold_body(carry, layer):
+                x, io, _ = carry
+                x_next, io = _threshold_layer(config, scfg, _layer_view(params, layer), io,
+                                              layer, x, step, selector_params[layer], reduce)
+                return (x_next, io, x), None
+
+            x, io, prev_input = _layer_loop(threshold_body, (x, io, prev_input), start, stop,
+                                            unrolled)
+            continue
 
         first = start if unrolled else jnp.asarray(start, jnp.int32)
         idx = select(selector_params, first, prev_input if start > 0 else x, k_mlp, k_heads)
-        if config.pre_norm and reduce is None:
+        if config.pre_norm and reduce is None and not config.post_norms:
+            # the fused layer adds each sublayer's output inside its last launch, so a
+            # sublayer output that is normed first (Gemma's post-norms) runs unfused
             x, prev_input, io = _fused_segment(config, scfg, params, select, selector_params,
                                                x, io, step, idx, start, stop, k_mlp, k_heads,
                                                unrolled)
@@ -596,8 +739,10 @@ def sparse_step_fn(config: ModelConfig, scfg: SparseConfig, select: Selector,
     """One sparse decode step for tokens [B]: returns (logits [B, V] fp32, new state).
 
     params is (model params, selector params). layers_fn replaces `sparse_layers` (same
-    signature; `dejavu_jax.tp_decode` runs it per shard under shard_map).
+    signature; `dejavu_jax.tp_decode` runs it per shard under shard_map). Tokens must lie in
+    [0, vocab_size): concrete ones are checked, traced ones are the caller's contract.
     """
+    check_step_tokens(tokens, config.vocab_size, state.dense)
     params, selector_params = params
     if has_fused_qkv(params):
         raise ValueError("the sparse step gathers heads from wq/wk/wv: pass params without "

@@ -22,8 +22,10 @@ jitted `lax.fori_loop` (no host round trip; the difference is launch and sync ov
 `prefill_ms`; compile seconds (`compile_s`, split into prefill, step and loop); the device
 peak memory (`peak_bytes`; a process-lifetime peak, null on CPU) and XLA's estimate for the
 step (`step_peak_bytes`); the bytes a step must read (`step_bytes`), and GB/s and tokens/s
-from `ms_loop`. `roofline_gbs` is a large dense GEMV measured in the same run (the fastest
-of a square `W @ x`, `x @ W` and a decode-like chain of GEMVs; all in `roofline_detail`). Speedups: sparse against dense-ours of the same
+from `ms_loop`. Bandwidth is reported against two references: the device's specified
+memory bandwidth (`spec_gbs`, e.g. 4,800 GB/s on an H200; None where unknown) and
+`best_gbs`, the fastest large device-to-device copy or dense GEMV measured in the same run
+(`measure_best_bandwidth`; every form in `best_detail`). Speedups: sparse against dense-ours of the same
 (model, context, batch), and every row of ours against the HF rows of the same setting.
 """
 
@@ -36,7 +38,6 @@ import functools
 import itertools
 import json
 import os
-import platform
 import subprocess
 import sys
 import time
@@ -47,10 +48,13 @@ import jax.numpy as jnp
 import numpy as np
 from tqdm.auto import tqdm
 
+from dejavu_jax import cli
 from dejavu_jax import config as config_lib
 from dejavu_jax import sparse
 from dejavu_jax.eval import bench_hf
 from dejavu_jax.eval.bench_hf import cache_len
+from dejavu_jax.eval.parity_gate import add_parity_argument, require_parity
+from dejavu_jax.eval.provenance import run_meta
 from dejavu_jax.params import fuse_qkv, init_params, param_bytes, unstack_layers
 from dejavu_jax.train.predict import default_union_size
 from dejavu_jax.train.predictor_model import Predictor, PredictorParams, decode_predictors
@@ -139,8 +143,8 @@ def step_bytes(config, scfg, context: int, batch: int, rank: int, predictors: bo
 
     Predictor rows with batch > 1 read the union's static capacity
     (`train.predict.default_union_size`); fixed-index rows read their k units for every
-    batch. Where `sparse.batch_dense_parts` runs a batch's MLP dense, every neuron is read;
-    a layer it runs dense reads no predictor.
+    batch. Where `sparse.batch_dense_parts` runs a batch's attention or MLP dense, every
+    head or neuron is read; a layer it runs dense reads no predictor.
     """
     c = config
     d, E, hd, G = c.hidden, c.embed_dim, c.head_dim, c.group_size
@@ -161,8 +165,9 @@ def step_bytes(config, scfg, context: int, batch: int, rank: int, predictors: bo
             kh = default_union_size(c.n_kv_heads, kh, batch)
         dense_layer = False
         if scfg is not None:
-            _, dense_mlp, dense_layer = sparse.batch_dense_parts(c, scfg, km, kh, batch)
+            attention, dense_mlp, dense_layer = sparse.batch_dense_parts(c, scfg, km, kh, batch)
             km = c.ffn if dense_mlp else km  # XLA's dense MLP, the other neurons masked
+            kh = c.n_kv_heads if attention else kh
         total += 2 * d * (2 if layer_norm else 1)  # attention and MLP norms
         total += kh * (2 * G + 2) * hd * d  # q and o of the group's query heads, k, v
         if c.attention_bias:
@@ -180,11 +185,20 @@ def step_bytes(config, scfg, context: int, batch: int, rank: int, predictors: bo
     return total * 2
 
 
-def measure_roofline(gb: float = 4.0, detail: dict | None = None) -> float:
-    """GB/s of XLA's dense GEMV over `gb` GB of bf16 weights, the fastest of three forms
-    (all in `detail`): one square `W @ x` and one `x @ W` (median of 20 synchronised
-    calls each), and "chain": a decode-like chain of [4·n, n] GEMVs (n = 4096) whose
-    output feeds the next, in one jitted call (median of 5)."""
+SPEC_GBS = {"NVIDIA H200": 4800.0, "NVIDIA H100 80GB HBM3": 3350.0}
+
+
+def spec_bandwidth(device_kind: str) -> float | None:
+    """The device's specified memory bandwidth in GB/s, None where unknown."""
+    return SPEC_GBS.get(device_kind)
+
+
+def measure_best_bandwidth(gb: float = 4.0, detail: dict | None = None) -> float:
+    """GB/s of the fastest of four large memory-bound operations over `gb` GB of bf16 (all
+    in `detail`): a device-to-device copy (`w + 1`, bytes read plus written), a square
+    `W @ x` and `x @ W` (median of 20 synchronised calls each), and "chain": a decode-like
+    chain of [4·n, n] GEMVs (n = 4096) whose output feeds the next, in one jitted call
+    (median of 5)."""
     n = int((gb * 1e9 / 2) ** 0.5) // 128 * 128
     w = jax.random.normal(jax.random.key(0), (n, n), BF16)
     x = jax.random.normal(jax.random.key(1), (n,), BF16)
@@ -201,6 +215,8 @@ def measure_roofline(gb: float = 4.0, detail: dict | None = None) -> float:
 
     for label, f in (("W@x", jax.jit(lambda w, x: w @ x)), ("x@W", jax.jit(lambda w, x: x @ w))):
         rates[label] = median_rate(f, (w, x), n * n * 2, 20)
+    rates["copy"] = median_rate(jax.jit(lambda w, one: w + one), (w, jnp.asarray(1, BF16)),
+                                2 * n * n * 2, 20)
     del w
     cols = min(4096, max(128, n // 4 // 128 * 128))
     count = max(1, int(gb * 1e9 / 2 // (4 * cols * cols)))
@@ -357,6 +373,18 @@ def measure_engine(engine, params, prompt, mask, tokens, max_len: int, warmup: i
     return res
 
 
+def time_generate(engine, params, prompt, new_tokens: int, chunk: int = 8) -> dict:
+    """ms per token of `generation.generate_tokens` end to end (greedy, no stop id, `chunk`
+    steps per device call): its decode rate over the calls after the first, from a second
+    run (the first compiles)."""
+    from dejavu_jax.generation import generate_tokens
+    rows = np.asarray(prompt).tolist()
+    for _ in range(2):
+        result = generate_tokens(engine, params, rows, new_tokens, stop_ids=[], chunk=chunk)
+    return dict(generate_ms=1e3 / result.tokens_per_second, generate_new_tokens=new_tokens,
+                generate_chunk=chunk)
+
+
 def rates(nbytes: int, batch: int, ms: float, ms_loop: float | None) -> dict:
     """GB/s and tokens/s of a row: from ms_loop (device-chained steps) where measured,
     else from the synchronised ms (HF rows); gbs_synced always from ms."""
@@ -379,7 +407,7 @@ def measure_rows(config, params, preds, contexts, mlp_densities, head_densities,
                  rank, dense_layers, warmup, steps, bar, log, select_methods, modes,
                  prefill_reps, *, init_kwargs, label, dense, sparse_engine, fixed_sets,
                  make_row, kv_recompute_off=False, loop_only=False,
-                 dense_qkv="fused", kernel_configs=None) -> list[dict]:
+                 dense_qkv="fused", kernel_configs=None, generate_tokens=0) -> list[dict]:
     """The rows of one model for every context and batch: the `dense` engine, then for each
     density pair the sparse variants (`sparse_variants`) built by `sparse_engine(scfg,
     select)`; precomputed sets come from `fixed_sets(scfg)` (at heads 0.5, first context).
@@ -390,7 +418,9 @@ def measure_rows(config, params, preds, contexts, mlp_densities, head_densities,
     dense_qkv: the dense row's q/k/v weights "fused" (`params.fuse_qkv`, the dense
     engine's form), "separate", or "both" (the separate row is labelled "qkv-separate").
     kernel_configs: variants of `SparseConfig` fields (attn_config, mlp_config), each
-    measured for every sparse row (see `parse_kernel_configs`)."""
+    measured for every sparse row (see `parse_kernel_configs`). generate_tokens: when above
+    0, the dense and predictor rows also time `generation.generate_tokens` making that many
+    tokens end to end (`time_generate`: `generate_ms`)."""
     rows = []
     prefill_cache = {}
     for ctx in contexts:
@@ -402,9 +432,13 @@ def measure_rows(config, params, preds, contexts, mlp_densities, head_densities,
 
             def measure(what, engine, engine_params):
                 try:
-                    return measure_engine(engine, engine_params, prompt, mask, tokens, max_len,
-                                          warmup, steps, init_kwargs, prefill_reps,
-                                          prefill_cache, loop_only)
+                    res = measure_engine(engine, engine_params, prompt, mask, tokens, max_len,
+                                         warmup, steps, init_kwargs, prefill_reps,
+                                         prefill_cache, loop_only)
+                    if generate_tokens and ("dense" in what or "predictor" in what):
+                        res.update(time_generate(engine, engine_params, prompt,
+                                                 generate_tokens))
+                    return res
                 except Exception as e:  # report (OOM, lowering errors) and go on
                     log(f"FAILED {label} ctx={ctx} batch={batch} {what}: "
                         f"{type(e).__name__}: {str(e)[:400]}")
@@ -488,7 +522,7 @@ def parse_kernel_configs(attn: str, mlp: str) -> list[dict]:
 def run_model(name, contexts, mlp_densities, head_densities, batches, rank, dense_layers,
               warmup, steps, bar, log, layout="unrolled", select_methods=("exact",),
               kv_recompute_off=False, modes=("dense", "sparse"), prefill_reps=3,
-              loop_only=False, dense_qkv="fused", kernel_configs=None):
+              loop_only=False, dense_qkv="fused", kernel_configs=None, generate_tokens=0):
     """All rows for one model preset, with the layers stacked (scan) or unrolled: for every
     context and batch, dense (ours) and the sparse variants (`sparse_variants`)."""
     from dejavu_jax.generation import dense_engine
@@ -510,7 +544,7 @@ def run_model(name, contexts, mlp_densities, head_densities, batches, rank, dens
         fixed_sets=lambda scfg: random_sets(config, scfg, per_layer=layout == "unrolled"),
         make_row=lambda r: dict(model=name, layout=layout, **r),
         kv_recompute_off=kv_recompute_off, loop_only=loop_only, dense_qkv=dense_qkv,
-        kernel_configs=kernel_configs)
+        kernel_configs=kernel_configs, generate_tokens=generate_tokens)
     del params
     return rows
 
@@ -563,10 +597,10 @@ def write_table(out: Path, meta: dict, rows, log=print):
     tables = []
     single = [r for r in rows if "tp" not in r]
     if single or not rows:
-        tables.append(markdown(single, meta["roofline_gbs"]))
+        tables.append(markdown(single, meta))
     if len(single) < len(rows):
         from dejavu_jax.eval.bench_tp import markdown_tp
-        tables.append(markdown_tp([r for r in rows if "tp" in r], meta["roofline_gbs"]))
+        tables.append(markdown_tp([r for r in rows if "tp" in r], meta))
     table = "\n\n".join(tables)
     (out / "bench_decode.md").write_text(
         f"# Decode benchmark\n\n{json.dumps(meta, indent=1)}\n\n{table}\n")
@@ -585,12 +619,15 @@ def merge_runs(dirs, out: Path, argv_text: str, log) -> int:
         metas.append(dict(run["meta"], source=str(d)))
         # the run's folder below the merged folders' common parent: unique per run
         name = str(Path(d).resolve().relative_to(common)) if len(dirs) > 1 else d.name
-        rows += [dict(r, roofline_gbs=r.get("roofline_gbs", run["meta"].get("roofline_gbs")),
+        rows += [dict(r, best_gbs=best_gbs(r, run["meta"]),
+                      spec_gbs=r.get("spec_gbs", run["meta"].get("spec_gbs")),
                       source=r.get("source", name)) for r in run["rows"]]
-    known = [m["roofline_gbs"] for m in metas if m.get("roofline_gbs")]
+    known = [best_gbs(m, {}) for m in metas if best_gbs(m, {})]
     meta = dict(command="python -m dejavu_jax.eval.bench_decode " + argv_text,
                 date=datetime.datetime.now().isoformat(timespec="seconds"),
-                roofline_gbs=max(known) if known else None, merged=metas)
+                best_gbs=max(known) if known else None,
+                spec_gbs=next((m.get("spec_gbs") for m in metas if m.get("spec_gbs")), None),
+                merged=metas)
     rows = add_speedups(rows)
     (out / "bench_decode.json").write_text(json.dumps(dict(meta=meta, rows=rows), indent=1))
     write_table(out, meta, rows, log)
@@ -612,12 +649,28 @@ def speedup_cells(r) -> tuple[str, str, str]:
             _f(r.get("speedup_vs_hf_compiled"), ".2f", "x"))
 
 
-def markdown(rows, roofline) -> str:
+def best_gbs(r: dict, meta: dict) -> float | None:
+    """The run's best measured bandwidth a row refers to (older runs: `roofline_gbs`)."""
+    return (r.get("best_gbs") or r.get("roofline_gbs") or meta.get("best_gbs")
+            or meta.get("roofline_gbs"))
+
+
+def bandwidth_cells(gbs: float | None, r: dict, meta: dict) -> tuple[str, str]:
+    """GB/s as a percentage of the device's specification and of the run's best measured
+    copy or GEMV ("–" where either is unknown)."""
+    spec = r.get("spec_gbs") or meta.get("spec_gbs")
+    best = best_gbs(r, meta)
+    return (_f(gbs and spec and 100 * gbs / spec, ".0f", "%"),
+            _f(gbs and best and 100 * gbs / best, ".0f", "%"))
+
+
+def markdown(rows, meta: dict) -> str:
     """A markdown table of the rows (see `add_speedups` for the speedup columns)."""
     cols = ("model", "layers", "mode", "ctx", "batch", "mlp", "heads", "indices",
-            "ms (synced)", "ms_loop", "p90", "tokens/s", "GB read", "GB/s", "% roofline",
-            "prefill ms", "compile s", "peak GB", "vs dense (synced / loop)", "vs hf-eager",
-            "vs hf-compiled")
+            "ms (synced)", "ms_loop", "generate ms", "p90", "tokens/s", "GB read", "GB/s",
+            "% spec",
+            "% best measured", "prefill ms", "compile s", "peak GB",
+            "vs dense (synced / loop)", "vs hf-eager", "vs hf-compiled")
 
     merged = any("source" in r for r in rows)
     if merged:
@@ -627,11 +680,10 @@ def markdown(rows, roofline) -> str:
         peak = r.get("peak_bytes")
         return (r["model"], r.get("layout", "stacked"), r["mode"], r["context"], r["batch"],
                 f"{r['mlp']:.2f}", f"{r['heads']:.2f}", r["indices"], _f(r.get("ms"), ".3f"),
-                _f(r.get("ms_loop"), ".3f"), _f(r.get("p90_ms"), ".3f"),
+                _f(r.get("ms_loop"), ".3f"), _f(r.get("generate_ms"), ".3f"),
+                _f(r.get("p90_ms"), ".3f"),
                 _f(r.get("tokens_per_s"), ".0f"), _f(r.get("bytes") and r["bytes"] / 1e9, ".2f"),
-                _f(r.get("gbs"), ".0f"),
-                _f(r.get("gbs") and 100 * r["gbs"] / (r.get("roofline_gbs") or roofline),
-                   ".0f", "%"),
+                _f(r.get("gbs"), ".0f"), *bandwidth_cells(r.get("gbs"), r, meta),
                 _f(r.get("prefill_ms"), ".1f"), _f(r.get("compile_s"), ".1f"),
                 _f(peak and peak / 1e9, ".1f"), *speedup_cells(r)) + (
                     (r.get("source", "–"),) if merged else ())
@@ -676,7 +728,7 @@ def run_hf(python: str, models, contexts, batches, modes, warmup: int, steps: in
 
 def main(argv=None) -> int:
     """Run the benchmark; writes JSON and markdown into --out."""
-    p = argparse.ArgumentParser(prog="python -m dejavu_jax.eval.bench_decode")
+    p = cli.ArgumentParser(prog="python -m dejavu_jax.eval.bench_decode")
     p.add_argument("--models", default="opt-6.7b,opt-13b,opt-30b")
     p.add_argument("--contexts", default="128,1024")
     p.add_argument("--modes", default="dense,sparse",
@@ -684,11 +736,11 @@ def main(argv=None) -> int:
     p.add_argument("--mlp", default="0.05,0.1,0.15")
     p.add_argument("--heads", default="0.25,0.5,1.0")
     p.add_argument("--batch", default="1", help="comma-separated batch sizes, e.g. 1,4,16")
-    p.add_argument("--rank", type=int, default=256, help="predictor hidden width r")
-    p.add_argument("--dense-layers", type=int, default=2)
-    p.add_argument("--warmup", type=int, default=3)
-    p.add_argument("--steps", type=int, default=20)
-    p.add_argument("--prefill-reps", type=int, default=3)
+    p.add_argument("--rank", type=cli.positive_int, default=256, help="predictor hidden width r")
+    p.add_argument("--dense-layers", type=cli.non_negative_int, default=2)
+    p.add_argument("--warmup", type=cli.non_negative_int, default=3)
+    p.add_argument("--steps", type=cli.positive_int, default=20)
+    p.add_argument("--prefill-reps", type=cli.positive_int, default=3)
     p.add_argument("--loop-only", action="store_true",
                    help="time only the device-chained steps (skips the host-synchronised "
                         "step's compile and timing; ms and p90 are left empty): for grids")
@@ -718,13 +770,49 @@ def main(argv=None) -> int:
                    "table of all their rows (speedups across runs), written to --out; "
                    "runs nothing")
     p.add_argument("--out", default="eval/results")
+    add_parity_argument(p)
+    p.add_argument("--generate-tokens", type=cli.non_negative_int, default=0, metavar="N",
+                   help="also time generation.generate_tokens end to end making N tokens, "
+                        "for the dense and predictor rows (default 0: off)")
     p.add_argument("--mesh", help="tensor-parallel mesh, e.g. 'tp=2' (rows from eval/bench_tp.py)")
-    p.add_argument("--devices", type=int, help="shorthand for --mesh tp=N")
+    p.add_argument("--devices", type=cli.positive_int, help="shorthand for --mesh tp=N")
     args = p.parse_args(argv)
     split = lambda s, f: [f(v) for v in s.split(",") if v]  # noqa: E731
-    models, contexts = split(args.models, str), split(args.contexts, int)
-    mlps, heads = split(args.mlp, float), split(args.heads, float)
-    batches, modes = split(args.batch, int), split(args.modes, str)
+
+    def checked(flag, text, kind):
+        try:
+            values = split(text, kind)
+        except argparse.ArgumentTypeError as e:
+            p.error(f"argument {flag}: {e}")
+        if not values:
+            p.error(f"argument {flag}: no values given")
+        return values
+
+    models = checked("--models", args.models, str)
+    unknown_models = [m for m in models if m not in config_lib.PRESETS]
+    if unknown_models:
+        p.error(f"unknown --models {unknown_models}; known: {', '.join(config_lib.PRESETS)}")
+    contexts = checked("--contexts", args.contexts, cli.positive_int)
+    mlps, heads = checked("--mlp", args.mlp, cli.fraction), checked("--heads", args.heads,
+                                                                    cli.fraction)
+    batches, modes = checked("--batch", args.batch, cli.positive_int), split(args.modes, str)
+    mesh_sizes = None
+    if args.mesh or args.devices:
+        from dejavu_jax import sharding
+        try:
+            mesh_sizes = (sharding.parse_mesh(args.mesh) if args.mesh
+                          else {"data": 1, "tp": args.devices})
+        except ValueError as e:
+            p.error(str(e))
+        if args.attn_config or args.mlp_config:
+            p.error("--attn-config / --mlp-config apply to single-device rows only")
+    bad_layouts = [x for x in split(args.layouts, str) if x not in ("stacked", "unrolled")]
+    if bad_layouts:
+        p.error(f"unknown --layouts {bad_layouts}; known: stacked, unrolled")
+    missing = [d for d in split(args.merge or "", str)
+               if not Path(d, "bench_decode.json").is_file()]
+    if missing:
+        p.error(f"--merge: no bench_decode.json in {', '.join(missing)}")
     unknown = [m for m in modes if m not in MODES]
     if unknown:
         p.error(f"unknown modes {unknown}; known: {', '.join(MODES)}")
@@ -760,18 +848,16 @@ def main(argv=None) -> int:
     if hf_modes:  # first: JAX has not touched (nor preallocated) the accelerator yet
         hf = run_hf(args.hf_python, models, contexts, batches, hf_modes, args.warmup,
                     args.steps, out, log, args.hf_device, args.hf_compile_mode, args.hf_attn)
+    parity = require_parity(args.parity, out, log)  # after HF: it starts JAX's backend
     mesh = None
     if args.mesh or args.devices:  # tensor parallel (dejavu_jax.sharding)
         from dejavu_jax import sharding
-        sizes = sharding.parse_mesh(args.mesh) if args.mesh else {"data": 1, "tp": args.devices}
-        mesh = sharding.make_mesh(**sizes)
-        if args.attn_config or args.mlp_config:
-            p.error("--attn-config / --mlp-config apply to single-device rows only")
+        try:  # after the HF rows: a mesh starts JAX's backend
+            mesh = sharding.make_mesh(**mesh_sizes)
+        except ValueError as e:
+            p.error(str(e))
     meta = dict(command="python -m dejavu_jax.eval.bench_decode " + argv_text,
-                date=datetime.datetime.now().isoformat(timespec="seconds"),
-                device=str(jax.devices()[0].device_kind), backend=jax.default_backend(),
-                jax=jax.__version__, jaxlib=jax.lib.__version__ if hasattr(jax, "lib") else "",
-                python=platform.python_version(), rank=args.rank,
+                **run_meta(), kernel_parity=parity, rank=args.rank,
                 xla_flags=os.environ.get("XLA_FLAGS", ""),
                 dense_layers=args.dense_layers, modes=modes, batches=batches,
                 loop_only=args.loop_only, attn_config=args.attn_config,
@@ -782,10 +868,12 @@ def main(argv=None) -> int:
                 hf=None if hf is None else hf["meta"],
                 hf_errors=None if hf is None else hf.get("errors"))
     detail = {}
-    meta["roofline_gbs"] = measure_roofline(4.0 if jax.default_backend() == "gpu" else 0.01,
-                                            detail)
-    meta["roofline_detail"] = detail
-    log(f"roofline (dense GEMV) {meta['roofline_gbs']:.0f} GB/s {detail}")
+    meta["best_gbs"] = measure_best_bandwidth(
+        4.0 if jax.default_backend() == "gpu" else 0.01, detail)
+    meta["best_detail"] = detail
+    meta["spec_gbs"] = spec_bandwidth(meta["device"])
+    log(f"best measured bandwidth (copy or dense GEMV) {meta['best_gbs']:.0f} GB/s {detail}; "
+        f"specified {meta['spec_gbs']} GB/s")
     ours = [m for m in modes if m in ("dense", "sparse")]
     n_sparse = (len(mlps) * len(heads) * len(split(args.select, str)) * len(kernel_configs)
                 if "sparse" in ours else 0)
@@ -802,8 +890,9 @@ def main(argv=None) -> int:
 
     def write():
         done = rows + measured
-        for r in done:  # what this row's % roofline refers to (kept through --merge)
-            r.setdefault("roofline_gbs", meta["roofline_gbs"])
+        for r in done:  # what this row's bandwidth refers to (kept through --merge)
+            r.setdefault("best_gbs", meta["best_gbs"])
+            r.setdefault("spec_gbs", meta["spec_gbs"])
         (out / "bench_decode.json").write_text(
             json.dumps(dict(meta=meta, rows=add_speedups(done)), indent=1))
 
@@ -823,7 +912,7 @@ def main(argv=None) -> int:
                               args.dense_layers, args.warmup, args.steps, bar, log, layout,
                               tuple(split(args.select, str)), args.diagnose_kv_recompute,
                               ours, args.prefill_reps, args.loop_only, args.dense_qkv,
-                              kernel_configs)
+                              kernel_configs, args.generate_tokens)
             measured.clear()
         write()
     bar.close()

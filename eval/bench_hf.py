@@ -97,20 +97,46 @@ def hf_config_dict(config) -> tuple[str, dict]:
             kw["_remove_final_layer_norm"] = not c.final_norm
         return "opt", kw
     if c.embed_dim != c.hidden:
-        raise ValueError(f"{c.name}: Llama has no embedding projections")
+        raise ValueError(f"{c.name}: {c.family} has no embedding projections")
     kw = dict(common, intermediate_size=c.ffn, num_key_value_heads=c.n_kv_heads,
-              head_dim=c.head_dim, rms_norm_eps=c.norm_eps, hidden_act=c.activation,
-              attention_bias=c.attention_bias, mlp_bias=c.mlp_bias, rope_theta=c.rope_theta,
-              rope_parameters={"rope_type": "default", "rope_theta": c.rope_theta})
+              head_dim=c.head_dim, rms_norm_eps=c.norm_eps)
+    layer_types = ([("sliding_attention" if s else "full_attention") for s in c.sliding_layers]
+                   if c.sliding_layers else None)
+    full_rope = ({"rope_type": "linear", "factor": c.rope_linear_factor, "rope_theta": c.rope_theta}
+                 if c.rope_linear_factor != 1.0 else
+                 {"rope_type": "default", "rope_theta": c.rope_theta})
+    if c.family == "gemma3":
+        local = c.rope_local_theta if c.rope_local_theta is not None else c.rope_theta
+        kw.update(hidden_activation="gelu_pytorch_tanh", attention_bias=c.attention_bias,
+                  query_pre_attn_scalar=round(c.attention_scale ** -2),
+                  sliding_window=c.sliding_window or 4096,
+                  layer_types=layer_types or ["full_attention"] * c.n_layers,
+                  final_logit_softcapping=c.final_logit_softcap,
+                  rope_parameters={"full_attention": full_rope,
+                                   "sliding_attention": {"rope_type": "default",
+                                                         "rope_theta": local}})
+        return "gemma3_text", kw
+    kw.update(hidden_act=c.activation, rope_theta=c.rope_theta, rope_parameters=full_rope)
+    if c.family == "qwen2":
+        if layer_types:
+            kw.update(use_sliding_window=True, sliding_window=c.sliding_window,
+                      layer_types=layer_types)
+        return "qwen2", kw
+    kw.update(attention_bias=c.attention_bias, mlp_bias=c.mlp_bias)
     return "llama", kw
 
 
+HF_CLASSES = {"opt": ("OPTConfig", "OPTForCausalLM"), "llama": ("LlamaConfig", "LlamaForCausalLM"),
+              "qwen2": ("Qwen2Config", "Qwen2ForCausalLM"),
+              "gemma3_text": ("Gemma3TextConfig", "Gemma3ForCausalLM")}
+
+
 def hf_config(config):
-    """A transformers OPTConfig / LlamaConfig with our ModelConfig's sizes."""
+    """A transformers config (OPT, Llama, Qwen2 or Gemma 3 text) with our ModelConfig's
+    sizes."""
     import transformers
     kind, kw = hf_config_dict(config)
-    cls = transformers.OPTConfig if kind == "opt" else transformers.LlamaConfig
-    return cls(**kw)
+    return getattr(transformers, HF_CLASSES[kind][0])(**kw)
 
 
 def build_model(config, device: str, dtype: str, attn: str):
@@ -119,8 +145,7 @@ def build_model(config, device: str, dtype: str, attn: str):
     import transformers
     hf = hf_config(config)
     hf._attn_implementation = attn
-    cls = (transformers.OPTForCausalLM if config.family == "opt"
-           else transformers.LlamaForCausalLM)
+    cls = getattr(transformers, HF_CLASSES[hf.model_type][1])
     torch.manual_seed(0)
     with torch.device(device):
         try:

@@ -105,13 +105,13 @@ def run_model_tp(name, contexts, mlp_densities, head_densities, batches, rank, d
     return rows
 
 
-def markdown_tp(rows, roofline) -> str:
+def markdown_tp(rows, meta: dict) -> str:
     """The markdown table of tensor-parallel rows (per-device bandwidth, all-reduce share;
     both from ms_loop). Speedups against HF compare with HF on one GPU."""
-    from dejavu_jax.eval.bench_decode import _f, speedup_cells, table
+    from dejavu_jax.eval.bench_decode import _f, bandwidth_cells, speedup_cells, table
     cols = ("model", "layers", "tp", "mode", "ctx", "batch", "mlp", "heads", "indices",
             "ms (synced)", "ms_loop", "p90", "tokens/s", "GB read (all devices)",
-            "GB/s per device", "% roofline", "prefill ms", "compile s", "peak GB per device",
+            "GB/s per device", "% spec", "% best measured", "prefill ms", "compile s", "peak GB per device",
             "all-reduce µs", "all-reduce share", "vs dense (synced / loop)", "vs hf-eager",
             "vs hf-compiled")
 
@@ -121,7 +121,7 @@ def markdown_tp(rows, roofline) -> str:
                 f"{r['mlp']:.2f}", f"{r['heads']:.2f}", r["indices"], _f(r.get("ms"), ".3f"),
                 f"{r['ms_loop']:.3f}", _f(r.get("p90_ms"), ".3f"), f"{r['tokens_per_s']:.0f}",
                 f"{r['bytes'] / 1e9:.2f}", f"{r['gbs_per_device']:.0f}",
-                f"{100 * r['gbs_per_device'] / (r.get('roofline_gbs') or roofline):.0f}%",
+                *bandwidth_cells(r["gbs_per_device"], r, meta),
                 f"{r['prefill_ms']:.1f}", f"{r['compile_s']:.1f}", _f(peak and peak / 1e9, ".1f"),
                 f"{r['allreduce_us']:.1f}", f"{100 * r['allreduce_share']:.0f}%",
                 *speedup_cells(r))

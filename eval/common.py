@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import sys
 from pathlib import Path
@@ -11,31 +12,85 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from dejavu_jax import cli
 from dejavu_jax.eval.sparse_scoring import MODES, EvalMode, make_mode
 
 DEFAULT_PREDICTORS = Path(__file__).resolve().parents[1] / ".cache" / "predictors" / "smollm2-135m"
 
 
-def add_model_args(p: argparse.ArgumentParser) -> None:
-    """--model/--preset, --mode, densities, --predictors, --dense-layers, --dense-prefix,
-    --batch-tokens, --no-progress."""
-    p.add_argument("--model", help="checkpoint folder, .gguf file or hub id "
+def add_model_args(p: argparse.ArgumentParser, mode: bool = True) -> None:
+    """--model/--preset, --mode and densities (unless `mode` is False), --predictors,
+    --dense-layers, --dense-prefix, --batch-tokens, --no-progress; `check_model_args`
+    checks them together."""
+    from dejavu_jax.config import PRESETS
+    p.add_argument("--model", type=cli.model_source,
+                   help="checkpoint folder, .gguf file or hub id "
                    "(default: SmolLM2-135M-Instruct, fetched once)")
-    p.add_argument("--preset", help="random weights in the shape of a preset (for smoke runs)")
-    p.add_argument("--tokenizer", help="tokenizer folder or .gguf (default: the model's own)")
-    p.add_argument("--mode", choices=MODES, default="dense")
-    p.add_argument("--mlp-density", type=float, default=1.0)
-    p.add_argument("--head-density", type=float, default=1.0)
-    p.add_argument("--dense-layers", type=int, default=2,
-                   help="the first N layers run dense (as in the decode engine)")
-    p.add_argument("--predictors", default=str(DEFAULT_PREDICTORS),
-                   help="trained predictor folder (for --mode sparse)")
-    p.add_argument("--dense-prefix", type=int, default=1,
+    p.add_argument("--preset", choices=PRESETS, metavar="NAME",
+                   help=f"random weights in the shape of a preset (for smoke runs): "
+                        f"{', '.join(PRESETS)}")
+    p.add_argument("--tokenizer", type=cli.existing_path,
+                   help="tokenizer folder or .gguf (default: the model's own)")
+    if mode:
+        p.add_argument("--mode", choices=MODES, default="dense")
+        p.add_argument("--mlp-density", type=cli.fraction,
+                       help="MLP neurons kept per token, in (0, 1] (sparse and oracle "
+                            "modes; default 1.0)")
+        p.add_argument("--head-density", type=cli.fraction,
+                       help="KV-head groups kept per token, in (0, 1] (sparse and oracle "
+                            "modes; default 1.0)")
+    p.add_argument("--dense-layers", type=cli.non_negative_int,
+                   help="the first N layers run dense, as in the decode engine (sparse and "
+                        "oracle modes; default 2)")
+    p.add_argument("--predictors", type=Path,
+                   help=f"trained predictor folder (sparse mode; default {DEFAULT_PREDICTORS})")
+    p.add_argument("--profile", type=cli.existing_path,
+                   help="sparsity profile file (threshold mode; default: the model's own, "
+                        "shipped or made by train.profile)")
+    p.add_argument("--dense-prefix", type=cli.non_negative_int, default=1,
                    help="positions of each sequence that run dense, like a dense prefill "
                         "(default 1: every scored token is decoded sparsely)")
-    p.add_argument("--batch-tokens", type=int, default=4096,
+    p.add_argument("--batch-tokens", type=cli.positive_int, default=4096,
                    help="tokens per forward call (batch rows x length)")
     p.add_argument("--no-progress", action="store_true")
+
+
+def check_model_args(args, modes: set[str] | None = None) -> None:
+    """The rules between the model options, before anything loads (one `error:` line):
+    one model source; sparse options only with a sparse or oracle mode; an existing
+    predictor folder for the sparse mode. `modes`: the modes the run scores (default
+    {args.mode})."""
+    if args.model and args.preset:
+        cli.fail("give --model or --preset, not both")
+    modes = modes if modes is not None else {args.mode}
+    options = {"--mlp-density": getattr(args, "mlp_density", None),
+               "--head-density": getattr(args, "head_density", None),
+               "--dense-layers": args.dense_layers}
+    given = [flag for flag, value in options.items() if value is not None]
+    if given and modes <= {"dense"}:
+        cli.fail(f"{', '.join(given)} {'applies' if len(given) == 1 else 'apply'} to the "
+                 "sparse and oracle modes, and this run scores dense only (see --mode)")
+    if getattr(args, "profile", None) is not None and "threshold" not in modes:
+        cli.fail("--profile is for the threshold mode, which this run does not score "
+                 "(see --mode)")
+    if "threshold" in modes and (getattr(args, "mlp_density", None) is not None
+                                 or getattr(args, "head_density", None) is not None
+                                 or args.dense_layers is not None):
+        cli.fail("--mlp-density, --head-density and --dense-layers are for the sparse and "
+                 "oracle modes; a threshold profile sets each layer itself")
+    if args.predictors is not None and "sparse" not in modes:
+        cli.fail("--predictors is for the sparse mode, which this run does not score "
+                 "(see --mode)")
+    if "sparse" in modes:
+        folder = predictors_dir(args)
+        if not folder.is_dir():
+            cli.fail(f"{folder}: no such predictor folder (train one, see train/README.md, "
+                     "or pass --predictors DIR)")
+
+
+def predictors_dir(args) -> Path:
+    """--predictors, else the default SmolLM2 predictor folder."""
+    return Path(args.predictors or DEFAULT_PREDICTORS).expanduser()
 
 
 def add_mesh_args(p: argparse.ArgumentParser) -> None:
@@ -54,6 +109,35 @@ def mesh_from_args(args):
     return multidevice.mesh_from_args(args)
 
 
+def model_path(args) -> Path | None:
+    """The checkpoint of --model, or of the default model (fetched once; exits with one
+    line when that fails); None for --preset."""
+    if args.preset:
+        return None
+    from dejavu_jax.fetch_model import resolve_model
+    from dejavu_jax.gguf_loader import fetch_smollm2
+    try:
+        if args.model:
+            return Path(resolve_model(args.model))  # a registered name: its cached file
+        return fetch_smollm2()
+    except RuntimeError as e:
+        cli.fail(str(e).splitlines()[0] + " (see `python -m dejavu_jax.fetch_model`)")
+
+
+def model_config(args):
+    """The ModelConfig of --model / --preset / the default model, read without its weights
+    (exits with one `error:` line for a missing or unreadable checkpoint)."""
+    import dejavu_jax as dj
+    from dejavu_jax.checkpoint_files import CheckpointError
+    from dejavu_jax.loading import read_config
+    if args.preset:
+        return dj.preset(args.preset)
+    try:
+        return read_config(model_path(args))
+    except CheckpointError as e:
+        cli.fail(str(e))
+
+
 def load_weights(args, mesh=None):
     """(config, fp32 params, checkpoint path or None) from --model / --preset, default
     SmolLM2-135M. With a mesh every weight is created or read straight into its
@@ -67,11 +151,7 @@ def load_weights(args, mesh=None):
         params = (dj.init_params(config, key, jnp.float32) if mesh is None
                   else sharding.init_params_sharded(config, key, jnp.float32, mesh))
         return config, params, None
-    if args.model:
-        path = Path(args.model)
-    else:
-        from dejavu_jax.gguf_loader import fetch_smollm2
-        path = fetch_smollm2()
+    path = model_path(args)
     if mesh is None:
         config, params = dj.load_pretrained(path, dtype=jnp.float32, progress=False)
     else:
@@ -88,26 +168,32 @@ def load_tokenizer_for(args, config, path):
     else:
         tok = default_tokenizer_for(config, path if path is not None and path.exists() else None)
     if tok is None:
-        raise SystemExit("error: no tokenizer for this model; pass --tokenizer")
+        cli.fail("no tokenizer for this model; pass --tokenizer DIR (OPT models use "
+                 "tokenizers/opt in the data folder, $DEJAVU_DATA, when it is there)")
     return tok
 
 
 def load_model(args, mesh=None):
     """(config, fp32 params, tokenizer) from --model / --preset, default SmolLM2-135M; with
-    a mesh, weights in the tensor-parallel layout (a ShardingError exits with its message,
-    as in `python -m dejavu_jax.generate`)."""
+    a mesh, weights in the tensor-parallel layout. A bad checkpoint file or a mesh that does
+    not divide the model exits with one `error:` line, as in `python -m dejavu_jax.generate`."""
     from dejavu_jax import sharding
+    from dejavu_jax.checkpoint_files import CheckpointError
     try:
         config, params, path = load_weights(args, mesh)
-    except sharding.ShardingError as e:
-        raise SystemExit(f"error: {e}")
-    return config, params, load_tokenizer_for(args, config, path)
+        return config, params, load_tokenizer_for(args, config, path)
+    except (CheckpointError, sharding.ShardingError, OSError) as e:
+        cli.fail(str(e))
 
 
-def load_predictor_params(path: str, config):
-    """Trained predictors for `config` from a folder (see dejavu_jax.train)."""
-    from dejavu_jax.train.predict import load_predictors
-    pred, _ = load_predictors(path, config)
+def load_predictor_params(path, config):
+    """Trained predictors for `config` from a folder (see dejavu_jax.train); one `error:`
+    line when the folder holds none, or none for this model."""
+    from dejavu_jax.train.predict import PredictorCheckpointError, load_predictors
+    try:
+        pred, _ = load_predictors(path, config)
+    except PredictorCheckpointError as e:
+        cli.fail(str(e))
     return pred
 
 
@@ -116,20 +202,70 @@ def mode_from_args(args, config, mesh=None) -> tuple[EvalMode, object]:
 
     On a mesh with tp > 1, sparse and oracle modes select per shard as the tensor-parallel
     decode does (ceil(k / tp) of each device's own units; `sparse_scoring` module doc) and
-    the predictors are placed split by unit like the model.
+    the predictors are placed split by unit like the model. Settings that do not fit the
+    model exit with one `error:` line.
     """
     from dejavu_jax import sharding
     shards = 1 if mesh is None else sharding.tp_size(mesh)
+    if args.mode == "threshold":
+        return threshold_mode(args, config, shards)
+    dense_layers = 2 if args.dense_layers is None else args.dense_layers
+    if dense_layers > config.n_layers:
+        cli.fail(f"--dense-layers {dense_layers}: the model has {config.n_layers} layers")
     try:
-        mode = make_mode(config, args.mode, args.mlp_density, args.head_density,
-                         args.dense_layers, shards=shards)
+        mode = make_mode(config, args.mode, args.mlp_density or 1.0, args.head_density or 1.0,
+                         dense_layers, shards=shards)
     except sharding.ShardingError as e:
-        raise SystemExit(f"error: {e}")
-    pred = load_predictor_params(args.predictors, config) if args.mode == "sparse" else None
+        cli.fail(str(e))
+    pred = (load_predictor_params(predictors_dir(args), config) if args.mode == "sparse"
+            else None)
     if pred is not None and mesh is not None:
         from dejavu_jax.tp_decode import shard_predictors
         pred = shard_predictors(pred, mesh)
     return mode, pred
+
+
+def threshold_mode(args, config, shards: int = 1) -> tuple[EvalMode, object]:
+    """(threshold EvalMode, thresholds) of --profile, else the model's own profile; one
+    `error:` line when there is none or it does not fit the model."""
+    from dejavu_jax.sparsity_profile import ProfileError, default_profile_path, load_profile
+    if shards > 1:
+        cli.fail("the threshold mode scores on one device; drop --devices / --mesh")
+    path = args.profile or default_profile_path(config)
+    if path is None:
+        cli.fail(f"no sparsity profile for {config.name}: make one with `./dejavu run "
+                 "train.profile --model ...` or pass --profile FILE")
+    try:
+        profile = load_profile(path, config)
+    except ProfileError as e:
+        cli.fail(str(e))
+    mode = make_mode(config, "threshold", sites=profile.sites)
+    mode = dataclasses.replace(mode, source=str(path))
+    return mode, jnp.asarray(profile.threshold_array())
+
+
+def bytes_summary(config, mode: EvalMode, selector_params, read: float) -> dict:
+    """The decoder weight bytes of a scored token: `read`, the mean fraction of the layers'
+    matmul weights read (`sparse_scoring.read_fraction`), plus for the sparse mode the
+    predictors' weights, which every token reads; and the fraction skipped."""
+    from dejavu_jax.activation_sparsity import layer_elements
+    total = layer_elements(config) * config.n_layers
+    extra = 0
+    if mode.name == "sparse" and selector_params is not None:
+        extra = sum(x.size for x in jax.tree.leaves(selector_params) if x.ndim >= 2)
+    fraction = read + extra / total
+    return {"bytes_read": fraction, "bytes_skipped": 1.0 - fraction,
+            "selector_bytes": extra / total}
+
+
+def check_ids(ids, config, what: str) -> None:
+    """Token ids of the text to score inside the model's vocabulary (one `error:` line,
+    naming `what`, otherwise)."""
+    from dejavu_jax.inputs import check_token_ids
+    try:
+        check_token_ids(np.asarray(ids, np.int64), config.vocab_size, what, "[time]")
+    except ValueError as e:
+        cli.fail(f"{e}: the tokenizer does not fit the model")
 
 
 def mesh_rows(rows: int, mesh) -> int:

@@ -2,11 +2,11 @@
 
   python -m dejavu_jax.eval.kernel_parity --out results/      # on the GPU: impl pallas
 
-1. Sparse decode, teacher-forced for --steps tokens on tiny OPT and Llama presets (fp32
-   weights), unrolled layers (the GPU layout: per-layer caches and input rings) and
-   stacked, at density 1.0 and at MLP 0.3 / heads 0.5 with index sets that change every
-   layer, missing-KV window 4: the largest |logit| and |K cache| difference between
-   `--impl` kernels and the jnp references.
+1. Sparse decode, teacher-forced for --steps tokens on tiny OPT, Llama and Gemma 3 models
+   (fp32 weights; `DECODE_CASES`), unrolled layers (the GPU layout: per-layer caches and
+   input rings) and stacked, at MLP 0.3 / heads 0.5 with index sets that change every
+   layer (and OPT at density 1.0), missing-KV window 4: the largest |logit| and |K cache|
+   difference between `--impl` kernels and the jnp references.
 2. Top-k selection: the radix, chunked and local kernels return exactly their references'
    sets on random scores of MLP sizes.
 3. Head-sparse attention with a missing-KV window whose needed entries are random (so
@@ -19,17 +19,29 @@
 5. The split predictor's selection (`kernels.predictor_select`) returns its reference's
    sets at OPT-13B / 30B predictor sizes.
 6. ("split") Batch-1 sparse decode on tiny OPT with the split predictor (local top-k),
-   its selection riding in the MLP launches and in launches of its own, unrolled and
-   stacked, against the reference step (sets and all): logits and K cache.
+   its selection riding in the MLP launches (unrolled layers) and in launches of its own
+   (stacked): every set it chose is a top-k of the reference scores of its layer's input
+   (up to bfloat16 key ties), and the reference step replaying those sets gives its
+   logits and K cache.
 
-Writes kernel_parity.json and exits 1 when a difference exceeds --tol or a set differs.
+7. ("threshold") Activation-sparse decode (`kernels.threshold_matvec` on input-major
+   weights, thresholds dropping about 40% of every site) on tiny Llama (the up projection
+   by the gate's neuron rows), OPT and Gemma 3 (post-norms): logits and K cache against the
+   jnp computation on the usual weights; and the two kernels alone, one row and three,
+   against their references.
+
+Writes kernel_parity.json and exits 1 when a difference exceeds --tol or a set differs
+(beyond key ties, for the split predictor).
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import dataclasses
+import functools
 import json
+import time
 import sys
 from pathlib import Path
 
@@ -43,17 +55,49 @@ from dejavu_jax.eval.bench_decode import random_sets
 from dejavu_jax.params import init_params, unstack_layers
 
 
-def _decode(config, scfg, params, sets, steps: int, per_layer: bool,
-            select=sparse.fixed_selector, batch: int = 2):
+@functools.cache
+def _prefill(config):
+    """The jitted dense prefill every sparse engine of `config` runs, taking the model
+    params alone: one compile per cache layout for all the checks' configurations."""
+    def prefill(model_params, ids, mask, state):
+        return sparse.sparse_prefill_fn(config, (model_params, None), ids, mask, state)
+    return jax.jit(prefill)
+
+
+@functools.cache
+def _compiled(config, scfg, select, per_layer: bool, batch: int):
+    """(engine, jitted step), built once per configuration: the checks decode the same
+    configurations several times, and compiles are most of their time."""
     eng = sparse.sparse_engine(config, scfg, select)
+    return eng, jax.jit(eng.step)
+
+
+def _decode(config, scfg, params, sets, steps: int, per_layer: bool,
+            select=sparse.fixed_selector, batch: int = 2, per_step_params: bool = False,
+            log: list | None = None):
+    """(logits [steps, B, V], K cache) of a teacher-forced decode; `sets` are the selector
+    params, or one per step with per_step_params. With `log`, each layer's input and sets
+    are appended to it (`_recording_layer_sets`; compiled afresh)."""
+    if log is None:
+        eng, step = _compiled(config, scfg, select, per_layer, batch)
+        return _run_decode(config, eng, step, params, sets, steps, per_layer, batch,
+                           per_step_params)
+    with _recording_layer_sets(log):  # traced, and so recording, in here
+        eng = sparse.sparse_engine(config, scfg, select)
+        return _run_decode(config, eng, jax.jit(eng.step), params, sets, steps, per_layer,
+                           batch, per_step_params)
+
+
+def _run_decode(config, eng, step, params, sets, steps, per_layer, batch, per_step_params):
+    """The decode loop of `_decode`."""
     ids = jnp.asarray([[5, 9, 14, 3, 7], [8, 2, 4, 11, 6]])[:batch]
     state = eng.init_state(batch, 64, jnp.float32, per_layer=per_layer)
-    logits, state = jax.jit(eng.prefill)((params, sets), ids, jnp.ones_like(ids), state)
-    step = jax.jit(eng.step)
+    logits, state = _prefill(config)(params, ids, jnp.ones_like(ids), state)
     tokens = np.random.default_rng(1).integers(3, config.vocab_size, (steps, batch))
     out = []
     for t in range(steps):
-        logits, state = step((params, sets), state, jnp.asarray(tokens[t], jnp.int32))
+        logits, state = step((params, sets[t] if per_step_params else sets), state,
+                             jnp.asarray(tokens[t], jnp.int32))
         out.append(np.asarray(logits))
     k = state.dense.k
     k = np.stack(k, axis=1) if isinstance(k, tuple) else np.asarray(k)
@@ -70,23 +114,39 @@ def decode_rows(impl: str, steps: int) -> list[dict]:
         return _decode_rows(impl, steps)
 
 
+def gemma3_tiny():
+    """A tiny Gemma 3 config (q/k norms, pre- and post-norms, a sliding window of 4 on
+    layers 0, 1 and 3, two KV groups) of the real model's other settings."""
+    return dataclasses.replace(
+        config_lib.preset("gemma3-270m"), name="gemma3-tiny", vocab_size=512, hidden=64,
+        embed_dim=64, n_layers=4, n_heads=4, n_kv_heads=2, head_dim=16, ffn=128,
+        sliding_window=4, sliding_layers=(True, True, False, True), embed_scale=8.0,
+        query_scale=0.25)
+
+
+# (config, (MLP density, head density) pairs, layouts); density 1 runs the dense branches
+DECODE_CASES = (("opt-tiny", ((1.0, 1.0), (0.3, 0.5)), ("unrolled", "stacked")),
+                ("llama-tiny", ((0.3, 0.5),), ("unrolled", "stacked")),
+                ("gemma3-tiny", ((0.3, 0.5),), ("unrolled",)))
+
+
 def _decode_rows(impl: str, steps: int) -> list[dict]:
     rows = []
-    for preset in ("opt-tiny", "llama-tiny"):
-        config = config_lib.preset(preset)
+    for preset, densities, layouts in DECODE_CASES:
+        config = gemma3_tiny() if preset == "gemma3-tiny" else config_lib.preset(preset)
         params = init_params(config, jax.random.key(0), jnp.float32, std=0.1)
-        for mlp, heads in ((1.0, 1.0), (0.3, 0.5)):
-            # batch_dense=False: full sets at batch 2 would otherwise run XLA's dense layer
+        for mlp, heads in densities:
+            # batch_policy "kernels": batch 2 would otherwise run XLA's dense layers
             scfg = dataclasses.replace(sparse.sparse_config(
-                config, mlp, heads, dense_layers=1, kv_window=4), batch_dense=False)
+                config, mlp, heads, dense_layers=1, kv_window=4), batch_policy="kernels")
             sets = random_sets(config, scfg, seed=3)
-            for layout in ("unrolled", "stacked"):
+            # one reference (stacked layers) for both layouts: the same function
+            ref = _decode(config, dataclasses.replace(scfg, impl="reference"), params, sets,
+                          steps, False)
+            for layout in layouts:
                 p = unstack_layers(params) if layout == "unrolled" else params
-                per_layer = layout == "unrolled"
-                ref = _decode(config, dataclasses.replace(scfg, impl="reference"), p, sets,
-                              steps, per_layer)
                 got = _decode(config, dataclasses.replace(scfg, impl=impl), p, sets, steps,
-                              per_layer)
+                              layout == "unrolled")
                 rows.append(dict(check="decode", preset=preset, mlp=mlp, heads=heads,
                                  layout=layout, steps=steps,
                                  logits=float(np.abs(got[0] - ref[0]).max()),
@@ -94,30 +154,140 @@ def _decode_rows(impl: str, steps: int) -> list[dict]:
     return rows
 
 
-def split_rows(impl: str, steps: int) -> list[dict]:
+def _selection_slack(scores: np.ndarray, ids: np.ndarray, chunks: int) -> float:
+    """How far `ids` is from a top-k of `scores` [n], per chunk (the local method's chunks;
+    1 for an exact top-k): the largest unselected score minus the smallest selected one,
+    over the chunks, relative to the largest |score|. <= 0: an exact top-k. Selections
+    compare bfloat16-precision keys (ties to the lower id), so a valid one may exceed 0
+    by about 2**-7 (one key step, plus fp32 rounding between implementations)."""
+    n = scores.shape[0]
+    c = -(-n // chunks)
+    chosen = np.zeros(n, bool)
+    chosen[ids] = True
+    slack = -np.inf
+    for lo in range(0, n, c):
+        s, m = scores[lo:lo + c], chosen[lo:lo + c]
+        if m.any() and (~m).any():
+            slack = max(slack, float(s[~m].max() - s[m].min()))
+    return slack / max(float(np.abs(scores).max()), 1e-30)
+
+
+TIE_SLACK = 2.0 ** -6  # two bfloat16 key steps
+
+
+@contextlib.contextmanager
+def _recording_layer_sets(log: list):
+    """Record, for every layer the decode step traces while inside, (layer, its input
+    row, neuron ids, KV-group ids); dense layers record no ids. One host callback per
+    layer and token."""
+    real_sparse, real_dense = sparse._fused_sparse_layer, sparse._dense_layer
+
+    def record(layer, x, *sets):
+        jax.debug.callback(lambda *a: log.append(tuple(np.asarray(v) for v in a)),
+                           jnp.asarray(layer), x[0], *sets, ordered=True)
+
+    def fused(config, scfg, view, io, layer, x, neurons, groups, *args, **kw):
+        record(layer, x, neurons, groups)
+        return real_sparse(config, scfg, view, io, layer, x, neurons, groups, *args, **kw)
+
+    def dense(config, view, io, layer, x, *args, **kw):
+        record(layer, x)
+        return real_dense(config, view, io, layer, x, *args, **kw)
+
+    sparse._fused_sparse_layer, sparse._dense_layer = fused, dense
+    try:
+        yield
+    finally:
+        sparse._fused_sparse_layer, sparse._dense_layer = real_sparse, real_dense
+
+
+def _replay_selector(sets, layer, x, k_mlp, k_heads):
+    """A Selector replaying one token's recorded sets: ([L, Km], [L, Kh]) arrays."""
+    return sets[0][layer], sets[1][layer]
+
+
+def _per_step_sets(log: list, n_layers: int):
+    """The recorded layers as, per step, (([L, Km], [L, Kh]) int32 sets, [L, d] inputs);
+    dense layers' set rows are zeros."""
+    out = []
+    for t in range(len(log) // n_layers):
+        rows = log[t * n_layers:(t + 1) * n_layers]
+        km, kh = next(r[2].shape[-1] for r in rows if len(r) > 2), next(
+            r[3].shape[-1] for r in rows if len(r) > 2)
+        neurons = np.zeros((n_layers, km), np.int32)
+        groups = np.zeros((n_layers, kh), np.int32)
+        inputs = np.zeros((n_layers, rows[0][1].shape[-1]), np.float32)
+        for row in rows:
+            inputs[int(row[0])] = row[1]
+            if len(row) > 2:
+                neurons[int(row[0])], groups[int(row[0])] = row[2], row[3]
+        out.append(((neurons, groups), inputs))
+    return out
+
+
+# the GPU's layout with the selection riding in the MLP launches, and the stacked scan with
+# launches of its own (a layout does not change which sets are chosen)
+SPLIT_VARIANTS = ((True, "unrolled"), (False, "stacked"))
+
+
+def split_rows(impl: str, steps: int, variants=None) -> list[dict]:
     """The decode step with the split predictor (batch 1, local top-k; its selection riding
-    in the MLP launches or in launches of its own) against the reference step."""
+    in the MLP launches or in launches of its own) against the reference step, for each
+    (ride_mlp_launches, layout) of `variants` (default `SPLIT_VARIANTS`).
+
+    Sets chosen from scores that two implementations round differently can differ where
+    two scores share or straddle a bfloat16 key (the predictors' hidden units are rounded
+    to bfloat16 before their second product, so one fp32 rounding step there moves a score
+    by a bfloat16 step). So the check has two parts: (1) each set the kernel path chose is
+    a top-k of the reference scores of its layer input (fp32, highest precision) up to
+    `TIE_SLACK`; (2) the reference step replaying the kernel path's sets gives its logits
+    and K cache. Also reported, not checked: how many sets equal the reference path's
+    (`sets_equal`) and the logits' difference from that path (`logits_vs_reference_path`),
+    which is large once a set differs."""
     from dejavu_jax.eval.bench_decode import random_predictors
+    from dejavu_jax.kernels.top_k import local_top_k_shape
+    from dejavu_jax.train.predict import predictor_scores
     from dejavu_jax.train.predictor_model import decode_predictors
     rows = []
     config = config_lib.preset("opt-tiny")
     params = init_params(config, jax.random.key(0), jnp.float32, std=0.1)
-    preds = decode_predictors(random_predictors(config, 16, jax.random.key(1)))
+    raw = random_predictors(config, 16, jax.random.key(1))
+    preds = decode_predictors(raw)
     scfg = sparse.sparse_config(config, 0.3, 0.5, dense_layers=1, kv_window=4)
+    ref_scfg = dataclasses.replace(scfg, impl="reference")
     with jax.default_matmul_precision("highest"):
-        ref = _decode(config, dataclasses.replace(scfg, impl="reference"), params, preds,
-                      steps, False, sparse.predictor_selector(1, method="local",
-                                                              impl="reference"), batch=1)
-        for ride in (True, False):
-            for layout in ("unrolled", "stacked"):
-                p = unstack_layers(params) if layout == "unrolled" else params
-                select = sparse.predictor_selector(1, method="local", impl=impl,
-                                                   ride_mlp_launches=ride)
-                got = _decode(config, dataclasses.replace(scfg, impl=impl), p, preds, steps,
-                              layout == "unrolled", select, batch=1)
-                rows.append(dict(check="split", preset="opt-tiny", ride=ride, layout=layout,
-                                 steps=steps, logits=float(np.abs(got[0] - ref[0]).max()),
-                                 k_cache=float(np.abs(got[1] - ref[1]).max())))
+        ref_log: list = []
+        ref = _decode(config, ref_scfg, params, preds, steps, False,
+                      sparse.predictor_selector(1, method="local", impl="reference"),
+                      batch=1, log=ref_log)
+        ref_sets = _per_step_sets(ref_log, config.n_layers)
+        for ride, layout in variants or SPLIT_VARIANTS:
+            p = unstack_layers(params) if layout == "unrolled" else params
+            select = sparse.predictor_selector(1, method="local", impl=impl,
+                                               ride_mlp_launches=ride)
+            log: list = []
+            got = _decode(config, dataclasses.replace(scfg, impl=impl), p, preds, steps,
+                          layout == "unrolled", select, batch=1, log=log)
+            got_sets = _per_step_sets(log, config.n_layers)
+            replay = _decode(config, ref_scfg, params, [s for s, _ in got_sets], steps,
+                             False, _replay_selector, batch=1, per_step_params=True)
+            slack, equal = -np.inf, 0
+            for ((neurons, groups), inputs), ((ref_n, ref_g), _) in zip(got_sets, ref_sets):
+                for layer in range(scfg.dense_layers, config.n_layers):
+                    equal += int(np.array_equal(neurons[layer], ref_n[layer])
+                                 and np.array_equal(groups[layer], ref_g[layer]))
+                    # a layer's sets are predicted from the previous layer's input
+                    mlp, heads = (np.asarray(a[0]) for a in predictor_scores(
+                        raw, layer, jnp.asarray(inputs[layer - 1:layer])))
+                    chunks = local_top_k_shape(config.ffn, scfg.mlp_k[layer], 2048)[0]
+                    slack = max(slack, _selection_slack(mlp, neurons[layer], chunks),
+                                _selection_slack(heads, groups[layer], 1))
+            rows.append(dict(check="split", preset="opt-tiny", ride=ride, layout=layout,
+                             steps=steps, logits=float(np.abs(got[0] - replay[0]).max()),
+                             k_cache=float(np.abs(got[1] - replay[1]).max()),
+                             selection_slack=slack,
+                             sets_equal=f"{equal}/{steps * (config.n_layers - scfg.dense_layers)}",
+                             logits_vs_reference_path=float(np.abs(got[0] - ref[0]).max())))
     return rows
 
 
@@ -127,12 +297,13 @@ def top_k_rows(impl: str) -> list[dict]:
                                           top_k_indices_local)
     rows = []
     rng = np.random.default_rng(5)
-    for n, k in ((28672, 2867), (20480, 2048), (1536, 154), (56, 28)):
+    for n, k in ((28672, 2867), (1536, 154), (56, 28)):
         s = jnp.asarray(rng.standard_normal(n), jnp.float32)
         for name, fn in (("radix", top_k_indices), ("chunked", top_k_indices_chunked),
                          ("local", top_k_indices_local)):
-            same = bool(np.array_equal(np.asarray(fn(s, k, impl=impl)),
-                                       np.asarray(fn(s, k, impl="reference"))))
+            got, ref = (jax.jit(functools.partial(fn, k=k, impl=i))(s)
+                        for i in (impl, "reference"))
+            same = bool(np.array_equal(np.asarray(got), np.asarray(ref)))
             rows.append(dict(check="top-k", method=name, n=n, k=k, equal=same))
     return rows
 
@@ -168,8 +339,9 @@ def window_rows(impl: str) -> list[dict]:
         w = [f(H, hd, d) * d ** -0.5, f(H, hd), f(n_kv, hd, d) * d ** -0.5, f(n_kv, hd),
              f(n_kv, hd, d) * d ** -0.5, f(n_kv, hd), f(d, H, hd) * (H * hd) ** -0.5, f(d)]
         caches = (f(B, n_kv, S, hd), f(B, n_kv, S, hd))
-        got, ref = (head_sparse_attention(x, *w, *caches, jnp.int32(pos), hidx, rope=rope_now,
-                                          impl=i, window=window) for i in (impl, "reference"))
+        got, ref = (jax.jit(functools.partial(head_sparse_attention, impl=i))(
+            x, *w, *caches, jnp.int32(pos), hidx, rope=rope_now, window=window)
+            for i in (impl, "reference"))
         rows.append(dict(check="window", B=B, H=H, n_kv=n_kv, pos=pos, rope=rope,
                          out=float(jnp.abs(got[0] - ref[0]).max()),
                          k_cache=float(jnp.abs(got[1] - ref[1]).max()),
@@ -186,10 +358,12 @@ def norm_rows(impl: str) -> list[dict]:
         x = jnp.asarray(rng.standard_normal((B, d)) * 4 + 1, jnp.float32)
         scale = jnp.asarray(rng.standard_normal(d), jnp.float32)
         bias = None if rms else jnp.asarray(rng.standard_normal(d), jnp.float32)
-        got, ref = (layer_norm(x, scale, bias, 1e-5, impl=i) for i in (impl, "reference"))
+        got, ref = (jax.jit(functools.partial(layer_norm, eps=1e-5, impl=i))(x, scale, bias)
+                    for i in (impl, "reference"))
         rows.append(dict(check="norm", rows=B, d=d, rms=rms,
                          max_diff=float(jnp.abs(got - ref).max())))
-        got, ref = (layer_norm(x, scale, bias, 1e-5, rms_dtype=jnp.float32, impl=i)
+        got, ref = (jax.jit(functools.partial(layer_norm, eps=1e-5, rms_dtype=jnp.float32,
+                                              impl=i))(x, scale, bias)
                     for i in (impl, "reference"))
         rows.append(dict(check="norm", kernel="layer_norm+rms", rows=B, d=d, rms=rms,
                          max_diff=max(float(jnp.abs(a - b).max()) for a, b in zip(got, ref))))
@@ -217,47 +391,123 @@ def predictor_rows(impl: str) -> list[dict]:
     return rows
 
 
+def threshold_rows(impl: str, steps: int) -> list[dict]:
+    """Check 7: threshold decoding and the activation-sparse kernels."""
+    with jax.default_matmul_precision("highest"):
+        return _threshold_decode_rows(impl, steps) + _threshold_kernel_rows(impl)
+
+
+def _threshold_decode_rows(impl: str, steps: int) -> list[dict]:
+    from dejavu_jax.params import input_major
+    from dejavu_jax.train.thresholds import calibration_stats, thresholds_at
+    rows = []
+    for name, up_rows in (("llama-tiny", True), ("opt-tiny", False), ("gemma3-tiny", True)):
+        config = gemma3_tiny() if name == "gemma3-tiny" else config_lib.preset(name)
+        params = init_params(config, jax.random.key(0), jnp.float32, std=0.1)
+        ids = jax.random.randint(jax.random.key(3), (1, 32), 3, config.vocab_size)
+        q = calibration_stats(config, params, ids, jnp.ones_like(ids), ())["quantiles"]
+        levels = np.full((config.n_layers, 5), 0.4)
+        if not up_rows:
+            levels[:, 3] = 0.0  # the gate site (none on OPT)
+        thresholds = jnp.asarray(thresholds_at(np.asarray(q), levels))
+        sites = tuple(s for i, s in enumerate(("qkv", "o", "gate_up", "gate", "down"))
+                      if levels[0, i] > 0)
+        ref = _decode(config, sparse.threshold_config(config, sites, impl="reference"),
+                      params, thresholds, steps, False, sparse.no_selector, batch=1)
+        moved = unstack_layers(input_major(params, up_rows=up_rows))
+        got = _decode(config, sparse.threshold_config(config, sites, impl=impl), moved,
+                      thresholds, steps, True, sparse.no_selector, batch=1)
+        rows.append(dict(check="threshold", model=name, sites=list(sites),
+                         logits=float(np.abs(got[0] - ref[0]).max()),
+                         k_cache=float(np.abs(got[1] - ref[1]).max())))
+    return rows
+
+
+def _threshold_kernel_rows(impl: str) -> list[dict]:
+    from dejavu_jax.kernels.threshold_matvec import row_masked_matvec, threshold_matvec
+    rng = np.random.default_rng(9)
+    rows = []
+    for B, K, N in ((1, 1536, 8960), (3, 8960, 1536), (1, 2048, 2560)):
+        x = jnp.asarray(rng.standard_normal((B, K)), jnp.float32)
+        w = jnp.asarray(rng.standard_normal((K, N)) * K ** -0.5, jnp.float32)
+        t = float(np.quantile(np.abs(np.asarray(x)), 0.5))
+        res = jnp.asarray(rng.standard_normal((B, N)), jnp.float32)
+        for residual in (None, res):
+            got, ref = (jax.jit(functools.partial(threshold_matvec, impl=i))(
+                x, w, t, residual=residual) for i in (impl, "reference"))
+            rows.append(dict(check="threshold", kernel="threshold_matvec", B=B, K=K, N=N,
+                             residual=residual is not None,
+                             logits=float(jnp.abs(got - ref).max()), k_cache=0.0))
+        keep = jnp.asarray(rng.random(K) < 0.5)
+        xr = jnp.asarray(rng.standard_normal((B, N)), jnp.float32)
+        got, ref = (jax.jit(functools.partial(row_masked_matvec, impl=i))(xr, w, keep)
+                    for i in (impl, "reference"))
+        rows.append(dict(check="threshold", kernel="row_masked_matvec", B=B, F=K, d=N,
+                         logits=float(jnp.abs(got - ref).max()), k_cache=0.0))
+    return rows
+
+
+def row_passes(r: dict, tol: float) -> bool:
+    """Whether one check's row passes at tolerance `tol`."""
+    if r["check"] in ("top-k", "predictor"):
+        return r["equal"]
+    if r["check"] == "norm":
+        return r["max_diff"] <= tol
+    if r["check"] == "window":
+        return max(r["out"], r["k_cache"], r["v_cache"]) <= tol
+    if r["check"] == "split":
+        return max(r["logits"], r["k_cache"]) <= tol and r["selection_slack"] <= TIE_SLACK
+    return max(r["logits"], r["k_cache"]) <= tol
+
+
+CHECKS = ("norm", "window", "decode", "split", "top-k", "predictor", "threshold")
+
+
 def main(argv=None) -> int:
     """Run the checks; print one JSON line per check; exit 1 on a failure."""
     p = argparse.ArgumentParser(prog="python -m dejavu_jax.eval.kernel_parity")
     p.add_argument("--impl", default="pallas", choices=("pallas", "interpret"))
-    p.add_argument("--steps", type=int, default=12)
+    p.add_argument("--steps", type=int, default=6, help="decoded tokens per decode check")
     p.add_argument("--tol", type=float, default=1e-4)
-    p.add_argument("--checks", default="norm,window,decode,split,top-k,predictor",
-                   help="comma list of norm, window, decode, split, top-k, predictor")
+    p.add_argument("--checks", default=",".join(CHECKS),
+                   help=f"comma list of {', '.join(CHECKS)}")
     p.add_argument("--out", default="eval/results/kernel_parity")
     args = p.parse_args(argv)
+    if args.steps < 1:
+        p.error(f"--steps must be at least 1, got {args.steps}")
     checks = {"norm": lambda: norm_rows(args.impl), "window": lambda: window_rows(args.impl),
               "decode": lambda: decode_rows(args.impl, args.steps),
               "split": lambda: split_rows(args.impl, args.steps),
               "top-k": lambda: top_k_rows(args.impl),
-              "predictor": lambda: predictor_rows(args.impl)}
+              "predictor": lambda: predictor_rows(args.impl),
+              "threshold": lambda: threshold_rows(args.impl, args.steps)}
     names = args.checks.split(",")
     unknown = [n for n in names if n not in checks]
     if unknown:
         p.error(f"unknown checks {unknown}; choose from {', '.join(checks)}")
 
-    def passed(r) -> bool:
-        if r["check"] in ("top-k", "predictor"):
-            return r["equal"]
-        if r["check"] == "norm":
-            return r["max_diff"] <= args.tol
-        if r["check"] == "window":
-            return max(r["out"], r["k_cache"], r["v_cache"]) <= args.tol
-        return max(r["logits"], r["k_cache"]) <= args.tol
-
-    rows, ok = [], True
+    rows, ok, seconds = [], True, {}
+    start = time.perf_counter()
     for name in names:  # each check's rows print as it finishes (a run cut short keeps them)
+        t0 = time.perf_counter()
         for r in checks[name]():
-            r["ok"] = passed(r)
+            r["ok"] = row_passes(r, args.tol)
             ok &= r["ok"]
             rows.append(r)
             print(json.dumps(r), flush=True)
+        seconds[name] = round(time.perf_counter() - t0, 1)
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
-    meta = dict(device=str(jax.devices()[0].device_kind), jax=jax.__version__, impl=args.impl,
-                tol=args.tol)
+    from dejavu_jax.eval.provenance import run_meta
+    meta = dict(command="python -m dejavu_jax.eval.kernel_parity " + " ".join(
+                    sys.argv[1:] if argv is None else argv), **run_meta(), impl=args.impl,
+                tol=args.tol, steps=args.steps, passed=bool(ok), checks=len(rows),
+                failed=sum(not r["ok"] for r in rows), seconds=seconds,
+                total_seconds=round(time.perf_counter() - start, 1))
     (out / "kernel_parity.json").write_text(json.dumps(dict(meta=meta, rows=rows), indent=1))
+    failed = [r for r in rows if not r["ok"]]
+    print(f"{len(rows) - len(failed)}/{len(rows)} checks passed in {meta['total_seconds']} s "
+          f"({', '.join(f'{k} {v} s' for k, v in seconds.items())})", flush=True)
     print("all checks passed" if ok else "FAILED", flush=True)
     return 0 if ok else 1
 

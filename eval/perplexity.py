@@ -29,26 +29,48 @@ from pathlib import Path
 
 import numpy as np
 
+from dejavu_jax import cli
 from dejavu_jax.eval import common
 from dejavu_jax.eval.sparse_scoring import EvalMode, token_scores
-from dejavu_jax.paths import data_root
+from dejavu_jax.paths import data_file, data_root
+
+
+WIKITEXT2 = "eval/wikitext-2/wiki.test.raw"
 
 
 def wikitext2_path() -> Path:
-    """The offline WikiText-2 raw test file."""
-    return data_root() / "eval" / "wikitext-2" / "wiki.test.raw"
+    """Where the offline WikiText-2 raw test file is looked for (it may be absent)."""
+    return data_root() / WIKITEXT2
 
 
 def load_text(source: str | None) -> str:
     """Text of a file path, or of a Hugging Face dataset 'hf:NAME[:CONFIG[:SPLIT]]'
-    (rows joined by blank lines, as in the HF perplexity guide); default WikiText-2 test."""
+    (rows joined by blank lines, as in the HF perplexity guide); default the WikiText-2
+    test split: the data folder's file, else through `datasets` when the hub is reachable,
+    else MissingDataError saying how to provide it."""
     if source and source.startswith("hf:"):
         from datasets import load_dataset
         name, config, split = (source[3:].split(":") + [None, "test"])[:3]
         rows = load_dataset(name, config, split=split or "test")
         return "\n\n".join(rows["text"])
+    if source is None and not wikitext2_path().is_file():
+        return wikitext2_from_hub()
     path = Path(source) if source else wikitext2_path()
     return path.read_text(encoding="utf-8").replace("\r\n", "\n")
+
+
+def wikitext2_from_hub() -> str:
+    """The WikiText-2 raw test split through `datasets` (for a machine without the data
+    folder); MissingDataError when `datasets` is absent or the hub unreachable."""
+    print(f"{wikitext2_path()} is absent: fetching WikiText-2 through `datasets` ...",
+          file=sys.stderr)
+    try:
+        return load_text("hf:wikitext:wikitext-2-raw-v1:test")
+    except Exception as e:  # ImportError, or a network error (which come in many types)
+        reason = f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}"
+        data_file(WIKITEXT2, "WikiText-2", f", or pass --text FILE (`datasets` could not "
+                  f"fetch it: {reason})")
+        raise
 
 
 def plan_windows(n_tokens: int, window: int, stride: int) -> list[tuple[int, int, int]]:
@@ -79,7 +101,7 @@ def score_windows(config, mode: EvalMode, params, pred_params, ids: np.ndarray,
     plans = plan_windows(len(ids), window, stride)
     rows_per_call = common.mesh_rows(max(1, batch_tokens // window), mesh)
     length = min(window, len(ids) - 1)
-    nll, count, greedy = 0.0, 0, 0
+    nll, count, greedy, read = 0.0, 0, 0, 0.0
     batches = [plans[i:i + rows_per_call] for i in range(0, len(plans), rows_per_call)]
     for batch in common.progress(batches, len(batches), f"perplexity ({mode.name})",
                                  not show_progress):
@@ -92,15 +114,18 @@ def score_windows(config, mode: EvalMode, params, pred_params, ids: np.ndarray,
             mask[r, :e - b] = 1
             weight[r, first - b - 1:e - b] = True  # position i predicts token b + i + 1
         put = functools.partial(common.put_batch, mesh)
-        logp, hit = token_scores(config, mode.scfg, params, pred_params, put(inputs), put(mask),
-                                 put(np.full((rows_per_call,), dense_prefix, np.int32)),
-                                 put(targets), shards=mode.shards)
+        logp, hit, reads = token_scores(
+            config, mode.scfg, params, pred_params, put(inputs), put(mask),
+            put(np.full((rows_per_call,), dense_prefix, np.int32)), put(targets),
+            shards=mode.shards)
         logp, hit = common.to_host(logp, np.float64), common.to_host(hit)
         nll -= float(logp[weight].sum())
         greedy += int(hit[weight].sum())
+        read += float(common.to_host(reads, np.float64)[weight].sum())
         count += int(weight.sum())
     return {"tokens": count, "nll": nll / count, "perplexity": math.exp(nll / count),
-            "total_nll": nll, "greedy_accuracy": greedy / count, "windows": len(plans)}
+            "total_nll": nll, "greedy_accuracy": greedy / count, "windows": len(plans),
+            **common.bytes_summary(config, mode, pred_params, read / count)}
 
 
 def perplexity(config, mode: EvalMode, params, pred_params, ids, window: int = 1024,
@@ -122,14 +147,28 @@ def perplexity(config, mode: EvalMode, params, pred_params, ids, window: int = 1
     return result
 
 
+def text_source(text: str) -> str:
+    """An argparse type for --text: an existing file, or hf:NAME[:CONFIG[:SPLIT]]."""
+    if text.startswith("hf:"):
+        if not text[3:].split(":")[0]:
+            raise argparse.ArgumentTypeError(f"{text!r}: hf:NAME[:CONFIG[:SPLIT]] expected")
+        return text
+    if not Path(text).expanduser().is_file():
+        raise argparse.ArgumentTypeError(f"{text}: no such file")
+    return text
+
+
 def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="python -m dejavu_jax.eval.perplexity",
-                                description=__doc__.split("\n")[0])
-    p.add_argument("--text", help="text file, or hf:NAME[:CONFIG[:SPLIT]] "
-                   "(default: WikiText-2 raw test from the data folder)")
-    p.add_argument("--window", type=int, default=1024)
-    p.add_argument("--stride", type=int, default=512)
-    p.add_argument("--max-tokens", type=int, help="score only the first N tokens of the text")
+    """The CLI's argument parser (its errors: one `error:` line, exit status 2)."""
+    p = cli.ArgumentParser(prog="python -m dejavu_jax.eval.perplexity",
+                           description=__doc__.split("\n")[0])
+    p.add_argument("--text", type=text_source, help="text file, or hf:NAME[:CONFIG[:SPLIT]] "
+                   "(default: WikiText-2 raw test from the data folder, $DEJAVU_DATA)")
+    p.add_argument("--window", type=cli.positive_int, default=1024)
+    p.add_argument("--stride", type=cli.positive_int, default=512,
+                   help="tokens between window starts, at most --window (default 512)")
+    p.add_argument("--max-tokens", type=cli.positive_int,
+                   help="score only the first N tokens of the text")
     p.add_argument("--out", help="write the result as JSON here")
     common.add_model_args(p)
     common.add_mesh_args(p)
@@ -137,13 +176,25 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> int:
+    """Run the CLI; returns the process exit status (2 with one `error:` line for bad
+    arguments, files or data)."""
     args = build_parser().parse_args(argv)
+    if args.stride > args.window:
+        cli.fail(f"--stride {args.stride} is larger than --window {args.window}")
+    common.check_model_args(args)
+    try:
+        text = load_text(args.text)  # before the model: a missing text fails fast
+    except (OSError, UnicodeDecodeError) as e:
+        cli.fail(str(e))
     mesh = common.mesh_from_args(args)  # None: one device
+    mode, pred = common.mode_from_args(args, common.model_config(args), mesh)
     config, params, tok = common.load_model(args, mesh)
-    mode, pred = common.mode_from_args(args, config, mesh)
-    ids = tok(load_text(args.text), add_special_tokens=False)["input_ids"]
+    ids = tok(text, add_special_tokens=False)["input_ids"]
     if args.max_tokens:
         ids = ids[:args.max_tokens]
+    if len(ids) < 2:
+        cli.fail(f"the text has {len(ids)} token(s); perplexity needs at least 2")
+    common.check_ids(ids, config, "the tokenized text")
     result = perplexity(config, mode, params, pred, ids, args.window, args.stride,
                         args.batch_tokens, args.dense_prefix, not args.no_progress, mesh)
     result["text"] = args.text or str(wikitext2_path())

@@ -31,6 +31,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from dejavu_jax import cli
 from dejavu_jax import config as config_lib
 from dejavu_jax import model, sparse
 from dejavu_jax.eval.bench_decode import time_loop
@@ -135,6 +136,22 @@ def mode_engine(config, mode: str, mlp: float, heads: float, dense_layers: int, 
     raise ValueError(f"unknown mode {mode!r}")
 
 
+def modes_list(text: str) -> list[str]:
+    """An argparse type: a comma list of the modes `mode_engine` knows."""
+    from dejavu_jax.eval.bench_decode import APART
+    modes = [m for m in text.split(",") if m]
+    for m in modes:
+        method = m.removeprefix("sparse-predictor").lstrip("-") or "exact"
+        known = (m in ("dense", "sparse-fixed", "sparse-fixed-no-kv-recompute")
+                 or (m.startswith("sparse-predictor")
+                     and method.removesuffix(APART) in sparse.SELECT_METHODS))
+        if not known:
+            raise argparse.ArgumentTypeError(f"unknown mode {m!r}")
+    if not modes:
+        raise argparse.ArgumentTypeError("no modes given")
+    return modes
+
+
 def profile_mode(config, params, mode, args, out: Path, log) -> dict:
     """Timings and kernel summary of one mode."""
     B, ctx = args.batch, args.context
@@ -203,32 +220,36 @@ def profile_mode(config, params, mode, args, out: Path, log) -> dict:
 
 def main(argv=None) -> int:
     """Profile the requested modes; writes profile.json into --out."""
-    p = argparse.ArgumentParser(prog="python -m dejavu_jax.eval.profile_decode")
-    p.add_argument("--model", default="opt-13b")
+    p = cli.ArgumentParser(prog="python -m dejavu_jax.eval.profile_decode")
+    p.add_argument("--model", default="opt-13b", choices=config_lib.PRESETS, metavar="NAME",
+                   help=f"a shape preset, random weights: {', '.join(config_lib.PRESETS)}")
     p.add_argument("--dense-qkv", default="fused", choices=("fused", "separate"),
                    help="the dense mode's q/k/v weights: one GEMV (params.fuse_qkv) or three")
-    p.add_argument("--modes", default="dense,sparse-fixed,sparse-fixed-no-kv-recompute,"
-                                      "sparse-predictor-exact,sparse-predictor-radix",
+    p.add_argument("--modes", type=modes_list,
+                   default="dense,sparse-fixed,sparse-fixed-no-kv-recompute,"
+                           "sparse-predictor-exact,sparse-predictor-radix",
                    help="dense, sparse-fixed[-no-kv-recompute], sparse-predictor[-METHOD] "
                         "(METHOD: one of sparse.SELECT_METHODS: exact, threshold, radix, "
                         "chunked, local, packed; local-apart: local, its launches not riding "
                         "in the MLP's)")
     p.add_argument("--layout", default="unrolled", choices=("unrolled", "stacked"))
-    p.add_argument("--context", type=int, default=128)
-    p.add_argument("--batch", type=int, default=1)
-    p.add_argument("--mlp", type=float, default=0.1)
-    p.add_argument("--heads", type=float, default=0.5)
-    p.add_argument("--dense-layers", type=int, default=2)
-    p.add_argument("--rank", type=int, default=256)
-    p.add_argument("--steps", type=int, default=20)
-    p.add_argument("--trace-steps", type=int, default=3)
+    p.add_argument("--context", type=cli.positive_int, default=128)
+    p.add_argument("--batch", type=cli.positive_int, default=1)
+    p.add_argument("--mlp", type=cli.fraction, default=0.1)
+    p.add_argument("--heads", type=cli.fraction, default=0.5)
+    p.add_argument("--dense-layers", type=cli.non_negative_int, default=2)
+    p.add_argument("--rank", type=cli.positive_int, default=256)
+    p.add_argument("--steps", type=cli.positive_int, default=20)
+    p.add_argument("--trace-steps", type=cli.positive_int, default=3)
     p.add_argument("--hlo", action="store_true",
                    help="also write each mode's optimised HLO (hlo_MODE.txt.gz)")
     p.add_argument("--out", default="eval/results/profile")
     args = p.parse_args(argv)
+    config = config_lib.preset(args.model)
+    if args.dense_layers > config.n_layers:
+        p.error(f"--dense-layers {args.dense_layers}: {args.model} has {config.n_layers} layers")
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
-    config = config_lib.preset(args.model)
     params = init_params(config, jax.random.key(0), BF16)
     if args.layout == "unrolled":
         params = unstack_layers(params, free_stacked=True)
@@ -237,7 +258,7 @@ def main(argv=None) -> int:
     def log(msg):
         print(msg, flush=True)
 
-    for mode in args.modes.split(","):
+    for mode in args.modes:
         try:
             rows.append(profile_mode(config, params, mode, args, out, log))
         except Exception as e:  # report and go on with the other modes

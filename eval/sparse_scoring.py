@@ -37,30 +37,40 @@ import functools
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 
-from dejavu_jax import ops
+from dejavu_jax import activation_sparsity, ops
 from dejavu_jax.config import ModelConfig
-from dejavu_jax.model import embed, head_output_norms, positions_from_mask, unembed
+from dejavu_jax.inputs import check_mask, check_token_ids, checked
+from dejavu_jax.model import (embed, head_output_norms, positions_from_mask,
+                              sequence_attention, unembed)
 from dejavu_jax.params import ModelParams
 from dejavu_jax.sharding import check_tp
-from dejavu_jax.sparse import SparseConfig, sparse_config
+from dejavu_jax.sparse import SparseConfig, sparse_config, threshold_config
 
 F32 = jnp.float32
-MODES = ("dense", "sparse", "oracle")
+MODES = ("dense", "sparse", "oracle", "threshold")
 
 
 @dataclasses.dataclass(frozen=True)
 class EvalMode:
-    """What to score with: `name` in MODES; `scfg` is None for dense."""
+    """What to score with: `name` in MODES; `scfg` is None for dense. "sparse" scores with
+    predictors, "oracle" with each layer's true top-k, "threshold" with activation
+    thresholds (`activation_sparsity`); their selector params are the predictors, None
+    and the thresholds [L, len(SITES)]."""
 
     name: str
     scfg: SparseConfig | None = None
     shards: int = 1  # top-k per block of units, as tp devices select (see module doc)
+    source: str | None = None  # where the selector params came from (a profile file)
 
     def describe(self, config: ModelConfig) -> dict:
         """A JSON-friendly summary (mean densities over all layers, sparse settings)."""
         if self.scfg is None:
             return {"mode": "dense", "mlp_density": 1.0, "head_density": 1.0}
+        if self.scfg.threshold_sites:
+            return {"mode": self.name, "sites": list(self.scfg.threshold_sites),
+                    "dense_layers": self.scfg.dense_layers, "profile": self.source}
         dens = self.scfg.density(config)
         out = {"mode": self.name,
                "mlp_density": sum(dens["mlp"]) / config.n_layers,
@@ -75,8 +85,10 @@ class EvalMode:
 
 
 def make_mode(config: ModelConfig, name: str, mlp_density=1.0, head_density=1.0,
-              dense_layers: int = 2, shards: int = 1) -> EvalMode:
+              dense_layers: int = 2, shards: int = 1, sites=None) -> EvalMode:
     """An EvalMode; densities are as for `sparse.sparse_config` (float or per layer).
+    "threshold" takes the thresholded `sites` (default every site the model has) instead,
+    and per-layer thresholds as its selector params, so dense_layers defaults to none.
 
     shards > 1 (sparse and oracle): select per block of units as `shards` tensor-parallel
     devices do; raises sharding.ShardingError when the heads or neurons do not divide.
@@ -85,6 +97,10 @@ def make_mode(config: ModelConfig, name: str, mlp_density=1.0, head_density=1.0,
         raise ValueError(f"unknown mode {name!r}; known: {MODES}")
     if name == "dense":
         return EvalMode("dense")
+    if name == "threshold":
+        from dejavu_jax.activation_sparsity import SITES
+        sites = sites or [s for s in SITES if s != "gate" or config.gated_mlp]
+        return EvalMode(name, threshold_config(config, sites, 0), shards)
     if shards > 1:
         check_tp(config, shards)
     return EvalMode(name, sparse_config(config, mlp_density, head_density, dense_layers,
@@ -126,57 +142,91 @@ def _group_scores(config: ModelConfig, head_scores: jax.Array) -> jax.Array:
     return head_scores.reshape(*head_scores.shape[:-1], config.n_kv_heads, g).max(axis=-1)
 
 
-def _attention(config, lp, y, positions, mask):
-    """Causal attention over the window: (per-head outputs [B,T,H,hd])."""
-    B, T, _ = y.shape
-    q, k, v = ops.project_qkv(config, lp, y, positions)
-    q = q.reshape(B, T, config.n_kv_heads, config.group_size, config.head_dim)
-    scores = jnp.einsum("btkgd,bskd->bkgts", q, k)
-    allowed = jnp.tril(jnp.ones((T, T), bool))[None, None, None] \
-        & mask[:, None, None, None, :].astype(bool)
-    weights = ops.attention_weights(scores, allowed)
-    return jnp.einsum("bkgts,bskd->btkgd", weights, v).reshape(B, T, config.n_heads, -1)
-
-
-def _layer(config, lp, x, src, positions, mask, active, sel, shards=1):
-    """One block. sel: None (dense) or (kind, layer, pred_params, k_mlp, k_heads), with k
-    per block of units when shards > 1 (see `top_k_mask`).
+def _layer(config, lp, x, src, positions, mask, active, sel, layer, shards=1):
+    """One block. sel: None (dense) or (kind, selector params, k_mlp, k_heads), with k per
+    block of units when shards > 1 (see `top_k_mask`); for kind "threshold" the selector
+    params are the thresholds [L, len(SITES)] (`activation_sparsity`).
 
     `active` [B, T] marks positions that run sparse; `src` is the lookahead input.
-    Returns (x_out, (neuron_mask [B,T,F], group_mask [B,T,Hk])).
+    Returns (x_out, (neuron mask [B,T,F], group mask [B,T,Hk], kept [B,T,len(SITES)])):
+    kept holds, per position, the fraction of each threshold site's channels kept (1 for
+    the index-set modes and dense positions).
     """
     B, T, _ = x.shape
     n_mask = jnp.ones((B, T, config.ffn), bool)
     g_mask = jnp.ones((B, T, config.n_kv_heads), bool)
+    kept = {}
+    kind = None if sel is None else sel[0]
+    thresholds = None
+    if kind == "threshold":  # dense positions: threshold 0, the dense computation
+        thresholds = jnp.where(active[..., None], sel[1][layer], 0.0)
     pred = None
-    if sel is not None and sel[0] == "sparse":
+    if kind == "sparse":
         from dejavu_jax.train.predict import predictor_scores
-        _, layer, pred_params, k_mlp, k_heads = sel
+        _, pred_params, k_mlp, k_heads = sel
         mlp_s, head_s = predictor_scores(pred_params, layer, src.reshape(B * T, -1))
         pred = (mlp_s.reshape(B, T, -1), _group_scores(config, head_s.reshape(B, T, -1)))
 
     def attn(y):
         nonlocal g_mask
-        heads = _attention(config, lp, y, positions, mask)
-        if sel is not None and sel[4] < config.n_kv_heads // shards:
+        mask_heads = None
+        if thresholds is not None:
+            mask_input, mask_out = activation_sparsity.attention_hooks(thresholds)
+            y = mask_input(y)
+            kept["qkv"] = jnp.mean(y != 0, axis=-1, dtype=F32)
+
+            def mask_heads(heads):
+                masked = mask_out(heads)
+                kept["o"] = jnp.mean(masked.reshape(B, T, -1) != 0, axis=-1, dtype=F32)
+                return masked
+        out, heads, _, _ = sequence_attention(config, lp, y, positions, mask, layer,
+                                              mask_heads)
+        if kind in ("sparse", "oracle") and sel[3] < config.n_kv_heads // shards:
             scores = (pred[1] if pred is not None
                       else _group_scores(config, head_output_norms(lp, heads)))
-            g_mask = top_k_mask(scores, sel[4], shards) | ~active[..., None]
+            g_mask = top_k_mask(scores, sel[3], shards) | ~active[..., None]
             heads = heads * jnp.repeat(g_mask, config.group_size, axis=-1)[..., None]
-        return ops.out_project(lp, heads)
+            out = ops.out_project(lp, heads)
+        return out
 
     def mlp(y):
         nonlocal n_mask
+        if thresholds is not None:
+            out, mlp_kept = activation_sparsity.mlp(config, lp, y, thresholds)
+            for i, site in enumerate(("gate_up", "gate", "down")):
+                kept[site] = mlp_kept[..., i]
+            return out
         hidden = ops.mlp_hidden(config, lp, y)
-        if sel is not None and sel[3] < config.ffn // shards:
+        if kind in ("sparse", "oracle") and sel[2] < config.ffn // shards:
             scores = pred[0] if pred is not None else jnp.abs(hidden)
-            n_mask = top_k_mask(scores, sel[3], shards) | ~active[..., None]
+            n_mask = top_k_mask(scores, sel[2], shards) | ~active[..., None]
             hidden = hidden * n_mask
         return ops.mlp_output(lp, hidden)
 
-    h = ops.residual(config, x, attn, lp.attn_norm_scale, lp.attn_norm_bias)
-    out = ops.residual(config, h, mlp, lp.mlp_norm_scale, lp.mlp_norm_bias)
-    return out, (n_mask, g_mask)
+    h = ops.residual(config, x, attn, lp.attn_norm_scale, lp.attn_norm_bias,
+                     lp.post_attn_norm_scale)
+    out = ops.residual(config, h, mlp, lp.mlp_norm_scale, lp.mlp_norm_bias,
+                       lp.post_mlp_norm_scale)
+    ones = jnp.ones((B, T), F32)
+    kept = jnp.stack([kept.get(site, ones) for site in activation_sparsity.SITES], axis=-1)
+    return out, (n_mask, g_mask, kept)
+
+
+def read_fraction(config: ModelConfig, scfg: SparseConfig | None, sets) -> jax.Array:
+    """Per position [B, T]: the fraction of the decoder layers' matmul weight bytes read,
+    from `scored_hidden`'s sets (masks of the index-set modes, kept fractions of the
+    threshold mode), averaged over the layers. Predictor weights are not counted."""
+    n_mask, g_mask, kept = sets  # [L, B, T, ...]
+    if scfg is not None and scfg.threshold_sites:
+        names = activation_sparsity.SITES
+        reads = activation_sparsity.threshold_reads(
+            config, scfg.threshold_sites, {s: kept[..., i] for i, s in enumerate(names)})
+    else:
+        reads = activation_sparsity.unit_reads(config, jnp.mean(n_mask, -1, dtype=F32),
+                                               jnp.mean(g_mask, -1, dtype=F32))
+    sizes = activation_sparsity.matmul_elements(config)
+    per_layer = sum(sizes[m] * reads[m] for m in activation_sparsity.MATMULS)
+    return jnp.mean(per_layer, axis=0) / activation_sparsity.layer_elements(config)
 
 
 def scored_hidden(config: ModelConfig, scfg: SparseConfig | None, params: ModelParams,
@@ -184,11 +234,15 @@ def scored_hidden(config: ModelConfig, scfg: SparseConfig | None, params: ModelP
                   return_sets: bool = False, shards: int = 1):
     """Final hidden states [B, T, d] (before the final norm) of the sparse computation.
 
-    scfg None: dense. scfg.oracle: oracle top-k. Otherwise predictors (`pred_params`).
-    dense_prefix [B]: positions below it run dense (the engine's dense prefill).
-    With return_sets, also (neuron masks [L,B,T,F], KV-group masks [L,B,T,Hk]) bool.
+    scfg None: dense. scfg.oracle: oracle top-k. scfg.threshold_sites: activation
+    thresholds (`pred_params` the thresholds [L, len(SITES)]). Otherwise predictors
+    (`pred_params`). dense_prefix [B]: positions below it run dense (the engine's dense
+    prefill). With return_sets, also (neuron masks [L,B,T,F], KV-group masks [L,B,T,Hk]
+    bool, kept fractions of the threshold sites [L,B,T,len(SITES)]).
     shards > 1: each of `shards` blocks of units keeps ceil(k / shards) (tensor parallel).
+    Ids must lie in [0, vocab_size) (`check_window`).
     """
+    check_window(config, ids, mask, dense_prefix)
     if shards > 1:
         check_tp(config, shards)
     B, T = ids.shape
@@ -197,7 +251,10 @@ def scored_hidden(config: ModelConfig, scfg: SparseConfig | None, params: ModelP
     x = embed(config, params, ids, positions)
     segments = ([(0, config.n_layers, True, config.ffn, config.n_kv_heads)]
                 if scfg is None else scfg.segments(config))
-    kind = None if scfg is None else ("oracle" if scfg.oracle else "sparse")
+    kind = None
+    if scfg is not None:
+        kind = ("oracle" if scfg.oracle else "threshold" if scfg.threshold_sites
+                else "sparse")
     src = x  # lookahead source: the previous layer's attention input (layer 0: its own)
     sets = []
     for start, stop, dense, k_mlp, k_heads in segments:
@@ -207,8 +264,9 @@ def scored_hidden(config: ModelConfig, scfg: SparseConfig | None, params: ModelP
                  k_heads=local_k(k_heads, shards)):
             x, src = carry
             lp, layer = xs
-            sel = None if dense else (kind, layer, pred_params, k_mlp, k_heads)
-            out, masks = _layer(config, lp, x, src, positions, mask, active, sel, shards)
+            sel = None if dense else (kind, pred_params, k_mlp, k_heads)
+            out, masks = _layer(config, lp, x, src, positions, mask, active, sel, layer,
+                                shards)
             return (out, x), (masks if return_sets else None)
 
         (x, src), ys = jax.lax.scan(body, (x, src),
@@ -219,27 +277,50 @@ def scored_hidden(config: ModelConfig, scfg: SparseConfig | None, params: ModelP
     return x, jax.tree.map(lambda *a: jnp.concatenate(a), *sets)
 
 
+def check_window(config: ModelConfig, ids, mask, dense_prefix, targets=None) -> None:
+    """ValueError unless ids (and targets) are [B, T] token ids in the vocabulary (values
+    checked when concrete; `dejavu_jax.inputs`), mask is [B, T] and dense_prefix is [B]."""
+    check_token_ids(ids, config.vocab_size)
+    shape = np.shape(ids)
+    check_mask(mask, shape)
+    if np.shape(dense_prefix) != shape[:1]:
+        raise ValueError(f"dense_prefix must be [batch] = [{shape[0]}], got shape "
+                         f"{np.shape(dense_prefix)}")
+    if targets is not None:
+        check_token_ids(targets, config.vocab_size, "targets")
+        check_mask(targets, shape, "targets")
+
+
+@functools.partial(checked, check=lambda config, scfg, params, pred_params, ids, mask,
+                   dense_prefix, shards=1: check_window(config, ids, mask, dense_prefix))
 @functools.partial(jax.jit, static_argnames=("config", "scfg", "shards"))
 def window_logits(config: ModelConfig, scfg: SparseConfig | None, params: ModelParams,
                   pred_params, ids, mask, dense_prefix, shards: int = 1):
-    """(logits [B, T, V] fp32, (neuron masks, group masks)) for tests and small models."""
+    """(logits [B, T, V] fp32, (neuron masks, group masks, kept fractions)) for tests and
+    small models."""
     hidden, sets = scored_hidden(config, scfg, params, pred_params, ids, mask, dense_prefix,
                                  return_sets=True, shards=shards)
     return unembed(config, params, hidden), sets
 
 
+@functools.partial(checked, check=lambda config, scfg, params, pred_params, ids, mask,
+                   dense_prefix, targets, shards=1: check_window(config, ids, mask,
+                                                                 dense_prefix, targets))
 @functools.partial(jax.jit, static_argnames=("config", "scfg", "shards"))
 def token_scores(config: ModelConfig, scfg: SparseConfig | None, params: ModelParams,
                  pred_params, ids, mask, dense_prefix, targets, shards: int = 1):
-    """Per-position (log p(target) [B, T], greedy hit [B, T]) for next tokens `targets`.
+    """Per-position (log p(target) [B, T], greedy hit [B, T], bytes read [B, T]) for next
+    tokens `targets`; bytes read is `read_fraction`, the share of the decoder layers'
+    matmul weights a decode step of that position reads.
 
     Only the [B, T] scores leave the jit; the [B, T, V] logits stay inside. With weights
     placed on a mesh (`sharding.shard_params`), it runs under GSPMD (see `shards`).
+    Concrete ids and targets are checked against the vocabulary before the jit.
     """
-    hidden = scored_hidden(config, scfg, params, pred_params, ids, mask, dense_prefix,
-                           shards=shards)
+    hidden, sets = scored_hidden(config, scfg, params, pred_params, ids, mask, dense_prefix,
+                                 return_sets=True, shards=shards)
     logits = unembed(config, params, hidden)
     logz = jax.nn.logsumexp(logits, axis=-1)
     target_logit = jnp.take_along_axis(logits, targets[..., None], axis=-1)[..., 0]
     greedy = jnp.argmax(logits, axis=-1) == targets
-    return target_logit - logz, greedy
+    return target_logit - logz, greedy, read_fraction(config, scfg, sets)

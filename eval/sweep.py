@@ -1,6 +1,6 @@
 """Quality against sparsity: dense plus a grid of (MLP density, head density) per mode.
 
-    python -m dejavu_jax.eval.sweep --out eval/results/smollm2 \
+    python -m dejavu_jax.eval.sweep --out eval/results/cpu/smollm2-quality \
         --mlp 1.0,0.9,0.8,0.7,0.6,0.5 --heads 1.0,0.67 --modes sparse,oracle \
         --ppl-tokens 4096 --tasks all --limit 20
 
@@ -18,6 +18,7 @@ import json
 import sys
 from pathlib import Path
 
+from dejavu_jax import cli
 from dejavu_jax.eval import common, perplexity as ppl_mod, tasks as tasks_mod
 from dejavu_jax.eval.sparse_scoring import EvalMode, make_mode
 
@@ -120,59 +121,102 @@ def write_outputs(points: list[dict], out: Path, title: str, meta: dict) -> None
     plot(points, out / "sweep.png", title)
 
 
-def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="python -m dejavu_jax.eval.sweep",
-                                description=__doc__.split("\n")[0])
-    p.add_argument("--out", required=True, help="output folder")
-    p.add_argument("--mlp", default="1.0,0.9,0.8,0.7,0.6,0.5", help="MLP densities")
-    p.add_argument("--heads", default="1.0", help="head (KV group) densities")
-    p.add_argument("--modes", default="sparse,oracle", help="sparse (predictors), oracle")
-    p.add_argument("--points", help="explicit extra points mode:mlp:heads,... (added)")
-    p.add_argument("--text", help="perplexity text (default WikiText-2 test)")
-    p.add_argument("--ppl-tokens", type=int, default=4096,
-                   help="perplexity on the first N tokens (0: the whole text; -1: skip)")
-    p.add_argument("--window", type=int, default=1024)
-    p.add_argument("--stride", type=int, default=1024)
-    p.add_argument("--tasks", default="", help="task names/paths (see eval.tasks), '' = none")
-    p.add_argument("--limit", type=int, help="items per task")
-    p.add_argument("--task-points", help="only these points get tasks: mode:mlp:heads,...")
-    p.add_argument("--resume", action="store_true", help="skip points already in sweep.json")
-    common.add_model_args(p)
-    return p
+def _mode(text: str) -> str:
+    if text not in ("sparse", "oracle"):
+        raise argparse.ArgumentTypeError(f"unknown mode {text!r}: sparse (predictors) or "
+                                         "oracle")
+    return text
 
 
-def _floats(text: str) -> list[float]:
-    return [float(x) for x in text.split(",") if x]
+def modes_list(text: str) -> list[str]:
+    """An argparse type: a comma list of sparse / oracle."""
+    return [_mode(m) for m in text.split(",") if m]
 
 
-def _parse_points(text: str | None) -> list[tuple[str, float, float]]:
+def points_list(text: str) -> list[tuple[str, float, float]]:
+    """An argparse type: explicit points 'mode:mlp:heads,...' (densities in (0, 1])."""
     out = []
-    for part in (text or "").split(","):
-        if part:
-            m, a, h = part.split(":")
-            out.append((m, float(a), float(h)))
+    for part in text.split(","):
+        if not part:
+            continue
+        fields = part.split(":")
+        if len(fields) != 3:
+            raise argparse.ArgumentTypeError(f"{part!r}: mode:mlp:heads expected, e.g. "
+                                             "sparse:0.5:1.0")
+        out.append((_mode(fields[0]), cli.fraction(fields[1]), cli.fraction(fields[2])))
     return out
 
 
+def ppl_tokens(text: str) -> int:
+    """An argparse type for --ppl-tokens: N > 0, 0 (the whole text) or -1 (skip)."""
+    return -1 if text.strip() == "-1" else cli.non_negative_int(text)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    """The CLI's argument parser (its errors: one `error:` line, exit status 2)."""
+    p = cli.ArgumentParser(prog="python -m dejavu_jax.eval.sweep",
+                           description=__doc__.split("\n")[0])
+    p.add_argument("--out", required=True, help="output folder")
+    p.add_argument("--mlp", type=cli.fractions, default=[1.0, 0.9, 0.8, 0.7, 0.6, 0.5],
+                   help="MLP densities, a comma list (default 1.0,0.9,0.8,0.7,0.6,0.5)")
+    p.add_argument("--heads", type=cli.fractions, default=[1.0],
+                   help="head (KV group) densities (default 1.0)")
+    p.add_argument("--modes", type=modes_list, default=["sparse", "oracle"],
+                   help="sparse (predictors), oracle (default both)")
+    p.add_argument("--points", type=points_list, default=[],
+                   help="explicit extra points mode:mlp:heads,... (added)")
+    p.add_argument("--text", type=ppl_mod.text_source,
+                   help="perplexity text (default WikiText-2 test)")
+    p.add_argument("--ppl-tokens", type=ppl_tokens, default=4096,
+                   help="perplexity on the first N tokens (0: the whole text; -1: skip)")
+    p.add_argument("--window", type=cli.positive_int, default=1024)
+    p.add_argument("--stride", type=cli.positive_int, default=1024)
+    p.add_argument("--tasks", default="", help="task names/paths (see eval.tasks), '' = none")
+    p.add_argument("--limit", type=cli.positive_int, help="items per task")
+    p.add_argument("--task-points", type=points_list, default=[],
+                   help="only these points get tasks: mode:mlp:heads,...")
+    p.add_argument("--resume", action="store_true", help="skip points already in sweep.json")
+    common.add_model_args(p, mode=False)
+    return p
+
+
 def main(argv: list[str] | None = None) -> int:
+    """Run the sweep; returns the process exit status (2 with one `error:` line for bad
+    arguments, files or data)."""
     args = build_parser().parse_args(argv)
+    if args.stride > args.window:
+        cli.fail(f"--stride {args.stride} is larger than --window {args.window}")
     out = Path(args.out)
-    config, params, tok = common.load_model(args)
-    modes = [m for m in args.modes.split(",") if m]
-    points = grid(_floats(args.mlp), _floats(args.heads), modes) + _parse_points(args.points)
-    pred = (common.load_predictor_params(args.predictors, config)
-            if any(m == "sparse" for m, _, _ in points) else None)
-    ids = None
+    points = grid(args.mlp, args.heads, args.modes) + args.points
+    common.check_model_args(args, {m for m, _, _ in points})
+    prepared_items = tasks_mod.load_tasks(tasks_mod.parse_tasks(args.tasks), args.limit) \
+        if args.tasks else {}
+    text = None
     if args.ppl_tokens >= 0:
-        ids = tok(ppl_mod.load_text(args.text), add_special_tokens=False)["input_ids"]
+        try:
+            text = ppl_mod.load_text(args.text)
+        except (OSError, UnicodeDecodeError) as e:
+            cli.fail(str(e))
+    config = common.model_config(args)
+    dense_layers = 2 if args.dense_layers is None else args.dense_layers
+    if dense_layers > config.n_layers:
+        cli.fail(f"--dense-layers {dense_layers}: the model has {config.n_layers} layers")
+    pred = (common.load_predictor_params(common.predictors_dir(args), config)
+            if any(m == "sparse" for m, _, _ in points) else None)
+    config, params, tok = common.load_model(args)
+    ids = None
+    if text is not None:
+        ids = tok(text, add_special_tokens=False)["input_ids"]
         ids = ids[:args.ppl_tokens] if args.ppl_tokens else ids
-    prepared = (tasks_mod.prepare(tok, tasks_mod.parse_tasks(args.tasks), args.limit)
-                if args.tasks else {})
-    task_points = {(m, round(a, 4), round(h, 4)) for m, a, h in _parse_points(args.task_points)}
-    meta = {"model": config.name, "predictors": args.predictors, "ppl_tokens": args.ppl_tokens,
+        common.check_ids(ids, config, "the tokenized text")
+    prepared = {name: (its, tasks_mod.encode_items(tok, its))
+                for name, its in prepared_items.items()}
+    task_points = {(m, round(a, 4), round(h, 4)) for m, a, h in args.task_points}
+    meta = {"model": config.name, "predictors": str(common.predictors_dir(args)),
+            "ppl_tokens": args.ppl_tokens,
             "text": args.text or str(ppl_mod.wikitext2_path()), "window": args.window,
             "stride": args.stride, "tasks": list(prepared), "limit": args.limit,
-            "dense_layers": args.dense_layers, "dense_prefix": args.dense_prefix}
+            "dense_layers": dense_layers, "dense_prefix": args.dense_prefix}
     done: list[dict] = []
     if args.resume and (out / "sweep.json").exists():
         done = json.loads((out / "sweep.json").read_text())["points"]
@@ -182,7 +226,7 @@ def main(argv: list[str] | None = None) -> int:
         if key in seen:
             continue
         seen.add(key)
-        mode = make_mode(config, name, mlp, heads, args.dense_layers)
+        mode = make_mode(config, name, mlp, heads, dense_layers)
         rec = {"mode": name, "mlp_density_set": mlp, "head_density_set": heads,
                "total_sparsity": total_sparsity(config, mode), **mode.describe(config)}
         rec.pop("mode_name", None)

@@ -33,9 +33,10 @@ from pathlib import Path
 
 import numpy as np
 
+from dejavu_jax import cli
 from dejavu_jax.eval import common
 from dejavu_jax.eval.sparse_scoring import EvalMode, token_scores
-from dejavu_jax.paths import data_root
+from dejavu_jax.paths import data_file, data_root
 
 TASK_FILES = {
     "copa": "copa.jsonl", "piqa": "piqa.jsonl", "openbookqa": "openbook_qa.jsonl",
@@ -112,6 +113,19 @@ def task_path(name_or_path: str) -> Path:
     return Path(name_or_path)
 
 
+def check_task(name_or_path: str) -> Path:
+    """The task's file; MissingDataError (a FileNotFoundError) saying how to provide a
+    known task's file, FileNotFoundError for another path that does not exist."""
+    if name_or_path in TASK_FILES:
+        return data_file(f"eval/tasks/{TASK_FILES[name_or_path]}", f"task {name_or_path!r}",
+                         ", or pass the task file's path")
+    path = Path(name_or_path)
+    if not path.is_file():
+        raise FileNotFoundError(f"{name_or_path}: no such task file (known tasks: "
+                                f"{', '.join(TASK_FILES)})")
+    return path
+
+
 def task_name(path: Path) -> str:
     """The task's name: a known name for the known files, else the file name's stem."""
     for name, file in TASK_FILES.items():
@@ -121,8 +135,10 @@ def task_name(path: Path) -> str:
 
 
 def load_task(name_or_path: str, limit: int | None = None) -> list[Item]:
-    """The items of a task file (format recognised from the file), the first `limit`."""
-    path = task_path(name_or_path)
+    """The items of a task file (format recognised from the file), the first `limit`.
+    A missing file raises FileNotFoundError (`check_task`), one in no known format
+    ValueError (or KeyError for a row without a field its format needs)."""
+    path = check_task(name_or_path)
     if path.suffix == ".tsv":
         items = _rte_items(path)
     elif path.suffix == ".bz2" or path.suffix == ".txt":
@@ -185,7 +201,7 @@ def score_requests(config, mode: EvalMode, params, pred_params, requests, batch_
         mask = (np.arange(length)[None] < np.asarray(
             [len(seqs[j][0]) - 1 for j in group] + [0] * (rows - len(group)))[:, None])
         put = functools.partial(common.put_batch, mesh)
-        logp, hit = token_scores(config, mode.scfg, params, pred_params, put(inputs),
+        logp, hit, _ = token_scores(config, mode.scfg, params, pred_params, put(inputs),
                                  put(mask.astype(np.int32)),
                                  put(np.full((rows,), dense_prefix, np.int32)), put(targets),
                                  shards=mode.shards)
@@ -258,11 +274,13 @@ def prepare(tok, task_names: list[str], limit: int | None) -> dict:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="python -m dejavu_jax.eval.tasks",
-                                description=__doc__.split("\n")[0])
+    """The CLI's argument parser (its errors: one `error:` line, exit status 2)."""
+    p = cli.ArgumentParser(prog="python -m dejavu_jax.eval.tasks",
+                           description=__doc__.split("\n")[0])
     p.add_argument("--tasks", default="all",
                    help=f"comma list of names ({', '.join(TASK_FILES)}) or task file paths")
-    p.add_argument("--limit", type=int, help="score only the first N items of each task")
+    p.add_argument("--limit", type=cli.positive_int,
+                   help="score only the first N items of each task")
     p.add_argument("--out", help="write the result as JSON here")
     common.add_model_args(p)
     common.add_mesh_args(p)
@@ -274,12 +292,37 @@ def parse_tasks(text: str) -> list[str]:
     return list(TASK_FILES) if text == "all" else [t for t in text.split(",") if t]
 
 
+def load_tasks(names: list[str], limit: int | None) -> dict[str, list[Item]]:
+    """{task name: items} of every task, read before any model loads; one `error:` line
+    for a missing file or one in no known format."""
+    if not names:
+        cli.fail("--tasks names no task")
+    out = {}
+    for t in names:
+        try:
+            out[task_name(task_path(t))] = load_task(t, limit)
+        except OSError as e:
+            cli.fail(str(e))
+        except (ValueError, KeyError) as e:  # JSON, a field, an index: a row is malformed
+            what = f"a row has no field {e}" if isinstance(e, KeyError) else str(e)
+            cli.fail(what if what.startswith(str(task_path(t))) else
+                     f"{task_path(t)}: not a task file in a known format ({what})")
+    return out
+
+
 def main(argv: list[str] | None = None) -> int:
+    """Run the CLI; returns the process exit status (2 with one `error:` line for bad
+    arguments, files or data)."""
     args = build_parser().parse_args(argv)
+    common.check_model_args(args)
+    items = load_tasks(parse_tasks(args.tasks), args.limit)
     mesh = common.mesh_from_args(args)  # None: one device
+    mode, pred = common.mode_from_args(args, common.model_config(args), mesh)
     config, params, tok = common.load_model(args, mesh)
-    mode, pred = common.mode_from_args(args, config, mesh)
-    prepared = prepare(tok, parse_tasks(args.tasks), args.limit)
+    prepared = {name: (its, encode_items(tok, its)) for name, its in items.items()}
+    for name, (_, requests) in prepared.items():
+        common.check_ids([t for ctx, cont in requests for t in ctx + cont], config,
+                         f"the tokenized task {name!r}")
     result = evaluate(config, mode, params, pred, prepared, args.batch_tokens,
                       args.dense_prefix, not args.no_progress, mesh)
     result["limit"] = args.limit

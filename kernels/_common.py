@@ -10,6 +10,8 @@ Every public kernel takes ``impl``:
 """
 from __future__ import annotations
 
+import functools
+
 import numpy as np
 import jax
 import jax.numpy as jnp
@@ -24,6 +26,15 @@ def resolve_impl(impl: str | None) -> str:
     if impl not in IMPLS:
         raise ValueError(f"impl must be None or one of {IMPLS}, got {impl!r}")
     return impl
+
+
+@functools.cache
+def sm_count() -> int:
+    """Streaming multiprocessors of the default device, which size the kernels' grids: a
+    GPU's own count, else the H200's 132 (the grids then only matter to the interpreter)."""
+    device = jax.devices()[0]
+    count = getattr(device, "core_count", None) if device.platform == "gpu" else None
+    return int(count) if count else 132
 
 
 def next_pow2(n: int) -> int:
@@ -56,13 +67,14 @@ def activation_fn(name: str):
         return lambda h: jnp.maximum(h, 0.0)
     if name == "silu":
         return lambda h: h / (1.0 + jnp.exp(-h))
-    if name == "gelu":  # tanh approximation (OPT uses relu; GPT-style models gelu_new)
+    if name in ("gelu", "gelu_tanh"):  # tanh approximation (Gemma's GeGLU; gelu_new)
         c = float(np.sqrt(2.0 / np.pi))
         return lambda h: 0.5 * h * (1.0 + jnp.tanh(c * (h + 0.044715 * h * h * h)))
     if name == "identity":
         return lambda h: h
     raise ValueError(
-        f"activation must be one of 'relu', 'silu', 'gelu', 'identity'; got {name!r}")
+        f"activation must be one of 'relu', 'silu', 'gelu', 'gelu_tanh', 'identity'; got "
+        f"{name!r}")
 
 
 # ----------------------------------------------------------------------------

@@ -3,11 +3,11 @@
 Run on a GPU machine::
 
     python -m dejavu_jax.kernels.bench --quick            # one model, few points
-    python -m dejavu_jax.kernels.bench --models 30b --densities 5,10,25 --batches 1
+    python -m dejavu_jax.kernels.bench --models opt-30b --densities 0.05,0.1,0.25 --batches 1
     python -m dejavu_jax.kernels.bench --check            # compiled Pallas vs reference
     python -m dejavu_jax.kernels.bench --tune             # block-size variants (OPT-30B MLP)
 
-Method (DESIGN.md, "How to time small kernels"): each measurement is one jitted
+Method (docs/benchmarks.md, "Kernel benchmarks"): each measurement is one jitted
 ``fori_loop`` whose body makes several calls, each call's input chained on the
 previous call's output (so XLA can neither merge nor hoist them).  Consecutive calls
 use disjoint index sets, so between two reads of one weight row the other calls touch
@@ -35,19 +35,20 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
+from ._common import sm_count
 from .head_attention import AttnConfig, head_sparse_attention_pallas, \
     head_sparse_attention_reference
 from .sparse_mlp import MLPConfig, sparse_mlp_pallas, sparse_mlp_reference
 
 MODELS = {  # name: (d, heads); F = 4d, hd = 128
-    "13b": (5120, 40),
-    "30b": (7168, 56),
-    "66b": (9216, 72),
+    "opt-13b": (5120, 40),
+    "opt-30b": (7168, 56),
+    "opt-66b": (9216, 72),
 }
 HD = 128
 L2_BYTES = 60e6
-DENSITIES = (2, 5, 10, 15, 25, 50, 80, 100)
-HEAD_FRACTIONS = (10, 25, 50, 100)
+DENSITIES = (0.02, 0.05, 0.1, 0.15, 0.25, 0.5, 0.8, 1.0)   # fractions of the F neurons
+HEAD_FRACTIONS = (0.1, 0.25, 0.5, 1.0)                     # fractions of the heads
 CONTEXTS = (128, 2048, 8192)
 INTERPRET = False  # --interpret: CPU smoke test of this script with tiny shapes
 
@@ -125,9 +126,10 @@ def _renorm(y, x_dtype):
 
 
 def bench_mlp_point(W, d, B, density, *, which, config=None, seed=0):
-    """Time one MLP variant: which in {"sparse", "gather", "dense"}; returns dict."""
+    """Time one MLP variant: which in {"sparse", "gather", "dense"}; `density` is the
+    fraction of the F = 4d neurons read; returns dict."""
     F = 4 * d
-    K = max(1, round(F * density / 100))
+    K = max(1, round(F * density))
     x0 = _rand(jax.random.PRNGKey(seed + 7), (B, d), jnp.bfloat16, 1.0)
     if which == "dense":
         sets = [jnp.zeros((1,), jnp.int32)] * 4
@@ -193,8 +195,9 @@ def dense_attention(x, W, kc, vc, pos):
 
 
 def bench_attn_point(W, d, H, B, ctx, frac, *, which, config=None, seed=0):
-    """Time one attention variant: which in {"sparse", "dense"}; cache length = ctx."""
-    Kh = H if which == "dense" else max(1, round(H * frac / 100))
+    """Time one attention variant: which in {"sparse", "dense"}; cache length = ctx; `frac`
+    is the fraction of the heads read."""
+    Kh = H if which == "dense" else max(1, round(H * frac))
     pos = ctx - 1
     kk = jax.random.split(jax.random.PRNGKey(seed + 3), 3)
     x0 = _rand(kk[0], (B, d), jnp.bfloat16, 1.0)
@@ -329,8 +332,8 @@ TUNE_MLP = [
     MLPConfig(fc1_block_d=1024, fc2_block_d=1024, num_warps=8),
     MLPConfig(num_warps=8),
     MLPConfig(num_warps=2),
-    MLPConfig(target_programs=4 * 132),
-    MLPConfig(target_programs=16 * 132),
+    MLPConfig(target_programs=4 * sm_count()),
+    MLPConfig(target_programs=16 * sm_count()),
     MLPConfig(num_stages=3),
 ]
 
@@ -338,18 +341,22 @@ TUNE_ATTN = [
     AttnConfig(),
     AttnConfig(block_s=32),
     AttnConfig(block_s=128),
-    AttnConfig(target_programs=4 * 132),
-    AttnConfig(target_programs=16 * 132),
+    AttnConfig(target_programs=4 * sm_count()),
+    AttnConfig(target_programs=16 * sm_count()),
     AttnConfig(num_warps=8, attn_num_warps=8),
 ]
 
 
 def main(argv=None):
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    p.add_argument("--quick", action="store_true", help="OPT-30B, densities 5,10,25,50, B=1")
-    p.add_argument("--models", default="13b,30b,66b")
-    p.add_argument("--densities", default=",".join(map(str, DENSITIES)))
-    p.add_argument("--head-fractions", default=",".join(map(str, HEAD_FRACTIONS)))
+    p.add_argument("--quick", action="store_true",
+                   help="opt-30b, densities 0.05,0.1,0.25,0.5, batch 1, context 2048")
+    p.add_argument("--models", default=",".join(MODELS),
+                   help="comma list of " + ", ".join(MODELS) + " (the shapes of their layers)")
+    p.add_argument("--densities", default=",".join(map(str, DENSITIES)),
+                   help="MLP densities: fractions of the neurons, e.g. 0.05,0.1")
+    p.add_argument("--head-fractions", default=",".join(map(str, HEAD_FRACTIONS)),
+                   help="attention densities: fractions of the heads, e.g. 0.25,0.5,1")
     p.add_argument("--batches", default="1,8")
     p.add_argument("--contexts", default=",".join(map(str, CONTEXTS)))
     p.add_argument("--what", default="mlp,attn", help="comma list of mlp, attn")
@@ -359,21 +366,34 @@ def main(argv=None):
     p.add_argument("--gather-batches", default="1", help="batches at which to time W[idx]@x")
     p.add_argument("--check", action="store_true", help="GPU correctness checks first")
     p.add_argument("--tune", action="store_true", help="time block-size variants first")
-    p.add_argument("--tune-densities", default="5,10,25")
+    p.add_argument("--tune-densities", default="0.05,0.1,0.25")
     p.add_argument("--no-sweep", action="store_true", help="skip the main sweep")
     p.add_argument("--out", default=os.environ.get("OUT", "."), help="output folder")
     p.add_argument("--tag", default="bench")
-    p.add_argument("--budget-s", type=float, default=1e9, help="stop starting new points after")
+    p.add_argument("--time-limit-s", type=float, default=1e9,
+                   help="start no new point after this many seconds (the rows so far are kept)")
     p.add_argument("--interpret", action="store_true",
                    help="CPU smoke test: Pallas interpreter, tiny model shapes")
     a = p.parse_args(argv)
     if a.interpret:
         global INTERPRET
         INTERPRET = True
-        MODELS.update({"13b": (256, 2), "30b": (384, 3), "66b": (512, 4)})
+        MODELS.update({"opt-13b": (256, 2), "opt-30b": (384, 3), "opt-66b": (512, 4)})
     if a.quick:
-        a.models, a.densities, a.batches, a.contexts = "30b", "5,10,25,50", "1", "2048"
-        a.head_fractions = "25,50,100"
+        a.models, a.densities, a.batches, a.contexts = "opt-30b", "0.05,0.1,0.25,0.5", "1", "2048"
+        a.head_fractions = "0.25,0.5,1"
+    for name in a.models.split(",") + (a.attn_models or "").split(","):
+        if name and name not in MODELS:
+            p.error(f"unknown model {name!r}; choose from {', '.join(MODELS)}")
+    for flag in ("densities", "head_fractions", "tune_densities"):
+        for v in getattr(a, flag).split(","):
+            try:
+                ok = 0 < float(v) <= 1
+            except ValueError:
+                ok = False
+            if not ok:
+                p.error(f"--{flag.replace('_', '-')}: {v!r} is not a fraction in (0, 1] "
+                        f"(e.g. 0.1 for 10%)")
     t_start = time.time()
     os.makedirs(a.out, exist_ok=True)
     log_f = open(os.path.join(a.out, f"{a.tag}.log"), "a")
@@ -393,8 +413,8 @@ def main(argv=None):
         with open(os.path.join(a.out, f"{a.tag}.json"), "w") as f:
             json.dump(res, f, indent=1)
 
-    def over_budget():
-        return time.time() - t_start > a.budget_s
+    def over_time_limit():
+        return time.time() - t_start > a.time_limit_s
 
     def guarded(fn, *args, **kw):
         try:
@@ -409,28 +429,28 @@ def main(argv=None):
         save()
 
     if a.tune:
-        d, H = MODELS["30b"]
+        d, H = MODELS["opt-30b"]
         W = mlp_weights(d)
         for dens in [float(v) for v in a.tune_densities.split(",")]:
             for cfg in TUNE_MLP:
-                if over_budget():
+                if over_time_limit():
                     break
                 r = guarded(bench_mlp_point, W, d, 1, dens, which="sparse", config=cfg)
                 if r:
                     res["tune"].append(r)
-                    log(f"tune mlp 30b B=1 {dens:5.1f}%: {r['time_us']:8.1f} us "
+                    log(f"tune mlp opt-30b B=1 density {dens:g}: {r['time_us']:8.1f} us "
                         f"{r['gbps']:7.0f} GB/s  {cfg}")
             save()
         del W
         W = attn_weights(d, H)
-        for frac in (50, 100):
+        for frac in (0.5, 1.0):
             for cfg in TUNE_ATTN:
-                if over_budget():
+                if over_time_limit():
                     break
                 r = guarded(bench_attn_point, W, d, H, 1, 2048, frac, which="sparse", config=cfg)
                 if r:
                     res["tune"].append(r)
-                    log(f"tune attn 30b B=1 ctx2048 {frac}%: {r['time_us']:8.1f} us "
+                    log(f"tune attn opt-30b B=1 ctx2048 heads {frac:g}: {r['time_us']:8.1f} us "
                         f"{r['gbps']:7.0f} GB/s  {cfg}")
             save()
         del W
@@ -445,9 +465,9 @@ def main(argv=None):
             if True:
                 W = mlp_weights(d)
                 for B in batches:
-                    if over_budget():
+                    if over_time_limit():
                         break
-                    dense = guarded(bench_mlp_point, W, d, B, 100.0, which="dense") \
+                    dense = guarded(bench_mlp_point, W, d, B, 1.0, which="dense") \
                         if "dense" in base else None
                     if dense:
                         dense["model"] = mname
@@ -455,7 +475,7 @@ def main(argv=None):
                         log(f"mlp {mname} B={B} dense: {dense['time_us']:.1f} us "
                             f"{dense['gbps']:.0f} GB/s")
                     for dens in [float(v) for v in a.densities.split(",")]:
-                        if over_budget():
+                        if over_time_limit():
                             break
                         for which in ("sparse", "gather"):
                             if which == "gather" and ("gather" not in base or B not in gather_b):
@@ -468,7 +488,7 @@ def main(argv=None):
                                 r["speedup_vs_dense"] = dense["time_us"] / r["time_us"]
                                 r["frac_of_dense_bw"] = r["gbps"] / dense["gbps"]
                             res["mlp"].append(r)
-                            log(f"mlp {mname} B={B} {dens:5.1f}% {which:6s}: {r['time_us']:8.1f} us "
+                            log(f"mlp {mname} B={B} density {dens:<5g} {which:6s}: {r['time_us']:8.1f} us "
                                 f"{r['gbps']:7.0f} GB/s  x{r.get('speedup_vs_dense', float('nan')):.2f}")
                         save()
                 del W
@@ -479,9 +499,9 @@ def main(argv=None):
                 W = attn_weights(d, H)
                 for B in [int(b) for b in (a.attn_batches or a.batches).split(",")]:
                     for ctx in [int(c) for c in a.contexts.split(",")]:
-                        if over_budget():
+                        if over_time_limit():
                             break
-                        dense = guarded(bench_attn_point, W, d, H, B, ctx, 100, which="dense") \
+                        dense = guarded(bench_attn_point, W, d, H, B, ctx, 1.0, which="dense") \
                             if "dense" in base else None
                         if dense:
                             dense["model"] = mname
@@ -494,14 +514,14 @@ def main(argv=None):
                             if not r:
                                 continue
                             r["model"] = mname
-                            if frac == 100:
+                            if frac == 1.0:
                                 full = r
                             if full:
                                 r["time_vs_all_heads"] = r["time_us"] / full["time_us"]
                             if dense:
                                 r["speedup_vs_dense"] = dense["time_us"] / r["time_us"]
                             res["attn"].append(r)
-                            log(f"attn {mname} B={B} ctx={ctx} {frac:5.1f}% heads: "
+                            log(f"attn {mname} B={B} ctx={ctx} heads {frac:<5g}: "
                                 f"{r['time_us']:8.1f} us {r['gbps']:7.0f} GB/s "
                                 f"vs-all {r.get('time_vs_all_heads', float('nan')):.2f} "
                                 f"vs-XLA x{r.get('speedup_vs_dense', float('nan')):.2f}")
@@ -531,7 +551,7 @@ def markdown_table(res):
                 "| model | B | density | K | variant | MB needed | time µs | GB/s | × dense | % dense BW |",
                 "|---|---|---|---|---|---|---|---|---|---|"]
         for r in res["mlp"]:
-            out.append(f"| {r.get('model')} | {r['B']} | {r['density']:g}% | {r['K']} | {r['which']} | "
+            out.append(f"| {r.get('model')} | {r['B']} | {r['density']:g} | {r['K']} | {r['which']} | "
                        f"{r['bytes'] / 1e6:.1f} | {r['time_us']:.1f} | {r['gbps']:.0f} | "
                        f"{r.get('speedup_vs_dense', float('nan')):.2f} | "
                        f"{100 * r.get('frac_of_dense_bw', float('nan')):.0f} |")
@@ -547,7 +567,7 @@ def markdown_table(res):
                        f"{r.get('speedup_vs_dense', float('nan')):.2f} |")
         out.append("")
     if res["tune"]:
-        out += ["## Tuning variants (OPT-30B, B=1)", "", "| kind | density/heads | time µs | GB/s | config |",
+        out += ["## Tuning variants (opt-30b, B=1)", "", "| kind | density/heads | time µs | GB/s | config |",
                 "|---|---|---|---|---|"]
         for r in res["tune"]:
             c = {k: v for k, v in (r["config"] or {}).items()}

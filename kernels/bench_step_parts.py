@@ -1,6 +1,6 @@
 """GPU timing of the parts of a sparse decode step that sit beside the weight reads.
 
-  python -m dejavu_jax.kernels.bench_step_parts --model 30b --out results/
+  python -m dejavu_jax.kernels.bench_step_parts --model opt-30b --out results/
 
 * ``attn-window``: head-sparse attention with and without the missing-KV window, for a
   few ``AttnConfig.window_block_rows`` values (the K/V rows per program of the projection
@@ -43,7 +43,7 @@ from .top_k import top_k_indices, top_k_indices_chunked
 
 def attn_window_point(W, d, H, ctx, frac, *, window, config, seed=0):
     """µs per call of head-sparse attention at batch 1; window: tokens (0 = none)."""
-    Kh = max(1, round(H * frac / 100))
+    Kh = max(1, round(H * frac))
     refresh = -(-H // window) if window else 0
     pos = ctx - 1
     kk = jax.random.split(jax.random.PRNGKey(seed + 3), 4)
@@ -107,15 +107,16 @@ def predictor_point(d, F, H, rank, k_mlp, k_heads, *, row_blocks, block_d, defer
 
 def out_proj_point(d, H, frac, *, kernel, block_rows, block_d, deferred, row_blocks=None,
                    group_view=False, num_warps=4, num_stages=2, seed=0):
-    """µs per call of the batch-1 out-projection of ``frac``% of H heads into an fp32
-    residual: ``rows`` (`gather_matvec_t` on the ``[H * hd, d]`` per-head rows, split-k
+    """µs per call of the batch-1 out-projection of the fraction ``frac`` of H heads into an
+    fp32 residual: ``rows`` (`gather_matvec_t` on the ``[H * hd, d]`` per-head rows, split-k
     with atomics) or ``cols`` (`gather_cols_matvec` on the ``[d, H * hd]`` layout, as the
     attention runs it: whole output rows per program, no atomics)."""
     from ._common import cdiv
     from .column_gather import gather_cols_matvec
     from .gather_matvec import gather_matvec_t
-    from .head_attention import N_SM, merged_attention_loader
-    Kh = max(1, round(H * frac / 100))
+    from ._common import sm_count
+    from .head_attention import merged_attention_loader
+    Kh = max(1, round(H * frac))
     ks = jax.random.split(jax.random.PRNGKey(seed + 5), 3)
     shape = (H * HD, d) if kernel == "rows" else (d, H * HD)
     w = _rand(ks[0], shape, jnp.bfloat16, (H * HD) ** -0.5)
@@ -125,7 +126,7 @@ def out_proj_point(d, H, frac, *, kernel, block_rows, block_d, deferred, row_blo
     sets = disjoint_sets(H, Kh, seed=seed)
     if kernel == "rows":
         r2 = row_blocks or max(1, min(64, cdiv(Kh * HD, block_rows) * cdiv(d, block_d)
-                                      // (8 * N_SM)))
+                                      // (8 * sm_count())))
 
         def step(res, w, ids):
             return gather_matvec_t([attn], load, w, ids, B=1, rows_per_id=HD,
@@ -211,10 +212,10 @@ def top_k_point(n: int, k: int, method: str, seed=0):
 def main(argv=None):
     """Time the step parts for one model preset; writes JSON lines and a summary JSON."""
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--model", default="30b", choices=sorted(MODELS))
+    p.add_argument("--model", default="opt-30b", choices=sorted(MODELS))
     p.add_argument("--context", type=int, default=128)
-    p.add_argument("--heads", type=float, default=50, help="head density in percent")
-    p.add_argument("--mlp", type=float, default=10, help="MLP density in percent")
+    p.add_argument("--heads", type=float, default=0.5, help="head density (fraction of the heads)")
+    p.add_argument("--mlp", type=float, default=0.1, help="MLP density (fraction of the neurons)")
     p.add_argument("--window", type=int, default=16)
     p.add_argument("--window-block-rows", default="16,32,64")
     p.add_argument("--parts", default="attn-window,top-k")
@@ -270,13 +271,13 @@ def main(argv=None):
         for item in args.predictor_variants.split("/"):
             blocks, _, warps = item.partition("w")
             row_blocks, block_d, deferred = parse_blocks(blocks)
-            log(predictor_point(d, F, H, args.rank, max(1, round(F * args.mlp / 100)),
-                                max(1, round(H * args.heads / 100)), row_blocks=row_blocks,
+            log(predictor_point(d, F, H, args.rank, max(1, round(F * args.mlp)),
+                                max(1, round(H * args.heads)), row_blocks=row_blocks,
                                 block_d=block_d, deferred=deferred,
                                 select_warps=int(warps) if warps else None))
     if "top-k" in parts:
         F = 4 * d
-        k = max(1, round(F * args.mlp / 100))
+        k = max(1, round(F * args.mlp))
         for method in ("scatter-only", "radix", "chunked", "packed", "lax.top_k"):
             log(top_k_point(F, k, method))
     os.makedirs(args.out, exist_ok=True)

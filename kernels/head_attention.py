@@ -43,12 +43,11 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
 from ._common import (balanced_chunks, cdiv, check_array, check_bias, check_indices, is_pow2,
-                      next_pow2, resolve_impl)
+                      next_pow2, resolve_impl, sm_count)
 from .column_gather import gather_cols_matvec
 from .gather_matvec import (Segment, batch_pad, check_segment, gather_matvec, mma,
                             segment_reference)
 
-N_SM = 132
 NEG = -1e30  # finite "minus infinity" for the online softmax
 
 
@@ -66,8 +65,9 @@ class AttnConfig:
     num_warps: int = 4
     num_stages: int = 2
     attn_num_warps: int = 4
-    target_programs: int = 8 * N_SM        # the q/k/v projection's grid
-    attn_target_programs: int = 4 * N_SM   # flash-decoding grid (B x heads x splits)
+    target_programs: int | None = None       # the q/k/v projection's grid (None: 8 per SM)
+    attn_target_programs: int | None = None  # flash-decoding grid, B x heads x splits
+                                             # (None: 4 per SM)
     max_fused_splits: int = 1              # merge splits in the out-projection up to this
     proj_deferred_sum: bool = False        # batch 1: one cross-lane sum per program
     out_deferred_sum: bool = False
@@ -272,7 +272,8 @@ def merge_window(cache, new, ids, window: KVWindow, need):
     return cache.at[b_i, g_i, s_i].set(new.astype(cache.dtype), mode="drop")
 
 
-def _window_kv_reference(wk, bk, wv, bv, ids, window: KVWindow):
+def _window_kv_reference(wk, bk, wv, bv, ids, window: KVWindow, k_norm=None,
+                         norm_eps: float = 1e-6):
     f32 = jnp.float32
     hi = lax.Precision.HIGHEST
     xs = window.x.astype(f32)
@@ -281,12 +282,23 @@ def _window_kv_reference(wk, bk, wv, bv, ids, window: KVWindow):
         t = jnp.einsum("bwd,nkd->bnwk", xs, w[ids].astype(f32), precision=hi)
         return t if b is None else t + b[ids].astype(f32)[None, :, None]
 
-    return _window_rope(proj(wk, bk), window), proj(wv, bv)
+    return _window_rope(head_norm(proj(wk, bk), k_norm, norm_eps), window), proj(wv, bv)
+
+
+def head_norm(t, weight, eps: float):
+    """RMSNorm over each head's vector ``t [..., hd]`` with weights ``[hd]`` (Gemma 3's q/k
+    norms), fp32."""
+    if weight is None:
+        return t
+    tf = t.astype(jnp.float32)
+    return (tf * lax.rsqrt(jnp.mean(tf * tf, axis=-1, keepdims=True) + eps)
+            * weight.astype(jnp.float32))
 
 
 def head_sparse_attention_reference(x, wq, bq, wk, bk, wv, bv, wo, bo, k_cache, v_cache,
                                     pos, head_idx, *, rope=None, kv_mask=None,
-                                    window: KVWindow | None = None, out_dtype=None):
+                                    window: KVWindow | None = None, out_dtype=None,
+                                    qk_norm=None, norm_eps: float = 1e-6, scale=None):
     """Pure-jnp reference of :func:`head_sparse_attention` (same signature and result,
     without ``residual`` and ``extra_segments``; ``out_dtype`` overrides the output's
     dtype, ``x.dtype`` by default)."""
@@ -307,14 +319,16 @@ def head_sparse_attention_reference(x, wq, bq, wk, bk, wv, bv, wo, bo, k_cache, 
         t = jnp.einsum("bd,hkd->bhk", xf, w[ids].astype(f32), precision=hi)
         return t if b is None else t + b[ids].astype(f32)[None]
 
-    q = apply_rope(proj(wq, bq, hq), rope) * (hd ** -0.5)
-    k = apply_rope(proj(wk, bk, head_idx), rope)
+    q_norm, k_norm = (None, None) if qk_norm is None else qk_norm
+    scale = hd ** -0.5 if scale is None else scale
+    q = apply_rope(head_norm(proj(wq, bq, hq), q_norm, norm_eps), rope) * scale
+    k = apply_rope(head_norm(proj(wk, bk, head_idx), k_norm, norm_eps), rope)
     v = proj(wv, bv, head_idx)
     written = None
     if window is not None:
         ids = window_heads(head_idx, window)
         need = window_need(window, ids)
-        k_win, v_win = _window_kv_reference(wk, bk, wv, bv, ids, window)
+        k_win, v_win = _window_kv_reference(wk, bk, wv, bv, ids, window, k_norm, norm_eps)
         k_cache = merge_window(k_cache, k_win, ids, window, need)
         v_cache = merge_window(v_cache, v_win, ids, window, need)
         if window.written is not None:
@@ -563,8 +577,8 @@ def _decode_attention_kernel(*refs, nds, has_bq, has_bk, has_bv, has_rope, has_m
 
 def decode_attention(qp, kp, vp, head_idx, pos, k_cache, v_cache, *, group, bq=None, bk=None,
                      bv=None, cos=None, sin=None, kv_mask=None, block_s=64, seq_splits=None,
-                     target_programs=8 * N_SM, num_warps=4, batch=None,
-                     window: KVWindow | None = None, interpret=False):
+                     target_programs=None, num_warps=4, batch=None,
+                     window: KVWindow | None = None, interpret=False, scale=None):
     """Flash-decoding over the selected KV heads, writing the new k/v rows in place.
 
     Args:
@@ -576,6 +590,7 @@ def decode_attention(qp, kp, vp, head_idx, pos, k_cache, v_cache, *, group, bq=N
       cos, sin: optional ``[B, hd]`` fp32 rotary tables for the current position.
       kv_mask: optional ``[B, S]`` int32 (nonzero = attend).
       batch: rows B to attend for (default: q's partials' row count).
+      scale: the attention logits' scale (default ``hd ** -0.5``).
       window: the missing-KV window whose K/V were projected into ``kp``/``vp`` (rows
         ``b * W + j`` for window row j, columns ``window_heads(head_idx, window)``; its
         ``x`` is not read). Its needed entries are finished (bias, rotary), written to the
@@ -599,14 +614,15 @@ def decode_attention(qp, kp, vp, head_idx, pos, k_cache, v_cache, *, group, bq=N
     S, hd = k_cache.shape[2], k_cache.shape[3]
     bs = min(block_s, max(16, next_pow2(S)))
     if seq_splits is None:
-        seq_splits = max(1, min(cdiv(S, bs), cdiv(target_programs, B * Kh)))
+        seq_splits = max(1, min(cdiv(S, bs), cdiv(target_programs or 8 * sm_count(), B * Kh)))
     L = cdiv(cdiv(S, seq_splits), bs) * bs
     ns = cdiv(S, L)
     Gp = 1 if G == 1 else max(16, next_pow2(G))
     kernel = functools.partial(
         _decode_attention_kernel, nds=nds, has_bq=bq is not None, has_bk=bk is not None,
         has_bv=bv is not None, has_rope=cos is not None, has_mask=kv_mask is not None, G=G,
-        Gp=Gp, hd=hd, hdp=next_pow2(hd), L=L, bs=bs, scale=float(hd) ** -0.5, Kh=Kh, W=W,
+        Gp=Gp, hd=hd, hdp=next_pow2(hd), L=L, bs=bs,
+        scale=float(hd) ** -0.5 if scale is None else float(scale), Kh=Kh, W=W,
         Wp=max(16, next_pow2(W)), bitmap=bitmap)
     args = [qp, kp, vp]
     if window is not None:
@@ -696,12 +712,14 @@ def head_sparse_attention_pallas(x, wq, bq, wk, bk, wv, bv, wo, bo, k_cache, v_c
                                  head_idx, *, rope=None, kv_mask=None, interpret=False,
                                  config: AttnConfig | None = None,
                                  window: KVWindow | None = None, extra_segments=(),
-                                 residual=None):
+                                 residual=None, qk_norm=None, norm_eps: float = 1e-6,
+                                 scale=None):
     """Pallas path of :func:`head_sparse_attention` (no validation).
 
     Three Pallas launches (q/k/v projection, attention, out-projection), plus an XLA merge
     of the attention's sequence splits when there are more than ``max_fused_splits``; with
-    a callable ``rope`` the q/k finishing runs in XLA instead. With a
+    a callable ``rope`` or with ``qk_norm`` the q/k finishing (sums of the partials,
+    biases, norms, rotary embedding; for a window's rows too) runs in XLA instead. With a
     ``window``, the projection's K/V segments multiply the window's inputs (the extra
     heads' rows included) and the attention launch writes and attends to the needed
     entries: the missing-KV recomputation reads no weight twice and adds no launch.
@@ -740,7 +758,7 @@ def head_sparse_attention_pallas(x, wq, bq, wk, bk, wv, bv, wo, bo, k_cache, v_c
     chunks = cfg.proj_d_chunks
     if chunks is None:
         tiles = cdiv(Kh * G * hd + 2 * kv_ids.shape[0] * hd, bk_rows) * cdiv(d, bd)
-        chunks = balanced_chunks(cdiv(d, bd), tiles // cfg.target_programs)
+        chunks = balanced_chunks(cdiv(d, bd), tiles // (cfg.target_programs or 8 * sm_count()))
     qp, kp, vp, *extras = gather_matvec(
         x, segs + list(extra_segments), block_rows=bk_rows, block_d=bd, d_chunks=chunks,
         num_warps=cfg.num_warps, num_stages=cfg.num_stages,
@@ -758,14 +776,35 @@ def head_sparse_attention_pallas(x, wq, bq, wk, bk, wv, bv, wo, bo, k_cache, v_c
         kp = apply_rope(finish(kp, Kh, bk, head_idx), rope).reshape(1, B, -1)
         vp = finish(vp, Kh, bv, head_idx).reshape(1, B, -1)
         biases = dict(bq=None, bk=None, bv=None)
+    elif qk_norm is not None:
+        # per-head RMS norms before the rotary embedding: finished here, for the current
+        # token and, with a window, for every window row (rotated at its own position)
+        def finish(parts, n, bias, ids, rows, weight, tables):
+            t = parts.sum(0)[:rows, : n * hd].reshape(rows, n, hd)
+            t = t if bias is None else t + bias[ids].astype(f32)[None]
+            t = head_norm(t, weight, norm_eps)
+            return (t if tables is None else apply_rope(t, tables)).reshape(1, rows, n * hd)
+        tables = None if rope is None else tuple(
+            jnp.broadcast_to(jnp.asarray(t, f32), (B, hd)) for t in rope)
+        kv_rows, kv_tables = B, tables
+        if window is not None:
+            kv_rows = B * W
+            kv_tables = None if window.cos is None else (
+                window.cos.reshape(kv_rows, hd), window.sin.reshape(kv_rows, hd))
+        n_kv_ids = kv_ids.shape[0]
+        qp = finish(qp, Kh * G, bq, _query_heads(head_idx, G), B, qk_norm[0], tables)
+        kp = finish(kp, n_kv_ids, bk, kv_ids, kv_rows, qk_norm[1], kv_tables)
+        vp = finish(vp, n_kv_ids, bv, kv_ids, kv_rows, None, None)
+        biases = dict(bq=None, bk=None, bv=None)
     elif rope is not None:
         cos, sin = (jnp.broadcast_to(jnp.asarray(t, f32), (B, hd)) for t in rope)
     mask = None if kv_mask is None else kv_mask.astype(jnp.int32)
     o, m, l, k_cache, v_cache, *written = decode_attention(
         qp, kp, vp, head_idx, pos, k_cache, v_cache, group=G, cos=cos, sin=sin,
         kv_mask=mask, block_s=cfg.block_s, seq_splits=cfg.seq_splits,
-        target_programs=cfg.attn_target_programs, num_warps=cfg.attn_num_warps, batch=B,
-        window=window, interpret=interpret, **biases)
+        target_programs=cfg.attn_target_programs or 4 * sm_count(),
+        num_warps=cfg.attn_num_warps, batch=B,
+        window=window, interpret=interpret, scale=scale, **biases)
 
     ns = o.shape[0]
     if ns > cfg.max_fused_splits:
@@ -791,15 +830,18 @@ def head_sparse_attention_pallas(x, wq, bq, wk, bk, wv, bv, wo, bo, k_cache, v_c
             + ((tuple(extras),) if extra_segments else ()))
 
 
-@functools.partial(jax.jit, static_argnames=("impl", "config", "rope_fn"))
+@functools.partial(jax.jit, static_argnames=("impl", "config", "rope_fn", "norm_eps",
+                                             "scale"))
 def _attn_jit(x, wq, bq, wk, bk, wv, bv, wo, bo, k_cache, v_cache, pos, head_idx, rope_arr,
-              kv_mask, window, extra_segments, residual, *, impl, config, rope_fn):
+              kv_mask, window, extra_segments, residual, qk_norm, *, impl, config, rope_fn,
+              norm_eps, scale):
     rope = rope_fn if rope_fn is not None else rope_arr
+    norms = dict(qk_norm=qk_norm, norm_eps=norm_eps, scale=scale)
     if impl == "reference":
         out, *rest = head_sparse_attention_reference(
             x, wq, bq, wk, bk, wv, bv, wo, bo, k_cache, v_cache, pos, head_idx, rope=rope,
             kv_mask=kv_mask, window=window,
-            out_dtype=None if residual is None else jnp.float32)
+            out_dtype=None if residual is None else jnp.float32, **norms)
         if residual is not None:
             out = residual + out
         extras = tuple(segment_reference(seg, x) for seg in extra_segments)
@@ -808,7 +850,7 @@ def _attn_jit(x, wq, bq, wk, bk, wv, bv, wo, bo, k_cache, v_cache, pos, head_idx
                                         pos, head_idx, rope=rope, kv_mask=kv_mask,
                                         interpret=impl == "interpret", config=config,
                                         window=window, extra_segments=tuple(extra_segments),
-                                        residual=residual)
+                                        residual=residual, **norms)
 
 
 def _validate_window(window, x, k_cache, head_idx, rope):
@@ -866,7 +908,8 @@ def _validate_window(window, x, k_cache, head_idx, rope):
 def head_sparse_attention(x, wq, bq, wk, bk, wv, bv, wo, bo, k_cache, v_cache, pos, head_idx,
                           *, rope=None, kv_mask=None, impl: str | None = None,
                           config: AttnConfig | None = None, window: KVWindow | None = None,
-                          residual=None, extra_segments=()):
+                          residual=None, extra_segments=(), qk_norm=None,
+                          norm_eps: float = 1e-6, scale: float | None = None):
     """One decode step of attention over the selected heads only.
 
     Args:
@@ -897,9 +940,15 @@ def head_sparse_attention(x, wq, bq, wk, bk, wv, bv, wo, bo, k_cache, v_cache, p
       extra_segments: :class:`~.gather_matvec.Segment` s multiplied in the projection
         launch besides q/k/v (each with its own ``x`` or the call's): a GEMV that rides
         on a launch the step makes anyway.
+      qk_norm: optional ``(q_weight [hd], k_weight [hd])``: RMSNorm (epsilon ``norm_eps``)
+        over each query and key head after the biases, before the rotary embedding
+        (Gemma 3; the window's keys too). On the Pallas path q/k/v are then finished in
+        XLA between the projection and attention launches.
+      scale: the attention logits' scale (default ``hd ** -0.5``).
     Returns:
       ``(out [B, d] in x.dtype, k_cache, v_cache)``: ``out = sum over selected query
-      heads of softmax(q kᵀ / sqrt(hd)) v @ wo[h] + bo``; unselected heads add 0. With
+      heads of softmax(scale q kᵀ) v @ wo[h] + bo`` (q, k after their norms and rotary
+      embedding); unselected heads add 0. With
       ``residual``, ``out`` is ``residual + out`` in fp32. With a bitmap window
       (``window.written``) the next item is the updated bitmap. With ``extra_segments``
       a last item: one fp32 ``[P_s, B_s, R_s]`` per segment whose sum over axis 0 holds
@@ -920,6 +969,13 @@ def head_sparse_attention(x, wq, bq, wk, bk, wv, bv, wo, bo, k_cache, v_cache, p
         check_array("residual", residual, shape=x.shape)
         if residual.dtype != jnp.float32:
             raise TypeError(f"residual must be float32, got {residual.dtype}")
+    if qk_norm is not None:
+        if callable(rope):
+            raise ValueError("qk_norm needs the rotary embedding as (cos, sin) tables")
+        for nm, w in zip(("qk_norm[0]", "qk_norm[1]"), qk_norm):
+            check_array(nm, w, shape=(wq.shape[1],), floating=True)
+        qk_norm = tuple(qk_norm)
     return _attn_jit(x, wq, bq, wk, bk, wv, bv, wo, bo, k_cache, v_cache, pos, head_idx,
-                     rope_arr, kv_mask, window, extra_segments, residual, impl=impl,
-                     config=config, rope_fn=rope_fn)
+                     rope_arr, kv_mask, window, extra_segments, residual, qk_norm, impl=impl,
+                     config=config, rope_fn=rope_fn, norm_eps=float(norm_eps),
+                     scale=None if scale is None else float(scale))

@@ -22,12 +22,11 @@ import jax.numpy as jnp
 from jax import lax
 
 from ._common import (activation_fn, balanced_chunks, cdiv, check_array, check_bias,
-                      check_indices, resolve_impl)
+                      check_indices, resolve_impl, sm_count)
 from .gather_matvec import (Segment, batch_pad, gather_matvec_part, gather_matvec_t_part,
                             partials_loader)
 from .launch import launch
 
-N_SM = 132  # H200; only used to size the grids
 
 
 @dataclasses.dataclass(frozen=True)
@@ -41,7 +40,7 @@ class MLPConfig:
     fc2_row_blocks: int | None = None
     num_warps: int = 4
     num_stages: int = 2
-    target_programs: int = 8 * N_SM
+    target_programs: int | None = None  # fc2 programs to aim for (None: 8 per SM)
     fc1_deferred_sum: bool = False     # batch 1: one cross-lane sum per program
     fc2_deferred_sum: bool = False
 
@@ -55,12 +54,13 @@ class MLPConfig:
         if c1 is None:
             # at least two d-splits; more only while the row blocks alone leave SMs idle
             n_chunks = cdiv(d, bd1)
-            splits = max(2, cdiv(2 * N_SM, cdiv(K, bk1)))
+            splits = max(2, cdiv(2 * sm_count(), cdiv(K, bk1)))
             c1 = balanced_chunks(n_chunks, cdiv(n_chunks, splits))
         r2 = self.fc2_row_blocks
         if r2 is None:
             tiles = cdiv(K, bk2) * cdiv(d, bd2)
-            r2 = max(min(4, cdiv(K, bk2)), min(64, tiles // self.target_programs))
+            target = self.target_programs or 8 * sm_count()
+            r2 = max(min(4, cdiv(K, bk2)), min(64, tiles // target))
         return dataclasses.replace(self, fc1_block_d=bd1, fc2_block_d=bd2, fc1_d_chunks=c1,
                                    fc2_row_blocks=r2, fc1_block_rows=bk1, fc2_block_rows=bk2)
 
@@ -172,7 +172,8 @@ def sparse_mlp(x, w1, b1, w2t, b2, idx, *, activation: str = "relu", w_gate=None
       w2t: ``[F, d]`` fc2 weight transposed (``fc2.weight.T``) / down-projection transposed.
       b2: ``[d]`` or None.
       idx: ``[K]`` int32, distinct neuron ids in ``[0, F)``.
-      activation: "relu" (OPT), "silu" (with ``w_gate``: Llama SwiGLU), "gelu", "identity".
+      activation: "relu" (OPT), "silu" (with ``w_gate``: Llama SwiGLU), "gelu" or
+        "gelu_tanh" (both the tanh approximation; with ``w_gate``: Gemma GeGLU), "identity".
       w_gate: optional ``[F, d]`` gate weight; then the hidden unit is
         ``act(x w_gate[idx]ᵀ) * (x w1[idx]ᵀ + b1[idx])``, gate and up rows gathered in
         the same kernel launch.

@@ -12,16 +12,16 @@
 # MODULE is run as `python -m dejavu_jax.MODULE ARGS --out RESULTS/NAME`; its output goes to
 # RESULTS/NAME.out. A piece cut by its timeout keeps what it wrote (bench_decode rewrites its
 # JSON after every row); profile traces stay behind (their summary is profile.json).
-# Python runs from /tmp: in the repository root it would import the checkout's dejavu_jax/,
-# which lacks the mapped kernels/, train/ and eval/ packages.
+# Runs from the repository root with no install: dejavu_jax/__init__.py adds the checkout's
+# root to the package path, so dejavu_jax.kernels / .train / .eval resolve to its folders.
+# PYTHON picks the interpreter (default: python).
 set -u
 root=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)
-# shellcheck source=/dev/null
-source "$root/scripts/device_env.sh"
+cd "$root" || exit 1
+py=${PYTHON:-python}
 export XLA_PYTHON_CLIENT_MEM_FRACTION=${XLA_PYTHON_CLIENT_MEM_FRACTION:-0.95} PYTHONUNBUFFERED=1
 results=/tmp/device_results
 mkdir -p "$results"
-cd /tmp || exit 1
 nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv > "$results/gpus.csv" 2>&1
 for piece in "$@"; do
   read -r name seconds rest <<< "$piece"
@@ -30,9 +30,9 @@ for piece in "$@"; do
     envs+=("${BASH_REMATCH[1]}"); rest=${BASH_REMATCH[2]}
   done
   read -r module args <<< "$rest"
-  echo "== $name ($seconds s): ${envs[*]} python -m dejavu_jax.$module $args"
+  echo "== $name ($seconds s): ${envs[*]} $py -m dejavu_jax.$module $args"
   # shellcheck disable=SC2086
-  timeout "$seconds" env "${envs[@]}" python -m "dejavu_jax.$module" $args \
+  timeout "$seconds" env "${envs[@]}" "$py" -m "dejavu_jax.$module" $args \
     --out "$results/$name" > "$results/$name.out" 2>&1
   echo "   exit $? ; $(grep -c '^{' "$results/$name.out" 2>/dev/null) rows logged"
   # packed after every piece: a run cut short still returns what finished (traces: large)

@@ -1,5 +1,6 @@
 #!/usr/bin/env bash
-# Creates .venv with Python 3.12 and installs the project with its test extras.
+# Creates .venv with Python 3.12 and installs the project with its test extras; ./dejavu runs
+# it on first use and whenever pyproject.toml is newer than .venv/.dejavu-setup.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 find_python() {
@@ -18,3 +19,4 @@ PY=$(find_python)
 .venv/bin/python -m pip install -q --upgrade pip
 .venv/bin/python -m pip install -q -e ".[dev]"
 .venv/bin/python -c 'import jax, dejavu_jax; print("dejavu_jax ready: jax", jax.__version__)'
+touch .venv/.dejavu-setup

@@ -107,7 +107,7 @@ def test_eval_points(tmp_path):
 
 
 def test_eval_points_reads_the_sweep_schema(tmp_path):
-    # the layout of eval/results/smollm2/sweep.json (dejavu_jax.eval sweep)
+    # the layout of eval/results/cpu/smollm2-quality/sweep.json (dejavu_jax.eval sweep)
     (tmp_path / "sweep.json").write_text(json.dumps({"meta": {"model": "m"}, "points": [
         {"mode": "oracle", "total_sparsity": 0.3, "mlp_density": 0.5, "head_density": 0.9,
          "perplexity": 24.0, "task_mean": 0.42,

@@ -69,19 +69,27 @@ def test_step_bytes_counts_every_weight(name):
     # fewer units read fewer bytes
     half = sparse.sparse_config(config, 0.5, 0.5, dense_layers=dense_layers)
     assert bench_decode.step_bytes(config, half, 8, 1, rank, False) < without
-    # a batch's predicted sets are the union's capacity: 2 rows at half density read every
-    # unit, run dense and read no predictor; fixed sets read their k units at any batch
-    assert (bench_decode.step_bytes(config, half, 8, 2, rank, True)
+    # by default a batch runs every layer dense: dense bytes, no predictor, any sets
+    for predictors in (True, False):
+        assert (bench_decode.step_bytes(config, half, 8, 2, rank, predictors)
+                == bench_decode.step_bytes(config, None, 8, 2, rank, False))
+    # under the "union" policy a batch's predicted sets are the union's capacity: 2 rows
+    # at half density read every unit, run dense and read no predictor; fixed sets read
+    # their k units at any batch
+    def union(mlp, heads):
+        return dataclasses.replace(sparse.sparse_config(config, mlp, heads,
+                                                        dense_layers=dense_layers),
+                                   batch_policy="union")
+    assert (bench_decode.step_bytes(config, union(0.5, 0.5), 8, 2, rank, True)
             == bench_decode.step_bytes(config, None, 8, 2, rank, False))
-    assert (bench_decode.step_bytes(config, half, 8, 2, rank, False)
+    assert (bench_decode.step_bytes(config, union(0.5, 0.5), 8, 2, rank, False)
             < bench_decode.step_bytes(config, None, 8, 2, rank, False))
-    quarter = sparse.sparse_config(config, 0.25, 1.0, dense_layers=dense_layers)
-    half_mlp = sparse.sparse_config(config, 0.5, 1.0, dense_layers=dense_layers)
+    quarter, half_mlp = union(0.25, 1.0), union(0.5, 1.0)
     assert (bench_decode.step_bytes(config, quarter, 8, 2, rank, True)
             == bench_decode.step_bytes(config, half_mlp, 8, 2, rank, False)
             + per_layer * (config.n_layers - dense_layers))
     # without the batch fallbacks the half-neuron union is read as gathered rows
-    kernels_only = dataclasses.replace(quarter, batch_dense=False)
+    kernels_only = dataclasses.replace(quarter, batch_policy="kernels")
     assert (bench_decode.step_bytes(config, kernels_only, 8, 2, rank, True)
             < bench_decode.step_bytes(config, quarter, 8, 2, rank, True))
 
@@ -122,8 +130,8 @@ def test_bench_decode_cli(tmp_path, monkeypatch):
     result = json.loads((out / "bench_decode.json").read_text())
     meta, rows = result["meta"], result["rows"]
     assert meta["hf"]["skipped"] and meta["batches"] == [1, 2]
-    assert set(meta["roofline_detail"]) == {"W@x", "x@W", "chain"}
-    assert meta["roofline_gbs"] == max(meta["roofline_detail"].values())
+    assert set(meta["best_detail"]) == {"W@x", "x@W", "chain", "copy"}
+    assert meta["best_gbs"] == max(meta["best_detail"].values())
 
     assert sorted((r["mode"], r["batch"]) for r in rows) == [
         ("dense", 1), ("dense", 2), ("sparse", 1), ("sparse", 2)]
@@ -168,7 +176,7 @@ def test_bench_decode_cli(tmp_path, monkeypatch):
                   mlp=1.0, heads=1.0, indices="-", ms=7.0, p90_ms=8.0, ms_loop=None,
                   prefill_ms=3.0, compile_s=None, peak_bytes=2_000_000_000)
     (hf_dir / "bench_decode.json").write_text(json.dumps(
-        dict(meta=dict(roofline_gbs=None), rows=[hf_row])))
+        dict(meta=dict(best_gbs=None), rows=[hf_row])))
     merged = tmp_path / "merged"
     assert bench_decode.main(["--merge", f"{out},{hf_dir}", "--out", str(merged)]) == 0
     rows = json.loads((merged / "bench_decode.json").read_text())["rows"]
@@ -179,7 +187,7 @@ def test_bench_decode_cli(tmp_path, monkeypatch):
                 assert r["speedup_vs_hf_eager"] == pytest.approx(7.0 / r["ms"])
             else:
                 assert r["speedup_vs_hf_eager"] is None
-            assert r["roofline_gbs"] == meta["roofline_gbs"]
+            assert r["best_gbs"] == meta["best_gbs"]
     assert "| opt-tiny | hf | hf-eager | 8 | 2 |" in (merged / "bench_decode.md").read_text()
     assert {r["source"] for r in rows} == {out.name, "hf"}
 
@@ -352,3 +360,22 @@ def test_profile_layer_sequence_is_one_middle_layer():
     seq = layer_sequence(two, "attn")
     assert [n for n, _ in seq][0] == "attn" and len(seq) == 3
     assert all(n not in ("logits", "dense") for n, _ in seq)
+
+
+def test_kernel_bench_cli_takes_model_names_and_fractions(tmp_path, capsys):
+    """kernels.bench speaks the project's vocabulary: opt-30b, densities as fractions."""
+    from dejavu_jax.kernels import bench as kernel_bench
+    for bad, message in ((["--models", "30b"], "unknown model '30b'"),
+                         (["--densities", "10"], "not a fraction"),
+                         (["--head-fractions", "0.5,50"], "not a fraction")):
+        with pytest.raises(SystemExit):
+            kernel_bench.main(bad + ["--out", str(tmp_path)])
+        assert message in capsys.readouterr().err
+    kernel_bench.main(["--models", "opt-30b", "--densities", "0.05,0.1", "--head-fractions",
+                       "0.5,1", "--time-limit-s", "60", "--no-sweep", "--out", str(tmp_path)])
+    res = json.loads((tmp_path / "bench.json").read_text())
+    assert "--time-limit-s 60" in res["meta"]["command"]
+    rows = dict(meta=res["meta"], check=[], tune=[], attn=[],
+                mlp=[dict(model="opt-30b", B=1, density=0.1, K=2867, which="sparse",
+                          bytes=82e6, time_us=37.0, gbps=2216.0)])
+    assert "| opt-30b | 1 | 0.1 | 2867 | sparse |" in kernel_bench.markdown_table(rows)

@@ -179,9 +179,10 @@ def test_corpus_errors(tmp_path, capsys):
     binary.write_bytes(b"\xff\xfe\x00\x81" * 100)
     with pytest.raises(corpus_lib.CorpusError, match="binary.txt"):
         corpus_lib.corpus_chunks([binary], 8)
-    rc = collect_lib.main(["--preset", "opt-tiny", "--corpus", str(empty), "--out",
-                           str(tmp_path / "out"), "--no-progress"])
-    assert rc == 1 and "no chunk long enough" in capsys.readouterr().err
+    with pytest.raises(SystemExit) as exit_:
+        collect_lib.main(["--preset", "opt-tiny", "--corpus", str(empty), "--out",
+                          str(tmp_path / "out"), "--no-progress"])
+    assert exit_.value.code == 2 and "no chunk long enough" in capsys.readouterr().err
     assert not (tmp_path / "out").exists()
 
 
@@ -207,6 +208,11 @@ def test_label_rules():
         == [[True, True, False, False, False]]
     with pytest.raises(ValueError):
         rec.LabelRule.parse("top:2")
+    # contribution: |act| times the down-projection row's norm, so a small activation of a
+    # neuron with a large row can outrank a large one
+    rule = rec.LabelRule.parse("contribution:0.4")
+    scaled = rec.contribution_values(rule, v[None], np.asarray([[0.1, 1.0, 1.0, 4.0, 1.0]]))
+    assert rec.apply_rule(rule, scaled[0]).tolist() == [[False, True, False, True, False]]
     bits = np.random.default_rng(0).random((2, 3, 13)) > 0.5
     np.testing.assert_array_equal(rec.unpack_labels(rec.pack_labels(bits), 13), bits)
 

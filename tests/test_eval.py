@@ -1,6 +1,7 @@
 """Quality evaluation: the parallel sparse scorer against token-by-token sparse decode,
 perplexity against numpy, multiple-choice scoring, task loaders on the real files."""
 
+import functools
 import json
 import math
 
@@ -8,12 +9,20 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from conftest import assert_finite_close
 
 import dejavu_jax as dj
 from dejavu_jax import sparse
 from dejavu_jax.eval import sparse_scoring as ss
 from dejavu_jax.train import predict as predict_mod
 from dejavu_jax.train.predictor_model import PredictorParams, init_predictor
+
+# ---------------------------------------------------------------- scorer == sparse decode
+
+# One window of three rows: (real length, dense prefix). The third is right-padded.
+ROWS = ((12, 1), (12, 3), (9, 2))
+T = 12
+PAD = 0
 
 
 def _random_predictors(config, seed, r=8):
@@ -29,125 +38,179 @@ def _random_predictors(config, seed, r=8):
     return PredictorParams(mlp=make(k1, config.ffn), heads=make(k2, config.n_heads))
 
 
-def _model(preset, seed):
+@functools.cache
+def _model(preset):
+    """(config, params, jitted sparse prefill) of a 3-layer, 512-token model of `preset`;
+    the prefill depends on the model only, so both modes share its compilations."""
     config = dj.preset(preset).replace(n_layers=3, vocab_size=512)
-    return config, dj.init_params(config, jax.random.key(seed), jnp.float32, std=0.15)
+    params = dj.init_params(config, jax.random.key(11), jnp.float32, std=0.15)
+    return config, params, jax.jit(functools.partial(sparse.sparse_prefill_fn, config))
 
 
-def _engine_fns(config, scfg, selector):
-    """(init_state, jitted prefill, jitted step) of a sparse engine, compiled once."""
-    eng = sparse.sparse_engine(config, scfg, selector)
-    return eng.init_state, jax.jit(eng.prefill), jax.jit(eng.step)
+def _scorer_config(config, mode):
+    """Layer 0 dense, layers 1 and 2 at MLP densities 0.5 and 0.3 (two sparse segments, so
+    the lookahead crosses a segment boundary) and half the KV groups."""
+    scfg = sparse.sparse_config(config, [1.0, 0.5, 0.3], 0.5, dense_layers=1,
+                                oracle=mode == "oracle", kv_window=4)
+    for layer in range(1, config.n_layers):  # densities below 1: real selections
+        assert scfg.mlp_k[layer] < config.ffn and scfg.head_k[layer] < config.n_kv_heads
+    return scfg
 
 
-def _decode_teacher_forced(fns, model_params, pred_params, ids, prefix):
-    """Logits [T - prefix + 1, V] of a dense prefill of ids[:prefix] then one sparse step
-    per remaining token at batch 1 (teacher forcing); steps are numbered in _RECORD."""
-    init_state, prefill, step = fns
-    state = init_state(1, len(ids) + 1, jnp.float32)
-    prompt = jnp.asarray([ids[:prefix]], jnp.int32)
-    logits, state = prefill((model_params, pred_params), prompt, jnp.ones_like(prompt), state)
-    out = [np.asarray(logits[0])]
-    for i, tok in enumerate(ids[prefix:]):
-        _RECORD["step"] = i
-        logits, state = step((model_params, pred_params), state, jnp.asarray([tok], jnp.int32))
-        jax.effects_barrier()
-        out.append(np.asarray(logits[0]))
-    return np.stack(out)
+_RECORD = {"step": 0, "calls": []}
 
 
-_RECORD = {"step": 0, "sets": {}, "calls": []}
+def _recording_selector(config, scfg, mode, monkeypatch):
+    """The engine's selector, with every selection it makes appended to _RECORD["calls"] as
+    (decode step, layer or None, index list(s)). Predictors: the selector's own calls.
+    Oracle: the engine's `select_top_k` calls (monkeypatched), which select inside the
+    layer."""
+    calls = _RECORD["calls"]
+    if mode == "oracle":
+        original = predict_mod.select_top_k
 
+        def recording_top_k(scores, k, capacity=None):
+            idx = original(scores, k, capacity)
+            jax.debug.callback(lambda i: calls.append((_RECORD["step"], None, i.tolist())),
+                               idx, ordered=True)
+            return idx
 
-def _recording_predictor_selector(config, scfg):
-    """The predictor selector, recording the sets the engine uses. The engine also makes
-    calls whose result it drops: a segment's last layer looks ahead with its own k
-    (dropped when the next segment's k differ) and the last layer looks ahead to itself.
-    So only calls with the layer's own k count, and the first such call per step."""
+        monkeypatch.setattr(predict_mod, "select_top_k", recording_top_k)
+        return sparse.no_selector
     base = sparse.predictor_selector(config.group_size)
 
     def select(pred_params, layer, x, k_mlp, k_heads):
         neurons, groups = base(pred_params, layer, x, k_mlp, k_heads)
-
-        def record(layer, neurons, groups):
-            if (len(neurons), len(groups)) == (scfg.mlp_k[layer], scfg.head_k[layer]):
-                _RECORD["sets"].setdefault((_RECORD["step"], int(layer)),
-                                           (set(neurons.tolist()), set(groups.tolist())))
-
-        jax.debug.callback(record, layer, neurons, groups, ordered=True)
+        jax.debug.callback(
+            lambda l, n, g: calls.append((_RECORD["step"], int(l), (n.tolist(), g.tolist()))),
+            layer, neurons, groups, ordered=True)
         return neurons, groups
 
     return select
 
 
-def _sets_from_masks(masks, layer, t):
-    neuron_mask, group_mask = (np.asarray(m) for m in masks)
-    return (set(np.flatnonzero(neuron_mask[layer, 0, t]).tolist()),
-            set(np.flatnonzero(group_mask[layer, 0, t]).tolist()))
+def _sets_of_calls(config, scfg, mode, calls, steps):
+    """{(step, layer): (neuron set, KV-group set)} the engine used, from its recorded calls.
 
-
-@pytest.mark.parametrize("preset", ["opt-tiny", "llama-tiny"])
-def test_parallel_scorer_equals_sparse_decode_with_predictors(preset):
-    config, params = _model(preset, 11)
-    pred = _random_predictors(config, 12)
-    # two sparse segments (layers 1 and 2): lookahead crosses a segment boundary
-    scfg = sparse.sparse_config(config, [1.0, 0.5, 0.3], 0.5, dense_layers=1,
-                                kv_window=4)
-    fns = _engine_fns(config, scfg, _recording_predictor_selector(config, scfg))
-    for seed in range(2):  # sampled sequences
-        rng = np.random.default_rng(seed)
-        T, prefix = 12, 1 + seed
-        ids = rng.integers(3, 1000, T).tolist()
-        _RECORD["sets"].clear()
-        want = _decode_teacher_forced(fns, params, pred, ids, prefix)
-        arr = jnp.asarray([ids], jnp.int32)
-        got, masks = ss.window_logits(config, scfg, params, pred, arr, jnp.ones_like(arr),
-                                      jnp.asarray([prefix]))
-        got = np.asarray(got[0, prefix - 1:])
-        np.testing.assert_allclose(got, want, atol=1e-4, rtol=0)
-        for i in range(T - prefix):
-            for layer in range(1, config.n_layers):
-                neurons, groups = _RECORD["sets"][(i, layer)]
-                assert (len(neurons), len(groups)) == (scfg.mlp_k[layer], scfg.head_k[layer])
-                assert len(neurons) < config.ffn and len(groups) < config.n_kv_heads
-                assert _sets_from_masks(masks, layer, prefix + i) == (neurons, groups), \
-                    f"step {i} layer {layer}"
-
-
-@pytest.mark.parametrize("preset", ["opt-tiny", "llama-tiny"])
-def test_parallel_scorer_equals_sparse_decode_oracle(preset, monkeypatch):
-    config, params = _model(preset, 21)
-    scfg = sparse.sparse_config(config, 0.25, 0.5, dense_layers=1, oracle=True,
-                                kv_window=4)
-    original = predict_mod.select_top_k
-    calls = _RECORD["calls"]
-
-    def recording_top_k(scores, k, capacity=None):
-        idx = original(scores, k, capacity)
-        jax.debug.callback(lambda i: calls.append((_RECORD["step"], i.tolist())), idx,
-                           ordered=True)
-        return idx
-
-    monkeypatch.setattr(predict_mod, "select_top_k", recording_top_k)
-    rng = np.random.default_rng(3)
-    T, prefix = 12, 2
-    ids = rng.integers(3, 1000, T).tolist()
-    calls.clear()
-    fns = _engine_fns(config, scfg, sparse.no_selector)
-    want = _decode_teacher_forced(fns, params, None, ids, prefix)
-    arr = jnp.asarray([ids], jnp.int32)
-    got, masks = ss.window_logits(config, scfg, params, None, arr, jnp.ones_like(arr),
-                                  jnp.asarray([prefix]))
-    np.testing.assert_allclose(np.asarray(got[0, prefix - 1:]), want, atol=1e-4, rtol=0)
-    # the engine selects heads then neurons, layer by layer, in every step
+    Oracle: per step and sparse layer, the heads' call then the neurons'. Predictors: the
+    engine also makes calls whose result it drops (a segment's last layer looks ahead with
+    its own k, dropped when the next segment's k differ, and the last layer looks ahead to
+    itself), so the set of a layer is its first call in the step with the layer's own k.
+    """
+    sets = {}
     sparse_layers = range(scfg.dense_layers, config.n_layers)
-    assert len(calls) == (T - prefix) * 2 * len(sparse_layers)
-    it = iter(calls)
-    for i in range(T - prefix):
+    if mode == "oracle":
+        assert len(calls) == steps * 2 * len(sparse_layers)
+        it = iter(calls)
+        for i in range(steps):
+            for layer in sparse_layers:
+                (s1, _, groups), (s2, _, neurons) = next(it), next(it)
+                assert s1 == s2 == i
+                sets[i, layer] = (set(neurons), set(groups))
+    else:
+        for i, layer, (neurons, groups) in calls:
+            if (len(neurons), len(groups)) == (scfg.mlp_k[layer], scfg.head_k[layer]):
+                sets.setdefault((i, layer), (set(neurons), set(groups)))
+    for i in range(steps):
         for layer in sparse_layers:
-            (s1, groups), (s2, neurons) = next(it), next(it)
-            assert s1 == s2 == i
-            assert _sets_from_masks(masks, layer, prefix + i) == (set(neurons), set(groups))
+            neurons, groups = sets[i, layer]
+            assert (len(neurons), len(groups)) == (scfg.mlp_k[layer], scfg.head_k[layer])
+    return sets
+
+
+@functools.cache
+def _decoded(preset, mode):
+    """The references for the scorer, computed once per (preset, mode): the window
+    (ids [3, T] of valid tokens, right-padded, and its mask) and, per row, the logits of a
+    dense prefill of its prefix then one sparse step per remaining token at batch 1
+    (teacher forcing; positions prefix - 1 .. length - 1) and the sets each step used."""
+    config, params, prefill = _model(preset)
+    scfg = _scorer_config(config, mode)
+    pred = _random_predictors(config, 12) if mode == "sparse" else None
+    ids = np.random.default_rng(7).integers(3, config.vocab_size, (len(ROWS), T))
+    mask = np.ones_like(ids)
+    for r, (n, _) in enumerate(ROWS):
+        ids[r, n:], mask[r, n:] = PAD, 0
+    rows = []
+    with pytest.MonkeyPatch.context() as mp:  # the step is traced (and records) in here
+        select = _recording_selector(config, scfg, mode, mp)
+        eng = sparse.sparse_engine(config, scfg, select)
+        step = jax.jit(eng.step)
+        for r, (n, prefix) in enumerate(ROWS):
+            state = eng.init_state(1, T + 1, jnp.float32)
+            prompt = jnp.asarray(ids[r:r + 1, :prefix], jnp.int32)
+            logits, state = prefill((params, pred), prompt, jnp.ones_like(prompt), state)
+            out = [np.asarray(logits[0])]
+            _RECORD["calls"].clear()
+            for i in range(n - prefix):
+                _RECORD["step"] = i
+                logits, state = step((params, pred), state,
+                                     jnp.asarray(ids[r, prefix + i:prefix + i + 1], jnp.int32))
+                jax.effects_barrier()
+                out.append(np.asarray(logits[0]))
+            sets = _sets_of_calls(config, scfg, mode, list(_RECORD["calls"]), n - prefix)
+            rows.append((np.stack(out), sets))
+    return dict(config=config, params=params, scfg=scfg, pred=pred, ids=ids, mask=mask,
+                rows=rows)
+
+
+def _check_row(d, r, logits, masks, b):
+    """Row r of the window, scored as row b of `logits` [B, T, V] and `masks` ([L, B, T, F],
+    [L, B, T, Hk]), against its decode: finite logits equal to the decode's at every
+    decoded position, the engine's sets at every sparse position, every unit elsewhere."""
+    config, scfg = d["config"], d["scfg"]
+    n, prefix = ROWS[r]
+    want, sets = d["rows"][r]
+    assert_finite_close(np.asarray(logits)[b, prefix - 1:n], want, atol=1e-4,
+                        err_msg=f"row {r} ({d['config'].name})")
+    neuron_mask, group_mask = (np.asarray(m)[:, b] for m in masks[:2])
+    assert neuron_mask[:scfg.dense_layers].all() and group_mask[:scfg.dense_layers].all()
+    assert neuron_mask[:, :prefix].all() and group_mask[:, :prefix].all()
+    for i in range(n - prefix):
+        for layer in range(scfg.dense_layers, config.n_layers):
+            got = (set(np.flatnonzero(neuron_mask[layer, prefix + i]).tolist()),
+                   set(np.flatnonzero(group_mask[layer, prefix + i]).tolist()))
+            assert got == sets[i, layer], f"row {r} step {i} layer {layer}"
+
+
+SCORER_CASES = [(p, m) for p in ("opt-tiny", "llama-tiny") for m in ("sparse", "oracle")]
+
+
+@pytest.mark.parametrize("preset,mode", SCORER_CASES)
+def test_scorer_equals_sparse_decode_at_batch_1(preset, mode):
+    """Each row scored alone ([1, T] with its own dense prefix; predictors or oracle at
+    densities below 1): logits equal the teacher-forced sparse decode's at every position
+    from prefix - 1 on, and the scorer's masks hold the sets the engine used per token."""
+    d = _decoded(preset, mode)
+    ids, mask = jnp.asarray(d["ids"], jnp.int32), jnp.asarray(d["mask"], jnp.int32)
+    for r, (_, prefix) in enumerate(ROWS):
+        logits, masks = ss.window_logits(d["config"], d["scfg"], d["params"], d["pred"],
+                                         ids[r:r + 1], mask[r:r + 1],
+                                         jnp.asarray([prefix], jnp.int32))
+        _check_row(d, r, logits, masks, 0)
+
+
+@pytest.mark.parametrize("preset,mode", SCORER_CASES)
+def test_scorer_rows_equal_their_own_sparse_decodes(preset, mode):
+    """The three rows in one [3, T] window (different prompts, dense prefixes and lengths,
+    one right-padded): each row's logits and sets are those of its own batch-1 decode.
+    The sets change from token to token and the logits differ from the dense model's,
+    so the comparison is one of sparse computations."""
+    d = _decoded(preset, mode)
+    config, scfg = d["config"], d["scfg"]
+    ids, mask = jnp.asarray(d["ids"], jnp.int32), jnp.asarray(d["mask"], jnp.int32)
+    prefixes = np.asarray([p for _, p in ROWS], np.int32)
+    logits, masks = ss.window_logits(config, scfg, d["params"], d["pred"], ids, mask,
+                                     jnp.asarray(prefixes))
+    for r in range(len(ROWS)):
+        _check_row(d, r, logits, masks, r)
+    for layer in range(scfg.dense_layers, config.n_layers):
+        seen = {frozenset(neurons) for _, sets in d["rows"] for (_, l), (neurons, _) in
+                sets.items() if l == layer}
+        assert len(seen) > 1, f"layer {layer}: one neuron set for every token"
+    dense = np.asarray(dj.logits(config, d["params"], ids, mask))
+    sparse_pos = (np.arange(T)[None] >= prefixes[:, None]) & d["mask"].astype(bool)
+    assert np.abs(np.asarray(logits) - dense)[sparse_pos].max() > 1e-2
 
 
 # ---------------------------------------------------------------- perplexity and modes
@@ -194,6 +257,7 @@ def test_density_one_gives_the_dense_figures_exactly():
     pred = _random_predictors(config, 5)
     ids = np.random.default_rng(1).integers(0, config.vocab_size, 40)
     dense = ppl_mod.perplexity(config, ss.make_mode(config, "dense"), params, None, ids, 16, 8)
+    assert math.isfinite(dense["total_nll"]) and dense["total_nll"] > 0
     for name in ("sparse", "oracle"):
         mode = ss.make_mode(config, name, 1.0, 1.0, dense_layers=1)
         got = ppl_mod.perplexity(config, mode, params, pred, ids, 16, 8)
@@ -201,7 +265,7 @@ def test_density_one_gives_the_dense_figures_exactly():
     # and a sparser setting does change the figure (the sparse path is live)
     got = ppl_mod.perplexity(config, ss.make_mode(config, "oracle", 0.3, 0.5, 1), params,
                              None, ids, 16, 8)
-    assert got["total_nll"] != dense["total_nll"]
+    assert math.isfinite(got["total_nll"]) and got["total_nll"] != dense["total_nll"]
 
 
 # ---------------------------------------------------------------- zero-shot tasks

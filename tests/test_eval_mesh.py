@@ -13,11 +13,13 @@ XLA_FLAGS=--xla_force_host_platform_device_count=8, as tests/test_sharding.py do
 
 import json
 import os
+import re
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from conftest import assert_finite_close
 
 from dejavu_jax.eval import sparse_scoring as ss
 
@@ -153,7 +155,7 @@ else:
                                                           batch_tokens=64, mesh=mesh)
         (ll1, g1), (ll2, g2) = scores[0], scores[2]
         assert ll1.shape == (5,) and np.all(ll1 < 0)
-        np.testing.assert_allclose(ll2, ll1, rtol=REL)
+        assert_finite_close(ll2, ll1, rtol=REL)
         np.testing.assert_array_equal(g2, g1)
         out = tmp_path / "tp2.json"  # and the CLI end to end
         assert tasks_mod.main(["--preset", "llama-tiny", "--tasks", str(task), "--devices", "2",
@@ -161,21 +163,34 @@ else:
         res = json.loads(out.read_text())
         assert res["mesh"] == {"data": 1, "tp": 2} and res["tasks"]["mc"]["items"] == 2
 
-    def test_bad_divisor_fails_with_the_sharding_error():
+    def test_bad_divisor_fails_with_the_sharding_error(tmp_path, capsys):
         bad = ppl_mod.build_parser().parse_args(["--preset", "llama-tiny", "--devices", "4"])
         with pytest.raises(sharding.ShardingError,
                            match=r"KV heads \(n_kv_heads\) = 2 is not divisible by 4.*"
                                  r"device counts that work: \[1, 2\]"):
             common.load_weights(bad, common.mesh_from_args(bad))
-        with pytest.raises(SystemExit, match=r"^error: cannot split 'llama-tiny' over tp=4"):
-            ppl_mod.main(["--preset", "llama-tiny", "--devices", "4", "--no-progress"])
-        with pytest.raises(SystemExit, match=r"KV heads \(n_kv_heads\) = 4 is not divisible by "
-                                             r"3.*\[1, 2, 4\]"):
-            tasks_mod.main(["--preset", "opt-tiny", "--devices", "3", "--tasks", "x.jsonl"])
-        with pytest.raises(SystemExit, match="needs 16 devices; 8 available"):
-            ppl_mod.main(["--preset", "opt-tiny", "--mesh", "tp=8,data=2"])
-        with pytest.raises(SystemExit, match="not both"):
-            tasks_mod.main(["--preset", "opt-tiny", "--devices", "2", "--mesh", "tp=2"])
+        text, task = tmp_path / "text.txt", tmp_path / "x.jsonl"
+        text.write_text("some text to score")
+        task.write_text('{"query": "q", "choices": ["a", "b"], "gold": 0}\n')
+
+        def error_of(main, argv):
+            """The one `error:` line a CLI exits with (status 2)."""
+            with pytest.raises(SystemExit) as exit_:
+                main(argv)
+            err = capsys.readouterr().err
+            assert exit_.value.code == 2 and "Traceback" not in err, err
+            return err.strip().splitlines()[-1]
+
+        assert error_of(ppl_mod.main, ["--preset", "llama-tiny", "--devices", "4", "--text",
+                                       str(text), "--no-progress"]
+                        ).startswith("error: cannot split 'llama-tiny' over tp=4")
+        assert re.search(r"KV heads \(n_kv_heads\) = 4 is not divisible by 3.*\[1, 2, 4\]",
+                         error_of(tasks_mod.main, ["--preset", "opt-tiny", "--devices", "3",
+                                                   "--tasks", str(task)]))
+        assert "needs 16 devices; 8 available" in error_of(
+            ppl_mod.main, ["--preset", "opt-tiny", "--mesh", "tp=8,data=2", "--text", str(text)])
+        assert "not both" in error_of(tasks_mod.main, ["--preset", "opt-tiny", "--devices", "2",
+                                                       "--mesh", "tp=2", "--tasks", str(task)])
         with pytest.raises(sharding.ShardingError, match="divisible by 8"):
             ss.make_mode(dj.preset("llama-tiny"), "oracle", 0.5, shards=8)
 
@@ -231,7 +246,7 @@ else:
         got, got_sets = ss.window_logits(
             config, mode.scfg, sharding.shard_params(params, mesh), None if pred is None else
             tp_decode.shard_predictors(pred, mesh), put(ids), put(mask), put(prefix), shards=tp)
-        np.testing.assert_allclose(np.asarray(got), np.asarray(want), rtol=REL, atol=1e-5)
+        assert_finite_close(np.asarray(got), np.asarray(want), rtol=REL, atol=1e-5)
         for g, w in zip(got_sets, want_sets):
             np.testing.assert_array_equal(np.asarray(g), np.asarray(w))
         neurons = np.asarray(want_sets[0])  # [L, B, T, F]
@@ -245,12 +260,75 @@ else:
         desc = mode.describe(config)
         assert desc["selection_shards"] == tp and desc["mlp_k_per_shard"][1] == k_local
 
-    @pytest.mark.parametrize("name", ["oracle", "sparse"])
-    def test_sparse_scoring_on_a_mesh_equals_the_tensor_parallel_decode(name):
+    _TP_CALLS = []
+
+    def _recording_selector(config, name, monkeypatch):
+        """The engine's selector, every selection appended to _TP_CALLS as (decode step,
+        shard, layer or None, local ids) by each shard. Predictors: the selector's calls;
+        oracle: the engine's `select_top_k` calls (monkeypatched), made inside the layer.
+        Callbacks are unordered across devices but run in program order on each CPU device."""
+        from dejavu_jax.train import predict as predict_mod
+        step = _TP_CALLS  # _TP_CALLS[0] is the current decode step
+        if name == "oracle":
+            original = predict_mod.select_top_k
+
+            def recording_top_k(scores, k, capacity=None):
+                idx = original(scores, k, capacity)
+                jax.debug.callback(lambda s, i: step.append((step[0], int(s), None, i.tolist())),
+                                   jax.lax.axis_index(tp_decode.TP), idx)
+                return idx
+
+            monkeypatch.setattr(predict_mod, "select_top_k", recording_top_k)
+            return sparse.no_selector
+        base = sparse.predictor_selector(config.group_size)
+
+        def select(pred, layer, x, k_mlp, k_heads):
+            neurons, groups = base(pred, layer, x, k_mlp, k_heads)
+            jax.debug.callback(
+                lambda s, l, n, g: step.append((step[0], int(s), int(l), (n.tolist(),
+                                                                          g.tolist()))),
+                jax.lax.axis_index(tp_decode.TP), layer, neurons, groups)
+            return neurons, groups
+
+        return select
+
+    def _engine_sets(config, scfg, name, tp, calls, steps):
+        """{(step, layer): (neuron ids, KV-group ids)} as global ids, from each shard's
+        recorded local selections (see tests/test_eval.py's `_sets_of_calls`: a layer's
+        predicted set is its first call in the step with the layer's own k)."""
+        F, Hk = config.ffn // tp, config.n_kv_heads // tp
+        layers = range(scfg.dense_layers, config.n_layers)
+        sets = {(i, l): (set(), set()) for i in range(steps) for l in layers}
+        for shard in range(tp):
+            mine = [c for c in calls if c[1] == shard]
+            per_step = {}
+            if name == "oracle":
+                assert len(mine) == steps * 2 * len(layers), (shard, len(mine))
+                for (i, _, _, groups), (i2, _, _, neurons), layer in zip(
+                        mine[::2], mine[1::2], list(layers) * steps):
+                    assert i == i2
+                    per_step[i, layer] = (neurons, groups)
+            else:
+                for i, _, layer, (neurons, groups) in mine:
+                    own = (ss.local_k(scfg.mlp_k[layer], tp), ss.local_k(scfg.head_k[layer], tp))
+                    if (len(neurons), len(groups)) == own:
+                        per_step.setdefault((i, layer), (neurons, groups))
+            for key, (neurons, groups) in per_step.items():
+                sets[key][0].update(shard * F + n for n in neurons)
+                sets[key][1].update(shard * Hk + g for g in groups)
+        for (i, layer), (neurons, groups) in sets.items():
+            assert (len(neurons), len(groups)) == (tp * ss.local_k(scfg.mlp_k[layer], tp),
+                                                   tp * ss.local_k(scfg.head_k[layer], tp))
+        return sets
+
+    @pytest.mark.parametrize("name,tp", [("oracle", 2), ("sparse", 2), ("oracle", 4),
+                                         ("sparse", 4)])
+    def test_sparse_scoring_on_a_mesh_equals_the_tensor_parallel_decode(name, tp,
+                                                                        monkeypatch):
         """Teacher-forced `tp_decode.tp_sparse_engine` (dense prefill of one token, then one
-        step per token, batch 1) gives the logits the mesh scorer gives at every position."""
+        step per token, batch 1) gives the logits the mesh scorer gives at every position,
+        and the scorer's masks hold the sets the shards selected at every decoded token."""
         config, params = _small()
-        tp = 2
         mesh = sharding.make_mesh(tp=tp)
         mode = ss.make_mode(config, name, 0.3, 0.5, dense_layers=1, shards=tp)
         pred = _random_predictors(config, 6) if name == "sparse" else None
@@ -258,11 +336,10 @@ else:
         sharded_pred = None if pred is None else tp_decode.shard_predictors(pred, mesh)
         ids = np.asarray(_window(config, batch=1, length=8))[0]
         arr = jnp.asarray(ids[None])
-        scored, _ = ss.window_logits(config, mode.scfg, sharded, sharded_pred, arr,
-                                     jnp.ones_like(arr), jnp.asarray([1], jnp.int32),
-                                     shards=tp)
-        select = (sparse.no_selector if name == "oracle"
-                  else sparse.predictor_selector(config.group_size))
+        scored, (neuron_mask, group_mask, _) = ss.window_logits(
+            config, mode.scfg, sharded, sharded_pred, arr, jnp.ones_like(arr),
+            jnp.asarray([1], jnp.int32), shards=tp)
+        select = _recording_selector(config, name, monkeypatch)
         engine = tp_decode.tp_sparse_engine(config, mode.scfg, select, mesh)
         prompt, prompt_mask = (jnp.asarray(a) for a in left_pad([ids[:1].tolist()]))
         state = engine.init_state(1, 16, jnp.float32)
@@ -270,8 +347,17 @@ else:
                                                 state)
         decoded = [np.asarray(logits[0])]
         step = jax.jit(engine.step)
-        for tok in ids[1:]:
+        _TP_CALLS[:] = [0]
+        for i, tok in enumerate(ids[1:]):
+            _TP_CALLS[0] = i
             logits, state = step((sharded, sharded_pred), state, jnp.asarray([tok], jnp.int32))
+            jax.effects_barrier()
             decoded.append(np.asarray(logits[0]))
-        np.testing.assert_allclose(np.stack(decoded), np.asarray(scored[0]), atol=1e-4,
-                                   rtol=1e-4)
+        assert_finite_close(np.stack(decoded), np.asarray(scored[0]), atol=1e-4, rtol=1e-4)
+        sets = _engine_sets(config, mode.scfg, name, tp, _TP_CALLS[1:], len(ids) - 1)
+        neuron_mask, group_mask = np.asarray(neuron_mask)[:, 0], np.asarray(group_mask)[:, 0]
+        for (i, layer), want in sets.items():
+            got = (set(np.flatnonzero(neuron_mask[layer, 1 + i]).tolist()),
+                   set(np.flatnonzero(group_mask[layer, 1 + i]).tolist()))
+            assert got == want, f"step {i} layer {layer}"
+        assert len({frozenset(n) for n, _ in sets.values()}) > 1  # sets change per token

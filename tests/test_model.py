@@ -6,6 +6,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from conftest import assert_finite_close
 
 import dejavu_jax as dj
 from dejavu_jax import model
@@ -14,7 +15,7 @@ from dejavu_jax.params import fuse_qkv, has_fused_qkv, unstack_layers
 
 HF = Path(__file__).parent / "fixtures" / "hf"
 VARIANTS = ["opt-preln", "opt-postln-proj", "opt-fp16-prefix", "opt-bin",
-            "llama-gqa", "llama-mha"]
+            "llama-gqa", "llama-mha", "qwen2", "gemma3"]
 
 
 def _load(name):
@@ -37,7 +38,7 @@ def test_logits_match_hugging_face(name):
     assert err <= 1e-4 * scale, f"{name}: max abs error {err:.3g} vs logit scale {scale:.3g}"
 
 
-@pytest.mark.parametrize("name", ["opt-preln", "opt-postln-proj", "llama-gqa"])
+@pytest.mark.parametrize("name", ["opt-preln", "opt-postln-proj", "llama-gqa", "gemma3"])
 def test_cached_decode_reproduces_full_forward(name):
     config, params, ref = _load(name)
     ids, mask = ref["input_ids"], ref["attention_mask"]
@@ -47,10 +48,10 @@ def test_cached_decode_reproduces_full_forward(name):
     step_logits, state = model.prefill(config, params, jnp.asarray(ids[:, :split]),
                                        jnp.asarray(mask[:, :split]), state)
     scale = np.abs(full).max()
-    np.testing.assert_allclose(step_logits, full[:, split - 1], atol=1e-5 * scale)
+    assert_finite_close(step_logits, full[:, split - 1], atol=1e-5 * scale)
     for t in range(split, ids.shape[1]):
         step_logits, state = model.decode_step(config, params, state, jnp.asarray(ids[:, t]))
-        np.testing.assert_allclose(step_logits, full[:, t], atol=1e-5 * scale,
+        assert_finite_close(step_logits, full[:, t], atol=1e-5 * scale,
                                    err_msg=f"position {t}")
 
 
@@ -64,7 +65,7 @@ def test_greedy_ids_match_hugging_face(name):
     assert result.tokens[0] == want
 
 
-@pytest.mark.parametrize("name", ["opt-preln", "opt-bin", "llama-mha"])
+@pytest.mark.parametrize("name", ["opt-preln", "opt-bin", "llama-mha", "qwen2", "gemma3"])
 def test_decode_logits_along_greedy_path_match_hugging_face(name):
     config, params, ref = _load(name)
     _check_greedy_path_logits(config, params, ref)
@@ -83,6 +84,31 @@ def _check_greedy_path_logits(config, params, ref, per_layer=False):
                                    err_msg=f"step {i}")
         step_logits, state = model.decode_step(config, params, state,
                                                jnp.asarray([token], jnp.int32))
+
+
+def test_gemma3_fixture_exercises_every_switch():
+    """The Gemma 3 fixture's config is what its config.json says, and dropping any one of
+    its switches (sliding windows, per-type RoPE, query scale, post-norms, soft-cap,
+    embedding scale) moves the logits well away from Hugging Face's."""
+    config, params, ref = _load("gemma3")
+    assert config.family == "gemma3" and config.activation == "gelu_tanh"
+    assert config.sliding_layers == (True, True, False, True) and config.sliding_window == 6
+    assert (config.rope_theta, config.rope_local_theta, config.rope_linear_factor) == (
+        1e6, 1e4, 2.0)
+    assert config.query_scale == 20 ** -0.5 and config.final_logit_softcap == 20.0
+    assert config.qk_norm and config.post_norms and config.embed_scale == 8.0
+    real = ref["attention_mask"].astype(bool)
+    scale = np.abs(ref["logits"][real]).max()
+    variants = {"no window": dict(sliding_layers=(), sliding_window=None),
+                "one rope": dict(rope_local_theta=None),
+                "no rope scaling": dict(rope_linear_factor=1.0),
+                "head_dim scale": dict(query_scale=None),
+                "no soft-cap": dict(final_logit_softcap=None),
+                "no embed scale": dict(embed_scale=None)}
+    for what, change in variants.items():
+        out = np.asarray(dj.logits(config.replace(**change), params, ref["input_ids"],
+                                   ref["attention_mask"]))
+        assert np.abs(out[real] - ref["logits"][real]).max() > 100 * 1e-4 * scale, what
 
 
 @pytest.mark.parametrize("name,unrolled", [("opt-preln", False), ("llama-gqa", False),

@@ -2,7 +2,8 @@
 
 The notebook reads its parameters from DEJAVU_NOTEBOOK_* environment variables in its first
 code cell; here it runs `preset:opt-tiny` on a few hundred tokens, with tiny predictors
-trained in the test and a made-up evaluation file, so every section executes. Any cell
+trained in the test (on a made-up corpus, through a word-level tokenizer built here, so no
+data folder is needed) and a made-up evaluation file, so every section executes. Any cell
 error (for example a changed public API) fails the test. The kernel is this interpreter
 (a kernelspec written for sys.executable), so it sees the same installed dejavu_jax.
 """
@@ -22,18 +23,32 @@ NOTEBOOK = Path(__file__).resolve().parents[1] / "notebooks" / "sparsity_per_lay
 KERNEL = "dejavu-notebook-test"
 
 
-def tiny_predictors(tmp_path: Path) -> Path | None:
-    """Predictors for preset:opt-tiny (seed 0, the notebook's default), or None without data."""
-    from dejavu_jax.paths import opt_tokenizer_dir
+def word_tokenizer(folder: Path, text: str) -> Path:
+    """A Hugging Face word-level tokenizer of `text`'s words (ids 1.., 0 unknown), saved to
+    `folder`: collection needs a tokenizer, and this one needs no data folder."""
+    from tokenizers import Tokenizer, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+    split = pre_tokenizers.Whitespace()
+    words = sorted({word for word, _ in split.pre_tokenize_str(text)})
+    vocab = {"<unk>": 0, **{w: i + 1 for i, w in enumerate(words)}}
+    tok = Tokenizer(models.WordLevel(vocab, unk_token="<unk>"))
+    tok.pre_tokenizer = split
+    PreTrainedTokenizerFast(tokenizer_object=tok, unk_token="<unk>").save_pretrained(folder)
+    return folder
+
+
+def tiny_predictors(tmp_path: Path) -> Path:
+    """Predictors for preset:opt-tiny (seed 0, the notebook's default), collected with a
+    word-level tokenizer of the made-up corpus."""
     from dejavu_jax.train import collect, predictors
-    if not opt_tokenizer_dir().exists():
-        return None
+    corpus = "".join(f"Line {i}: the river carried {i % 7} stones past the mill.\n"
+                     for i in range(300))
     text = tmp_path / "corpus.txt"
-    text.write_text("".join(f"Line {i}: the river carried {i % 7} stones past the mill.\n"
-                            for i in range(300)))
+    text.write_text(corpus)
+    tokenizer = word_tokenizer(tmp_path / "tokenizer", corpus)
     assert collect.main(["--preset", "opt-tiny", "--corpus", str(text), "--tokens", "600",
-                         "--window", "32", "--out", str(tmp_path / "records"),
-                         "--no-progress"]) == 0
+                         "--window", "32", "--tokenizer", str(tokenizer), "--out",
+                         str(tmp_path / "records"), "--no-progress"]) == 0
     assert predictors.main(["--records", str(tmp_path / "records"), "--out",
                             str(tmp_path / "pred"), "--epochs", "1", "--batch-size", "128",
                             "--rank", "16", "--no-progress", "--no-output-metric"]) == 0
@@ -59,7 +74,7 @@ def test_notebook_runs_on_tiny_model(tmp_path, monkeypatch):
     monkeypatch.setenv("DEJAVU_NOTEBOOK_MODEL", "preset:opt-tiny")
     monkeypatch.setenv("DEJAVU_NOTEBOOK_WINDOWS", "32")
     monkeypatch.setenv("DEJAVU_NOTEBOOK_WINDOW", "13")
-    monkeypatch.setenv("DEJAVU_NOTEBOOK_PREDICTORS", str(pred) if pred else "")
+    monkeypatch.setenv("DEJAVU_NOTEBOOK_PREDICTORS", str(pred))
     monkeypatch.setenv("DEJAVU_NOTEBOOK_EVAL", str(evals / "*.json"))
 
     nb = nbformat.read(NOTEBOOK, as_version=4)
@@ -74,5 +89,4 @@ def test_notebook_runs_on_tiny_model(tmp_path, monkeypatch):
     assert "recorded 32 windows x 12 tokens" in text
     images = sum("image/png" in o.get("data", {}) for o in outputs)
     assert images >= 6  # sections 1-4 and 6 always plot, 7 plots the made-up sweep
-    if pred is not None:
-        assert "on this notebook's tokens" in text  # section 5 ran the trained predictors
+    assert "on this notebook's tokens" in text  # section 5 ran the trained predictors

@@ -5,6 +5,9 @@ type errors of a kernel on the GPU path surface (the interpreter, which the nume
 tests use, does not see them). The GPU description is H200's; nothing is compiled or run.
 """
 
+import dataclasses
+import re
+
 import jax
 import jax.numpy as jnp
 import pytest
@@ -25,6 +28,22 @@ def h200_description(monkeypatch):
 def lowers(fn, *args):
     """The StableHLO text of fn lowered for CUDA (raises where a kernel cannot lower)."""
     return jax.jit(fn).trace(*args).lower(lowering_platforms=("cuda",)).as_text()
+
+
+def triton_launch_sites(text):
+    """{kernel name: call sites} of the Triton launches in lowered text: a launch inside a
+    private function counts once per call of that function (one level of nesting)."""
+    sites = {}
+    for func in re.split(r"(?=func\.func )", text):
+        header = re.match(r"func\.func (public|private) @([\w$.-]+)\(", func)
+        if header is None:
+            continue
+        calls = 1 if header[1] == "public" else text.count(f"func.call @{header[2]}(")
+        for line in func.splitlines():
+            if "@__gpu$xla.gpu.triton" in line:
+                name = re.search(r'\bname = "([^"]+)"', line)[1]
+                sites[name] = sites.get(name, 0) + calls
+    return sites
 
 
 def z(*shape, dtype=BF16):
@@ -134,7 +153,9 @@ def test_sparse_decode_step_lowers(preset, batch, split, stacked):
     params = dj.init_params(config, jax.random.key(0), BF16)
     if not stacked:
         params = unstack_layers(params)
-    scfg = sparse.sparse_config(config, 0.25, 0.5, dense_layers=1, impl="pallas")
+    # batch_policy "kernels": a batch would otherwise run XLA's dense layers
+    scfg = dataclasses.replace(sparse.sparse_config(config, 0.25, 0.5, dense_layers=1,
+                                                    impl="pallas"), batch_policy="kernels")
     preds = decode_predictors(random_predictors(config, 16, jax.random.key(1)))
     select = sparse.predictor_selector(config.group_size, method="local", impl="pallas")
     assert select.splits(preds, batch) == split
@@ -147,9 +168,30 @@ def test_sparse_decode_step_lowers(preset, batch, split, stacked):
     assert "layer_norm" in text
 
 
-def test_dense_decode_step_lowers():
-    config = dj.preset("opt-tiny")
+@pytest.mark.parametrize("preset", ["opt-tiny", "llama-tiny"])
+def test_dense_decode_step_lowers(preset, monkeypatch):
+    """The dense decode step as a GPU runs it: `kernels._common.resolve_impl` picks Pallas
+    when the default backend is a GPU, so the step's sublayer norms (`ops.norm_input`)
+    become the Pallas layer-norm kernel, one Triton launch in the layer scan's body for
+    the attention norm and one for the MLP norm."""
+    monkeypatch.setattr(jax, "default_backend", lambda: "gpu")
+    config = dj.preset(preset)
     params = dj.init_params(config, jax.random.key(0), BF16)
     state = jax.eval_shape(lambda: model.init_state(config, 1, 32, BF16))
-    lowers(lambda p, s, t: model.decode_step_fn(config, p, s, t), params, state,
-           jnp.zeros((1,), jnp.int32))
+    text = lowers(lambda p, s, t: model.decode_step_fn(config, p, s, t), params, state,
+                  jnp.zeros((1,), jnp.int32))
+    assert triton_launch_sites(text) == {"layer_norm": 2}
+
+
+@pytest.mark.parametrize("B", [1, 3])
+def test_threshold_kernels_lower(B):
+    """The activation-sparse kernels at Qwen2.5-1.5B's MLP shapes: the input-sparse GEMV
+    (partials and the residual path) and the row-masked GEMV."""
+    from dejavu_jax.kernels.threshold_matvec import row_masked_matvec, threshold_matvec
+    d, F = 1536, 8960
+    t = jnp.float32(0.1)
+    lowers(lambda x, w: threshold_matvec(x, w, t, impl="pallas"), z(B, d), z(d, F))
+    lowers(lambda x, w, r, b: threshold_matvec(x, w, t, residual=r, bias=b, impl="pallas"),
+           z(B, F), z(F, d), z(B, d, dtype=F32), z(d))
+    lowers(lambda x, w, k: row_masked_matvec(x, w, k, impl="pallas"), z(B, d), z(F, d),
+           jnp.zeros((F,), bool))

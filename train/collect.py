@@ -22,6 +22,7 @@ import jax.numpy as jnp
 import numpy as np
 from tqdm.auto import tqdm
 
+from dejavu_jax import cli
 from dejavu_jax import config as config_lib
 from dejavu_jax.config import ModelConfig
 from dejavu_jax.model import sequence_forward
@@ -29,7 +30,6 @@ from dejavu_jax.params import ModelParams, init_params
 from dejavu_jax.train import corpus as corpus_lib
 from dejavu_jax.train import records as rec
 
-DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16, "float16": jnp.float16}
 
 
 @dataclasses.dataclass(frozen=True)
@@ -43,7 +43,7 @@ class ModelSource:
 
     def load(self) -> tuple[ModelConfig, ModelParams]:
         """(config, params) for this source."""
-        dtype = DTYPES[self.dtype]
+        dtype = cli.DTYPES[self.dtype]
         if self.path:
             from dejavu_jax.loading import load_pretrained
             return load_pretrained(self.path, dtype=dtype, progress=False)
@@ -80,7 +80,11 @@ def record_windows(config: ModelConfig, params: ModelParams, windows: np.ndarray
     out = {k: np.asarray(v) for k, v in
            _record_batch(config, int(skip_first), params, jnp.asarray(windows)).items()}
     # labels on the host: np.partition selects the top fraction in O(F), a sort is O(F log F)
-    out["mlp_label"] = rec.pack_labels(rec.apply_rule(mlp_rule, out.pop("mlp_act")))
+    act = out.pop("mlp_act")
+    if mlp_rule.kind == "contribution":
+        norms = np.linalg.norm(np.asarray(params.layers.w_out_t, np.float32), axis=-1)
+        act = rec.contribution_values(mlp_rule, act, norms)
+    out["mlp_label"] = rec.pack_labels(rec.apply_rule(mlp_rule, act))
     return out
 
 
@@ -197,47 +201,77 @@ def collect(config: ModelConfig, params: ModelParams, tokenizer, files: list[Pat
     return manifest
 
 
+def label_rule(text: str) -> "rec.LabelRule":
+    """An argparse type for --mlp-rule."""
+    try:
+        return rec.LabelRule.parse(text)
+    except ValueError as e:
+        raise argparse.ArgumentTypeError(str(e)) from None
+
+
 def build_parser() -> argparse.ArgumentParser:
-    """The CLI's argument parser."""
-    p = argparse.ArgumentParser(prog="python -m dejavu_jax.train.collect", description=__doc__,
-                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    """The CLI's argument parser (its errors: one `error:` line, exit status 2)."""
+    p = cli.ArgumentParser(prog="python -m dejavu_jax.train.collect", description=__doc__,
+                           formatter_class=argparse.RawDescriptionHelpFormatter)
     src = p.add_mutually_exclusive_group(required=True)
-    src.add_argument("--model", help="checkpoint directory or .gguf file")
-    src.add_argument("--preset", help=f"random weights of a preset: "
-                                      f"{', '.join(config_lib.PRESETS)}")
+    src.add_argument("--model", type=cli.existing_path,
+                     help="checkpoint directory or .gguf file")
+    src.add_argument("--preset", choices=config_lib.PRESETS, metavar="NAME",
+                     help=f"random weights of a preset: {', '.join(config_lib.PRESETS)}")
     p.add_argument("--seed", type=int, default=0, help="weights seed (presets) and window "
                    "order")
-    p.add_argument("--dtype", choices=sorted(DTYPES), default="float32")
+    p.add_argument("--dtype", choices=sorted(cli.DTYPES), default="float32")
     p.add_argument("--corpus", action="append", help="text file, folder or glob (repeat); "
-                   "default: <data root>/corpus/*.txt")
+                   "default: <data root>/corpus/*.txt, the data root being $DEJAVU_DATA")
     p.add_argument("--dataset", help="Hugging Face dataset NAME[:CONFIG[:SPLIT]] instead of "
                    "--corpus (needs a reachable hub; cached as a text file)")
-    p.add_argument("--tokenizer", help="tokenizer folder or .gguf (default: the model's)")
-    p.add_argument("--tokens", type=int, default=100_000, help="tokens to record")
-    p.add_argument("--window", type=int, default=256, help="tokens per window (with BOS)")
-    p.add_argument("--batch", type=int, default=4, help="windows per forward call")
-    p.add_argument("--shard-tokens", type=int, default=16384, help="tokens per shard")
-    p.add_argument("--mlp-rule", help="neuron label rule: 'positive' (act > 0), "
-                   "'top:FRACTION' by |act|, 'threshold:VALUE'; default: positive for ReLU "
-                   "models, top:0.3 otherwise")
+    p.add_argument("--tokenizer", type=cli.existing_path,
+                   help="tokenizer folder or .gguf (default: the model's)")
+    p.add_argument("--tokens", type=cli.positive_int, default=100_000,
+                   help="tokens to record")
+    p.add_argument("--window", type=cli.positive_int, default=256,
+                   help="tokens per window (with BOS; at least 2)")
+    p.add_argument("--batch", type=cli.positive_int, default=4,
+                   help="windows per forward call")
+    p.add_argument("--shard-tokens", type=cli.positive_int, default=16384,
+                   help="tokens per shard")
+    p.add_argument("--mlp-rule", type=label_rule, help="neuron label rule: 'positive' "
+                   "(act > 0), 'top:FRACTION' by |act|, 'contribution:FRACTION' by |act| times "
+                   "the norm of the neuron's down-projection row, 'threshold:VALUE'; default: "
+                   "positive for ReLU models, top:0.3 otherwise")
     p.add_argument("--out", required=True, help="records folder")
     p.add_argument("--overwrite", action="store_true", help="discard records already in --out")
     p.add_argument("--no-progress", action="store_true")
     return p
 
 
+def corpus_files(args) -> list[Path]:
+    """The corpus files of --dataset / --corpus / the data folder's corpus."""
+    if args.dataset:
+        return [corpus_lib.dataset_to_file(args.dataset)]
+    if args.corpus:
+        return corpus_lib.resolve_files(args.corpus)
+    try:
+        return corpus_lib.resolve_files(corpus_lib.default_corpus())
+    except corpus_lib.CorpusError:
+        from dejavu_jax.paths import data_file
+        data_file("corpus", "the default corpus", ", or pass --corpus FILE|DIR|GLOB or "
+                  "--dataset NAME")
+        raise
+
+
 def main(argv: list[str] | None = None) -> int:
-    """Run the CLI; returns the process exit status."""
+    """Run the CLI; returns the process exit status (2 with one `error:` line for bad
+    arguments, files or data)."""
+    from dejavu_jax.checkpoint_files import CheckpointError
     args = build_parser().parse_args(argv)
+    if args.window < 2:
+        cli.fail(f"--window {args.window}: a window needs BOS and at least one text token")
     out = Path(args.out).expanduser()
     try:
-        if args.dataset:
-            files = [corpus_lib.dataset_to_file(args.dataset)]
-        else:
-            files = corpus_lib.resolve_files(args.corpus or corpus_lib.default_corpus())
+        files = corpus_files(args)
         corpus_lib.corpus_chunks(files, args.window)  # fail fast, before loading weights
-        source = ModelSource(path=str(Path(args.model).expanduser().resolve())
-                             if args.model else None,
+        source = ModelSource(path=str(args.model.resolve()) if args.model else None,
                              preset=args.preset, seed=args.seed, dtype=args.dtype)
         config, params = source.load()
         if args.tokenizer:
@@ -246,22 +280,20 @@ def main(argv: list[str] | None = None) -> int:
         else:
             tokenizer = source.tokenizer(config)
         if tokenizer is None:
-            print("error: no tokenizer found for this model; pass --tokenizer", file=sys.stderr)
-            return 2
+            cli.fail("no tokenizer found for this model; pass --tokenizer")
         if args.overwrite and out.exists():
             rec._remove_tree(out)
-        mlp_rule = rec.LabelRule.parse(args.mlp_rule) if args.mlp_rule else None
         print(f"model {config.name} ({config.family}, {config.n_layers} layers, "
               f"d={config.hidden}, F={config.ffn}) on {jax.default_backend()}; "
               f"{len(files)} corpus files", file=sys.stderr)
         m = collect(config, params, tokenizer, files, out, tokens=args.tokens,
                     window=args.window, batch=args.batch, shard_tokens=args.shard_tokens,
-                    mlp_rule=mlp_rule, seed=args.seed, source=source,
+                    mlp_rule=args.mlp_rule, seed=args.seed, source=source,
                     progress=not args.no_progress,
                     log=lambda s: print(s, file=sys.stderr))
-    except (corpus_lib.CorpusError, rec.RecordsError, ValueError) as e:
-        print(f"error: {e}", file=sys.stderr)
-        return 1
+    except (corpus_lib.CorpusError, rec.RecordsError, CheckpointError, OSError,
+            ValueError) as e:
+        cli.fail(str(e))
     t = m.get("throughput", {})
     print(f"{m['tokens']} tokens in {len(m['shards'])} shards -> {out}"
           + (f"; {t['tokens_per_s']} tokens/s" if t else ""))

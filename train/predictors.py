@@ -26,6 +26,7 @@ import numpy as np
 import optax
 from tqdm.auto import tqdm
 
+from dejavu_jax import cli
 from dejavu_jax.train import data as data_lib
 from dejavu_jax.train import metrics as metrics_lib
 from dejavu_jax.train import records as rec
@@ -371,32 +372,48 @@ def format_table(per_layer: list[dict]) -> str:
     return "\n".join(rows)
 
 
+def _head_rule(text: str) -> str:
+    try:
+        rec.LabelRule.parse(text)
+    except ValueError as e:
+        raise argparse.ArgumentTypeError(str(e)) from None
+    return text
+
+
+def _open_fraction(text: str) -> float:
+    value = cli.fraction(text)
+    if value == 1:
+        raise argparse.ArgumentTypeError("must be in (0, 1), got 1")
+    return value
+
+
 def build_parser() -> argparse.ArgumentParser:
-    """The CLI's argument parser."""
+    """The CLI's argument parser (its errors: one `error:` line, exit status 2)."""
     d = TrainConfig()
-    p = argparse.ArgumentParser(prog="python -m dejavu_jax.train.predictors",
-                                description=__doc__,
-                                formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--records", required=True, help="records folder from train.collect")
+    p = cli.ArgumentParser(prog="python -m dejavu_jax.train.predictors", description=__doc__,
+                           formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--records", required=True, type=cli.existing_dir,
+                   help="records folder from train.collect")
     p.add_argument("--out", required=True, help="predictor folder to write")
-    p.add_argument("--rank", type=int, default=d.rank, help="r (capped at d)")
+    p.add_argument("--rank", type=cli.positive_int, default=d.rank, help="r (capped at d)")
     p.add_argument("--activation", choices=ACTIVATIONS, default=d.activation)
     p.add_argument("--same-layer", action="store_true",
                    help="predict from the layer's own inputs instead of lookahead")
-    p.add_argument("--head-rule", default=d.head_rule,
+    p.add_argument("--head-rule", type=_head_rule, default=d.head_rule,
                    help="head label rule: 'top:FRACTION' or 'threshold:NORM'")
-    p.add_argument("--epochs", type=int, default=d.epochs)
-    p.add_argument("--batch-size", type=int, default=d.batch_size, help="tokens per step")
-    p.add_argument("--lr", type=float, default=d.lr)
-    p.add_argument("--weight-decay", type=float, default=d.weight_decay)
-    p.add_argument("--stop-recall", type=float, default=d.stop_recall)
-    p.add_argument("--patience", type=int, default=d.patience)
-    p.add_argument("--val-fraction", type=float, default=d.val_fraction)
-    p.add_argument("--max-val-tokens", type=int, default=d.max_val_tokens)
-    p.add_argument("--k-mlp", type=int, help="evaluation k for neurons (default: 1.5x the "
-                   "mean number of active neurons)")
-    p.add_argument("--k-heads", type=int, help="evaluation k for query heads (default: 1.5x "
-                   "the mean active)")
+    p.add_argument("--epochs", type=cli.positive_int, default=d.epochs)
+    p.add_argument("--batch-size", type=cli.positive_int, default=d.batch_size,
+                   help="tokens per step")
+    p.add_argument("--lr", type=cli.non_negative_float, default=d.lr)
+    p.add_argument("--weight-decay", type=cli.non_negative_float, default=d.weight_decay)
+    p.add_argument("--stop-recall", type=cli.fraction, default=d.stop_recall)
+    p.add_argument("--patience", type=cli.positive_int, default=d.patience)
+    p.add_argument("--val-fraction", type=_open_fraction, default=d.val_fraction)
+    p.add_argument("--max-val-tokens", type=cli.positive_int, default=d.max_val_tokens)
+    p.add_argument("--k-mlp", type=cli.positive_int, help="evaluation k for neurons "
+                   "(default: 1.5x the mean number of active neurons)")
+    p.add_argument("--k-heads", type=cli.positive_int, help="evaluation k for query heads "
+                   "(default: 1.5x the mean active)")
     p.add_argument("--seed", type=int, default=d.seed)
     p.add_argument("--no-output-metric", action="store_true",
                    help="skip the MLP output-capture metric (it loads the model weights)")
@@ -405,7 +422,9 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> int:
-    """Run the CLI; returns the process exit status."""
+    """Run the CLI; returns the process exit status (2 with one `error:` line for bad
+    arguments or records)."""
+    from dejavu_jax.checkpoint_files import CheckpointError
     args = build_parser().parse_args(argv)
     tc = TrainConfig(rank=args.rank, activation=args.activation, lookahead=not args.same_layer,
                      head_rule=args.head_rule, epochs=args.epochs, batch_size=args.batch_size,
@@ -429,9 +448,8 @@ def main(argv: list[str] | None = None) -> int:
                              summary["k_mlp"], summary["k_heads"], model, progress)
         manifest = build_manifest(records, tc, summary, per_layer)
         save_predictors(args.out, params, manifest)
-    except (rec.RecordsError, ValueError) as e:
-        err(f"error: {e}")
-        return 1
+    except (rec.RecordsError, CheckpointError, OSError, ValueError) as e:
+        cli.fail(str(e))
     print(format_table(per_layer))
     print(f"summary: {manifest['summary']}")
     t = summary["throughput"]

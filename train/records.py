@@ -34,16 +34,18 @@ class LabelRule:
     """How a per-token vector of magnitudes becomes active/inactive labels.
 
     kind: "positive" (value > 0, ReLU's rule), "top" (the top `value` fraction by
-      magnitude, at least one), or "threshold" (magnitude >= `value`).
+      magnitude, at least one), "contribution" (the top `value` fraction by a neuron's
+      contribution to the output, |act_i| * ||w_out_i||: `apply_rule` takes those products,
+      see `contribution_values`) or "threshold" (magnitude >= `value`).
     """
 
     kind: str
     value: float = 0.0
 
     def __post_init__(self):
-        if self.kind not in ("positive", "top", "threshold"):
+        if self.kind not in ("positive", "top", "contribution", "threshold"):
             raise ValueError(f"unknown label rule {self.kind!r}")
-        if self.kind == "top" and not 0.0 < self.value <= 1.0:
+        if self.kind in ("top", "contribution") and not 0.0 < self.value <= 1.0:
             raise ValueError(f"top fraction must be in (0, 1], got {self.value}")
 
     @classmethod
@@ -55,8 +57,8 @@ class LabelRule:
         try:
             return cls(kind, float(value))
         except ValueError:
-            raise ValueError(f"bad label rule {text!r}; use 'positive', 'top:FRACTION' "
-                             "or 'threshold:VALUE'") from None
+            raise ValueError(f"bad label rule {text!r}; use 'positive', 'top:FRACTION', "
+                             "'contribution:FRACTION' or 'threshold:VALUE'") from None
 
     def __str__(self) -> str:
         return self.kind if self.kind == "positive" else f"{self.kind}:{self.value:g}"
@@ -81,6 +83,14 @@ def apply_rule(rule: LabelRule, values: np.ndarray) -> np.ndarray:
         import jax
         kth = jax.lax.top_k(mag, k)[0][..., k - 1:k]
     return mag >= kth
+
+
+def contribution_values(rule: LabelRule, act, w_out_norms):
+    """The values a rule labels from activations act [L, n, F]: |act| * ||w_out row||
+    ([L, F]) for the contribution rule, act itself for the others."""
+    if rule.kind != "contribution":
+        return act
+    return act * w_out_norms[:, None, :]
 
 
 def _array_module(x):

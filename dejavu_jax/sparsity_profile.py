@@ -1,0 +1,131 @@
+"""Sparsity profiles: a model's calibrated activation thresholds with their measured cost.
+
+A profile is a small JSON file (a few KB): the model it was made for (name and config
+fingerprint), the method (which threshold sites), each layer's level (fraction of a site's
+channels dropped on calibration text) and threshold, and what the search measured.
+`train.profile` makes them; `generate --sparse` and the evaluation CLIs read them.
+Profiles for the fetchable models ship in `dejavu_jax/shipped_profiles/`; profiles made
+here go to `$DEJAVU_CACHE/profiles/` unless written elsewhere.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+from pathlib import Path
+
+import numpy as np
+
+from dejavu_jax.activation_sparsity import SITES
+from dejavu_jax.config import ModelConfig
+
+METHODS = {"teal": ("qkv", "o", "gate_up", "down"), "cats": ("gate",),
+           "teal+cats": ("qkv", "o", "gate_up", "gate", "down")}
+SHIPPED = Path(__file__).resolve().parent / "shipped_profiles"
+
+
+class ProfileError(ValueError):
+    """A profile file is missing, malformed, or made for another model."""
+
+
+def method_sites(config: ModelConfig, method: str) -> tuple[str, ...]:
+    """The threshold sites of `method` (METHODS); ProfileError for an unknown method or one
+    the model cannot run (the gate site needs a gated MLP)."""
+    if method not in METHODS:
+        raise ProfileError(f"unknown sparsity method {method!r}; known: {', '.join(METHODS)}")
+    if "gate" in METHODS[method] and not config.gated_mlp:
+        raise ProfileError(f"method {method!r} thresholds the gate, and {config.name} has no "
+                           "gated MLP; use 'teal'")
+    return METHODS[method]
+
+
+@dataclasses.dataclass
+class SparsityProfile:
+    """Per-layer thresholds of one model and method, and how they were measured."""
+
+    model: str
+    fingerprint: str
+    method: str
+    sites: tuple[str, ...]
+    levels: list[list[float]]
+    thresholds: list[list[float]]
+    measured: dict = dataclasses.field(default_factory=dict)
+    calibration: dict = dataclasses.field(default_factory=dict)
+
+    def threshold_array(self) -> np.ndarray:
+        """The thresholds as the engine's selector params: float32 [L, len(SITES)]."""
+        return np.asarray(self.thresholds, np.float32)
+
+    def check(self, config: ModelConfig) -> None:
+        """ProfileError unless the profile fits `config` (fingerprint and layer count)."""
+        if self.fingerprint != config.fingerprint():
+            raise ProfileError(f"profile for model {self.model!r} (fingerprint "
+                               f"{self.fingerprint}) does not fit {config.name!r} "
+                               f"({config.fingerprint()})")
+        if np.shape(self.thresholds) != (config.n_layers, len(SITES)):
+            raise ProfileError(f"profile thresholds have shape {np.shape(self.thresholds)}, "
+                               f"expected ({config.n_layers}, {len(SITES)})")
+
+    def summary(self) -> str:
+        """One line: method, what the search measured (perplexity cost and bytes skipped)."""
+        m = self.measured
+        parts = [f"profile {self.method} ({'+'.join(self.sites)})"]
+        for text, t in m.get("test", {}).items():  # measured on evaluation text
+            parts.append(f"perplexity cost {t['ppl_cost']:+.1%} on {t['tokens']} tokens of "
+                         f"{text}, {t['bytes_skipped']:.1%} of the decoder weight bytes "
+                         "skipped")
+        if m.get("test"):
+            return "; ".join([", ".join(parts[:2])] + parts[2:])
+        if "ppl_cost" in m:
+            parts.append(f"expected perplexity cost {m['ppl_cost']:+.1%} on "
+                         f"{m.get('text', 'search text')}")
+        if "bytes_skipped" in m:
+            parts.append(f"{m['bytes_skipped']:.1%} of the decoder weight bytes skipped")
+        return ", ".join(parts)
+
+    def save(self, path: str | Path) -> Path:
+        """Write the profile as JSON (atomically); returns the path."""
+        path = Path(path)
+        path.parent.mkdir(parents=True, exist_ok=True)
+        tmp = path.with_suffix(path.suffix + ".part")
+        tmp.write_text(json.dumps(dataclasses.asdict(self), indent=1) + "\n")
+        tmp.replace(path)
+        return path
+
+
+def load_profile(path: str | Path, config: ModelConfig | None = None) -> SparsityProfile:
+    """A profile from its JSON file, checked against `config` when given; ProfileError for
+    a missing or malformed file."""
+    path = Path(path)
+    try:
+        raw = json.loads(path.read_text())
+        profile = SparsityProfile(**{**raw, "sites": tuple(raw["sites"])})
+    except FileNotFoundError:
+        raise ProfileError(f"{path}: no such profile file") from None
+    except (OSError, ValueError, TypeError, KeyError) as e:
+        raise ProfileError(f"{path}: not a sparsity profile ({type(e).__name__}: {e})") from None
+    if config is not None:
+        profile.check(config)
+    return profile
+
+
+def profile_dirs() -> list[Path]:
+    """Where profiles are looked for by model: the cache's profiles/, then the shipped."""
+    from dejavu_jax.paths import cache_root
+    return [cache_root() / "profiles", SHIPPED]
+
+
+def default_profile_path(config: ModelConfig, method: str | None = None) -> Path | None:
+    """A profile that fits `config` (of `method`, else the first found in `profile_dirs`
+    order, shipped profiles named `<model>.json` first among their folder's), or None."""
+    for folder in profile_dirs():
+        if not folder.is_dir():
+            continue
+        for path in sorted(folder.glob("*.json"), key=lambda p: (p.stem != config.name, p.name)):
+            try:
+                profile = load_profile(path)
+            except ProfileError:
+                continue
+            if profile.fingerprint == config.fingerprint() and method in (None, profile.method):
+                return path
+    return None

@@ -1,0 +1,261 @@
+"""Decode speed of activation sparsity (threshold profiles) against dense and Hugging Face.
+
+  python -m dejavu_jax.eval.bench_thresholds --models qwen2.5-1.5b,qwen2.5-7b,llama3-8b \
+      --levels uniform:0.4,uniform:0.5,eval/results/cpu/.../profile.json --out DIR
+
+Random bf16 weights of each preset's shapes. A level spec gives each layer's fraction of
+channels dropped at each threshold site (`activation_sparsity.SITES`):
+  uniform:S[:METHOD]  every layer at S on the method's sites (default teal: q/k/v, o,
+                      gate/up, down)
+  FILE.json           a profile's per-layer levels (`sparsity_profile`), mapped over depth
+                      to the preset's layer count
+Thresholds come from the magnitude quantiles of the model's own activations on a random
+prompt (`train.thresholds`), so each site drops its fraction of channels. Rows: dense
+(ours, `generation.dense_engine`), each level spec through the activation-sparse kernels
+on input-major weights (`kernels.threshold_matvec`), and with --hf the Hugging Face
+modes (`eval.bench_hf`). ms per token with the host synchronising each step (`ms`) and
+with the steps chained on the device (`ms_loop`); the decoder bytes each step skips are
+measured by the scorer on a random window at the same thresholds. `--kernels` adds the
+kernels alone against XLA's dense GEMV at MLP shapes. The run opens with
+`eval.kernel_parity` on the GPU.
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+import time
+from pathlib import Path
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from dejavu_jax import cli
+from dejavu_jax import config as config_lib
+from dejavu_jax.activation_sparsity import SITES, layer_elements
+
+BF16 = jnp.bfloat16
+
+
+def spec_levels(config, spec: str) -> tuple[np.ndarray, tuple[str, ...]]:
+    """(levels [L, len(SITES)], sites) of a level spec (see the module doc)."""
+    from dejavu_jax.sparsity_profile import load_profile, method_sites
+    if spec.startswith("uniform:"):
+        parts = spec.split(":")
+        level, method = float(parts[1]), parts[2] if len(parts) > 2 else "teal"
+        sites = method_sites(config, method)
+        row = np.asarray([level if s in sites else 0.0 for s in SITES])
+        return np.tile(row, (config.n_layers, 1)), sites
+    profile = load_profile(spec)
+    src = np.asarray(profile.levels, np.float64)
+    depth = np.linspace(0, 1, len(src))
+    at = np.linspace(0, 1, config.n_layers)
+    levels = np.stack([np.interp(at, depth, src[:, s]) for s in range(len(SITES))], 1)
+    return levels, profile.sites
+
+
+def thresholds_for(config, params, levels: np.ndarray, tokens: int = 256) -> jax.Array:
+    """Thresholds [L, len(SITES)] dropping `levels` of each site's channels on a random
+    prompt's activations."""
+    from dejavu_jax.train.thresholds import calibration_stats, thresholds_at
+    ids = jax.random.randint(jax.random.key(7), (1, tokens), 3, config.vocab_size)
+    stats = calibration_stats(config, params, ids, jnp.ones_like(ids), ())
+    return jnp.asarray(thresholds_at(np.asarray(stats["quantiles"]), levels))
+
+
+def measured_skip(config, params, scfg, thresholds, tokens: int = 64) -> float:
+    """The fraction of decoder matmul bytes the thresholds skip, per the scorer, over a
+    random window (its first position dense)."""
+    from dejavu_jax.eval.sparse_scoring import read_fraction, scored_hidden
+    ids = jax.random.randint(jax.random.key(8), (1, tokens), 3, config.vocab_size)
+    _, sets = jax.jit(lambda p, t: scored_hidden(config, scfg, p, t, ids, jnp.ones_like(ids),
+                                                 jnp.ones((1,), jnp.int32), True))(
+        params, thresholds)
+    return 1.0 - float(np.asarray(read_fraction(config, scfg, sets))[0, 1:].mean())
+
+
+def time_kernels(log, shapes=((3584, 18944), (4096, 14336), (1536, 8960)),
+                 sparsities=(0.0, 0.4, 0.5, 0.6), reps: int = 50) -> list[dict]:
+    """µs and GB/s of the input-sparse GEMV and the row-masked GEMV at MLP shapes (d, F)
+    against XLA's dense GEMV of the same matrix, chained `reps` times in one jit."""
+    from dejavu_jax.kernels.threshold_matvec import row_masked_matvec, threshold_matvec
+    rows = []
+
+    def timed(fn, *args):
+        def chain(*a):
+            def body(_, acc):
+                return acc + fn(*a)[0, :8].sum()
+            return jax.lax.fori_loop(0, reps, body, jnp.float32(0))
+        run = jax.jit(chain)
+        jax.block_until_ready(run(*args))
+        t = time.perf_counter()
+        jax.block_until_ready(run(*args))
+        return (time.perf_counter() - t) / reps * 1e6
+
+    for d, F in shapes:
+        key = jax.random.key(d)
+        x = jax.random.normal(key, (1, F), BF16)
+        w_t = jax.random.normal(key, (F, d), BF16) * 0.02
+        w = jax.random.normal(key, (F, d), BF16) * 0.02
+        y = jax.random.normal(key, (1, d), BF16)
+        dense_us = timed(lambda a, b: jnp.dot(a, b, preferred_element_type=jnp.float32),
+                         x, w_t)
+        nbytes = F * d * 2
+        rows.append(dict(kernel="xla-dense-gemv", d=d, F=F, sparsity=0.0, us=dense_us,
+                         gbs=nbytes / dense_us / 1e3))
+        for s in sparsities:
+            t = float(np.quantile(np.abs(np.asarray(x, np.float32)), s)) if s else 0.0
+            us = timed(lambda a, b: threshold_matvec(a, b, t, impl="pallas"), x, w_t)
+            read = nbytes * (1 - s)
+            rows.append(dict(kernel="threshold_matvec", d=d, F=F, sparsity=s, us=us,
+                             gbs=read / us / 1e3, vs_dense=dense_us / us))
+            keep = jax.random.uniform(key, (F,)) >= s
+            us = timed(lambda a, b, k: row_masked_matvec(a, b, k, impl="pallas"), y, w, keep)
+            rows.append(dict(kernel="row_masked_matvec", d=d, F=F, sparsity=s, us=us,
+                             gbs=read / us / 1e3, vs_dense=dense_us / us))
+            log(json.dumps(rows[-2]))
+            log(json.dumps(rows[-1]))
+    return rows
+
+
+def run_model(name, specs, contexts, warmup, steps, log) -> list[dict]:
+    """Dense and threshold rows of one preset."""
+    from dejavu_jax import sparse
+    from dejavu_jax.eval.bench_decode import measure_engine, rates, step_bytes
+    from dejavu_jax.eval.bench_hf import cache_len
+    from dejavu_jax.generation import dense_engine
+    from dejavu_jax.params import fuse_qkv, init_params, input_major, unstack_layers
+    config = config_lib.preset(name)
+    params = init_params(config, jax.random.key(0), BF16)
+    layer_bytes = 2 * layer_elements(config) * config.n_layers
+    from dejavu_jax.sparsity_profile import ProfileError
+    prepared = []
+    for spec in specs:
+        try:
+            prepared.append((spec, *spec_levels(config, spec)))
+        except ProfileError as e:
+            log(f"{name}: {spec} skipped: {e}")
+    thresholds = {spec: thresholds_for(config, params, lv) for spec, lv, _ in prepared}
+    skips = {spec: measured_skip(config, params, sparse.threshold_config(config, sites),
+                                 thresholds[spec]) for spec, _, sites in prepared}
+    rows = []
+    dense_params = unstack_layers(fuse_qkv(params))
+    for ctx in contexts:
+        max_len = cache_len(ctx, warmup, steps)
+        prompt = jax.random.randint(jax.random.key(2), (1, ctx), 3, config.vocab_size)
+        mask, tokens = jnp.ones_like(prompt), jnp.full((1,), 42, jnp.int32)
+        dense_bytes = step_bytes(config, None, ctx, 1, 0, False)
+        res = measure_engine(dense_engine(config), dense_params, prompt, mask, tokens,
+                             max_len, warmup, steps, dict(per_layer=True))
+        rows.append(dict(model=name, mode="dense", levels="-", context=ctx, skipped=0.0, **res,
+                         **rates(dense_bytes, 1, res["ms"], res["ms_loop"])))
+        log(json.dumps(rows[-1]))
+    del dense_params
+    for spec, _, sites in prepared:
+        moved = unstack_layers(input_major(params, up_rows="gate" in sites))
+        scfg = sparse.threshold_config(config, sites)
+        engine = sparse.sparse_engine(config, scfg, sparse.no_selector)
+        for ctx in contexts:
+            max_len = cache_len(ctx, warmup, steps)
+            prompt = jax.random.randint(jax.random.key(2), (1, ctx), 3, config.vocab_size)
+            mask, tokens = jnp.ones_like(prompt), jnp.full((1,), 42, jnp.int32)
+            nbytes = step_bytes(config, None, ctx, 1, 0, False) - skips[spec] * layer_bytes
+            try:
+                res = measure_engine(engine, (moved, thresholds[spec]), prompt, mask, tokens,
+                                     max_len, warmup, steps, dict(per_layer=True))
+            except Exception as e:  # report (OOM, lowering) and go on
+                log(f"FAILED {name} {spec} ctx={ctx}: {type(e).__name__}: {str(e)[:400]}")
+                continue
+            rows.append(dict(model=name, mode="threshold", levels=spec, sites=list(sites),
+                             context=ctx, skipped=skips[spec], **res,
+                             **rates(int(nbytes), 1, res["ms"], res["ms_loop"])))
+            log(json.dumps(rows[-1]))
+        del moved
+    return rows
+
+
+def with_speedups(rows: list[dict]) -> list[dict]:
+    """Each row's ms_loop and ms against the same run's dense row (and HF rows) of its
+    model and context."""
+    for r in rows:
+        for base in ("dense", "hf-compiled", "hf-eager"):
+            ref = next((b for b in rows if b["mode"] == base and b["model"] == r["model"]
+                        and b["context"] == r["context"]), None)
+            if ref is None or r is ref:
+                continue
+            if base == "dense":
+                r["x_dense_loop"] = ref["ms_loop"] / r["ms_loop"] if r.get("ms_loop") else None
+                r["x_dense_synced"] = ref["ms"] / r["ms"] if r.get("ms") else None
+            else:
+                r[f"x_{base}"] = ref["ms"] / (r.get("ms_loop") or r["ms"])
+    return rows
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Run the benchmark; writes bench_thresholds.json into --out."""
+    from dejavu_jax.eval.bench_decode import measure_best_bandwidth, run_hf, spec_bandwidth
+    from dejavu_jax.eval.parity_gate import add_parity_argument, require_parity
+    from dejavu_jax.eval.provenance import run_meta
+    p = cli.ArgumentParser(prog="python -m dejavu_jax.eval.bench_thresholds",
+                           description=__doc__.split("\n")[0])
+    p.add_argument("--models", default="qwen2.5-1.5b,qwen2.5-7b,llama3-8b")
+    p.add_argument("--levels", default="uniform:0.25,uniform:0.4,uniform:0.5")
+    p.add_argument("--contexts", default="128")
+    p.add_argument("--warmup", type=cli.non_negative_int, default=3)
+    p.add_argument("--steps", type=cli.positive_int, default=20)
+    p.add_argument("--hf", default="", help="HF modes to time too: hf-eager,hf-compiled")
+    p.add_argument("--hf-python", default=sys.executable)
+    p.add_argument("--kernels", action="store_true", help="also time the kernels alone")
+    p.add_argument("--no-models", action="store_true", help="the kernels only")
+    p.add_argument("--out", type=Path, required=True)
+    add_parity_argument(p)
+    args = p.parse_args(argv)
+    models = [m for m in args.models.split(",") if m]
+    unknown = [m for m in models if m not in config_lib.PRESETS]
+    if unknown:
+        p.error(f"unknown --models {unknown}; known: {', '.join(config_lib.PRESETS)}")
+    specs = [s for s in args.levels.split(",") if s]
+    for spec in specs:
+        if not spec.startswith("uniform:") and not Path(spec).is_file():
+            p.error(f"--levels: {spec} is neither uniform:S[:METHOD] nor a profile file")
+    contexts = [int(c) for c in args.contexts.split(",") if c]
+    args.out.mkdir(parents=True, exist_ok=True)
+    log_file = open(args.out / "bench_thresholds.log", "a")
+
+    def log(msg):
+        print(msg, flush=True)
+        log_file.write(msg + "\n")
+        log_file.flush()
+
+    hf_modes = [m for m in args.hf.split(",") if m]
+    hf = None
+    if hf_modes and not args.no_models:  # before JAX touches the accelerator
+        hf = run_hf(args.hf_python, models, contexts, [1], hf_modes, args.warmup, args.steps,
+                    args.out, log)
+    parity = require_parity(args.parity, args.out, log)
+    meta = dict(command="python -m dejavu_jax.eval.bench_thresholds " + " ".join(
+        sys.argv[1:] if argv is None else argv), **run_meta(), kernel_parity=parity)
+    detail = {}
+    meta["best_gbs"] = measure_best_bandwidth(4.0 if jax.default_backend() == "gpu" else 0.01,
+                                              detail)
+    meta["best_detail"], meta["spec_gbs"] = detail, spec_bandwidth(meta["device"])
+    result = dict(meta=meta, rows=[], kernels=[])
+
+    def save():
+        (args.out / "bench_thresholds.json").write_text(json.dumps(result, indent=1))
+
+    if args.kernels:
+        result["kernels"] = time_kernels(log)
+        save()
+    rows = [dict(r, mode=r["mode"], levels="-", skipped=0.0) for r in (hf or {}).get("rows", [])]
+    for name in [] if args.no_models else models:
+        rows += run_model(name, specs, contexts, args.warmup, args.steps, log)
+        result["rows"] = with_speedups(rows)
+        save()
+    log_file.close()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,232 @@
+"""Activation-sparse matrix-vector Pallas kernels: only the weight rows that the
+activations select are read (`dejavu_jax.activation_sparsity`).
+
+* :func:`threshold_matvec` (input sparsity, TEAL's): ``out[b, n] = sum_k x[b, k] W_t[k, n]``
+  over the input channels with ``|x[b, k]| > threshold``. ``W_t [K, N]`` is stored input-
+  major, so a channel is one contiguous row; the kernel finds the kept channels on the
+  device and its loads of the other rows are masked off, so they are never fetched. With
+  several rows a channel is read when any row keeps it, and each row multiplies its own
+  masked x, so every row's result is its own. Split-k over the channels: fp32 partials
+  the caller sums, or with ``residual`` atomically added into the residual rows.
+* :func:`row_masked_matvec` (output sparsity, CATS' up projection): ``out[b, i] =
+  W[i] . x[b]`` for the rows with ``keep[i]``, 0 elsewhere; ``W [F, d]`` row-major, the
+  other rows are never fetched.
+
+Both take ``impl`` (None: Pallas on GPU, the jnp reference elsewhere; "pallas",
+"interpret", "reference"). Triton needs power-of-two blocks, so loads and stores are
+masked at the ragged edges.
+"""
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+from jax.experimental.pallas import triton as plgpu
+
+from ._common import cdiv, check_array, is_pow2, resolve_impl
+from .gather_matvec import accumulate_blocks, batch_pad, mma
+from .launch import LaunchPart, launch
+
+F32 = jnp.float32
+
+
+def threshold_matvec_reference(x, w_t, threshold, *, residual=None, bias=None):
+    """jnp reference of :func:`threshold_matvec`."""
+    xs = jnp.where(jnp.abs(x) > threshold, x, 0).astype(F32)
+    out = jnp.dot(xs, w_t.astype(F32), precision=lax.Precision.HIGHEST)
+    if bias is not None:
+        out = out + bias.astype(F32)
+    return out if residual is None else residual + out
+
+
+def _threshold_body(pids, x_ref, t_ref, w_ref, *rest, B, Bp, K, N, bk, bn, kblocks,
+                    accumulate, has_bias):
+    if accumulate:
+        b_ref = rest[1] if has_bias else None
+        o_ref = rest[-1]
+    else:
+        o_ref = rest[0]
+    i, j = pids
+    kk = jnp.arange(bk, dtype=jnp.int32)
+    brow = jnp.arange(Bp, dtype=jnp.int32)
+    bmask = brow < B
+    cols = j * bn + jnp.arange(bn, dtype=jnp.int32)
+    cm = cols < N
+    t = t_ref[0].astype(F32)
+
+    def block(s, acc):
+        r = (i * kblocks + s) * bk + kk
+        valid = r < K
+        if Bp == 1:
+            xr = plgpu.load(x_ref.at[0, r], mask=valid, other=0).astype(F32)
+            kept = jnp.abs(xr) > t
+            xr = jnp.where(kept, xr, 0.0)
+        else:
+            xr = plgpu.load(x_ref.at[brow[:, None], r[None, :]],
+                            mask=bmask[:, None] & valid[None, :], other=0).astype(F32)
+            own = jnp.abs(xr) > t
+            xr = jnp.where(own, xr, 0.0)
+            kept = jnp.max(own.astype(jnp.int32), axis=0) > 0
+        w = plgpu.load(w_ref.at[r[:, None], cols[None, :]],
+                       mask=(kept & valid)[:, None] & cm[None, :], other=0)
+        if Bp == 1:
+            return acc + jnp.sum(xr[:, None] * w.astype(F32), axis=0)
+        return acc + mma(xr, w)
+
+    acc = accumulate_blocks(block, kblocks, (bn,) if Bp == 1 else (Bp, bn))
+    if accumulate:
+        # as gather_matvec_t: lanes past N add 0 at distinct wrapped columns
+        if has_bias:
+            bias = plgpu.load(b_ref.at[cols], mask=cm & (i == 0), other=0).astype(F32)
+            acc = acc + (bias if Bp == 1 else bias[None, :])
+        cols_w = cols % N
+        if Bp == 1:
+            plgpu.atomic_add(o_ref, (0, cols_w), jnp.where(cm, acc, 0.0))
+        else:
+            for b in range(B):
+                row = jnp.sum(jnp.where((brow == b)[:, None], acc, 0.0), axis=0)
+                plgpu.atomic_add(o_ref, (b, cols_w), jnp.where(cm, row, 0.0))
+    elif Bp == 1:
+        plgpu.store(o_ref.at[i, 0, cols], acc, mask=cm)
+    else:
+        plgpu.store(o_ref.at[i, brow[:, None], cols[None, :]], acc,
+                    mask=bmask[:, None] & cm[None, :])
+
+
+def threshold_matvec_part(x, w_t, threshold, *, residual=None, bias=None, block_rows=16,
+                          block_n=512, row_blocks=4) -> LaunchPart:
+    """:func:`threshold_matvec`'s kernel as a :class:`~.launch.LaunchPart`: outputs fp32
+    partials ``[n_chunks, B, N]``, or ``[B, N]`` (residual, bias and the product) with
+    ``residual``."""
+    B, K = x.shape
+    N = w_t.shape[1]
+    Bp = batch_pad(B)
+    bk = block_rows if Bp == 1 else max(16, block_rows)
+    kblocks = max(1, min(row_blocks, cdiv(K, bk)))
+    nkc, ndb = cdiv(K, bk * kblocks), cdiv(N, block_n)
+    accumulate = residual is not None
+    body = functools.partial(_threshold_body, B=B, Bp=Bp, K=K, N=N, bk=bk, bn=block_n,
+                             kblocks=kblocks, accumulate=accumulate,
+                             has_bias=bias is not None)
+    args = [x, jnp.asarray(threshold, F32).reshape(1), w_t]
+    if accumulate:
+        if block_n > N:
+            raise ValueError(f"block_n={block_n} must not exceed N={N} with a residual")
+        aliases = {len(args): 0}
+        args += [residual] + ([bias] if bias is not None else [])
+        out_shape = jax.ShapeDtypeStruct((B, N), F32)
+    else:
+        aliases = {}
+        out_shape = jax.ShapeDtypeStruct((nkc, B, N), F32)
+    return LaunchPart(body, (nkc, ndb), tuple(args), (out_shape,), aliases,
+                      name="threshold_matvec")
+
+
+def threshold_matvec(x, w_t, threshold, *, residual=None, bias=None, block_rows=16,
+                     block_n=512, row_blocks=4, num_warps=4, impl=None):
+    """``(x masked to |x| > threshold) @ w_t`` (+ bias, + residual) as fp32 ``[B, N]``,
+    reading only the rows of ``w_t [K, N]`` that some row of ``x [B, K]`` keeps.
+
+    threshold: a scalar (array); residual: fp32 ``[B, N]``, updated in place when the
+    caller donates it (the chunks add into it atomically, so the low bits of the fp32 sums
+    vary between runs). block_rows (a power of two) rows per block, row_blocks blocks per
+    program, block_n (a power of two) columns per program.
+    """
+    check_array("x", x, ndim=2, floating=True)
+    check_array("w_t", w_t, ndim=2, floating=True)
+    if w_t.shape[0] != x.shape[1]:
+        raise ValueError(f"w_t has {w_t.shape[0]} rows, x {x.shape[1]} channels")
+    if not (is_pow2(block_rows) and is_pow2(block_n)):
+        raise ValueError(f"block_rows={block_rows} and block_n={block_n} must be powers of 2")
+    if residual is not None and (residual.shape != (x.shape[0], w_t.shape[1])
+                                 or residual.dtype != F32):
+        raise ValueError(f"residual must be fp32 {(x.shape[0], w_t.shape[1])}, got "
+                         f"{residual.dtype} {tuple(residual.shape)}")
+    impl = resolve_impl(impl)
+    if impl == "reference":
+        return threshold_matvec_reference(x, w_t, threshold, residual=residual, bias=bias)
+    block_n = min(block_n, 1 << (w_t.shape[1].bit_length() - 1)) if residual is not None \
+        else block_n
+    part = threshold_matvec_part(x, w_t, threshold, residual=residual, bias=bias,
+                                 block_rows=block_rows, block_n=block_n,
+                                 row_blocks=row_blocks)
+    (out,), = launch([part], num_warps=num_warps, interpret=impl == "interpret")
+    if residual is not None:
+        return out
+    out = jnp.sum(out, axis=0)
+    return out if bias is None else out + bias.astype(F32)
+
+
+def row_masked_matvec_reference(x, w, keep):
+    """jnp reference of :func:`row_masked_matvec`."""
+    out = jnp.dot(x.astype(F32), w.astype(F32).T, precision=lax.Precision.HIGHEST)
+    return jnp.where(keep, out, 0.0)
+
+
+def _row_masked_body(pids, x_ref, keep_ref, w_ref, o_ref, *, B, Bp, F, d, bk, bd, chunks):
+    i, j = pids
+    r = i * bk + jnp.arange(bk, dtype=jnp.int32)
+    valid = r < F
+    if keep_ref.shape[0] == 1:
+        kept = plgpu.load(keep_ref.at[0, r], mask=valid, other=0) != 0
+    else:  # one row of flags per batch row: read a row when any batch row keeps it
+        brow_k = jnp.arange(batch_pad(keep_ref.shape[0]), dtype=jnp.int32)
+        flags = plgpu.load(keep_ref.at[brow_k[:, None], r[None, :]],
+                           mask=(brow_k < keep_ref.shape[0])[:, None] & valid[None, :],
+                           other=0)
+        kept = jnp.max(flags, axis=0) != 0
+    rows = kept & valid
+    brow = jnp.arange(Bp, dtype=jnp.int32)
+    bmask = brow < B
+
+    def chunk(c, acc):
+        cols = (j * chunks + c) * bd + jnp.arange(bd, dtype=jnp.int32)
+        cm = cols < d
+        w = plgpu.load(w_ref.at[r[:, None], cols[None, :]],
+                       mask=rows[:, None] & cm[None, :], other=0)
+        if Bp == 1:
+            xv = plgpu.load(x_ref.at[0, cols], mask=cm, other=0).astype(F32)
+            return acc + jnp.sum(w.astype(F32) * xv[None, :], axis=1)
+        xb = plgpu.load(x_ref.at[brow[:, None], cols[None, :]],
+                        mask=bmask[:, None] & cm[None, :], other=0)
+        return acc + mma(xb, w, trans_b=True)
+
+    acc = accumulate_blocks(chunk, chunks, (bk,) if Bp == 1 else (Bp, bk))
+    if Bp == 1:
+        plgpu.store(o_ref.at[j, 0, r], acc, mask=valid)
+    else:
+        plgpu.store(o_ref.at[j, brow[:, None], r[None, :]], acc,
+                    mask=bmask[:, None] & valid[None, :])
+
+
+def row_masked_matvec(x, w, keep, *, block_rows=16, block_d=512, d_chunks=1, num_warps=4,
+                      impl=None):
+    """``x @ w[i]`` for the rows ``i`` of ``w [F, d]`` with ``keep`` set, 0 for the others:
+    fp32 ``[B, F]`` for ``x [B, d]``. keep: bool ``[F]``, or ``[B, F]`` (each batch row its
+    own rows; a row is read when any keeps it). Rows not kept are never fetched.
+    """
+    check_array("x", x, ndim=2, floating=True)
+    check_array("w", w, ndim=2, floating=True)
+    B, d = x.shape
+    F = w.shape[0]
+    if w.shape[1] != d:
+        raise ValueError(f"w has width {w.shape[1]}, x {d}")
+    if tuple(keep.shape) not in ((F,), (1, F), (B, F)):
+        raise ValueError(f"keep must be [{F}] or [{B}, {F}], got {tuple(keep.shape)}")
+    keep2 = keep.reshape(1, F) if keep.ndim == 1 else keep
+    impl = resolve_impl(impl)
+    if impl == "reference":
+        return row_masked_matvec_reference(x, w, keep2)
+    if not (is_pow2(block_rows) and is_pow2(block_d)):
+        raise ValueError(f"block_rows={block_rows} and block_d={block_d} must be powers of 2")
+    Bp = batch_pad(B)
+    bk = block_rows if Bp == 1 else max(16, block_rows)
+    nds = cdiv(d, block_d * d_chunks)
+    body = functools.partial(_row_masked_body, B=B, Bp=Bp, F=F, d=d, bk=bk, bd=block_d,
+                             chunks=d_chunks)
+    part = LaunchPart(body, (cdiv(F, bk), nds), (x, keep2.astype(jnp.int32), w),
+                      (jax.ShapeDtypeStruct((nds, B, F), F32),), name="row_masked_matvec")
+    (out,), = launch([part], num_warps=num_warps, interpret=impl == "interpret")
+    return jnp.where(keep2, jnp.sum(out, axis=0), 0.0)

@@ -1,0 +1,283 @@
+"""Activation sparsity by thresholds (TEAL's input channels, CATS' gate): the masks against
+numpy, the decode step against the scorer for every family, the bytes a token reads,
+calibration against numpy, the allocation search, and profiles."""
+
+import functools
+import math
+from pathlib import Path
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from conftest import assert_finite_close
+
+import dejavu_jax as dj
+from dejavu_jax import activation_sparsity as act
+from dejavu_jax import sparse
+from dejavu_jax.eval import sparse_scoring as ss
+from dejavu_jax.sparsity_profile import (ProfileError, SparsityProfile, load_profile,
+                                         method_sites)
+from dejavu_jax.train import allocate
+from dejavu_jax.train.thresholds import QUANTILES, calibration_stats, thresholds_at
+
+HF = Path(__file__).parent / "fixtures" / "hf"
+ALL_SITES = ("qkv", "o", "gate_up", "gate", "down")
+
+
+@functools.cache
+def _model(name):
+    """(config, fp32 params) of a tiny model: a preset cut to 3 layers and 512 tokens, or
+    one of the random Hugging Face fixtures (Qwen2 with q/k/v biases; Gemma 3 with
+    post-norms, q/k norms and a 6-token sliding window)."""
+    if name in ("opt-tiny", "llama-tiny"):
+        config = dj.preset(name).replace(n_layers=3, vocab_size=512)
+        return config, dj.init_params(config, jax.random.key(3), jnp.float32, std=0.15)
+    return dj.load_pretrained(HF / name, dtype=jnp.float32, progress=False)
+
+
+def _sites(config):
+    return tuple(s for s in ALL_SITES if s != "gate" or config.gated_mlp)
+
+
+def _thresholds(config, params, ids, level=0.4):
+    """Thresholds that drop about `level` of every site's channels on `ids`, from the
+    calibration quantiles (layer 0 stays dense)."""
+    stats = calibration_stats(config, params, ids, jnp.ones_like(ids), (level,))
+    levels = np.full((config.n_layers, len(ALL_SITES)), level)
+    levels[0] = 0
+    return thresholds_at(np.asarray(stats["quantiles"]), levels)
+
+
+def test_mlp_masks_equal_numpy(rng):
+    """The thresholded gated MLP against numpy: gate_up drops input channels, the gate site
+    drops neurons (their up and down rows), the down site drops small activations."""
+    config, params = _model("llama-tiny")
+    lp = jax.tree.map(lambda w: w[1], params.layers)
+    y = rng.standard_normal((5, config.hidden)).astype(np.float32)
+    w_in, w_gate, w_out = (np.asarray(w, np.float64) for w in (lp.w_in, lp.w_gate, lp.w_out_t))
+    t = np.zeros(5, np.float32)  # thresholds at quantiles of the data, set site by site
+    t[2] = np.quantile(np.abs(y), 0.4)
+    ys = np.where(np.abs(y) > t[2], y, 0.0)
+    g = ys @ w_gate.T
+    g = g / (1 + np.exp(-g))
+    t[3] = np.quantile(np.abs(g), 0.4)
+    neurons = np.abs(g) > t[3]
+    h = np.where(neurons, g * (ys @ w_in.T), 0.0)
+    t[4] = np.quantile(np.abs(h[neurons]), 0.3)
+    h = np.where(np.abs(h) > t[4], h, 0.0)
+    out, kept = act.mlp(config, lp, jnp.asarray(y), jnp.asarray(t))
+    assert 0.3 < neurons.mean() < 0.8 and 0.3 < (ys != 0).mean() < 0.8
+    assert_finite_close(np.asarray(out), h @ w_out, rtol=1e-5, atol=1e-6)
+    want = np.stack([(ys != 0).mean(-1), neurons.mean(-1), (h != 0).mean(-1)], -1)
+    assert_finite_close(np.asarray(kept), want, rtol=1e-6)
+
+
+def test_attention_hooks_mask_by_magnitude():
+    t = jnp.asarray([0.5, 0.25, 0, 0, 0], jnp.float32)
+    mask_input, mask_heads = act.attention_hooks(t)
+    y = jnp.asarray([[0.375, -0.625, 0.5, 2.0]])
+    np.testing.assert_array_equal(np.asarray(mask_input(y)), [[0.0, -0.625, 0.0, 2.0]])
+    heads = jnp.asarray([[[0.125, -0.375], [0.25, 1.0]]])
+    np.testing.assert_array_equal(np.asarray(mask_heads(heads)), [[[0.0, -0.375], [0.0, 1.0]]])
+
+
+def _decode_rows(config, params, scfg, thresholds, ids, prefixes):
+    """Per row: logits of a dense prefill of its prefix, then one threshold-sparse step per
+    remaining token at batch 1 (teacher forcing)."""
+    eng = sparse.sparse_engine(config, scfg, sparse.no_selector)
+    step, prefill = jax.jit(eng.step), jax.jit(eng.prefill)
+    rows = []
+    for r, prefix in enumerate(prefixes):
+        state = eng.init_state(1, ids.shape[1] + 1, jnp.float32)
+        prompt = jnp.asarray(ids[r:r + 1, :prefix], jnp.int32)
+        logits, state = prefill((params, thresholds), prompt, jnp.ones_like(prompt), state)
+        out = [np.asarray(logits[0])]
+        for i in range(prefix, ids.shape[1]):
+            logits, state = step((params, thresholds), state,
+                                 jnp.asarray(ids[r, i:i + 1], jnp.int32))
+            out.append(np.asarray(logits[0]))
+        rows.append(np.stack(out))
+    return rows
+
+
+@pytest.mark.parametrize("name", ["opt-tiny", "llama-tiny", "qwen2", "gemma3"])
+def test_scorer_equals_threshold_decode(name):
+    """Threshold mode at about 40% of every site: the scorer's logits for three rows with
+    their own dense prefixes (one [3, T] window) equal each row's token-by-token decode at
+    every position from prefix - 1 on, and differ from the dense model's. Gemma's rows run
+    past its 6-token window."""
+    config, params = _model(name)
+    T, prefixes = 10, (1, 3, 2)
+    ids = np.random.default_rng(5).integers(3, config.vocab_size, (3, T)).astype(np.int32)
+    thresholds = jnp.asarray(_thresholds(config, params, jnp.asarray(ids)))
+    scfg = sparse.threshold_config(config, _sites(config))
+    want = _decode_rows(config, params, scfg, thresholds, ids, prefixes)
+    logits, (_, _, kept) = ss.window_logits(config, scfg, params, thresholds,
+                                            jnp.asarray(ids), jnp.ones((3, T), jnp.int32),
+                                            jnp.asarray(prefixes, jnp.int32))
+    logits, kept = np.asarray(logits), np.asarray(kept)
+    scale = max(np.abs(w).max() for w in want)
+    for r, prefix in enumerate(prefixes):
+        assert_finite_close(logits[r, prefix - 1:], want[r], atol=2e-5 * scale,
+                            err_msg=f"{name} row {r}")
+    dense = np.asarray(dj.logits(config, params, jnp.asarray(ids)))
+    assert np.abs(logits - dense)[0, 1:].max() > 1e-2 * scale
+    sparse_kept = kept[1:, 0, 1:][..., [ALL_SITES.index(s) for s in _sites(config)]]
+    assert 0.3 < sparse_kept.mean() < 0.8  # the thresholds drop channels in every site
+    # the dense layer and prefix keep every channel but exact zeros, which drop freely
+    # (ReLU's half of the neurons, GELU's that underflow)
+    dense_cols = [i for i, s in enumerate(ALL_SITES) if config.gated_mlp or s != "down"]
+    assert (kept[0][..., dense_cols] > 0.9).all()
+    assert (kept[:, 1, :3][..., dense_cols] > 0.9).all()
+
+
+def test_zero_thresholds_are_the_dense_model():
+    config, params = _model("gemma3")
+    ids = jnp.asarray(np.random.default_rng(1).integers(3, 500, (2, 9)), jnp.int32)
+    scfg = sparse.threshold_config(config, _sites(config))
+    zero = jnp.zeros((config.n_layers, len(ALL_SITES)), jnp.float32)
+    logits, _ = ss.window_logits(config, scfg, params, zero, ids, jnp.ones_like(ids),
+                                 jnp.ones((2,), jnp.int32))
+    assert_finite_close(np.asarray(logits), np.asarray(dj.logits(config, params, ids)),
+                        rtol=1e-5, atol=1e-5)
+
+
+def test_read_fraction_counts_the_rows_each_matmul_reads():
+    """Per position: the kept fractions weighted by each matmul's size, over all layers;
+    with the gate site the up projection follows the neurons, without it the inputs; the
+    down projection reads nonzero rows under the down or the gate site, else all."""
+    config, _ = _model("llama-tiny")
+    L, m = config.n_layers, act.matmul_elements(config)
+    kept = np.random.default_rng(2).uniform(0.2, 1.0, (L, 1, 4, len(ALL_SITES)))
+    ones = np.ones((L, 1, 4, 1), bool)
+    cases = ((ALL_SITES, "gate", True), (("qkv", "o", "gate_up", "down"), "gate_up", True),
+             (("gate",), "gate", True), (("qkv", "o"), "gate_up", False))
+    for sites, up, down_rows in cases:
+        scfg = sparse.threshold_config(config, sites)
+        got = np.asarray(ss.read_fraction(config, scfg, (ones, ones, jnp.asarray(kept))))
+        k = {s: kept[..., i] if s in sites else 1.0 for i, s in enumerate(ALL_SITES)}
+        # the gate site's neurons are the down rows read even without the down site
+        down = kept[..., ALL_SITES.index("down")] if down_rows else 1.0
+        want = (m["qkv"] * k["qkv"] + m["o"] * k["o"] + m["gate"] * k["gate_up"]
+                + m["up"] * k[up] + m["down"] * down).mean(0) / act.layer_elements(config)
+        assert_finite_close(got, want, rtol=1e-6)
+
+
+def test_calibration_quantiles_and_errors_equal_numpy():
+    """Quantiles of |site| over positions 1..T-1 and the down site's relative error (the
+    dropped rows' contribution against the residual stream entering the MLP)."""
+    config, params = _model("llama-tiny")
+    ids = jnp.asarray(np.random.default_rng(4).integers(3, 500, (2, 12)), jnp.int32)
+    stats = calibration_stats(config, params, ids, jnp.ones_like(ids), (0.5,))
+    _, _, recs = dj.model.sequence_forward(config, params, ids, records=True)
+    layer = 1
+    hidden = np.asarray(recs["mlp_act"][layer], np.float64)[:, 1:].reshape(-1, config.ffn)
+    q = np.quantile(np.abs(hidden), QUANTILES)
+    # the records and the calibration compute the activations in float32 by different paths
+    assert_finite_close(np.asarray(stats["quantiles"][layer, act.DOWN]), q, rtol=1e-3,
+                        atol=1e-6)
+    dropped = np.where(np.abs(hidden) > q[50], 0.0, hidden)
+    w_out = np.asarray(params.layers.w_out_t[layer], np.float64)
+    h = np.asarray(recs["mlp_in"][layer], np.float64)[:, 1:].reshape(-1, config.hidden)
+    want = np.sum((dropped @ w_out) ** 2) / np.sum(h ** 2)
+    assert_finite_close(float(stats["errors"][layer, act.DOWN, 0]), want, rtol=1e-3)
+    assert np.all(np.asarray(stats["nll_second"]) >= 0)
+
+
+def test_allocation_maximises_price_times_bytes_minus_cost(rng):
+    levels = (0.25, 0.5, 0.75)
+    costs = np.maximum.accumulate(
+        np.concatenate([np.zeros((3, 5, 1)), rng.uniform(0, 1, (3, 5, 3))], -1), -1)
+    unit_bytes = np.asarray([4.0, 1.0, 2.0, 0.0, 3.0])
+    for price in (0.1, 1.0, 3.0):
+        got = allocate.allocation(costs, levels, unit_bytes, price)
+        grid = np.asarray((0.0,) + levels)
+        for l in range(3):
+            for s in range(5):
+                gains = price * unit_bytes[s] * grid - costs[l, s]
+                assert gains[list(grid).index(got[l, s])] == gains.max()
+    path = allocate.allocation_path(costs, levels, unit_bytes)
+    skips = [allocate.predicted_skip(dj.preset("llama-tiny").replace(n_layers=3),
+                                     ALL_SITES, lv) for _, lv in path]
+    assert len(path) > 3 and skips == sorted(skips) and (path[-1][1][:, 3] == 0).all()
+
+
+def test_search_keeps_the_sparsest_point_within_budget():
+    path = [(float(i), np.full((1, 5), i / 10)) for i in range(10)]
+    calls = []
+
+    def measure(lv):
+        calls.append(lv[0, 0])
+        return lv[0, 0] ** 2, lv[0, 0]  # cost grows along the path
+
+    best, points = allocate.search(path, measure, budget_nll=0.3)
+    assert best == 5 and len(calls) <= 4 and all(p.nll_cost == p.bytes_skipped ** 2
+                                                 for p in points)
+    assert allocate.search(path[1:], measure, budget_nll=0.0)[0] == -1
+
+
+def test_profile_round_trip_and_checks(tmp_path):
+    config, _ = _model("llama-tiny")
+    L = config.n_layers
+    profile = SparsityProfile(config.name, config.fingerprint(), "teal",
+                              method_sites(config, "teal"), [[0.5] * 5] * L, [[0.1] * 5] * L,
+                              {"ppl_cost": 0.01, "bytes_skipped": 0.3})
+    path = profile.save(tmp_path / "p.json")
+    loaded = load_profile(path, config)
+    assert loaded == profile and loaded.threshold_array().shape == (L, 5)
+    assert "30.0%" in loaded.summary()
+    with pytest.raises(ProfileError, match="does not fit"):
+        load_profile(path, config.replace(name="other"))
+    (tmp_path / "bad.json").write_text("{")
+    with pytest.raises(ProfileError, match="not a sparsity profile"):
+        load_profile(tmp_path / "bad.json")
+    with pytest.raises(ProfileError, match="gated MLP"):
+        method_sites(dj.preset("opt-tiny"), "cats")
+
+
+def test_threshold_config_rejects_bad_sites():
+    with pytest.raises(ValueError, match="unknown activation sites"):
+        sparse.threshold_config(dj.preset("llama-tiny"), ("qkv", "mlp"))
+    with pytest.raises(ValueError, match="gated MLP"):
+        sparse.threshold_config(dj.preset("opt-tiny"), ("gate",))
+
+
+def test_profile_search_runs_end_to_end_on_a_tiny_model():
+    """make_profile on random windows: the chosen point's measured cost is within the
+    budget and its thresholds are those of its levels."""
+    from dejavu_jax.train.profile import make_profile
+    config, params = _model("llama-tiny")
+    windows = np.random.default_rng(6).integers(3, 500, (8, 16)).astype(np.int32)
+    profile = make_profile(config, params, windows[:4], windows[4:], "teal+cats", 0.05,
+                           levels=(0.3, 0.6), rows=4, progress=False, log=lambda s: None)
+    assert profile.measured["ppl_cost"] <= 0.05 + 1e-9
+    assert math.isclose(profile.measured["ppl_cost"], math.expm1(profile.measured["nll_cost"]))
+    assert np.shape(profile.thresholds) == (config.n_layers, 5)
+    assert (np.asarray(profile.thresholds) > 0).sum() == (np.asarray(profile.levels) > 0).sum()
+
+
+@pytest.mark.parametrize("name,up_rows,unrolled", [("llama-tiny", True, True),
+                                                   ("opt-tiny", False, False),
+                                                   ("qwen2", False, True),
+                                                   ("gemma3", True, False)])
+def test_threshold_kernels_decode_like_the_reference(name, up_rows, unrolled):
+    """Teacher-forced threshold decoding through the Pallas kernels (interpreted) on
+    input-major weights (the up projection by neuron rows under the gate site, or by input
+    channels) equals the jnp computation on the usual weights, step by step; per-layer
+    buffers and stacked weights."""
+    from dejavu_jax.params import input_major, unstack_layers
+    config, params = _model(name)
+    ids = np.random.default_rng(8).integers(3, config.vocab_size, (1, 8)).astype(np.int32)
+    thresholds = jnp.asarray(_thresholds(config, params, jnp.asarray(ids)))
+    sites = _sites(config) if up_rows else tuple(s for s in _sites(config) if s != "gate")
+    moved = input_major(params, up_rows=up_rows)
+    assert moved.layers.wq is None and (moved.layers.w_in is None) != up_rows
+    if unrolled:
+        moved = unstack_layers(moved)
+    steps = []
+    for impl, p in (("reference", params), ("interpret", moved)):
+        scfg = sparse.threshold_config(config, sites, impl=impl)
+        steps.append(_decode_rows(config, p, scfg, thresholds, ids, (2,))[0])
+    scale = np.abs(steps[0]).max()
+    assert_finite_close(steps[1], steps[0], atol=2e-5 * scale)

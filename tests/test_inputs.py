@@ -1,0 +1,108 @@
+"""Token ids and masks at the model's entry points: a ValueError naming the bad id and the
+vocabulary size, never NaN logits; traced ids are the caller's contract."""
+
+import functools
+from pathlib import Path
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import dejavu_jax as dj
+from dejavu_jax import model, sparse
+from dejavu_jax.eval.sparse_scoring import token_scores, window_logits
+
+FIXTURE = Path(__file__).parent / "fixtures" / "hf" / "opt-preln"
+
+
+@functools.lru_cache(maxsize=None)
+def _model():
+    return dj.load_pretrained(FIXTURE, progress=False)
+
+
+ENTRY_POINTS = ("logits", "logits list", "prefill", "decode_step", "decode_step negative",
+                "dense engine prefill", "dense engine step", "oracle engine prefill",
+                "oracle engine step", "generate_tokens", "window_logits", "token_scores ids",
+                "token_scores targets")
+
+
+def _calls() -> dict:
+    """{name: call} for every entry point, each given one id vocab_size + 7 (or -1)."""
+    config, params = _model()
+    V = config.vocab_size
+    ids = np.array([[2, 5, V + 7]])
+    mask = np.ones_like(ids)
+    state = lambda: model.init_state(config, 1, 8, jnp.float32)  # noqa: E731
+    scfg = sparse.sparse_config(config, 0.5, 1.0, dense_layers=1, oracle=True)
+    oracle = sparse.sparse_engine(config, scfg, sparse.no_selector)
+    dense = dj.dense_engine(config)
+    sparse_state = lambda: oracle.init_state(1, 64, jnp.float32, per_layer=False)  # noqa
+    one = jnp.ones((1,), jnp.int32)
+    return dict([
+        ("logits", lambda: dj.logits(config, params, ids)),
+        ("logits list", lambda: dj.logits(config, params, ids.tolist())),
+        ("prefill", lambda: model.prefill(config, params, ids, mask, state())),
+        ("decode_step", lambda: model.decode_step(config, params, state(), jnp.array([V + 7]))),
+        ("decode_step negative", lambda: model.decode_step(config, params, state(),
+                                                           jnp.array([-1]))),
+        ("dense engine prefill", lambda: dense.prefill(params, ids, mask, state())),
+        ("dense engine step", lambda: dense.step(params, state(), jnp.array([V + 7]))),
+        ("oracle engine prefill", lambda: oracle.prefill((params, None), ids, mask,
+                                                         sparse_state())),
+        ("oracle engine step", lambda: oracle.step((params, None), sparse_state(),
+                                                   jnp.array([V + 7]))),
+        ("generate_tokens", lambda: dj.generate_tokens(dense, params, [[2, V + 7]])),
+        ("window_logits", lambda: window_logits(config, None, params, None, ids, mask, one)),
+        ("token_scores ids", lambda: token_scores(config, None, params, None, ids, mask, one,
+                                                  np.zeros_like(ids))),
+        ("token_scores targets", lambda: token_scores(config, None, params, None,
+                                                      np.zeros_like(ids), mask, one, ids)),
+    ])
+
+
+@pytest.mark.parametrize("name", ENTRY_POINTS)
+def test_id_outside_the_vocabulary_is_an_error(name):
+    call = _calls()[name]
+    V = _model()[0].vocab_size
+    bad = -1 if "negative" in name else V + 7
+    with pytest.raises(ValueError, match=rf"token id {bad}\b.*vocab_size {V}\b"):
+        call()
+
+
+def test_the_checks_were_needed_the_raw_forward_gives_nan():
+    config, params = _model()
+    ids = jnp.array([[2, 5, config.vocab_size + 7]])
+    out = model._logits(config, params, ids, jnp.ones_like(ids))  # the unchecked jit
+    assert np.isnan(np.asarray(out)[0, -1]).all()
+
+
+def test_traced_ids_are_the_callers_contract():
+    """Inside jit the values are unknown: no check, no error (the docstrings say so)."""
+    config, params = _model()
+    traced = jax.jit(lambda i: model.prefill_fn(config, params, i, jnp.ones_like(i),
+                                                model.init_state(config, 1, 8, jnp.float32))[0])
+    assert traced(jnp.array([[2, 5, 9]])).shape == (1, config.vocab_size)
+
+
+@pytest.mark.parametrize("ids,mask,message", [
+    (np.array([2, 5]), None, r"input_ids must be \[batch, time\], got shape \(2,\)"),
+    (np.array([[2.0, 5.0]]), None, "integer token ids, got dtype float64"),
+    (np.zeros((1, 0), np.int32), None, "empty"),
+    (np.array([[2, 5]]), np.ones((1, 3)), r"attention_mask shape \(1, 3\) != input_ids shape"),
+    (np.array([[2, 5]]), np.ones((1, 2), np.float32), "attention_mask must be bool or integer"),
+])
+def test_wrong_shapes_and_dtypes(ids, mask, message):
+    config, params = _model()
+    with pytest.raises(ValueError, match=message):
+        dj.logits(config, params, ids, mask)
+
+
+def test_prompts_that_do_not_fit_the_state():
+    config, params = _model()
+    state = model.init_state(config, 1, 8, jnp.float32)
+    ids = np.ones((1, 9), np.int32)
+    with pytest.raises(ValueError, match=r"prompts \[1, 9\] do not fit a decode state"):
+        model.prefill(config, params, ids, np.ones_like(ids), state)
+    with pytest.raises(ValueError, match="tokens has 2 rows; the decode state has 1"):
+        model.decode_step(config, params, state, jnp.array([1, 2]))

@@ -1,0 +1,64 @@
+"""The GPU parity tool's split-predictor check, run through the Pallas interpreter.
+
+On the GPU the kernel path's predictor hidden units are summed in another order than the
+reference's, and are then rounded to bfloat16: one fp32 rounding step there moves a score
+by a bfloat16 step, which can swap two near-equal scores at the top-k boundary. The check
+must accept such sets (a top-k of the reference scores, up to key ties) and still catch
+sets that are not a top-k. Here the kernel path's hidden units are moved by a relative
+2**-8, alternating in sign, to stand in for that rounding; a move of a third of their
+size stands in for a wrong selection.
+"""
+
+import jax.numpy as jnp
+import pytest
+
+from dejavu_jax.eval import kernel_parity
+from dejavu_jax.kernels import predictor_select
+
+STEPS = 4
+
+
+def _moved_hidden_units(monkeypatch, relative):
+    real = predictor_select._hidden_loader
+
+    def moved(act_refs, r, valid, rows, **kw):
+        a = real(act_refs, r, valid, rows, **kw)
+        return a * (1 + relative * jnp.where(r % 2 == 0, 1.0, -1.0))
+
+    monkeypatch.setattr(predictor_select, "_hidden_loader", moved)
+    monkeypatch.setattr(kernel_parity, "SPLIT_VARIANTS", ((True, "stacked"),), raising=False)
+
+
+def test_split_check_accepts_sets_moved_by_a_rounding_step(monkeypatch, tmp_path):
+    _moved_hidden_units(monkeypatch, 2.0 ** -8)
+    code = kernel_parity.main(["--impl", "interpret", "--checks", "split", "--steps",
+                               str(STEPS), "--out", str(tmp_path)])
+    assert code == 0
+    row = _split_row(tmp_path)
+    equal, total = map(int, row["sets_equal"].split("/"))
+    assert equal < total, "the moved hidden units changed no set: the test shows nothing"
+    assert row["logits_vs_reference_path"] > 1e-3     # another set, another step
+    assert 0 < row["selection_slack"] <= kernel_parity.TIE_SLACK
+    assert row["logits"] <= 1e-4 and row["k_cache"] <= 1e-4
+
+
+def test_split_check_rejects_sets_that_are_not_a_top_k(monkeypatch, tmp_path):
+    _moved_hidden_units(monkeypatch, 0.3)
+    code = kernel_parity.main(["--impl", "interpret", "--checks", "split", "--steps",
+                               str(STEPS), "--out", str(tmp_path)])
+    row = _split_row(tmp_path)
+    assert row["selection_slack"] > kernel_parity.TIE_SLACK
+    assert code == 1
+
+
+def _split_row(folder):
+    import json
+    rows = json.loads((folder / "kernel_parity.json").read_text())["rows"]
+    (row,) = [r for r in rows
+              if r["check"] == "split" and r["ride"] and r["layout"] == "stacked"]
+    return row
+
+
+def test_steps_must_be_positive():
+    with pytest.raises(SystemExit):
+        kernel_parity.main(["--steps", "0"])

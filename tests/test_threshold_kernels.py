@@ -1,0 +1,75 @@
+"""The activation-sparse kernels (`kernels.threshold_matvec`) in the Pallas interpreter
+against numpy: ragged shapes, one row and several, partials and the residual path."""
+
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from conftest import assert_finite_close
+
+from dejavu_jax.kernels.threshold_matvec import row_masked_matvec, threshold_matvec
+
+
+def _numpy_threshold(x, w_t, t, residual=None, bias=None):
+    xs = np.where(np.abs(x) > t, x, 0.0).astype(np.float64)
+    out = xs @ w_t.astype(np.float64)
+    if bias is not None:
+        out = out + bias
+    return out if residual is None else residual + out
+
+
+@pytest.mark.parametrize("B,K,N,residual", [(1, 200, 300, False), (3, 200, 300, False),
+                                            (1, 96, 640, True), (2, 96, 640, True)])
+def test_threshold_matvec_equals_numpy(rng, B, K, N, residual):
+    """K and N not multiples of the blocks; about 60% of the channels dropped per row."""
+    x = rng.standard_normal((B, K)).astype(np.float32)
+    w_t = rng.standard_normal((K, N)).astype(np.float32)
+    t = float(np.quantile(np.abs(x), 0.6))
+    res = rng.standard_normal((B, N)).astype(np.float32) if residual else None
+    bias = rng.standard_normal(N).astype(np.float32) if residual else None
+    got = threshold_matvec(jnp.asarray(x), jnp.asarray(w_t), jnp.float32(t),
+                           residual=None if res is None else jnp.asarray(res),
+                           bias=None if bias is None else jnp.asarray(bias),
+                           block_rows=16, block_n=128, row_blocks=2, impl="interpret")
+    assert_finite_close(np.asarray(got), _numpy_threshold(x, w_t, t, res, bias), rtol=1e-5,
+                        atol=1e-4)
+    ref = threshold_matvec(jnp.asarray(x), jnp.asarray(w_t), jnp.float32(t),
+                           residual=None if res is None else jnp.asarray(res),
+                           bias=None if bias is None else jnp.asarray(bias),
+                           impl="reference")
+    assert_finite_close(np.asarray(got), np.asarray(ref), rtol=1e-5, atol=1e-4)
+
+
+def test_threshold_matvec_skips_the_rows_it_drops(rng):
+    """A dropped channel's weight row is never read: NaN there changes nothing (the
+    interpreter's masked loads give the fill value)."""
+    x = rng.standard_normal((1, 64)).astype(np.float32)
+    x[0, ::2] = 0.01  # below the threshold
+    w_t = rng.standard_normal((64, 128)).astype(np.float32)
+    poisoned = w_t.copy()
+    poisoned[::2] = np.nan
+    got = threshold_matvec(jnp.asarray(x), jnp.asarray(poisoned), jnp.float32(0.05),
+                           block_rows=16, block_n=128, impl="interpret")
+    assert_finite_close(np.asarray(got), _numpy_threshold(x, w_t, 0.05), rtol=1e-5, atol=1e-4)
+
+
+@pytest.mark.parametrize("B,per_row", [(1, False), (3, False), (3, True)])
+def test_row_masked_matvec_equals_numpy(rng, B, per_row):
+    F, d = 300, 200
+    x = rng.standard_normal((B, d)).astype(np.float32)
+    w = rng.standard_normal((F, d)).astype(np.float32)
+    keep = rng.random((B, F) if per_row else F) < 0.4
+    w_poisoned = w.copy()
+    unread = ~(keep.any(0) if per_row else keep)
+    w_poisoned[unread] = np.nan  # rows nobody keeps are never read
+    got = row_masked_matvec(jnp.asarray(x), jnp.asarray(w_poisoned), jnp.asarray(keep),
+                            block_rows=16, block_d=64, d_chunks=2, impl="interpret")
+    want = np.where(keep, x.astype(np.float64) @ w.T.astype(np.float64), 0.0)
+    assert_finite_close(np.asarray(got), want, rtol=1e-5, atol=1e-4)
+
+
+def test_bad_shapes_are_errors():
+    x, w = jnp.zeros((1, 8)), jnp.zeros((9, 4))
+    with pytest.raises(ValueError, match="rows"):
+        threshold_matvec(x, w, 0.1, impl="interpret")
+    with pytest.raises(ValueError, match="keep must be"):
+        row_masked_matvec(jnp.zeros((1, 4)), w, jnp.zeros(5, bool), impl="interpret")

@@ -1,0 +1,268 @@
+"""Make a model's sparsity profile: calibrate activation thresholds, allocate per-layer
+budgets, and search for the sparsest allocation within a perplexity budget.
+
+    python -m dejavu_jax.train.profile                       # SmolLM2-135M, a few minutes
+    python -m dejavu_jax.train.profile --model qwen2.5-1.5b --python --budget 0.01
+    python -m dejavu_jax.train.profile --model path/to/model.gguf --method cats
+
+Calibration text is the shared corpus (`--corpus`; with `--python` also the standard
+library's calibration files, `eval.python_source`): `--calibration-tokens` of it give the
+thresholds and cost estimates (`train.thresholds`), and the next `--search-tokens`, other
+windows of the same text, measure the allocations the search tries (`train.allocate`)
+with the scorer that equals the sparse decode step. Evaluation text (WikiText-2 test, the
+standard library's test files) is never read. Nothing but the profile is written: by
+default `$DEJAVU_CACHE/profiles/<model>-<method>.json`, where `generate --sparse` finds it.
+"""
+
+from __future__ import annotations
+
+import argparse
+import math
+import sys
+import time
+from pathlib import Path
+
+import jax.numpy as jnp
+import numpy as np
+
+from dejavu_jax import cli
+from dejavu_jax.sparsity_profile import METHODS, SparsityProfile, method_sites
+
+DEFAULT_LEVELS = (0.1, 0.2, 0.3, 0.4, 0.5, 0.6, 0.7, 0.8, 0.9)
+
+
+def text_windows(tokenizer, files, window: int, count: int, seed: int,
+                 bos_id: int | None) -> np.ndarray:
+    """`count` token windows [count, window] of the corpus files (`train.corpus`), in a
+    seeded order; ValueError when the corpus holds fewer."""
+    from dejavu_jax.train.corpus import token_windows
+    out = []
+    for ids in token_windows(tokenizer, files, window, seed, bos_id):
+        out.append(ids)
+        if len(out) == count:
+            return np.stack(out)
+    raise ValueError(f"the corpus gives {len(out)} windows of {window} tokens; "
+                     f"{count} needed")
+
+
+def score(config, scfg, params, thresholds, windows: np.ndarray, rows: int):
+    """(mean next-token NLL, mean fraction of decoder matmul bytes read) of the windows
+    under thresholds [L, len(SITES)] (scfg: a threshold SparseConfig)."""
+    from dejavu_jax.eval.sparse_scoring import token_scores
+    nll, read, n = 0.0, 0.0, 0
+    for i in range(0, len(windows), rows):
+        batch = windows[i:i + rows]
+        pad = rows - len(batch)
+        ids = np.concatenate([batch, np.zeros((pad, batch.shape[1]), np.int32)])
+        mask = np.ones_like(ids)
+        mask[len(batch):] = 0
+        logp, _, reads = token_scores(config, scfg, params, jnp.asarray(thresholds),
+                                      jnp.asarray(ids[:, :-1]), jnp.asarray(mask[:, :-1]),
+                                      jnp.ones((rows,), jnp.int32), jnp.asarray(ids[:, 1:]))
+        logp, reads = np.asarray(logp)[:len(batch)], np.asarray(reads)[:len(batch)]
+        nll -= float(logp.sum())
+        read += float(reads.sum())
+        n += logp.size
+    return nll / n, read / n
+
+
+def calibrate(config, params, windows: np.ndarray, levels, rows: int, progress=True,
+              base=None) -> dict:
+    """`train.thresholds.calibration_stats` of the windows (around thresholds `base`, None:
+    dense), `rows` windows at a time, merged by token count."""
+    from tqdm import tqdm
+
+    from dejavu_jax.train.thresholds import calibration_stats, merge_stats
+    parts, weights = [], []
+    batches = range(0, len(windows), rows)
+    for i in tqdm(batches, desc="calibrating", disable=not progress):
+        batch = windows[i:i + rows]
+        stats = calibration_stats(config, params, jnp.asarray(batch), jnp.ones_like(batch),
+                                  tuple(levels), base=None if base is None else
+                                  jnp.asarray(base, jnp.float32))
+        parts.append({k: np.asarray(v) for k, v in stats.items()})
+        weights.append(batch.size)
+    return merge_stats(parts, weights)
+
+
+def make_profile(config, params, calib: np.ndarray, search_windows: np.ndarray, method: str,
+                 budget: float, levels=DEFAULT_LEVELS, rows: int = 4, progress=True,
+                 log=print, stats: dict | None = None, measured: dict | None = None,
+                 rounds: int = 2) -> SparsityProfile:
+    """The profile of `method` for the model: thresholds calibrated on `calib` windows
+    (or the dense `calibrate` stats given), per-layer levels on the allocation path, the
+    sparsest whose perplexity cost on `search_windows` is at most `budget` (a fraction,
+    0.01 = 1%). Each further round (`rounds`) calibrates again around the point chosen,
+    where its layers' errors compound, and searches on from it. `measured`: a dict that
+    keeps the search's measurements between calls for the same model, windows and method
+    (profiles at several budgets)."""
+    from dejavu_jax.sparse import threshold_config
+    from dejavu_jax.train import allocate
+    from dejavu_jax.train.thresholds import thresholds_at
+    sites = method_sites(config, method)
+    start = time.perf_counter()
+    if stats is None:
+        stats = calibrate(config, params, calib, levels, rows, progress)
+    calib_s = time.perf_counter() - start
+    measured = {} if measured is None else measured
+    unit_bytes = allocate.site_bytes(config, sites)
+    scfg = threshold_config(config, sites)
+    zero = np.zeros((config.n_layers, len(unit_bytes)), np.float32)
+    if "dense" not in measured:
+        measured["dense"] = score(config, scfg, params, zero, search_windows, rows)[0]
+    dense_nll = measured["dense"]
+
+    def measure(thresholds):
+        key = np.asarray(thresholds, np.float32).tobytes()
+        if key not in measured:
+            nll, read = score(config, scfg, params, thresholds, search_windows, rows)
+            measured[key] = (nll - dense_nll, 1.0 - read)
+        return measured[key]
+
+    def report(point):
+        log(f"  price {point.price:.3g}: predicted skip "
+            f"{allocate.predicted_skip(config, sites, point.levels):.1%}, measured skip "
+            f"{point.bytes_skipped:.1%}, perplexity cost {math.expm1(point.nll_cost):+.2%}")
+
+    chosen, chosen_t, chosen_point, points = zero, zero, None, []
+    round_stats = stats
+    for r in range(rounds):
+        if r:
+            t0 = time.perf_counter()
+            round_stats = calibrate(config, params, calib, levels, rows, progress,
+                                    base=chosen_t)
+            calib_s += time.perf_counter() - t0
+
+        def thresholds_of(lv, q=round_stats["quantiles"], base=chosen, base_t=chosen_t):
+            return np.where(lv > base, thresholds_at(q, lv), base_t).astype(np.float32)
+
+        path = allocate.allocation_path(allocate.unit_costs(round_stats), levels, unit_bytes,
+                                        min_level=chosen)
+        log(f"round {r + 1}: searching {len(path)} allocations for the sparsest within "
+            f"{budget:.1%} perplexity cost ({search_windows.size} search tokens)")
+        best, found = allocate.search(
+            path, lambda lv: measure(thresholds_of(lv)), math.log1p(budget), report)
+        points += found
+        if best < 0 or np.array_equal(path[best][1], chosen):
+            break
+        chosen, chosen_t = path[best][1], thresholds_of(path[best][1])
+        chosen_point = next(p for p in found if p.levels is chosen)
+    summary = {"text": "search windows of the calibration corpus", "dense_nll": dense_nll,
+               "search_tokens": int(search_windows[:, 1:].size), "budget": budget,
+               "rounds": rounds,
+               "nll_cost": chosen_point.nll_cost if chosen_point else 0.0,
+               "ppl_cost": math.expm1(chosen_point.nll_cost) if chosen_point else 0.0,
+               "bytes_skipped": chosen_point.bytes_skipped if chosen_point else 0.0,
+               "points": [{"price": p.price, "nll_cost": p.nll_cost,
+                           "bytes_skipped": p.bytes_skipped,
+                           "predicted_skip": allocate.predicted_skip(config, sites, p.levels)}
+                          for p in points]}
+    calibration = {"tokens": int(calib[:, 1:].size), "window": int(calib.shape[1]),
+                   "levels": list(levels), "seconds": round(calib_s, 1),
+                   "search_seconds": round(time.perf_counter() - start - calib_s, 1)}
+    return SparsityProfile(
+        model=config.name, fingerprint=config.fingerprint(), method=method, sites=sites,
+        levels=np.asarray(chosen, float).round(4).tolist(),
+        thresholds=np.asarray(chosen_t, float).tolist(), measured=summary,
+        calibration=calibration)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    """The CLI's argument parser (its errors: one `error:` line, exit status 2)."""
+    p = cli.ArgumentParser(prog="python -m dejavu_jax.train.profile",
+                           description=__doc__.split("\n")[0])
+    p.add_argument("--model", type=cli.model_source,
+                   help="a fetchable model's name, a checkpoint folder or a .gguf file "
+                        "(default: smollm2-135m)")
+    p.add_argument("--tokenizer", type=cli.existing_path,
+                   help="tokenizer folder or .gguf (default: the model's own)")
+    p.add_argument("--method", choices=sorted(METHODS),
+                   help="threshold sites: teal (q/k/v, o, gate/up and down inputs), cats "
+                        "(the gate), teal+cats (all; default for gated MLPs, else teal)")
+    p.add_argument("--budget", type=cli.fraction, default=0.01,
+                   help="largest perplexity cost on the search text (default 0.01 = 1%%)")
+    p.add_argument("--calibration-tokens", type=cli.positive_int, default=2048)
+    p.add_argument("--search-tokens", type=cli.positive_int, default=4096)
+    p.add_argument("--window", type=cli.positive_int, default=256)
+    p.add_argument("--corpus", action="append",
+                   help="calibration text: file, folder or glob, repeatable (default: the "
+                        "shared corpus, <data root>/corpus/*.txt)")
+    p.add_argument("--python", action="store_true",
+                   help="add the standard library's calibration files (coder models)")
+    p.add_argument("--rounds", type=cli.positive_int, default=2,
+                   help="calibrate and search again around the point found, this many "
+                        "times in all (default 2)")
+    p.add_argument("--rows", type=cli.positive_int, default=4,
+                   help="windows per forward call (memory)")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--out", type=Path, help="profile file (default: "
+                   "$DEJAVU_CACHE/profiles/<model>-<method>.json)")
+    p.add_argument("--no-progress", action="store_true")
+    return p
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Run the CLI; returns the exit status (2 with one `error:` line for bad input)."""
+    args = build_parser().parse_args(argv)
+    from dejavu_jax.eval import python_source
+    from dejavu_jax.paths import cache_root
+    from dejavu_jax.sparsity_profile import ProfileError
+    from dejavu_jax.train.corpus import CorpusError, default_corpus, resolve_files
+    try:
+        files = resolve_files(args.corpus or default_corpus())
+        if args.python:
+            files += python_source.stdlib_files("calibration")
+    except (CorpusError, FileNotFoundError) as e:
+        cli.fail(str(e))
+    from dejavu_jax.eval import common
+    from dejavu_jax.fetch_model import FetchError, resolve_model
+    try:
+        source = resolve_model(args.model or "smollm2-135m")
+    except FetchError as e:
+        cli.fail(str(e))
+    from dejavu_jax.loading import load_pretrained, read_config
+    config = read_config(source)
+    method = args.method or ("teal+cats" if config.gated_mlp else "teal")
+    try:
+        method_sites(config, method)
+    except ProfileError as e:
+        cli.fail(str(e))
+    def windows_for(tokens):  # whole forward calls of --rows windows
+        return -(-tokens // ((args.window - 1) * args.rows)) * args.rows
+
+    n_calib, n_search = windows_for(args.calibration_tokens), windows_for(args.search_tokens)
+    print(f"profile {method} for {config.name}: {n_calib} calibration and {n_search} search "
+          f"windows of {args.window} tokens; about {_estimate(config, n_calib, n_search, args)}"
+          f" on this machine's CPU; writes one JSON file of a few KB", file=sys.stderr)
+    _, params = load_pretrained(source, dtype=jnp.float32)
+    tok = common.load_tokenizer_for(args, config, Path(source))
+    try:
+        windows = text_windows(tok, files, args.window, n_calib + n_search, args.seed,
+                               config.bos_token_id)
+    except (CorpusError, ValueError) as e:
+        cli.fail(str(e))
+    log = lambda s: print(s, file=sys.stderr)  # noqa: E731
+    profile = make_profile(config, params, windows[:n_calib], windows[n_calib:], method,
+                           args.budget, rows=args.rows, progress=not args.no_progress, log=log,
+                           rounds=args.rounds)
+    profile.calibration.update(corpus=[str(f) for f in files], seed=args.seed,
+                               source=str(source))
+    out = args.out or cache_root() / "profiles" / f"{config.name}-{method}.json"
+    profile.save(out)
+    print(profile.summary(), file=sys.stderr)
+    print(out)
+    return 0
+
+
+def _estimate(config, n_calib: int, n_search: int, args) -> str:
+    """A rough wall time: about 25 forward-equivalents per calibration token and 8 search
+    evaluations, at 2 * params FLOPs per token and 40 GFLOP/s."""
+    from dejavu_jax.activation_sparsity import layer_elements
+    flops = 2.0 * layer_elements(config) * config.n_layers
+    tokens = n_calib * args.window * 25 + n_search * args.window * 9
+    minutes = tokens * flops / 40e9 / 60
+    return f"{max(1, round(minutes))} minutes"
+
+
+if __name__ == "__main__":
+    sys.exit(main())
