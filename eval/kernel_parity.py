@@ -31,7 +31,8 @@
    against their references.
 
 Writes kernel_parity.json and exits 1 when a difference exceeds --tol or a set differs
-(beyond key ties, for the split predictor).
+(beyond key ties, for the split predictor). On a GPU host the checks' parts run in up to 8
+processes at once (`--jobs`): their time is compiles, which run on the host's cores.
 """
 
 from __future__ import annotations
@@ -104,14 +105,15 @@ def _run_decode(config, eng, step, params, sets, steps, per_layer, batch, per_st
     return np.stack(out), k
 
 
-def decode_rows(impl: str, steps: int) -> list[dict]:
-    """Largest logit / K-cache differences, `impl` kernels against the references.
+def decode_rows(impl: str, steps: int, cases=None) -> list[dict]:
+    """Largest logit / K-cache differences, `impl` kernels against the references, for
+    `cases` (default all of `DECODE_CASES`).
 
     XLA's own products (dense layers, LM head) run at full fp32 precision here: on the GPU
     they default to TF32, whose 10-bit rounding turns the kernels' 1e-6 differences into
     either nothing or ~1e-4 on a logit."""
     with jax.default_matmul_precision("highest"):
-        return _decode_rows(impl, steps)
+        return _decode_rows(impl, steps, DECODE_CASES if cases is None else cases)
 
 
 def gemma3_tiny():
@@ -130,9 +132,9 @@ DECODE_CASES = (("opt-tiny", ((1.0, 1.0), (0.3, 0.5)), ("unrolled", "stacked")),
                 ("gemma3-tiny", ((0.3, 0.5),), ("unrolled",)))
 
 
-def _decode_rows(impl: str, steps: int) -> list[dict]:
+def _decode_rows(impl: str, steps: int, cases) -> list[dict]:
     rows = []
-    for preset, densities, layouts in DECODE_CASES:
+    for preset, densities, layouts in cases:
         config = gemma3_tiny() if preset == "gemma3-tiny" else config_lib.preset(preset)
         params = init_params(config, jax.random.key(0), jnp.float32, std=0.1)
         for mlp, heads in densities:
@@ -391,17 +393,24 @@ def predictor_rows(impl: str) -> list[dict]:
     return rows
 
 
-def threshold_rows(impl: str, steps: int) -> list[dict]:
-    """Check 7: threshold decoding and the activation-sparse kernels."""
+# (model, whether the up projection keeps its neuron rows: the gate site reads them)
+THRESHOLD_CASES = (("llama-tiny", True), ("opt-tiny", False), ("gemma3-tiny", True))
+
+
+def threshold_rows(impl: str, steps: int, cases=None, kernels: bool = True) -> list[dict]:
+    """Check 7: threshold decoding of `cases` (default all of `THRESHOLD_CASES`) and, with
+    `kernels`, the activation-sparse kernels alone."""
     with jax.default_matmul_precision("highest"):
-        return _threshold_decode_rows(impl, steps) + _threshold_kernel_rows(impl)
+        return (_threshold_decode_rows(impl, steps, THRESHOLD_CASES if cases is None
+                                       else cases)
+                + (_threshold_kernel_rows(impl) if kernels else []))
 
 
-def _threshold_decode_rows(impl: str, steps: int) -> list[dict]:
+def _threshold_decode_rows(impl: str, steps: int, cases) -> list[dict]:
     from dejavu_jax.params import input_major
     from dejavu_jax.train.thresholds import calibration_stats, thresholds_at
     rows = []
-    for name, up_rows in (("llama-tiny", True), ("opt-tiny", False), ("gemma3-tiny", True)):
+    for name, up_rows in cases:
         config = gemma3_tiny() if name == "gemma3-tiny" else config_lib.preset(name)
         params = init_params(config, jax.random.key(0), jnp.float32, std=0.1)
         ids = jax.random.randint(jax.random.key(3), (1, 32), 3, config.vocab_size)
@@ -432,11 +441,13 @@ def _threshold_kernel_rows(impl: str) -> list[dict]:
         w = jnp.asarray(rng.standard_normal((K, N)) * K ** -0.5, jnp.float32)
         t = float(np.quantile(np.abs(np.asarray(x)), 0.5))
         res = jnp.asarray(rng.standard_normal((B, N)), jnp.float32)
-        for residual in (None, res):
-            got, ref = (jax.jit(functools.partial(threshold_matvec, impl=i))(
+        for residual, compact in ((None, True), (res, True), (res, False)):
+            if not compact and B > 1:
+                continue  # packing is batch 1's
+            got, ref = (jax.jit(functools.partial(threshold_matvec, impl=i, compact=compact))(
                 x, w, t, residual=residual) for i in (impl, "reference"))
             rows.append(dict(check="threshold", kernel="threshold_matvec", B=B, K=K, N=N,
-                             residual=residual is not None,
+                             residual=residual is not None, packed=compact and B == 1,
                              logits=float(jnp.abs(got - ref).max()), k_cache=0.0))
         keep = jnp.asarray(rng.random(K) < 0.5)
         xr = jnp.asarray(rng.standard_normal((B, N)), jnp.float32)
@@ -463,6 +474,46 @@ def row_passes(r: dict, tol: float) -> bool:
 CHECKS = ("norm", "window", "decode", "split", "top-k", "predictor", "threshold")
 
 
+def check_parts(impl: str, steps: int) -> list[tuple[str, object]]:
+    """Every check as independent parts, (check name, function returning its rows): the
+    parts run one after another, or in processes of their own with --jobs."""
+    return [*[("decode", functools.partial(decode_rows, impl, steps, (case,)))
+              for case in DECODE_CASES],  # the longest parts first
+            ("window", functools.partial(window_rows, impl)),
+            ("split", functools.partial(split_rows, impl, steps)),
+            ("top-k", functools.partial(top_k_rows, impl)),
+            ("predictor", functools.partial(predictor_rows, impl)),
+            ("norm", functools.partial(norm_rows, impl)),
+            *[("threshold", functools.partial(threshold_rows, impl, steps, (case,), False))
+              for case in THRESHOLD_CASES],
+            ("threshold", functools.partial(threshold_rows, impl, steps, (), True))]
+
+
+def _run_parts_in_processes(args, parts: list[int], jobs: int):
+    """Yield (part index, rows, seconds) as each part finishes in a process of its own
+    (`jobs` at a time): compiles dominate the checks and run on the host's cores."""
+    import os
+    import subprocess
+    from concurrent.futures import ThreadPoolExecutor, as_completed
+    env = dict(os.environ, XLA_PYTHON_CLIENT_PREALLOCATE="false")
+
+    def run(i):
+        t0 = time.perf_counter()
+        proc = subprocess.run(
+            [sys.executable, "-m", "dejavu_jax.eval.kernel_parity", "--impl", args.impl,
+             "--steps", str(args.steps), "--part", str(i)],
+            env=env, capture_output=True, text=True)
+        if proc.returncode != 0:
+            raise RuntimeError(f"kernel_parity part {i} failed:\n{proc.stderr[-4000:]}")
+        rows = [json.loads(line) for line in proc.stdout.splitlines()
+                if line.startswith("{")]
+        return i, rows, time.perf_counter() - t0
+
+    with ThreadPoolExecutor(jobs) as pool:
+        for future in as_completed([pool.submit(run, i) for i in parts]):
+            yield future.result()
+
+
 def main(argv=None) -> int:
     """Run the checks; print one JSON line per check; exit 1 on a failure."""
     p = argparse.ArgumentParser(prog="python -m dejavu_jax.eval.kernel_parity")
@@ -471,43 +522,63 @@ def main(argv=None) -> int:
     p.add_argument("--tol", type=float, default=1e-4)
     p.add_argument("--checks", default=",".join(CHECKS),
                    help=f"comma list of {', '.join(CHECKS)}")
+    p.add_argument("--jobs", type=int, default=0,
+                   help="checks run in this many processes at once (default: 1 with "
+                        "--impl interpret or on a host of fewer than 8 cores, else up to 8)")
+    p.add_argument("--part", type=int, default=None, help=argparse.SUPPRESS)
     p.add_argument("--out", default="eval/results/kernel_parity")
     args = p.parse_args(argv)
     if args.steps < 1:
         p.error(f"--steps must be at least 1, got {args.steps}")
-    checks = {"norm": lambda: norm_rows(args.impl), "window": lambda: window_rows(args.impl),
-              "decode": lambda: decode_rows(args.impl, args.steps),
-              "split": lambda: split_rows(args.impl, args.steps),
-              "top-k": lambda: top_k_rows(args.impl),
-              "predictor": lambda: predictor_rows(args.impl),
-              "threshold": lambda: threshold_rows(args.impl, args.steps)}
+    if args.jobs < 0:
+        p.error(f"--jobs must be 0 (automatic) or more, got {args.jobs}")
+    parts = check_parts(args.impl, args.steps)
+    if args.part is not None:  # one part, in a worker process: its rows on stdout
+        for r in parts[args.part][1]():
+            print(json.dumps(r), flush=True)
+        return 0
     names = args.checks.split(",")
-    unknown = [n for n in names if n not in checks]
+    unknown = [n for n in names if n not in CHECKS]
     if unknown:
-        p.error(f"unknown checks {unknown}; choose from {', '.join(checks)}")
+        p.error(f"unknown checks {unknown}; choose from {', '.join(CHECKS)}")
+    chosen = [i for i, (name, _) in enumerate(parts) if name in names]
+    import os
+    jobs = args.jobs or (1 if args.impl == "interpret" or (os.cpu_count() or 1) < 8
+                         else min(8, len(chosen)))
 
     rows, ok, seconds = [], True, {}
     start = time.perf_counter()
-    for name in names:  # each check's rows print as it finishes (a run cut short keeps them)
-        t0 = time.perf_counter()
-        for r in checks[name]():
+
+    def finished():
+        if jobs == 1:  # in this process, in order
+            for i in chosen:
+                t0 = time.perf_counter()
+                got = parts[i][1]()
+                yield i, got, time.perf_counter() - t0
+        else:
+            yield from _run_parts_in_processes(args, chosen, jobs)
+
+    for i, got, took in finished():  # each part's rows print as it finishes
+        name = parts[i][0]
+        for r in got:
             r["ok"] = row_passes(r, args.tol)
             ok &= r["ok"]
             rows.append(r)
             print(json.dumps(r), flush=True)
-        seconds[name] = round(time.perf_counter() - t0, 1)
+        seconds[name] = round(seconds.get(name, 0.0) + took, 1)
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     from dejavu_jax.eval.provenance import run_meta
     meta = dict(command="python -m dejavu_jax.eval.kernel_parity " + " ".join(
                     sys.argv[1:] if argv is None else argv), **run_meta(), impl=args.impl,
-                tol=args.tol, steps=args.steps, passed=bool(ok), checks=len(rows),
+                tol=args.tol, steps=args.steps, jobs=jobs, passed=bool(ok), checks=len(rows),
                 failed=sum(not r["ok"] for r in rows), seconds=seconds,
                 total_seconds=round(time.perf_counter() - start, 1))
     (out / "kernel_parity.json").write_text(json.dumps(dict(meta=meta, rows=rows), indent=1))
     failed = [r for r in rows if not r["ok"]]
     print(f"{len(rows) - len(failed)}/{len(rows)} checks passed in {meta['total_seconds']} s "
-          f"({', '.join(f'{k} {v} s' for k, v in seconds.items())})", flush=True)
+          f"with {jobs} process(es) (summed per check: "
+          f"{', '.join(f'{k} {v} s' for k, v in seconds.items())})", flush=True)
     print("all checks passed" if ok else "FAILED", flush=True)
     return 0 if ok else 1
 
