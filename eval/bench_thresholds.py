@@ -107,8 +107,7 @@ def time_kernels(log, shapes=((3584, 18944), (4096, 14336), (1536, 8960)),
                          gbs=nbytes / dense_us / 1e3))
         for s in sparsities:
             t = float(np.quantile(np.abs(np.asarray(x, np.float32)), s)) if s else 0.0
-            us = timed(lambda a, b: threshold_matvec(a, b, t, compact=False, impl="pallas"),
-                       x, w_t)
+            us = timed(lambda a, b: threshold_matvec(a, b, t, impl="pallas"), x, w_t)
             read = nbytes * (1 - s)
             rows.append(dict(kernel="threshold_matvec", d=d, F=F, sparsity=s, us=us,
                              gbs=read / us / 1e3, vs_dense=dense_us / us))
@@ -121,14 +120,13 @@ def time_kernels(log, shapes=((3584, 18944), (4096, 14336), (1536, 8960)),
     return rows + time_threshold_variants(log, timed, shapes)
 
 
-# (block_rows, row_blocks, block_n, num_warps, compact) of the input-sparse GEMV
-THRESHOLD_VARIANTS = ((16, 4, 512, 4, False), (16, 4, 512, 4, True), (16, 8, 512, 4, True),
-                      (32, 4, 512, 4, True), (32, 8, 512, 8, True), (16, 4, 256, 4, True),
-                      (64, 4, 512, 8, True))
+# (block_rows, row_blocks, block_n, num_warps) of the input-sparse GEMV
+THRESHOLD_VARIANTS = ((16, 4, 512, 4), (16, 8, 512, 4), (32, 4, 512, 4), (16, 4, 256, 4),
+                      (16, 2, 256, 4), (16, 4, 1024, 8))
 
 
 def time_threshold_variants(log, timed, shapes, sparsities=(0.0, 0.5)) -> list[dict]:
-    """µs of the input-sparse GEMV's block-size and packing variants, batch 1, on both of
+    """µs of the input-sparse GEMV's block-size variants, batch 1, on both of
     an MLP's shapes: into the residual (the down projection, K = F) and as partials (the
     up projection, K = d)."""
     from dejavu_jax.kernels.threshold_matvec import threshold_matvec
@@ -141,29 +139,26 @@ def time_threshold_variants(log, timed, shapes, sparsities=(0.0, 0.5)) -> list[d
             r = jnp.zeros((1, N), jnp.float32) if residual else None
             for s in sparsities:
                 t = float(np.quantile(np.abs(np.asarray(x, np.float32)), s)) if s else 0.0
-                for bk, kb, bn, warps, compact in THRESHOLD_VARIANTS:
+                for bk, kb, bn, warps in THRESHOLD_VARIANTS:
                     fn = functools.partial(threshold_matvec, block_rows=bk, row_blocks=kb,
                                            block_n=min(bn, N), num_warps=warps,
-                                           compact=compact, impl="pallas")
+                                           impl="pallas")
                     try:
                         us = timed(lambda a, b, res: fn(a, b, t, residual=res), x, w_t, r)
                     except Exception as e:  # a variant Triton rejects: report, go on
-                        log(f"variant {bk},{kb},{bn},{warps},{compact} failed: "
+                        log(f"variant {bk},{kb},{bn},{warps} failed: "
                             f"{type(e).__name__}: {str(e)[:200]}")
                         continue
                     rows.append(dict(kernel="threshold_matvec-variant", K=K, N=N,
                                      residual=residual, sparsity=s, block_rows=bk,
-                                     row_blocks=kb, block_n=bn, num_warps=warps,
-                                     compact=compact, us=us,
+                                     row_blocks=kb, block_n=bn, num_warps=warps, us=us,
                                      gbs=K * N * 2 * (1 - s) / us / 1e3))
                     log(json.dumps(rows[-1]))
     return rows
 
 
-def run_model(name, specs, contexts, warmup, steps, log, packings=(None,)) -> list[dict]:
-    """Dense and threshold rows of one preset; each threshold row once per `packings`
-    value of `kernels.threshold_matvec.COMPACT` (None: as it is)."""
-    from dejavu_jax.kernels import threshold_matvec as tm
+def run_model(name, specs, contexts, warmup, steps, log) -> list[dict]:
+    """Dense and threshold rows of one preset."""
     from dejavu_jax import sparse
     from dejavu_jax.eval.bench_decode import measure_engine, rates, step_bytes
     from dejavu_jax.eval.bench_hf import cache_len
@@ -195,9 +190,7 @@ def run_model(name, specs, contexts, warmup, steps, log, packings=(None,)) -> li
                          **rates(dense_bytes, 1, res["ms"], res["ms_loop"])))
         log(json.dumps(rows[-1]))
     del dense_params
-    default_packing = tm.COMPACT
-    for (spec, _, sites), packing in ((p, k) for p in prepared for k in packings):
-        tm.COMPACT = default_packing if packing is None else packing
+    for spec, _, sites in prepared:
         moved = unstack_layers(input_major(params, up_rows="gate" in sites))
         scfg = sparse.threshold_config(config, sites)
         engine = sparse.sparse_engine(config, scfg, sparse.no_selector)
@@ -213,11 +206,10 @@ def run_model(name, specs, contexts, warmup, steps, log, packings=(None,)) -> li
                 log(f"FAILED {name} {spec} ctx={ctx}: {type(e).__name__}: {str(e)[:400]}")
                 continue
             rows.append(dict(model=name, mode="threshold", levels=spec, sites=list(sites),
-                             packed=tm.COMPACT, context=ctx, skipped=skips[spec], **res,
+                             context=ctx, skipped=skips[spec], **res,
                              **rates(int(nbytes), 1, res["ms"], res["ms_loop"])))
             log(json.dumps(rows[-1]))
         del moved
-    tm.COMPACT = default_packing
     return rows
 
 
@@ -254,9 +246,6 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--hf-python", default=sys.executable)
     p.add_argument("--kernels", action="store_true", help="also time the kernels alone")
     p.add_argument("--no-models", action="store_true", help="the kernels only")
-    p.add_argument("--packing", choices=("default", "both"), default="default",
-                   help="threshold rows with the kernels' packing of kept channels as it "
-                        "is, or both with and without it")
     p.add_argument("--out", type=Path, required=True)
     add_parity_argument(p)
     args = p.parse_args(argv)
@@ -299,8 +288,7 @@ def main(argv: list[str] | None = None) -> int:
         save()
     rows = [dict(r, mode=r["mode"], levels="-", skipped=0.0) for r in (hf or {}).get("rows", [])]
     for name in [] if args.no_models else models:
-        rows += run_model(name, specs, contexts, args.warmup, args.steps, log,
-                          (None,) if args.packing == "default" else (False, True))
+        rows += run_model(name, specs, contexts, args.warmup, args.steps, log)
         result["rows"] = with_speedups(rows)
         save()
     log_file.close()

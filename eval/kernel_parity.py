@@ -441,13 +441,11 @@ def _threshold_kernel_rows(impl: str) -> list[dict]:
         w = jnp.asarray(rng.standard_normal((K, N)) * K ** -0.5, jnp.float32)
         t = float(np.quantile(np.abs(np.asarray(x)), 0.5))
         res = jnp.asarray(rng.standard_normal((B, N)), jnp.float32)
-        for residual, compact in ((None, True), (res, True), (res, False)):
-            if not compact and B > 1:
-                continue  # packing is batch 1's
-            got, ref = (jax.jit(functools.partial(threshold_matvec, impl=i, compact=compact))(
+        for residual in (None, res):
+            got, ref = (jax.jit(functools.partial(threshold_matvec, impl=i))(
                 x, w, t, residual=residual) for i in (impl, "reference"))
             rows.append(dict(check="threshold", kernel="threshold_matvec", B=B, K=K, N=N,
-                             residual=residual is not None, packed=compact and B == 1,
+                             residual=residual is not None,
                              logits=float(jnp.abs(got - ref).max()), k_cache=0.0))
         keep = jnp.asarray(rng.random(K) < 0.5)
         xr = jnp.asarray(rng.standard_normal((B, N)), jnp.float32)

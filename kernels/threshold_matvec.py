@@ -30,9 +30,6 @@ from .gather_matvec import accumulate_blocks, batch_pad, mma
 from .launch import LaunchPart, launch
 
 F32 = jnp.float32
-# batch 1 packs each program's kept channels into full blocks (`compact`) unless told not
-# to; the benchmarks time both
-COMPACT = True
 
 
 def threshold_matvec_reference(x, w_t, threshold, *, residual=None, bias=None):
@@ -44,32 +41,8 @@ def threshold_matvec_reference(x, w_t, threshold, *, residual=None, bias=None):
     return out if residual is None else residual + out
 
 
-def _compacted_sum(i, x_ref, t, w_ref, cols, cm, *, K, bk, kblocks):
-    """Batch 1: the program's product over its chunk of ``bk * kblocks`` channels, reading
-    the kept channels' rows packed into full blocks of ``bk`` (a block of mostly dropped
-    rows would keep few loads in flight), as many blocks as the chunk needs."""
-    C = bk * kblocks
-    chunk = i * C + jnp.arange(C, dtype=jnp.int32)
-    xc = plgpu.load(x_ref.at[0, chunk], mask=chunk < K, other=0).astype(F32)
-    keep = (jnp.abs(xc) > t) & (chunk < K)
-    slot_of = jnp.cumsum(keep.astype(jnp.int32)) - 1     # packed slot of each kept channel
-    n_kept = jnp.sum(keep.astype(jnp.int32))
-    local = jnp.arange(C, dtype=jnp.int32)
-
-    def block(s, acc):
-        slots = s * bk + jnp.arange(bk, dtype=jnp.int32)
-        match = (slot_of[None, :] == slots[:, None]) & keep[None, :]   # [bk, C]
-        rows = i * C + jnp.sum(jnp.where(match, local[None, :], 0), axis=1)
-        xr = jnp.sum(jnp.where(match, xc[None, :], 0.0), axis=1)
-        w = plgpu.load(w_ref.at[rows[:, None], cols[None, :]],
-                       mask=(slots < n_kept)[:, None] & cm[None, :], other=0)
-        return acc + jnp.sum(xr[:, None] * w.astype(F32), axis=0)
-
-    return lax.fori_loop(0, (n_kept + bk - 1) // bk, block, jnp.zeros(cols.shape, F32))
-
-
 def _threshold_body(pids, x_ref, t_ref, w_ref, *rest, B, Bp, K, N, bk, bn, kblocks,
-                    accumulate, has_bias, compact):
+                    accumulate, has_bias):
     if accumulate:
         b_ref = rest[1] if has_bias else None
         o_ref = rest[-1]
@@ -102,10 +75,7 @@ def _threshold_body(pids, x_ref, t_ref, w_ref, *rest, B, Bp, K, N, bk, bn, kbloc
             return acc + jnp.sum(xr[:, None] * w.astype(F32), axis=0)
         return acc + mma(xr, w)
 
-    if compact and Bp == 1:
-        acc = _compacted_sum(i, x_ref, t, w_ref, cols, cm, K=K, bk=bk, kblocks=kblocks)
-    else:
-        acc = accumulate_blocks(block, kblocks, (bn,) if Bp == 1 else (Bp, bn))
+    acc = accumulate_blocks(block, kblocks, (bn,) if Bp == 1 else (Bp, bn))
     if accumulate:
         # as gather_matvec_t: lanes past N add 0 at distinct wrapped columns
         if has_bias:
@@ -126,7 +96,7 @@ def _threshold_body(pids, x_ref, t_ref, w_ref, *rest, B, Bp, K, N, bk, bn, kbloc
 
 
 def threshold_matvec_part(x, w_t, threshold, *, residual=None, bias=None, block_rows=16,
-                          block_n=512, row_blocks=4, compact=False) -> LaunchPart:
+                          block_n=512, row_blocks=4) -> LaunchPart:
     """:func:`threshold_matvec`'s kernel as a :class:`~.launch.LaunchPart`: outputs fp32
     partials ``[n_chunks, B, N]``, or ``[B, N]`` (residual, bias and the product) with
     ``residual``."""
@@ -139,7 +109,7 @@ def threshold_matvec_part(x, w_t, threshold, *, residual=None, bias=None, block_
     accumulate = residual is not None
     body = functools.partial(_threshold_body, B=B, Bp=Bp, K=K, N=N, bk=bk, bn=block_n,
                              kblocks=kblocks, accumulate=accumulate,
-                             has_bias=bias is not None, compact=compact)
+                             has_bias=bias is not None)
     args = [x, jnp.asarray(threshold, F32).reshape(1), w_t]
     if accumulate:
         if block_n > N:
@@ -155,18 +125,15 @@ def threshold_matvec_part(x, w_t, threshold, *, residual=None, bias=None, block_
 
 
 def threshold_matvec(x, w_t, threshold, *, residual=None, bias=None, block_rows=16,
-                     block_n=512, row_blocks=4, num_warps=4, compact=None, impl=None):
+                     block_n=512, row_blocks=4, num_warps=4, impl=None):
     """``(x masked to |x| > threshold) @ w_t`` (+ bias, + residual) as fp32 ``[B, N]``,
     reading only the rows of ``w_t [K, N]`` that some row of ``x [B, K]`` keeps.
 
     threshold: a scalar (array); residual: fp32 ``[B, N]``, updated in place when the
     caller donates it (the chunks add into it atomically, so the low bits of the fp32 sums
     vary between runs). block_rows (a power of two) rows per block, row_blocks blocks per
-    program, block_n (a power of two) columns per program. compact (batch 1; default
-    `COMPACT`): each program packs its chunk's kept channels into full blocks and reads
-    only as many blocks as they fill, instead of masking the dropped rows of every block.
+    program, block_n (a power of two) columns per program.
     """
-    compact = COMPACT if compact is None else compact
     check_array("x", x, ndim=2, floating=True)
     check_array("w_t", w_t, ndim=2, floating=True)
     if w_t.shape[0] != x.shape[1]:
@@ -184,7 +151,7 @@ def threshold_matvec(x, w_t, threshold, *, residual=None, bias=None, block_rows=
         else block_n
     part = threshold_matvec_part(x, w_t, threshold, residual=residual, bias=bias,
                                  block_rows=block_rows, block_n=block_n,
-                                 row_blocks=row_blocks, compact=compact)
+                                 row_blocks=row_blocks)
     (out,), = launch([part], num_warps=num_warps, interpret=impl == "interpret")
     if residual is not None:
         return out

@@ -17,12 +17,10 @@ def _numpy_threshold(x, w_t, t, residual=None, bias=None):
     return out if residual is None else residual + out
 
 
-@pytest.mark.parametrize("B,K,N,residual,compact", [
-    (1, 200, 300, False, True), (1, 200, 300, False, False), (3, 200, 300, False, True),
-    (1, 96, 640, True, True), (2, 96, 640, True, True)])
-def test_threshold_matvec_equals_numpy(rng, B, K, N, residual, compact):
-    """K and N not multiples of the blocks; about 60% of the channels dropped per row;
-    batch 1 with and without packing the kept channels into full blocks."""
+@pytest.mark.parametrize("B,K,N,residual", [(1, 200, 300, False), (3, 200, 300, False),
+                                            (1, 96, 640, True), (2, 96, 640, True)])
+def test_threshold_matvec_equals_numpy(rng, B, K, N, residual):
+    """K and N not multiples of the blocks; about 60% of the channels dropped per row."""
     x = rng.standard_normal((B, K)).astype(np.float32)
     w_t = rng.standard_normal((K, N)).astype(np.float32)
     t = float(np.quantile(np.abs(x), 0.6))
@@ -31,8 +29,7 @@ def test_threshold_matvec_equals_numpy(rng, B, K, N, residual, compact):
     got = threshold_matvec(jnp.asarray(x), jnp.asarray(w_t), jnp.float32(t),
                            residual=None if res is None else jnp.asarray(res),
                            bias=None if bias is None else jnp.asarray(bias),
-                           block_rows=16, block_n=128, row_blocks=2, compact=compact,
-                           impl="interpret")
+                           block_rows=16, block_n=128, row_blocks=2, impl="interpret")
     assert_finite_close(np.asarray(got), _numpy_threshold(x, w_t, t, res, bias), rtol=1e-5,
                         atol=1e-4)
     ref = threshold_matvec(jnp.asarray(x), jnp.asarray(w_t), jnp.float32(t),
@@ -42,8 +39,7 @@ def test_threshold_matvec_equals_numpy(rng, B, K, N, residual, compact):
     assert_finite_close(np.asarray(got), np.asarray(ref), rtol=1e-5, atol=1e-4)
 
 
-@pytest.mark.parametrize("compact", [True, False])
-def test_threshold_matvec_skips_the_rows_it_drops(rng, compact):
+def test_threshold_matvec_skips_the_rows_it_drops(rng):
     """A dropped channel's weight row is never read: NaN there changes nothing (the
     interpreter's masked loads give the fill value)."""
     x = rng.standard_normal((1, 64)).astype(np.float32)
@@ -52,7 +48,7 @@ def test_threshold_matvec_skips_the_rows_it_drops(rng, compact):
     poisoned = w_t.copy()
     poisoned[::2] = np.nan
     got = threshold_matvec(jnp.asarray(x), jnp.asarray(poisoned), jnp.float32(0.05),
-                           block_rows=16, block_n=128, compact=compact, impl="interpret")
+                           block_rows=16, block_n=128, impl="interpret")
     assert_finite_close(np.asarray(got), _numpy_threshold(x, w_t, 0.05), rtol=1e-5, atol=1e-4)
 
 

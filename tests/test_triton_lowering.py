@@ -195,5 +195,3 @@ def test_threshold_kernels_lower(B):
            z(B, F), z(F, d), z(B, d, dtype=F32), z(d))
     lowers(lambda x, w, k: row_masked_matvec(x, w, k, impl="pallas"), z(B, d), z(F, d),
            jnp.zeros((F,), bool))
-    lowers(lambda x, w, r: threshold_matvec(x, w, t, residual=r, compact=True, impl="pallas"),
-           z(B, F), z(F, d), z(B, d, dtype=F32))
