@@ -244,12 +244,15 @@ def main(argv=None) -> int:
     p.add_argument("--hlo", action="store_true",
                    help="also write each mode's optimised HLO (hlo_MODE.txt.gz)")
     p.add_argument("--out", default="eval/results/profile")
+    from dejavu_jax.eval.parity_gate import add_parity_argument, require_parity
+    add_parity_argument(p)
     args = p.parse_args(argv)
     config = config_lib.preset(args.model)
     if args.dense_layers > config.n_layers:
         p.error(f"--dense-layers {args.dense_layers}: {args.model} has {config.n_layers} layers")
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
+    parity = require_parity(args.parity, out)
     params = init_params(config, jax.random.key(0), BF16)
     if args.layout == "unrolled":
         params = unstack_layers(params, free_stacked=True)
@@ -264,7 +267,7 @@ def main(argv=None) -> int:
         except Exception as e:  # report and go on with the other modes
             log(f"FAILED {mode}: {type(e).__name__}: {str(e)[:600]}")
     meta = dict(device=str(jax.devices()[0].device_kind), jax=jax.__version__,
-                xla_flags=os.environ.get("XLA_FLAGS", ""))
+                xla_flags=os.environ.get("XLA_FLAGS", ""), kernel_parity=parity)
     (out / "profile.json").write_text(json.dumps(dict(meta=meta, rows=rows), indent=1))
     return 0
 

@@ -374,6 +374,8 @@ def main(argv=None):
                    help="start no new point after this many seconds (the rows so far are kept)")
     p.add_argument("--interpret", action="store_true",
                    help="CPU smoke test: Pallas interpreter, tiny model shapes")
+    from dejavu_jax.eval.parity_gate import add_parity_argument, require_parity
+    add_parity_argument(p)
     a = p.parse_args(argv)
     if a.interpret:
         global INTERPRET
@@ -396,6 +398,7 @@ def main(argv=None):
                         f"(e.g. 0.1 for 10%)")
     t_start = time.time()
     os.makedirs(a.out, exist_ok=True)
+    parity = require_parity(a.parity, a.out)
     log_f = open(os.path.join(a.out, f"{a.tag}.log"), "a")
 
     def log(msg):
@@ -405,7 +408,8 @@ def main(argv=None):
 
     meta = dict(command="python -m dejavu_jax.kernels.bench " + " ".join(sys.argv[1:] if argv is None else argv),
                 date=datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
-                versions=_versions(), method=__doc__.split("Method")[1].strip())
+                versions=_versions(), method=__doc__.split("Method")[1].strip(),
+                kernel_parity=parity)
     log(json.dumps(meta["versions"]))
     res = dict(meta=meta, check=[], tune=[], mlp=[], attn=[])
 

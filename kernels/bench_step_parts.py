@@ -232,9 +232,11 @@ def main(argv=None):
                         "('d': deferred sum; options group_view, num_warps, num_stages; "
                         "KERNEL rows or cols), '/'-separated")
     p.add_argument("--out", default=os.environ.get("OUT", "."))
+    from dejavu_jax.eval.parity_gate import add_parity_argument, require_parity
+    add_parity_argument(p)
     args = p.parse_args(argv)
     d, H = MODELS[args.model]
-    rows = []
+    rows = [dict(part="kernel_parity", **require_parity(args.parity, args.out))]
 
     def log(row):
         rows.append(row)
