@@ -257,10 +257,10 @@ def test_profile_search_runs_end_to_end_on_a_tiny_model():
     assert (np.asarray(profile.thresholds) > 0).sum() == (np.asarray(profile.levels) > 0).sum()
 
 
+# Qwen2's biases and Gemma 3's post-norms through these kernels: kernel_parity's
+# threshold check (gemma3-tiny) and the scorer tests above (the reference path)
 @pytest.mark.parametrize("name,up_rows,unrolled", [("llama-tiny", True, True),
-                                                   ("opt-tiny", False, False),
-                                                   ("qwen2", False, True),
-                                                   ("gemma3", True, False)])
+                                                   ("opt-tiny", False, False)])
 def test_threshold_kernels_decode_like_the_reference(name, up_rows, unrolled):
     """Teacher-forced threshold decoding through the Pallas kernels (interpreted) on
     input-major weights (the up projection by neuron rows under the gate site, or by input
