@@ -47,10 +47,16 @@ def parse_ids(text: str) -> list[int]:
     return ids
 
 
+CLI_SELECT_METHODS = ("exact", "local")
+
+
 def sparse_select_methods() -> tuple[str, ...]:
-    """The predictor top-k methods `--select` accepts (`sparse.SELECT_METHODS`)."""
+    """The predictor top-k methods `--select` accepts: `exact` (the default) and `local`
+    (the fastest measured). The others of `sparse.SELECT_METHODS` are benchmark variants,
+    reachable from Python (`sparse.predictor_selector(..., method=...)`)."""
     from dejavu_jax import sparse
-    return sparse.SELECT_METHODS
+    assert set(CLI_SELECT_METHODS) <= set(sparse.SELECT_METHODS)
+    return CLI_SELECT_METHODS
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -120,8 +126,10 @@ def build_parser() -> argparse.ArgumentParser:
                     help="first layers that always run dense (default 2)")
     sp.add_argument("--select", choices=sparse_select_methods(),
                     help="top-k of the predictor scores (for --sparse): exact (lax.top_k, "
-                         "default), radix or chunked (Pallas, the top-k at bfloat16 "
-                         "precision; faster on the GPU), local, packed, threshold")
+                         "default) or local (Pallas, the top of each chunk of the scores: "
+                         "approximate, the fastest measured). The other methods of "
+                         "sparse.SELECT_METHODS (threshold, radix, chunked, packed) are "
+                         "benchmark variants, reachable from Python")
     multidevice.add_mesh_arguments(p)
     return p
 

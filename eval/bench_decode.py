@@ -750,7 +750,7 @@ def main(argv=None) -> int:
                         "of each ('qkv-separate'; one GPU only)")
     p.add_argument("--attn-config", default="",
                    help="sparse rows' kernels.AttnConfig fields, '/'-separated variants "
-                        "each measured, e.g. 'base/out_group_view=1'")
+                        "each measured, e.g. 'base/out_block_rows=16'")
     p.add_argument("--mlp-config", default="",
                    help="sparse rows' kernels.MLPConfig variants, e.g. 'base/num_stages=3'")
     p.add_argument("--layouts", default="unrolled",

@@ -10,9 +10,9 @@
   ``MLPConfig`` variants (``--mlp-variants``); a variant is ``field=value[,field=value]``,
   variants are separated by ``/`` and ``base`` is the default config.
 * ``out-proj``: the batch-1 out-projection of the selected heads into the residual, by the
-  column-gather kernel the attention uses (flat or 3-D group-view loads) and by the
-  row-gather kernel with split-k atomics it used before, for block, warp and stage
-  variants (``--out-variants``).
+  column-gather kernel the attention uses (3-D group-view loads, as the attention picks
+  them) and by the row-gather kernel with split-k atomics it used before, for block, warp
+  and stage variants (``--out-variants``).
 * ``predictor``: the split predictor's selection launches (`kernels.predictor_select`) for
   score-product block variants (``--predictor-variants ROW_BLOCKSxBLOCK_D/...``).
 * ``top-k``: the selection of k of the F MLP scores by the radix, chunked and packed
@@ -105,13 +105,14 @@ def predictor_point(d, F, H, rank, k_mlp, k_heads, *, row_blocks, block_d, defer
                 bytes=need, time_us=t * 1e6, gbps=need / t / 1e9)
 
 
-def out_proj_point(d, H, frac, *, kernel, block_rows, block_d, deferred, row_blocks=None,
-                   group_view=False, num_warps=4, num_stages=2, seed=0):
+def out_proj_point(d, H, frac, *, kernel, block_rows, block_d, row_blocks=None, num_warps=4,
+                   num_stages=2, seed=0):
     """µs per call of the batch-1 out-projection of the fraction ``frac`` of H heads into an
     fp32 residual: ``rows`` (`gather_matvec_t` on the ``[H * hd, d]`` per-head rows, split-k
     with atomics) or ``cols`` (`gather_cols_matvec` on the ``[d, H * hd]`` layout, as the
-    attention runs it: whole output rows per program, no atomics)."""
-    from ._common import cdiv
+    attention runs it: whole output rows per program, no atomics, group-view loads when
+    the head width is a power of two within ``block_d``)."""
+    from ._common import cdiv, is_pow2
     from .column_gather import gather_cols_matvec
     from .gather_matvec import gather_matvec_t
     from ._common import sm_count
@@ -132,42 +133,43 @@ def out_proj_point(d, H, frac, *, kernel, block_rows, block_d, deferred, row_blo
             return gather_matvec_t([attn], load, w, ids, B=1, rows_per_id=HD,
                                    block_rows=block_rows, block_d=block_d,
                                    row_blocks_per_program=r2, residual=res, bias=bias,
-                                   deferred_sum=deferred, interpret=bench.INTERPRET) * 0.5
+                                   interpret=bench.INTERPRET) * 0.5
     else:
+        group_view = is_pow2(HD) and HD <= block_d
+
         def step(res, w, ids):
             return gather_cols_matvec([attn], load, w, ids, B=1, cols_per_id=HD,
                                       block_rows=block_rows, block_cols=block_d,
-                                      deferred_sum=deferred, residual=res, bias=bias,
+                                      residual=res, bias=bias,
                                       group_view=group_view, num_warps=num_warps,
                                       num_stages=num_stages, interpret=bench.INTERPRET) * 0.5
     need = Kh * HD * d * 2
     t, _ = chain_time(step, jnp.zeros((1, d), jnp.float32), w, sets,
                       est_s=need / 3e12 + 5e-6)
     return dict(part="out-proj", d=d, H=H, Kh=Kh, kernel=kernel, block_rows=block_rows,
-                block_d=block_d, deferred=bool(deferred), row_blocks=row_blocks,
-                group_view=bool(group_view), num_warps=num_warps, num_stages=num_stages,
+                block_d=block_d, row_blocks=row_blocks, num_warps=num_warps,
+                num_stages=num_stages,
                 bytes=need, time_us=t * 1e6, gbps=need / t / 1e9)
 
 
 def parse_out_variant(item: str) -> dict:
-    """``"cols:8x512d[,group_view=1][,num_warps=8][,num_stages=3]"`` -> out_proj_point
-    keywords."""
+    """``"cols:8x512[,num_warps=8][,num_stages=3]"`` -> out_proj_point keywords."""
     head, *options = item.split(",")
     kernel, _, blocks = head.partition(":")
-    block_rows, block_d, deferred = parse_blocks(blocks)
-    out = dict(kernel=kernel, block_rows=block_rows, block_d=block_d, deferred=deferred)
+    block_rows, block_d = map(int, blocks.split("x"))
+    out = dict(kernel=kernel, block_rows=block_rows, block_d=block_d)
     for kv in options:
         key, _, value = kv.partition("=")
-        if key not in ("group_view", "num_warps", "num_stages"):
+        if key not in ("num_warps", "num_stages"):
             raise ValueError(f"unknown out-proj option {key!r} in {item!r}")
         if kernel != "cols":
             raise ValueError(f"out-proj options apply to the cols kernel only: {item!r}")
-        out[key] = bool(int(value)) if key == "group_view" else int(value)
+        out[key] = int(value)
     return out
 
 
 def parse_blocks(spec: str) -> tuple[int, int, bool]:
-    """``"AxB"`` or ``"AxBd"`` -> (A, B, deferred sum)."""
+    """A predictor variant's ``"AxB"`` or ``"AxBd"`` -> (A, B, deferred sum)."""
     a, b = map(int, spec.rstrip("d").split("x"))
     return a, b, spec.endswith("d")
 
@@ -183,8 +185,6 @@ def parse_variants(spec: str, cls) -> list:
                 if key not in {f.name for f in dataclasses.fields(cls)}:
                     raise ValueError(f"{cls.__name__} has no field {key!r}")
                 fields[key] = None if value == "None" else int(value)
-                if isinstance(getattr(cls(), key), bool):
-                    fields[key] = bool(fields[key])
         out.append((item, dataclasses.replace(cls(), **fields)))
     return out
 
@@ -219,18 +219,17 @@ def main(argv=None):
     p.add_argument("--window", type=int, default=16)
     p.add_argument("--window-block-rows", default="16,32,64")
     p.add_argument("--parts", default="attn-window,top-k")
-    p.add_argument("--attn-variants", default="base/max_fused_splits=0/seq_splits=1")
+    p.add_argument("--attn-variants", default="base/seq_splits=1")
     p.add_argument("--mlp-variants", default="base/num_stages=3")
     p.add_argument("--predictor-variants", default="4x512/2x512/1x512/1x256",
                    help="split predictor score product: ROW_BLOCKSxBLOCK_D[d][wN] ('d': deferred "
                         "sum, wN: N warps in the selection launch), '/'-separated")
     p.add_argument("--rank", type=int, default=256, help="predictor rank for the predictor part")
     p.add_argument("--out-variants",
-                   default="cols:8x512d/cols:8x512d,group_view=1/cols:16x512d,group_view=1/"
-                           "cols:8x1024d,group_view=1/cols:8x512d,group_view=1,num_warps=8",
-                   help="out-proj part: KERNEL:BLOCK_ROWSxBLOCK_D[d][,OPTION=VALUE...] "
-                        "('d': deferred sum; options group_view, num_warps, num_stages; "
-                        "KERNEL rows or cols), '/'-separated")
+                   default="cols:8x512/cols:16x512/cols:8x1024/cols:8x512,num_warps=8",
+                   help="out-proj part: KERNEL:BLOCK_ROWSxBLOCK_D[,OPTION=VALUE...] "
+                        "(options num_warps, num_stages, for cols; KERNEL rows or cols), "
+                        "'/'-separated")
     p.add_argument("--out", default=os.environ.get("OUT", "."))
     from dejavu_jax.eval.parity_gate import add_parity_argument, require_parity
     add_parity_argument(p)

@@ -47,7 +47,7 @@ def _program_rows(ids_ref, bk: int, d_out: int, groups_per_layer: int, layers: i
 
 
 def _kernel(*refs, n_act, load_act, B, Bp, m, n_cols, d_out, n_local, layers, bk, bc,
-            chunks, has_res, has_bias, deferred):
+            chunks, has_res, has_bias):
     act_refs, ids_ref, w_ref, res_ref, b_ref, o_ref = _split_refs(refs, n_act, has_res,
                                                                   has_bias)
     rows, rm, layer, w_rows = _program_rows(ids_ref, bk, d_out, n_local // m, layers)
@@ -65,18 +65,15 @@ def _kernel(*refs, n_act, load_act, B, Bp, m, n_cols, d_out, n_local, layers, bk
                        mask=rm[:, None] & valid[None, :], other=0)
         if Bp == 1:
             prod = w.astype(jnp.float32) * a[None, :]
-            return acc + (prod if deferred else jnp.sum(prod, axis=1))
+            return acc + jnp.sum(prod, axis=1)
         return acc + mma(a, w, trans_b=True)
 
-    shape = ((bk, bc) if deferred else (bk,)) if Bp == 1 else (Bp, bk)
-    acc = accumulate_blocks(chunk, chunks, shape)
-    if Bp == 1 and deferred:
-        acc = jnp.sum(acc, axis=1)
+    acc = accumulate_blocks(chunk, chunks, (bk,) if Bp == 1 else (Bp, bk))
     _store_rows(acc, rows, rm, brow, bmask, Bp, res_ref, b_ref, o_ref)
 
 
 def _group_kernel(*refs, n_act, load_act, B, Bp, m, n_groups, d_out, n_local, layers, bk, gc,
-                  chunks, has_res, has_bias, deferred):
+                  chunks, has_res, has_bias):
     """Over the ``[rows, n_local / m, m]`` view, ``gc`` selected groups per load: batch 1
     multiplies the 3-D tile elementwise; a batch flattens it for the tensor cores."""
     act_refs, ids_ref, w_ref, res_ref, b_ref, o_ref = _split_refs(refs, n_act, has_res,
@@ -104,12 +101,9 @@ def _group_kernel(*refs, n_act, load_act, B, Bp, m, n_groups, d_out, n_local, la
         if Bp > 1:
             return acc + mma(a, w.reshape(bk, gc * m), trans_b=True)
         prod = w.astype(jnp.float32) * a[None]
-        return acc + (prod if deferred else jnp.sum(jnp.sum(prod, axis=2), axis=1))
+        return acc + jnp.sum(jnp.sum(prod, axis=2), axis=1)
 
-    shape = ((bk, gc, m) if deferred else (bk,)) if Bp == 1 else (Bp, bk)
-    acc = accumulate_blocks(chunk, chunks, shape)
-    if Bp == 1 and deferred:
-        acc = jnp.sum(jnp.sum(acc, axis=2), axis=1)
+    acc = accumulate_blocks(chunk, chunks, (bk,) if Bp == 1 else (Bp, bk))
     _store_rows(acc, rows, rm, brow, brow < B, Bp, res_ref, b_ref, o_ref)
 
 
@@ -133,7 +127,7 @@ def _store_rows(acc, rows, rm, brow, bmask, Bp, res_ref, b_ref, o_ref):
 def gather_cols_matvec(act_args: Sequence[jax.Array], load_act: Callable, w: jax.Array,
                        ids: jax.Array, *, B: int, cols_per_id: int, block_rows: int = 8,
                        block_cols: int = 512, num_warps: int = 4, num_stages: int = 2,
-                       deferred_sum: bool = False, residual: jax.Array | None = None,
+                       residual: jax.Array | None = None,
                        bias: jax.Array | None = None, layers: int = 1,
                        group_view: bool = False, interpret: bool = False) -> jax.Array:
     """``residual + a @ W[:, cols].T + bias`` as fp32 ``[B, d_out]`` for ``w [d_out, n]``.
@@ -170,7 +164,7 @@ def gather_cols_matvec(act_args: Sequence[jax.Array], load_act: Callable, w: jax
                          f"{tuple(residual.shape)}")
     common = dict(n_act=len(act_args), load_act=load_act, m=m, d_out=d_out,
                   n_local=w.shape[1], layers=layers, bk=bk, has_res=residual is not None,
-                  has_bias=bias is not None, deferred=bool(deferred_sum))
+                  has_bias=bias is not None)
     if group_view:
         if not is_pow2(m) or m > block_cols:
             raise ValueError(f"group_view needs a power-of-two cols_per_id <= block_cols, "

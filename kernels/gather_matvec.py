@@ -166,7 +166,7 @@ def check_segment(seg: Segment, x: jax.Array) -> None:
             raise ValueError(f"segment x has width {seg.x.shape[1]}, expected {x.shape[1]}")
 
 
-def _gather_matvec_body(pids, *refs, seg_meta, d, bd, chunks, deferred):
+def _gather_matvec_body(pids, *refs, seg_meta, d, bd, chunks):
     n_in = sum(meta[-1] for meta in seg_meta)
     in_refs, out_refs = refs[:n_in], refs[n_in:]
     i, j = pids
@@ -199,16 +199,13 @@ def _gather_matvec_body(pids, *refs, seg_meta, d, bd, chunks, deferred):
                     if Bq == 1:
                         xv = plgpu.load(x_ref.at[0, cols], mask=cm, other=0)
                         prod = w.astype(jnp.float32) * xv.astype(jnp.float32)[None, :]
-                        return acc + (prod if deferred else jnp.sum(prod, axis=1))
+                        return acc + jnp.sum(prod, axis=1)
                     xb = plgpu.load(x_ref.at[brow[:, None], cols[None, :]],
                                     mask=bmask[:, None] & cm[None, :], other=0)
                     return acc + mma(xb, w, trans_b=True)
 
-                acc_shape = ((bk, bd) if deferred else (bk,)) if Bq == 1 else (Bq, bk)
-                acc = accumulate_blocks(chunk, chunks, acc_shape)
+                acc = accumulate_blocks(chunk, chunks, (bk,) if Bq == 1 else (Bq, bk))
                 if Bq == 1:
-                    if deferred:
-                        acc = jnp.sum(acc, axis=1)
                     plgpu.store(o_ref.at[j, 0, local], acc)
                 else:
                     plgpu.store(o_ref.at[j, out_rows[:, None], local[None, :]], acc,
@@ -233,7 +230,7 @@ def _gather_matvec_body(pids, *refs, seg_meta, d, bd, chunks, deferred):
 
 def gather_matvec(x: jax.Array, segments: Sequence[Segment], *, block_rows: int = 16,
                   block_d: int = 512, d_chunks: int = 1, num_warps: int = 4,
-                  num_stages: int = 2, deferred_sum: bool = False, interpret: bool = False):
+                  num_stages: int = 2, interpret: bool = False):
     """Gathered GEMV partials for one or more matrices sharing the input ``x [B, d]``.
 
     One launch of :func:`gather_matvec_part` (which other kernels may join, see
@@ -247,8 +244,6 @@ def gather_matvec(x: jax.Array, segments: Sequence[Segment], *, block_rows: int 
       block_d: columns per load (power of two).
       d_chunks: column chunks per program; the grid has ``cdiv(d, block_d * d_chunks)``
         d-splits.
-      deferred_sum: batch 1: accumulate the products elementwise over the chunks and sum
-        across columns once per program (not once per chunk).
     Returns:
       One fp32 array per segment, ``[n_dsplit, B_s, n_blocks * block_rows]``; summing over
       axis 0 gives ``x @ W[rows].T`` in the first ``n_rows`` columns (the padding columns
@@ -256,13 +251,12 @@ def gather_matvec(x: jax.Array, segments: Sequence[Segment], *, block_rows: int 
       unflagged ids unwritten (undefined values; NaN in the interpreter).
     """
     part = gather_matvec_part(x, segments, block_rows=block_rows, block_d=block_d,
-                              d_chunks=d_chunks, deferred_sum=deferred_sum)
+                              d_chunks=d_chunks)
     return launch([part], num_warps=num_warps, num_stages=num_stages, interpret=interpret)[0]
 
 
 def gather_matvec_part(x: jax.Array, segments: Sequence[Segment], *, block_rows: int = 16,
-                       block_d: int = 512, d_chunks: int = 1,
-                       deferred_sum: bool = False) -> LaunchPart:
+                       block_d: int = 512, d_chunks: int = 1) -> LaunchPart:
     """:func:`gather_matvec` as a :class:`~.launch.LaunchPart` (same arguments)."""
     d = x.shape[1]
     bd = block_d
@@ -296,7 +290,7 @@ def gather_matvec_part(x: jax.Array, segments: Sequence[Segment], *, block_rows:
         args += refs
         start += nb
     body = functools.partial(_gather_matvec_body, seg_meta=tuple(seg_meta), d=d, bd=bd,
-                             chunks=d_chunks, deferred=bool(deferred_sum))
+                             chunks=d_chunks)
     return LaunchPart(body, (start, nds), tuple(args), tuple(outs), name="gather_matvec")
 
 

@@ -15,8 +15,9 @@ Pipeline (Pallas path), every stage reading only the selected heads:
    writes its k/v row into the (aliased, in-place) cache.
 3. :func:`~.column_gather.gather_cols_matvec` -- out-projection over the selected heads'
    columns of ``wo [d, H, hd]`` (HF's ``out_proj.weight`` as stored): each program owns
-   whole output rows, its loader merges the splits' (m, l, o), and it adds ``bo`` (and,
-   given a ``residual``, the residual rows) with no split-k partials and no atomics.
+   whole output rows, its loader normalises a single split's (o, l) (several splits are
+   merged first, in one XLA fusion), and it adds ``bo`` (and, given a ``residual``, the
+   residual rows) with no split-k partials and no atomics.
 
 Missing-KV window (:class:`KVWindow`): the K/V segments of step 1 multiply the window's W
 stored inputs instead of x (the current token is one of them), for the selected heads
@@ -68,10 +69,6 @@ class AttnConfig:
     target_programs: int | None = None       # the q/k/v projection's grid (None: 8 per SM)
     attn_target_programs: int | None = None  # flash-decoding grid, B x heads x splits
                                              # (None: 4 per SM)
-    max_fused_splits: int = 1              # merge splits in the out-projection up to this
-    proj_deferred_sum: bool = False        # batch 1: one cross-lane sum per program
-    out_deferred_sum: bool = False
-    out_group_view: bool = True            # 3-D [rows, heads, hd] weight loads (pow2 hd)
     out_num_warps: int | None = None       # the out-projection's warps (None: num_warps)
 
 
@@ -600,8 +597,9 @@ def decode_attention(qp, kp, vp, head_idx, pos, k_cache, v_cache, *, group, bq=N
         :func:`window_past_flags`).
     Returns:
       ``(o [ns, B, Kh*G, hd], m [ns, B, Kh*G], l [ns, B, Kh*G], k_cache, v_cache)``:
-      unnormalised split partials (merged by :func:`merged_attention_loader` or
-      :func:`merge_splits`) and the caches; and the updated bitmap when the window has one.
+      unnormalised split partials (normalised by :func:`merged_attention_loader` when
+      there is one split, else merged by :func:`merge_splits`) and the caches; and the
+      updated bitmap when the window has one.
     """
     nds, B, _ = qp.shape
     B = batch or B
@@ -668,39 +666,29 @@ def merge_splits(o, m, l):
 
 
 def merged_attention_loader(act_refs, r, valid, rows, *, ns, B, Bp, hd):
-    """Out-projection activation loader: merge the splits' (o, m, l) for logical rows ``r``.
+    """Out-projection activation loader: the normalised attention at logical rows ``r``.
 
-    ``act_refs`` = (o ``[ns, B, Hs*hd]``, m ``[ns, B, Hs]``, l ``[ns, B, Hs]``); logical
-    row r is column ``r % hd`` of selected query head ``r // hd``.  With ``ns == 0``
-    ``act_refs`` = (attn ``[1, B, Hs*hd]``,) already merged.
+    Logical row r is column ``r % hd`` of selected query head ``r // hd``. With ``ns ==
+    0`` ``act_refs`` = (attn ``[1, B, Hs*hd]``,), already merged (:func:`merge_splits`);
+    with ``ns == 1`` ``act_refs`` = (o ``[1, B, Hs*hd]``, l ``[1, B, Hs]``), the one
+    split's partials, divided by ``l`` here.
     """
+    if ns not in (0, 1):
+        raise ValueError(f"ns={ns}: several splits are merged by merge_splits first")
     brow = jnp.arange(Bp, dtype=jnp.int32)
-    if ns == 0:
-        if Bp == 1:
-            return plgpu.load(act_refs[0].at[0, 0, r], mask=valid, other=0.0)
-        return plgpu.load(act_refs[0].at[0, brow[:, None], r[None, :]],
-                          mask=(brow < B)[:, None] & valid[None, :], other=0.0)
-    o_ref, m_ref, l_ref = act_refs
-    hl = r // hd
     if Bp == 1:
         def ld(ref, idx, other):
-            return plgpu.load(ref.at[k_, 0, idx], mask=valid, other=other)
+            return plgpu.load(ref.at[0, 0, idx], mask=valid, other=other)
     else:
         msk = (brow < B)[:, None] & valid[None, :]
 
         def ld(ref, idx, other):
-            return plgpu.load(ref.at[k_, brow[:, None], idx[None, :]], mask=msk, other=other)
-    mx = None
-    for k_ in range(ns):
-        mk = ld(m_ref, hl, NEG)
-        mx = mk if mx is None else jnp.maximum(mx, mk)
-    acc_o = acc_l = None
-    for k_ in range(ns):
-        w = jnp.exp(ld(m_ref, hl, NEG) - mx)
-        to, tl = ld(o_ref, r, 0.0) * w, ld(l_ref, hl, 0.0) * w
-        acc_o = to if acc_o is None else acc_o + to
-        acc_l = tl if acc_l is None else acc_l + tl
-    a = acc_o / jnp.where(acc_l > 0, acc_l, 1.0)
+            return plgpu.load(ref.at[0, brow[:, None], idx[None, :]], mask=msk, other=other)
+    if ns == 0:
+        return ld(act_refs[0], r, 0.0)
+    o_ref, l_ref = act_refs
+    tl = ld(l_ref, r // hd, 0.0)
+    a = ld(o_ref, r, 0.0) / jnp.where(tl > 0, tl, 1.0)
     return jnp.where(valid if Bp == 1 else valid[None, :], a, 0.0)
 
 
@@ -717,7 +705,7 @@ def head_sparse_attention_pallas(x, wq, bq, wk, bk, wv, bv, wo, bo, k_cache, v_c
     """Pallas path of :func:`head_sparse_attention` (no validation).
 
     Three Pallas launches (q/k/v projection, attention, out-projection), plus an XLA merge
-    of the attention's sequence splits when there are more than ``max_fused_splits``; with
+    of the attention's sequence splits when there are several; with
     a callable ``rope`` or with ``qk_norm`` the q/k finishing (sums of the partials,
     biases, norms, rotary embedding; for a window's rows too) runs in XLA instead. With a
     ``window``, the projection's K/V segments multiply the window's inputs (the extra
@@ -761,8 +749,7 @@ def head_sparse_attention_pallas(x, wq, bq, wk, bk, wv, bv, wo, bo, k_cache, v_c
         chunks = balanced_chunks(cdiv(d, bd), tiles // (cfg.target_programs or 8 * sm_count()))
     qp, kp, vp, *extras = gather_matvec(
         x, segs + list(extra_segments), block_rows=bk_rows, block_d=bd, d_chunks=chunks,
-        num_warps=cfg.num_warps, num_stages=cfg.num_stages,
-        deferred_sum=cfg.proj_deferred_sum, interpret=interpret)
+        num_warps=cfg.num_warps, num_stages=cfg.num_stages, interpret=interpret)
     flat = lambda t: None if t is None else t.reshape(-1)
     biases = dict(bq=flat(bq), bk=flat(bk), bv=flat(bv))
     cos = sin = None
@@ -807,12 +794,12 @@ def head_sparse_attention_pallas(x, wq, bq, wk, bk, wv, bv, wo, bo, k_cache, v_c
         window=window, interpret=interpret, scale=scale, **biases)
 
     ns = o.shape[0]
-    if ns > cfg.max_fused_splits:
-        # many splits: merging them inside every out-projection program costs more than
+    if ns > 1:
+        # several splits: merging them inside every out-projection program cost more than
         # one small XLA fusion
         act_args, ns = [merge_splits(o, m, l).reshape(1, B, Kh * G * hd)], 0
     else:
-        act_args = [o.reshape(ns, B, Kh * G * hd), m, l]
+        act_args = [o.reshape(1, B, Kh * G * hd), l]
     load_act = functools.partial(merged_attention_loader, ns=ns, B=B, Bp=batch_pad(B), hd=hd)
     out_cols = min(cfg.out_block_d, next_pow2(Kh * G * hd))
     out = gather_cols_matvec(act_args, load_act, wo.reshape(wo.shape[0], -1), head_idx, B=B,
@@ -820,9 +807,8 @@ def head_sparse_attention_pallas(x, wq, bq, wk, bk, wv, bv, wo, bo, k_cache, v_c
                              block_rows=cfg.out_block_rows, block_cols=out_cols,
                              num_warps=cfg.out_num_warps or cfg.num_warps,
                              num_stages=cfg.num_stages,
-                             deferred_sum=cfg.out_deferred_sum, residual=residual, bias=bo,
-                             group_view=(cfg.out_group_view and G * hd <= out_cols
-                                         and is_pow2(G * hd)),
+                             residual=residual, bias=bo,
+                             group_view=G * hd <= out_cols and is_pow2(G * hd),
                              interpret=interpret)
     if residual is None:
         out = out.astype(x.dtype)

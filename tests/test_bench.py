@@ -227,17 +227,17 @@ def test_unknown_select_method_is_an_error(tmp_path, capsys):
 
 def test_kernel_config_flags_parse_and_label_the_rows(tmp_path):
     from dejavu_jax.kernels import AttnConfig, MLPConfig
-    [got] = bench_decode.parse_kernel_configs("out_group_view=0,out_block_rows=16", "")
-    assert got == {"attn_config": AttnConfig(out_group_view=False, out_block_rows=16)}
-    assert bench_decode.config_label(got) == " [attn.out_block_rows=16,attn.out_group_view=False]"
+    [got] = bench_decode.parse_kernel_configs("out_num_warps=8,out_block_rows=16", "")
+    assert got == {"attn_config": AttnConfig(out_num_warps=8, out_block_rows=16)}
+    assert bench_decode.config_label(got) == " [attn.out_block_rows=16,attn.out_num_warps=8]"
     assert bench_decode.parse_kernel_configs("", "") == [{}]
-    grid = bench_decode.parse_kernel_configs("base/out_group_view=0", "base/num_stages=3")
+    grid = bench_decode.parse_kernel_configs("base/out_block_rows=16", "base/num_stages=3")
     assert grid == [{"attn_config": a, "mlp_config": m}
-                    for a in (AttnConfig(), AttnConfig(out_group_view=False))
+                    for a in (AttnConfig(), AttnConfig(out_block_rows=16))
                     for m in (MLPConfig(), MLPConfig(num_stages=3))]
     assert [bench_decode.config_label(c) for c in grid] == [
-        "", " [mlp.num_stages=3]", " [attn.out_group_view=False]",
-        " [attn.out_group_view=False,mlp.num_stages=3]"]
+        "", " [mlp.num_stages=3]", " [attn.out_block_rows=16]",
+        " [attn.out_block_rows=16,mlp.num_stages=3]"]
     assert bench_decode.config_label({}) == ""
     with pytest.raises(SystemExit):
         bench_decode.main(["--attn-config", "no_such_field=1", "--out", str(tmp_path)])
@@ -261,21 +261,23 @@ def test_step_parts_config_variants_parse():
     from dejavu_jax.kernels.bench_step_parts import parse_variants
     from dejavu_jax.kernels.head_attention import AttnConfig
     from dejavu_jax.kernels.sparse_mlp import MLPConfig
-    got = parse_variants("base/max_fused_splits=0/num_warps=8,num_stages=3/seq_splits=None",
+    got = parse_variants("base/block_s=32/num_warps=8,num_stages=3/seq_splits=None",
                          AttnConfig)
-    assert [name for name, _ in got] == ["base", "max_fused_splits=0", "num_warps=8,num_stages=3",
+    assert [name for name, _ in got] == ["base", "block_s=32", "num_warps=8,num_stages=3",
                                          "seq_splits=None"]
     assert got[0][1] == AttnConfig()
     from dejavu_jax.kernels.bench_step_parts import parse_blocks
     assert parse_blocks("2x256d") == (2, 256, True) and parse_blocks("8x512") == (8, 512, False)
     from dejavu_jax.kernels.bench_step_parts import parse_out_variant
-    assert parse_out_variant("cols:8x512d,group_view=1,num_warps=8") == dict(
-        kernel="cols", block_rows=8, block_d=512, deferred=True, group_view=True, num_warps=8)
+    assert parse_out_variant("cols:8x512,num_warps=8") == dict(
+        kernel="cols", block_rows=8, block_d=512, num_warps=8)
     with pytest.raises(ValueError, match="unknown out-proj option"):
         parse_out_variant("cols:8x512,warps=8")
+    with pytest.raises(ValueError, match="unknown out-proj option"):
+        parse_out_variant("cols:8x512,group_view=1")
     with pytest.raises(ValueError, match="cols kernel only"):
         parse_out_variant("rows:16x512,num_warps=8")
-    assert got[1][1].max_fused_splits == 0 and got[1][1].num_warps == AttnConfig().num_warps
+    assert got[1][1].block_s == 32 and got[1][1].num_warps == AttnConfig().num_warps
     assert (got[2][1].num_warps, got[2][1].num_stages) == (8, 3)
     assert got[3][1].seq_splits is None
     assert parse_variants("fc1_d_chunks=7", MLPConfig)[0][1].fc1_d_chunks == 7

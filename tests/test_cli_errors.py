@@ -89,6 +89,8 @@ CASES = [
     ("gen-predictors-missing", G, ["--sparse", "--predictors", "/nonexistent"],
      ["--predictors", "/nonexistent"]),
     ("gen-sparse-without-predictors", G, ["--sparse"], ["--sparse", "--predictors"]),
+    ("gen-select-benchmark-variant", G, ["--sparse", "--select", "radix"],
+     ["--select", "'radix'", "'exact', 'local'"]),
     ("gen-truncated-gguf", G, ["--model", "GGUF"], ["cut.gguf", "truncated or corrupt"]),
     ("gen-random-safetensors", G, ["--model", "RANDOM", "--prompt-ids", "2,5"],
      ["model.safetensors", "not a readable safetensors file"], True),

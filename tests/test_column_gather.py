@@ -14,15 +14,15 @@ F32 = jnp.float32
 
 
 @pytest.mark.parametrize("group_view", [False, True])
-@pytest.mark.parametrize("B,d_out,n_groups,m,ids,block_rows,block_cols,deferred,res,bias", [
-    (1, 40, 6, 8, (4, 1, 3), 8, 16, False, True, True),     # ragged rows, 2 chunks
-    (1, 40, 6, 8, (0, 5), 4, 32, True, True, False),        # deferred sum, one masked chunk
-    (1, 33, 5, 4, (2,), 16, 4, True, False, True),          # 1 group, chunk == group
-    (3, 40, 6, 8, (5, 0, 2, 3), 16, 16, False, True, True), # tensor-core path
-    (2, 24, 4, 16, (1, 3), 16, 64, False, False, False),
+@pytest.mark.parametrize("B,d_out,n_groups,m,ids,block_rows,block_cols,res,bias", [
+    (1, 40, 6, 8, (4, 1, 3), 8, 16, True, True),     # ragged rows, 2 chunks
+    (1, 40, 6, 8, (0, 5), 4, 32, True, False),       # one masked chunk
+    (1, 33, 5, 4, (2,), 16, 4, False, True),         # 1 group, chunk == group
+    (3, 40, 6, 8, (5, 0, 2, 3), 16, 16, True, True), # tensor-core path
+    (2, 24, 4, 16, (1, 3), 16, 64, False, False),
 ])
 def test_gather_cols_matvec_equals_numpy(rng, B, d_out, n_groups, m, ids, block_rows,
-                                         block_cols, deferred, res, bias, group_view):
+                                         block_cols, res, bias, group_view):
     w = rng.standard_normal((d_out, n_groups * m)).astype(np.float32)
     ids = np.asarray(ids, np.int32)
     cols = (ids[:, None] * m + np.arange(m)).reshape(-1)
@@ -37,8 +37,7 @@ def test_gather_cols_matvec_equals_numpy(rng, B, d_out, n_groups, m, ids, block_
     load = functools.partial(merged_attention_loader, ns=0, B=B, Bp=batch_pad(B), hd=m)
     got = gather_cols_matvec([jnp.asarray(a)[None]], load, jnp.asarray(w), jnp.asarray(ids),
                              B=B, cols_per_id=m, block_rows=block_rows,
-                             block_cols=block_cols, deferred_sum=deferred,
-                             group_view=group_view,
+                             block_cols=block_cols, group_view=group_view,
                              residual=None if r is None else jnp.asarray(r),
                              bias=None if b is None else jnp.asarray(b), interpret=True)
     assert got.shape == (B, d_out) and got.dtype == F32

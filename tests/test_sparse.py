@@ -430,7 +430,7 @@ def test_kernel_configs_reach_the_kernels(monkeypatch):
     from dejavu_jax import kernels
     config = dj.preset("opt-tiny")
     params = dj.init_params(config, jax.random.key(3), jnp.float32, std=0.1)
-    attn_cfg = kernels.AttnConfig(out_group_view=False, out_block_rows=4)
+    attn_cfg = kernels.AttnConfig(out_num_warps=2, out_block_rows=4)
     mlp_cfg = kernels.MLPConfig(num_stages=3)
     scfg = dataclasses.replace(sparse.sparse_config(config, 0.5, 0.5, dense_layers=1),
                                attn_config=attn_cfg, mlp_config=mlp_cfg)
