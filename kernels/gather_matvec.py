@@ -306,8 +306,6 @@ def _gather_matvec_t_body(pids, *refs, n_act, load_act, B, Bp, d, m, n_rows, bk,
         o_ref = rest[0]
     i, j = pids
     kk = jnp.arange(bk, dtype=jnp.int32)
-    brow = jnp.arange(Bp, dtype=jnp.int32)
-    bmask = brow < B
     cols = j * bd + jnp.arange(bd, dtype=jnp.int32)
     cm = cols < d
 
@@ -327,25 +325,36 @@ def _gather_matvec_t_body(pids, *refs, n_act, load_act, B, Bp, d, m, n_rows, bk,
     acc = accumulate_blocks(body, kblocks, acc_shape)
     if Bp == 1 and deferred:
         acc = jnp.sum(acc, axis=0)
+    write_split_k(acc, o_ref, b_ref if accumulate else None, i, cols, d, B=B, Bp=Bp,
+                  accumulate=accumulate, has_bias=has_bias)
+
+
+def write_split_k(acc, o_ref, b_ref, i, cols, d: int, *, B: int, Bp: int, accumulate: bool,
+                  has_bias: bool) -> None:
+    """A split-k program's result ``acc`` (fp32 ``[bd]``, or ``[Bp, bd]``) for columns
+    ``cols`` of ``d``: stored as chunk ``i``'s partial, or with ``accumulate`` added into
+    the residual rows in place (and the bias once, by chunk 0)."""
+    cm = cols < d
     if accumulate:
-        # every chunk adds its partial into the residual rows in place (the bias once).
         # Lanes past d add 0 at distinct wrapped columns (block_d <= d): the interpreter
         # has neither masked atomics nor sums over repeated addresses.
-        if has_bias:  # the first chunk's programs add it
+        if has_bias:
             bias = plgpu.load(b_ref.at[cols], mask=cm & (i == 0), other=0).astype(jnp.float32)
             acc = acc + (bias if Bp == 1 else bias[None, :])
         cols_w = cols % d
         if Bp == 1:
             plgpu.atomic_add(o_ref, (0, cols_w), jnp.where(cm, acc, 0.0))
         else:
+            brow = jnp.arange(Bp, dtype=jnp.int32)
             for b in range(B):
                 row = jnp.sum(jnp.where((brow == b)[:, None], acc, 0.0), axis=0)
                 plgpu.atomic_add(o_ref, (b, cols_w), jnp.where(cm, row, 0.0))
     elif Bp == 1:
         plgpu.store(o_ref.at[i, 0, cols], acc, mask=cm)
     else:
+        brow = jnp.arange(Bp, dtype=jnp.int32)
         plgpu.store(o_ref.at[i, brow[:, None], cols[None, :]], acc,
-                    mask=bmask[:, None] & cm[None, :])
+                    mask=(brow < B)[:, None] & cm[None, :])
 
 
 def gather_matvec_t(act_args: Sequence[jax.Array], load_act: Callable, w: jax.Array,

@@ -26,7 +26,7 @@ from jax import lax
 from jax.experimental.pallas import triton as plgpu
 
 from ._common import cdiv, check_array, is_pow2, resolve_impl
-from .gather_matvec import accumulate_blocks, batch_pad, mma
+from .gather_matvec import accumulate_blocks, batch_pad, mma, write_split_k
 from .launch import LaunchPart, launch
 
 F32 = jnp.float32
@@ -76,23 +76,8 @@ def _threshold_body(pids, x_ref, t_ref, w_ref, *rest, B, Bp, K, N, bk, bn, kbloc
         return acc + mma(xr, w)
 
     acc = accumulate_blocks(block, kblocks, (bn,) if Bp == 1 else (Bp, bn))
-    if accumulate:
-        # as gather_matvec_t: lanes past N add 0 at distinct wrapped columns
-        if has_bias:
-            bias = plgpu.load(b_ref.at[cols], mask=cm & (i == 0), other=0).astype(F32)
-            acc = acc + (bias if Bp == 1 else bias[None, :])
-        cols_w = cols % N
-        if Bp == 1:
-            plgpu.atomic_add(o_ref, (0, cols_w), jnp.where(cm, acc, 0.0))
-        else:
-            for b in range(B):
-                row = jnp.sum(jnp.where((brow == b)[:, None], acc, 0.0), axis=0)
-                plgpu.atomic_add(o_ref, (b, cols_w), jnp.where(cm, row, 0.0))
-    elif Bp == 1:
-        plgpu.store(o_ref.at[i, 0, cols], acc, mask=cm)
-    else:
-        plgpu.store(o_ref.at[i, brow[:, None], cols[None, :]], acc,
-                    mask=bmask[:, None] & cm[None, :])
+    write_split_k(acc, o_ref, b_ref if accumulate else None, i, cols, N, B=B, Bp=Bp,
+                  accumulate=accumulate, has_bias=has_bias)
 
 
 def threshold_matvec_part(x, w_t, threshold, *, residual=None, bias=None, block_rows=16,
