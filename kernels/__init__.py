@@ -1,8 +1,9 @@
 """Pallas GPU kernels for contextually-sparse decoding, with pure-jnp references.
 
 * :func:`sparse_mlp` -- MLP over a selected set of neurons (fused gather + GEMV).
-* :func:`head_sparse_attention` -- one decode step over a selected set of heads, with
-  optional missing-KV recomputation (:class:`KVWindow`).
+* :func:`head_sparse_attention` -- one decode step over a selected set of heads (KV
+  groups and, for GQA, a query-head mask from :func:`query_head_groups`), with optional
+  missing-KV recomputation (:class:`KVWindow`).
 * :func:`top_k_indices` -- the top-k unit ids of a score vector in one launch.
 * :func:`layer_norm` -- LayerNorm / RMSNorm of a few rows in one launch (optionally also
   the rows over their RMS, the predictors' input).
@@ -11,11 +12,12 @@ All take ``impl`` = None (auto: Pallas on GPU, reference elsewhere), "pallas",
 "interpret" or "reference".
 """
 from .head_attention import (AttnConfig, KVWindow, head_sparse_attention,
-                             head_sparse_attention_reference)
+                             head_sparse_attention_reference, query_head_groups)
 from .layer_norm import layer_norm, layer_norm_reference
 from .sparse_mlp import MLPConfig, sparse_mlp, sparse_mlp_reference
 from .top_k import top_k_indices, top_k_indices_reference
 
 __all__ = ["sparse_mlp", "sparse_mlp_reference", "MLPConfig", "head_sparse_attention",
-           "head_sparse_attention_reference", "AttnConfig", "KVWindow", "top_k_indices",
+           "head_sparse_attention_reference", "AttnConfig", "KVWindow", "query_head_groups",
+           "top_k_indices",
            "top_k_indices_reference", "layer_norm", "layer_norm_reference"]

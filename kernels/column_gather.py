@@ -29,14 +29,23 @@ from ._common import cdiv, is_pow2
 from .gather_matvec import accumulate_blocks, batch_pad, logical_rows, mma
 
 
-def _split_refs(refs, n_act: int, has_res: bool, has_bias: bool):
-    """(activation refs, ids, w, residual or None, bias or None, out) of a kernel's refs."""
+def _split_refs(refs, n_act: int, has_res: bool, has_bias: bool, has_mask: bool):
+    """(activation refs, ids, id mask or None, w, residual or None, bias or None, out) of
+    a kernel's refs."""
     act_refs = refs[:n_act]
     ids_ref, w_ref = refs[n_act:n_act + 2]
     rest = list(refs[n_act + 2:])
+    mask_ref = rest.pop(0) if has_mask else None
     res_ref = rest.pop(0) if has_res else None
     b_ref = rest.pop(0) if has_bias else None
-    return act_refs, ids_ref, w_ref, res_ref, b_ref, rest[-1]
+    return act_refs, ids_ref, mask_ref, w_ref, res_ref, b_ref, rest[-1]
+
+
+def _kept(mask_ref, j, valid):
+    """``valid`` narrowed to the ids ``j`` whose mask entry is nonzero (no mask: valid)."""
+    if mask_ref is None:
+        return valid
+    return valid & (plgpu.load(mask_ref.at[j], mask=valid, other=0) != 0)
 
 
 def _program_rows(ids_ref, bk: int, d_out: int, groups_per_layer: int, layers: int):
@@ -47,9 +56,9 @@ def _program_rows(ids_ref, bk: int, d_out: int, groups_per_layer: int, layers: i
 
 
 def _kernel(*refs, n_act, load_act, B, Bp, m, n_cols, d_out, n_local, layers, bk, bc,
-            chunks, has_res, has_bias):
-    act_refs, ids_ref, w_ref, res_ref, b_ref, o_ref = _split_refs(refs, n_act, has_res,
-                                                                  has_bias)
+            chunks, has_res, has_bias, has_mask):
+    act_refs, ids_ref, mask_ref, w_ref, res_ref, b_ref, o_ref = _split_refs(
+        refs, n_act, has_res, has_bias, has_mask)
     rows, rm, layer, w_rows = _program_rows(ids_ref, bk, d_out, n_local // m, layers)
     brow = jnp.arange(Bp, dtype=jnp.int32)
     bmask = brow < B
@@ -57,6 +66,7 @@ def _kernel(*refs, n_act, load_act, B, Bp, m, n_cols, d_out, n_local, layers, bk
     def chunk(c, acc):
         lc = c * bc + jnp.arange(bc, dtype=jnp.int32)
         valid = lc < n_cols
+        valid = _kept(mask_ref, lc // m, valid)
         cols = logical_rows(ids_ref, lc, valid, m)
         a = load_act(act_refs, lc, valid, cols)       # fp32 [bc] or [Bp, bc]
         if layers > 1:
@@ -73,18 +83,18 @@ def _kernel(*refs, n_act, load_act, B, Bp, m, n_cols, d_out, n_local, layers, bk
 
 
 def _group_kernel(*refs, n_act, load_act, B, Bp, m, n_groups, d_out, n_local, layers, bk, gc,
-                  chunks, has_res, has_bias):
+                  chunks, has_res, has_bias, has_mask):
     """Over the ``[rows, n_local / m, m]`` view, ``gc`` selected groups per load: batch 1
     multiplies the 3-D tile elementwise; a batch flattens it for the tensor cores."""
-    act_refs, ids_ref, w_ref, res_ref, b_ref, o_ref = _split_refs(refs, n_act, has_res,
-                                                                  has_bias)
+    act_refs, ids_ref, mask_ref, w_ref, res_ref, b_ref, o_ref = _split_refs(
+        refs, n_act, has_res, has_bias, has_mask)
     rows, rm, layer, w_rows = _program_rows(ids_ref, bk, d_out, n_local // m, layers)
     lane = jnp.arange(m, dtype=jnp.int32)
     brow = jnp.arange(Bp, dtype=jnp.int32)
 
     def chunk(c, acc):
         g = c * gc + jnp.arange(gc, dtype=jnp.int32)
-        vg = g < n_groups
+        vg = _kept(mask_ref, g, g < n_groups)
         gid = plgpu.load(ids_ref.at[g], mask=vg, other=0)
         valid = jnp.broadcast_to(vg[:, None], (gc, m))
         if Bp == 1:
@@ -92,7 +102,7 @@ def _group_kernel(*refs, n_act, load_act, B, Bp, m, n_groups, d_out, n_local, la
                          gid[:, None] * m + lane[None, :])        # fp32 [gc, m]
         else:
             lc = c * gc * m + jnp.arange(gc * m, dtype=jnp.int32)
-            lv = lc < n_groups * m
+            lv = _kept(mask_ref, lc // m, lc < n_groups * m)
             a = load_act(act_refs, lc, lv, logical_rows(ids_ref, lc, lv, m))  # [Bp, gc*m]
         if layers > 1:
             gid = jnp.where(vg, gid - layer * (n_local // m), 0)
@@ -129,13 +139,15 @@ def gather_cols_matvec(act_args: Sequence[jax.Array], load_act: Callable, w: jax
                        block_cols: int = 512, num_warps: int = 4, num_stages: int = 2,
                        residual: jax.Array | None = None,
                        bias: jax.Array | None = None, layers: int = 1,
-                       group_view: bool = False, interpret: bool = False) -> jax.Array:
+                       group_view: bool = False, id_mask: jax.Array | None = None,
+                       interpret: bool = False) -> jax.Array:
     """``residual + a @ W[:, cols].T + bias`` as fp32 ``[B, d_out]`` for ``w [d_out, n]``.
 
     Args:
       act_args, load_act: the activations' arrays and the in-kernel loader
         ``load_act(act_args, j, valid, cols)`` returning fp32 ``[block_cols]`` (B == 1) or
-        ``[Bp, block_cols]`` for logical columns ``j`` (zeros where not ``valid``).
+        ``[Bp, block_cols]`` for logical columns ``j`` (zeros where not ``valid``; an
+        ``id_mask`` narrows ``valid``).
       ids: ``[K]`` selected column groups; logical column j is physical column
         ``ids[j // cols_per_id] * cols_per_id + j % cols_per_id``.
       block_rows: output rows per program (>= 16 when B > 1, for the tensor cores).
@@ -147,6 +159,8 @@ def gather_cols_matvec(act_args: Sequence[jax.Array], load_act: Callable, w: jax
       group_view: load ``[block_rows, groups, cols_per_id]`` tiles of the 3-D view (vector
         loads); needs a power-of-two ``cols_per_id <= block_cols``. At batch 1
         ``load_act`` then gets ``[groups, cols_per_id]`` columns.
+      id_mask: optional ``[K]`` int32 or bool: the ids whose entry is 0 are skipped, their
+        columns not read (a GQA group's unselected query heads).
     """
     if w.shape[0] % layers:
         raise ValueError(f"{layers} layers must divide the weight's {w.shape[0]} rows")
@@ -164,7 +178,7 @@ def gather_cols_matvec(act_args: Sequence[jax.Array], load_act: Callable, w: jax
                          f"{tuple(residual.shape)}")
     common = dict(n_act=len(act_args), load_act=load_act, m=m, d_out=d_out,
                   n_local=w.shape[1], layers=layers, bk=bk, has_res=residual is not None,
-                  has_bias=bias is not None)
+                  has_bias=bias is not None, has_mask=id_mask is not None)
     if group_view:
         if not is_pow2(m) or m > block_cols:
             raise ValueError(f"group_view needs a power-of-two cols_per_id <= block_cols, "
@@ -177,6 +191,10 @@ def gather_cols_matvec(act_args: Sequence[jax.Array], load_act: Callable, w: jax
         kernel = functools.partial(_kernel, B=B, Bp=Bp, n_cols=n_cols, bc=block_cols,
                                    chunks=cdiv(n_cols, block_cols), **common)
     args = [*act_args, ids.astype(jnp.int32), w]
+    if id_mask is not None:
+        if id_mask.shape != ids.shape:
+            raise ValueError(f"id_mask has shape {id_mask.shape}, the ids {ids.shape}")
+        args.append(id_mask.astype(jnp.int32))
     aliases = {}
     if residual is not None:
         aliases = {len(args): 0}

@@ -90,6 +90,8 @@ class Segment:
     other rows of an id's outputs only where ``past_flags[id_slot]`` ([K] int32) is
     nonzero: a program whose ids are all unflagged multiplies the current rows alone
     and leaves the others unwritten (the missing-KV window once nothing is missing).
+    mask: optional ``[K]`` int32 or bool: an id whose entry is 0 is skipped, its rows are
+    not read and its outputs are 0 (a GQA group's unselected query heads).
     """
     w: jax.Array
     ids: jax.Array
@@ -100,13 +102,15 @@ class Segment:
     past_flags: jax.Array | None = None
     current: jax.Array | None = None
     window: int = 0
+    mask: jax.Array | None = None
 
     @property
     def n_rows(self) -> int:
         return int(self.ids.shape[0]) * self.rows_per_id
 
 
-jax.tree_util.register_dataclass(Segment, data_fields=["w", "ids", "x", "past_flags", "current"],
+jax.tree_util.register_dataclass(Segment, data_fields=["w", "ids", "x", "past_flags", "current",
+                                                       "mask"],
                                  meta_fields=["rows_per_id", "block_rows", "block_d", "window"])
 
 
@@ -144,6 +148,9 @@ def segment_reference(seg: Segment, x: jax.Array) -> jax.Array:
     computes every row, also those a windowed segment's kernel may leave unwritten."""
     xs = (x if seg.x is None else seg.x).astype(jnp.float32)
     w = seg.w[segment_rows(seg)].astype(jnp.float32)
+    if seg.mask is not None:
+        keep = jnp.repeat(seg.mask.astype(bool), seg.rows_per_id)
+        w = jnp.where(keep[:, None], w, 0.0)
     return jnp.dot(xs, w.T, precision=lax.Precision.HIGHEST)[None]
 
 
@@ -160,6 +167,8 @@ def check_segment(seg: Segment, x: jax.Array) -> None:
     if seg.rows_per_id < 1 or seg.w.shape[0] % seg.rows_per_id:
         raise ValueError(f"rows_per_id={seg.rows_per_id} must divide the weight's "
                          f"{seg.w.shape[0]} rows")
+    if seg.mask is not None:
+        check_array("segment mask", seg.mask, shape=seg.ids.shape)
     if seg.x is not None:
         check_array("segment x", seg.x, ndim=2, floating=True)
         if seg.x.shape[1] != x.shape[1]:
@@ -172,17 +181,21 @@ def _gather_matvec_body(pids, *refs, seg_meta, d, bd, chunks):
     i, j = pids
 
     first = 0
-    for s, (start, nb, m, n_rows, B, Bp, bk, bd_s, W, n_refs) in enumerate(seg_meta):
+    for s, (start, nb, m, n_rows, B, Bp, bk, bd_s, W, masked, n_refs) in enumerate(seg_meta):
         x_ref, ids_ref, w_ref, *skip_refs = in_refs[first:first + n_refs]
         first += n_refs
         o_ref = out_refs[s]
 
         @pl.when((i >= start) & (i < start + nb))
         def _(x_ref=x_ref, ids_ref=ids_ref, w_ref=w_ref, o_ref=o_ref, skip_refs=skip_refs,
-              start=start, m=m, n_rows=n_rows, B=B, Bp=Bp, bk=bk, bd_s=bd_s, W=W):
+              start=start, m=m, n_rows=n_rows, B=B, Bp=Bp, bk=bk, bd_s=bd_s, W=W,
+              masked=masked):
             kk = jnp.arange(bk, dtype=jnp.int32)
             local = (i - start) * bk + kk
             valid = local < n_rows
+            if masked:   # skipped ids: masked loads, no bytes read
+                mask_ref, *skip_refs = skip_refs
+                valid = valid & (plgpu.load(mask_ref.at[local // m], mask=valid, other=0) != 0)
             rows = logical_rows(ids_ref, local, valid, m)
 
             def product(brow, nrows, out_rows, bd=bd_s, chunks=chunks * (bd // bd_s)):
@@ -280,12 +293,14 @@ def gather_matvec_part(x: jax.Array, segments: Sequence[Segment], *, block_rows:
         nb = cdiv(seg.n_rows, bk)
         W = seg.window
         refs = [xs, seg.ids.astype(jnp.int32), seg.w]
+        if seg.mask is not None:
+            refs.append(seg.mask.astype(jnp.int32))
         if W:
             _check_window(seg, B)
             refs += [seg.past_flags.astype(jnp.int32),
                      jnp.asarray(seg.current, jnp.int32).reshape(1)]
         seg_meta.append((start, nb, seg.rows_per_id, seg.n_rows, B, Bp, bk, bd_s, W,
-                         len(refs)))
+                         seg.mask is not None, len(refs)))
         outs.append(jax.ShapeDtypeStruct((nds, B, nb * bk), jnp.float32))
         args += refs
         start += nb

@@ -27,9 +27,13 @@ attends to them, and extra programs write the refresh heads' entries. No weight 
 twice and no XLA op runs.
 
 Grouped-query attention: ``wk/wv/bk/bv`` and the caches have ``n_kv = H // group`` heads;
-``head_idx`` then holds KV-group ids, a selected group computes all of its ``group``
-query heads (query head ``h`` uses KV head ``h // group``).  With ``n_kv == H`` this is
-exactly DESIGN.md's contract.
+``head_idx`` then holds KV-group ids (query head ``h`` uses KV head ``h // group``), and
+``head_mask [Kh, group]`` picks the query heads computed in each selected group (default:
+all of them). The selection is a set of query heads; :func:`query_head_groups` turns it
+into these two arrays. Unselected query heads cost nothing: their q rows and out-projection
+columns are masked loads (never read), and a group with no selected head is skipped
+entirely (no K/V weights, no cache reads, no K/V written). With ``n_kv == H`` and no mask
+this is exactly DESIGN.md's contract.
 """
 from __future__ import annotations
 
@@ -126,6 +130,32 @@ def _query_heads(head_idx, group: int):
     return (head_idx[:, None] * group + jnp.arange(group, dtype=head_idx.dtype)).reshape(-1)
 
 
+def query_head_groups(q_ids, n_kv: int, group: int, n_groups: int | None = None):
+    """The KV groups of a query-head selection: ``(group_ids [n_groups], head_mask
+    [n_groups, group] bool)`` for distinct query-head ids ``q_ids [Kq]`` of ``n_kv * group``
+    heads.
+
+    The groups holding a selected head come first, in ascending order, then groups with
+    none (their mask rows all False: the kernels skip them) fill the static capacity
+    ``n_groups`` (default ``min(n_kv, Kq)``, every group a selection can touch). For
+    ``group == 1`` this is ``(q_ids, None)``: multi-head attention needs no mask.
+    """
+    if group == 1:
+        return q_ids.astype(jnp.int32), None
+    n_groups = min(n_kv, q_ids.shape[0]) if n_groups is None else n_groups
+    keep = jnp.zeros((n_kv * group,), bool).at[q_ids].set(True).reshape(n_kv, group)
+    order = jnp.argsort(jnp.logical_not(keep.any(axis=1)).astype(jnp.int32), stable=True)
+    gids = order[:n_groups].astype(jnp.int32)
+    return gids, keep[gids]
+
+
+def _active_groups(head_mask, Kh: int):
+    """``[Kh]`` bool: the selected groups with at least one selected query head."""
+    if head_mask is None:
+        return jnp.ones((Kh,), bool)
+    return jnp.any(head_mask.astype(bool), axis=1)
+
+
 def rotate_half(t):
     """HF Llama's ``rotate_half``: concat(-x2, x1) over the last axis."""
     h = t.shape[-1] // 2
@@ -147,7 +177,7 @@ def apply_rope(t, rope):
 
 
 def _validate(x, wq, bq, wk, bk, wv, bv, wo, bo, k_cache, v_cache, pos, head_idx, rope,
-              kv_mask):
+              kv_mask, head_mask=None):
     check_array("x", x, ndim=2, floating=True)
     B, d = x.shape
     check_array("wq", wq, ndim=3, floating=True)
@@ -204,6 +234,8 @@ def _validate(x, wq, bq, wk, bk, wv, bv, wo, bo, k_cache, v_cache, pos, head_idx
         raise ValueError(f"rotary embedding needs an even head_dim, got {hd}")
     if kv_mask is not None:
         check_array("kv_mask", kv_mask, shape=(B, S))
+    if head_mask is not None:
+        check_array("head_mask", head_mask, shape=(head_idx.shape[0], H // n_kv))
     return H // n_kv
 
 
@@ -295,7 +327,8 @@ def head_norm(t, weight, eps: float):
 def head_sparse_attention_reference(x, wq, bq, wk, bk, wv, bv, wo, bo, k_cache, v_cache,
                                     pos, head_idx, *, rope=None, kv_mask=None,
                                     window: KVWindow | None = None, out_dtype=None,
-                                    qk_norm=None, norm_eps: float = 1e-6, scale=None):
+                                    qk_norm=None, norm_eps: float = 1e-6, scale=None,
+                                    head_mask=None):
     """Pure-jnp reference of :func:`head_sparse_attention` (same signature and result,
     without ``residual`` and ``extra_segments``; ``out_dtype`` overrides the output's
     dtype, ``x.dtype`` by default)."""
@@ -310,6 +343,9 @@ def head_sparse_attention_reference(x, wq, bq, wk, bk, wv, bv, wo, bo, k_cache, 
     head_idx = head_idx.astype(jnp.int32)
     pos = jnp.asarray(pos, jnp.int32).reshape(())
     hq = _query_heads(head_idx, G)
+    active = _active_groups(head_mask, Kh)
+    keep_q = (jnp.repeat(active, G) if head_mask is None
+              else head_mask.astype(bool).reshape(-1))
     xf = x.astype(f32)
 
     def proj(w, b, ids):
@@ -324,14 +360,20 @@ def head_sparse_attention_reference(x, wq, bq, wk, bk, wv, bv, wo, bo, k_cache, 
     written = None
     if window is not None:
         ids = window_heads(head_idx, window)
-        need = window_need(window, ids)
+        n_extra = ids.shape[0] - Kh
+        need = window_need(window, ids) & jnp.concatenate(
+            [active, jnp.ones((n_extra,), bool)])[None, :, None]
         k_win, v_win = _window_kv_reference(wk, bk, wv, bv, ids, window, k_norm, norm_eps)
         k_cache = merge_window(k_cache, k_win, ids, window, need)
         v_cache = merge_window(v_cache, v_win, ids, window, need)
         if window.written is not None:
             written = mark_written(window, ids, need)
-    k_cache = k_cache.at[:, head_idx, pos, :].set(k.astype(k_cache.dtype))
-    v_cache = v_cache.at[:, head_idx, pos, :].set(v.astype(v_cache.dtype))
+    # a group with no selected head writes nothing (its K/V stays missing)
+    act = active[None, :, None]
+    k_cache = k_cache.at[:, head_idx, pos, :].set(
+        jnp.where(act, k.astype(k_cache.dtype), k_cache[:, head_idx, pos, :]))
+    v_cache = v_cache.at[:, head_idx, pos, :].set(
+        jnp.where(act, v.astype(v_cache.dtype), v_cache[:, head_idx, pos, :]))
     positions = jnp.arange(S)
     valid = jnp.broadcast_to(positions <= pos, (B, S))
     if kv_mask is not None:
@@ -343,8 +385,10 @@ def head_sparse_attention_reference(x, wq, bq, wk, bk, wv, bv, wo, bo, k_cache, 
     s = jnp.where(valid[:, None, None, :], s, -jnp.inf)
     p = jax.nn.softmax(s, axis=-1)
     o = jnp.einsum("bgjs,bgsk->bgjk", p, vc, precision=hi).reshape(B, Kh * G, hd)
+    o = jnp.where(keep_q[None, :, None], o, 0.0)            # unselected query heads add 0
     Hl = wo.shape[1]                 # wo may stack H // Hl layers by rows
     wo_sel = wo.reshape(H // Hl, d, Hl, hd)[hq // Hl, :, hq % Hl]     # [Kh*G, d, hd]
+    wo_sel = jnp.where(keep_q[:, None, None], wo_sel, 0.0)
     out = jnp.einsum("bhk,hdk->bd", o, wo_sel.astype(f32), precision=hi)
     if bo is not None:
         out = out + bo.astype(f32)
@@ -357,10 +401,12 @@ def head_sparse_attention_reference(x, wq, bq, wk, bk, wv, bv, wo, bo, k_cache, 
 # ----------------------------------------------------------------------------
 
 def _decode_attention_kernel(*refs, nds, has_bq, has_bk, has_bv, has_rope, has_mask, G, Gp,
-                             hd, hdp, L, bs, scale, Kh, W, Wp, bitmap):
+                             hd, hdp, L, bs, scale, Kh, W, Wp, bitmap, has_hmask):
     # W > 0: a missing-KV window. Grid axis 1 then runs over Kh selected + R refresh heads;
     # a refresh head's programs only write its needed window entries. bitmap: the needed
     # entries come from the written bitmap (read, then set, per program's cache split).
+    # has_hmask: a [Kh, G] query-head mask; a selected group with no head in it is idle
+    # (no cache reads, nothing written), like a refresh head with nothing to write.
     it = iter(refs)
     qp_ref, kp_ref, vp_ref = next(it), next(it), next(it)
     if W:
@@ -377,6 +423,7 @@ def _decode_attention_kernel(*refs, nds, has_bq, has_bk, has_bv, has_rope, has_m
     cos_ref, sin_ref = (next(it), next(it)) if has_rope else (None, None)
     hidx_ref, pos_ref = next(it), next(it)
     mask_ref = next(it) if has_mask else None
+    hm_ref = next(it) if has_hmask else None
     kc_ref, vc_ref = next(it), next(it)
     wr_ref = next(it) if W and bitmap else None   # the bitmap (aliased to wout_ref)
     o_ref, m_ref, l_ref, kout_ref, vout_ref = (next(it) for _ in range(5))
@@ -399,15 +446,24 @@ def _decode_attention_kernel(*refs, nds, has_bq, has_bk, has_bv, has_rope, has_m
     jr = jnp.arange(Gp, dtype=jnp.int32)
     jm = jr < G
     vec = Gp == 1
+    qrows = jm                               # the query heads computed in this group
+    attends = attend                         # attends to the cache and writes pos
+    if has_hmask:
+        qrows = jm & (plgpu.load(hm_ref.at[gq, jr], mask=jm, other=0) != 0)
+        active = jnp.max(qrows.astype(jnp.int32)) > 0
+        attends = attend & active
 
     # -- finish the projections: sum d-split partials, bias, rotary embedding ----------
     kv_b = b if not W else b * W + cur_ref[0]   # the current token's K/V partials' row
 
-    def project(p_ref, b_ref, local0, bias0, rotary, one, row=b):
-        # one: a single head's vector [hdp]; else the group's query heads [Gp, hdp]
+    def project(p_ref, b_ref, local0, bias0, rotary, one, row=b, heads=None):
+        # one: a single head's vector [hdp]; else the group's query heads [Gp, hdp];
+        # heads: the query heads to load (no mask: all G)
         def gathered(c):
             sel = c if one else jr[:, None] * hd + c[None, :]
             msk = cm if one else jm[:, None] & cm[None, :]
+            if heads is not None:
+                msk = msk & (jnp.max(heads.astype(jnp.int32)) > 0 if one else heads[:, None])
             t = None
             for k in range(nds):
                 v = plgpu.load(p_ref.at[k, row, local0 + sel], mask=msk, other=0.0)
@@ -426,7 +482,8 @@ def _decode_attention_kernel(*refs, nds, has_bq, has_bk, has_bv, has_rope, has_m
                 t = t * cs[None, :] + tr * (sign * sn)[None, :]
         return t
 
-    q = project(qp_ref, bq_ref, gq * (G * hd), hidx_ref[gq] * (G * hd), True, vec) * scale
+    q = project(qp_ref, bq_ref, gq * (G * hd), hidx_ref[gq] * (G * hd), True, vec,
+                heads=qrows if has_hmask else None) * scale
     kn = project(kp_ref, bk_ref, g * hd, hv * hd, True, True, kv_b).astype(kout_ref.dtype)
     vn = project(vp_ref, bv_ref, g * hd, hv * hd, False, True, kv_b).astype(vout_ref.dtype)
 
@@ -443,6 +500,10 @@ def _decode_attention_kernel(*refs, nds, has_bq, has_bk, has_bv, has_rope, has_m
             if n_ids > Kh:
                 kk = jnp.arange(next_pow2(Kh), dtype=jnp.int32)
                 sel = plgpu.load(hidx_ref.at[kk], mask=kk < Kh, other=-1)
+                if has_hmask:   # an idle selected group leaves its entries to the refresh
+                    on = plgpu.load(hm_ref.at[kk[:, None], jr[None, :]],
+                                    mask=(kk < Kh)[:, None] & jm[None, :], other=0)
+                    sel = jnp.where(jnp.max(on, axis=1) != 0, sel, -1)
                 dup = jnp.logical_not(attend) & (jnp.max((sel == hv).astype(jnp.int32)) > 0)
                 own = jwm & in_split & jnp.logical_not(dup)
             else:
@@ -454,8 +515,10 @@ def _decode_attention_kernel(*refs, nds, has_bq, has_bk, has_bv, has_rope, has_m
             wneed = own & (held == 0) & (valid_row != 0)
         else:
             wneed = (plgpu.load(need_ref.at[b, g, jw], mask=jwm, other=0) != 0) & in_split
+        if has_hmask:   # an idle selected group writes nothing
+            wneed = wneed & (attends | jnp.logical_not(attend))
         # the current token of a selected head is written below, with its attention
-        wwrite = wneed & ~((wslot == pos) & attend)
+        wwrite = wneed & ~((wslot == pos) & attends)
         wrows = b * W + jw
         wm = wneed[:, None] & cm[None, :]      # rows not needed may hold no partials
 
@@ -530,7 +593,7 @@ def _decode_attention_kernel(*refs, nds, has_bq, has_bk, has_bv, has_rope, has_m
     shape = () if vec else (Gp,)
     carry = (jnp.zeros(shape + (hdp,), f32), jnp.full(shape, NEG, f32), jnp.zeros(shape, f32))
     n_it = (jnp.maximum(end - start, 0) + bs - 1) // bs
-    n_it = jnp.where(attend, n_it, 0)
+    n_it = jnp.where(attends, n_it, 0)
     o, m, l = lax.fori_loop(0, n_it, body, carry)
     if W:   # fold in the rewritten entries before pos, at cache precision
         wuse = wwrite & (wslot < pos)
@@ -553,7 +616,7 @@ def _decode_attention_kernel(*refs, nds, has_bq, has_bk, has_bv, has_rope, has_m
         o = o * corr[:, None] + p[:, None] * vn.astype(f32)[None, :]
     m = m_new
 
-    @pl.when(mine & attend)
+    @pl.when(mine & attends)
     def _():
         plgpu.store(kout_ref.at[b, hv, pos, cols], kn, mask=cm)
         plgpu.store(vout_ref.at[b, hv, pos, cols], vn, mask=cm)
@@ -575,7 +638,8 @@ def _decode_attention_kernel(*refs, nds, has_bq, has_bk, has_bv, has_rope, has_m
 def decode_attention(qp, kp, vp, head_idx, pos, k_cache, v_cache, *, group, bq=None, bk=None,
                      bv=None, cos=None, sin=None, kv_mask=None, block_s=64, seq_splits=None,
                      target_programs=None, num_warps=4, batch=None,
-                     window: KVWindow | None = None, interpret=False, scale=None):
+                     window: KVWindow | None = None, interpret=False, scale=None,
+                     head_mask=None):
     """Flash-decoding over the selected KV heads, writing the new k/v rows in place.
 
     Args:
@@ -588,6 +652,9 @@ def decode_attention(qp, kp, vp, head_idx, pos, k_cache, v_cache, *, group, bq=N
       kv_mask: optional ``[B, S]`` int32 (nonzero = attend).
       batch: rows B to attend for (default: q's partials' row count).
       scale: the attention logits' scale (default ``hd ** -0.5``).
+      head_mask: optional ``[Kh, group]`` query heads to compute (see
+        :func:`head_sparse_attention`): a group with none reads and writes no cache entry;
+        the other heads' outputs are left for the out-projection to skip.
       window: the missing-KV window whose K/V were projected into ``kp``/``vp`` (rows
         ``b * W + j`` for window row j, columns ``window_heads(head_idx, window)``; its
         ``x`` is not read). Its needed entries are finished (bias, rotary), written to the
@@ -621,7 +688,7 @@ def decode_attention(qp, kp, vp, head_idx, pos, k_cache, v_cache, *, group, bq=N
         has_bv=bv is not None, has_rope=cos is not None, has_mask=kv_mask is not None, G=G,
         Gp=Gp, hd=hd, hdp=next_pow2(hd), L=L, bs=bs,
         scale=float(hd) ** -0.5 if scale is None else float(scale), Kh=Kh, W=W,
-        Wp=max(16, next_pow2(W)), bitmap=bitmap)
+        Wp=max(16, next_pow2(W)), bitmap=bitmap, has_hmask=head_mask is not None)
     args = [qp, kp, vp]
     if window is not None:
         args.append(jnp.asarray(window.current, jnp.int32).reshape(1))
@@ -635,6 +702,8 @@ def decode_attention(qp, kp, vp, head_idx, pos, k_cache, v_cache, *, group, bq=N
             args += [window.cos.astype(jnp.float32), window.sin.astype(jnp.float32)]
     args += [t for t in (bq, bk, bv, cos, sin) if t is not None]
     args += [ids.astype(jnp.int32), pos] + ([kv_mask] if kv_mask is not None else [])
+    if head_mask is not None:
+        args.append(head_mask.astype(jnp.int32))
     n_in = len(args)
     args += [k_cache, v_cache]
     out_shape = (jax.ShapeDtypeStruct((ns, B, Hs, hd), jnp.float32),
@@ -701,7 +770,7 @@ def head_sparse_attention_pallas(x, wq, bq, wk, bk, wv, bv, wo, bo, k_cache, v_c
                                  config: AttnConfig | None = None,
                                  window: KVWindow | None = None, extra_segments=(),
                                  residual=None, qk_norm=None, norm_eps: float = 1e-6,
-                                 scale=None):
+                                 scale=None, head_mask=None):
     """Pallas path of :func:`head_sparse_attention` (no validation).
 
     Three Pallas launches (q/k/v projection, attention, out-projection), plus an XLA merge
@@ -711,6 +780,9 @@ def head_sparse_attention_pallas(x, wq, bq, wk, bk, wv, bv, wo, bo, k_cache, v_c
     ``window``, the projection's K/V segments multiply the window's inputs (the extra
     heads' rows included) and the attention launch writes and attends to the needed
     entries: the missing-KV recomputation reads no weight twice and adds no launch.
+    With a ``head_mask`` the q segment and the out-projection take one id per query head,
+    masked (:class:`~.gather_matvec.Segment` ``mask``, ``gather_cols_matvec``'s
+    ``id_mask``), and the K/V segments skip the idle groups.
     """
     cfg = config or AttnConfig()
     f32 = jnp.float32
@@ -739,7 +811,13 @@ def head_sparse_attention_pallas(x, wq, bq, wk, bk, wv, bv, wo, bo, k_cache, v_c
             # that miss some entry there (one XLA fusion finds them)
             kv_opts.update(window=W, current=window.current,
                            past_flags=window_past_flags(window, kv_ids))
-    segs = [Segment(wq.reshape(H * hd, d), head_idx, G * hd),
+    q_seg = Segment(wq.reshape(H * hd, d), head_idx, G * hd)
+    if head_mask is not None:   # one masked id per query head; idle groups' K/V skipped
+        q_seg = Segment(wq.reshape(H * hd, d), _query_heads(head_idx, G), hd,
+                        mask=head_mask.reshape(-1))
+        kv_opts = dict(kv_opts, mask=jnp.concatenate(
+            [_active_groups(head_mask, Kh), jnp.ones((kv_ids.shape[0] - Kh,), bool)]))
+    segs = [q_seg,
             Segment(wk.reshape(n_kv * hd, d), kv_ids, hd, x=x_rows, **kv_opts),
             Segment(wv.reshape(n_kv * hd, d), kv_ids, hd, x=x_rows, **kv_opts)]
     bk_rows = cfg.proj_block_rows if batch_pad(B) == 1 else max(16, cfg.proj_block_rows)
@@ -790,8 +868,8 @@ def head_sparse_attention_pallas(x, wq, bq, wk, bk, wv, bv, wo, bo, k_cache, v_c
         qp, kp, vp, head_idx, pos, k_cache, v_cache, group=G, cos=cos, sin=sin,
         kv_mask=mask, block_s=cfg.block_s, seq_splits=cfg.seq_splits,
         target_programs=cfg.attn_target_programs or 4 * sm_count(),
-        num_warps=cfg.attn_num_warps, batch=B,
-        window=window, interpret=interpret, scale=scale, **biases)
+        num_warps=cfg.attn_num_warps, batch=B, window=window, interpret=interpret,
+        scale=scale, head_mask=head_mask, **biases)
 
     ns = o.shape[0]
     if ns > 1:
@@ -802,14 +880,17 @@ def head_sparse_attention_pallas(x, wq, bq, wk, bk, wv, bv, wo, bo, k_cache, v_c
         act_args = [o.reshape(1, B, Kh * G * hd), l]
     load_act = functools.partial(merged_attention_loader, ns=ns, B=B, Bp=batch_pad(B), hd=hd)
     out_cols = min(cfg.out_block_d, next_pow2(Kh * G * hd))
-    out = gather_cols_matvec(act_args, load_act, wo.reshape(wo.shape[0], -1), head_idx, B=B,
-                             cols_per_id=G * hd, layers=H // wo.shape[1],
+    out_ids, per_id, id_mask = head_idx, G * hd, None
+    if head_mask is not None:   # the selected query heads' columns only
+        out_ids, per_id, id_mask = _query_heads(head_idx, G), hd, head_mask.reshape(-1)
+    out = gather_cols_matvec(act_args, load_act, wo.reshape(wo.shape[0], -1), out_ids, B=B,
+                             cols_per_id=per_id, layers=H // wo.shape[1],
                              block_rows=cfg.out_block_rows, block_cols=out_cols,
                              num_warps=cfg.out_num_warps or cfg.num_warps,
                              num_stages=cfg.num_stages,
                              residual=residual, bias=bo,
-                             group_view=G * hd <= out_cols and is_pow2(G * hd),
-                             interpret=interpret)
+                             group_view=per_id <= out_cols and is_pow2(per_id),
+                             id_mask=id_mask, interpret=interpret)
     if residual is None:
         out = out.astype(x.dtype)
     return ((out, k_cache, v_cache) + tuple(written)
@@ -819,10 +900,10 @@ def head_sparse_attention_pallas(x, wq, bq, wk, bk, wv, bv, wo, bo, k_cache, v_c
 @functools.partial(jax.jit, static_argnames=("impl", "config", "rope_fn", "norm_eps",
                                              "scale"))
 def _attn_jit(x, wq, bq, wk, bk, wv, bv, wo, bo, k_cache, v_cache, pos, head_idx, rope_arr,
-              kv_mask, window, extra_segments, residual, qk_norm, *, impl, config, rope_fn,
-              norm_eps, scale):
+              kv_mask, window, extra_segments, residual, qk_norm, head_mask, *, impl, config,
+              rope_fn, norm_eps, scale):
     rope = rope_fn if rope_fn is not None else rope_arr
-    norms = dict(qk_norm=qk_norm, norm_eps=norm_eps, scale=scale)
+    norms = dict(qk_norm=qk_norm, norm_eps=norm_eps, scale=scale, head_mask=head_mask)
     if impl == "reference":
         out, *rest = head_sparse_attention_reference(
             x, wq, bq, wk, bk, wv, bv, wo, bo, k_cache, v_cache, pos, head_idx, rope=rope,
@@ -892,7 +973,7 @@ def _validate_window(window, x, k_cache, head_idx, rope):
 
 
 def head_sparse_attention(x, wq, bq, wk, bk, wv, bv, wo, bo, k_cache, v_cache, pos, head_idx,
-                          *, rope=None, kv_mask=None, impl: str | None = None,
+                          *, head_mask=None, rope=None, kv_mask=None, impl: str | None = None,
                           config: AttnConfig | None = None, window: KVWindow | None = None,
                           residual=None, extra_segments=(), qk_norm=None,
                           norm_eps: float = 1e-6, scale: float | None = None):
@@ -910,6 +991,13 @@ def head_sparse_attention(x, wq, bq, wk, bk, wv, bv, wo, bo, k_cache, v_cache, p
         written (pass them donated under jit to update in place).
       pos: int32 scalar (may be traced): index of the current token.
       head_idx: ``[Kh]`` int32 distinct KV-head ids (= head ids when ``n_kv == H``).
+      head_mask: optional ``[Kh, G]`` bool (``G = H // n_kv``): query head ``j`` of group
+        ``head_idx[i]`` (query head ``head_idx[i] * G + j``) is computed where
+        ``head_mask[i, j]``; None computes all G. An unselected query head's q rows and
+        out-projection columns are not read; a group with no selected head is skipped
+        (no K/V weights or cache read, no K/V written, window entries included: a
+        refresh in ``window.extra_ids`` still writes its own). Made from a query-head
+        selection by :func:`query_head_groups`.
       rope: optional rotary embedding for the current position: a callable mapping
         ``[B, n, hd]`` fp32 to the same shape, or ``(cos, sin)`` of shape ``[hd]`` or
         ``[B, hd]`` applied HF-Llama style (``t*cos + rotate_half(t)*sin``) to q and k.
@@ -934,14 +1022,15 @@ def head_sparse_attention(x, wq, bq, wk, bk, wv, bv, wo, bo, k_cache, v_cache, p
     Returns:
       ``(out [B, d] in x.dtype, k_cache, v_cache)``: ``out = sum over selected query
       heads of softmax(scale q kᵀ) v @ wo[h] + bo`` (q, k after their norms and rotary
-      embedding); unselected heads add 0. With
+      embedding; the selected query heads: every head of the selected groups, or those
+      of ``head_mask``); unselected heads add 0. With
       ``residual``, ``out`` is ``residual + out`` in fp32. With a bitmap window
       (``window.written``) the next item is the updated bitmap. With ``extra_segments``
       a last item: one fp32 ``[P_s, B_s, R_s]`` per segment whose sum over axis 0 holds
       ``x_s @ W_s[rows]ᵀ`` in its first ``Segment.n_rows`` columns.
     """
     _validate(x, wq, bq, wk, bk, wv, bv, wo, bo, k_cache, v_cache, pos, head_idx, rope,
-              kv_mask)
+              kv_mask, head_mask)
     if window is not None:
         _validate_window(window, x, k_cache, head_idx, rope)
     impl = resolve_impl(impl)
@@ -962,6 +1051,7 @@ def head_sparse_attention(x, wq, bq, wk, bk, wv, bv, wo, bo, k_cache, v_cache, p
             check_array(nm, w, shape=(wq.shape[1],), floating=True)
         qk_norm = tuple(qk_norm)
     return _attn_jit(x, wq, bq, wk, bk, wv, bv, wo, bo, k_cache, v_cache, pos, head_idx,
-                     rope_arr, kv_mask, window, extra_segments, residual, qk_norm, impl=impl,
+                     rope_arr, kv_mask, window, extra_segments, residual, qk_norm,
+                     None if head_mask is None else jnp.asarray(head_mask, bool), impl=impl,
                      config=config, rope_fn=rope_fn, norm_eps=float(norm_eps),
                      scale=None if scale is None else float(scale))

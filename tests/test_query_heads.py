@@ -1,0 +1,153 @@
+"""Attention sparsity at query-head granularity for grouped-query models.
+
+A selection is a set of query heads; the KV groups holding one follow
+(`kernels.query_head_groups`). The kernels read only the selected heads' q rows and
+out-projection columns and only the groups with a selected head: what they must not read is
+poisoned with NaN (the Pallas interpreter also fills outputs with NaN first).
+"""
+import numpy as np
+import pytest
+import jax.numpy as jnp
+from conftest import assert_finite_close
+
+from dejavu_jax.kernels import KVWindow, head_sparse_attention, query_head_groups
+
+F32 = jnp.float32
+
+
+def _rot(t, cos, sin):
+    h = t.shape[-1] // 2
+    return t * cos + np.concatenate([-t[..., h:], t[..., :h]], -1) * sin
+
+
+def _np_masked_attention(x, w, kc, vc, pos, hidx, hmask, cos, sin):
+    """float64 numpy: the selected query heads' attention output and the caches with the
+    current K/V of every group holding a selected head written."""
+    wq, bq, wk, bk, wv, bv, wo, bo = w
+    G = wq.shape[0] // wk.shape[0]
+    kc, vc = kc.copy(), vc.copy()
+    out = np.zeros((x.shape[0], wo.shape[0])) + bo
+    for i, g in enumerate(hidx):
+        if not hmask[i].any():
+            continue
+        kc[:, g, pos] = _rot(x @ wk[g].T + bk[g], cos, sin)
+        vc[:, g, pos] = x @ wv[g].T + bv[g]
+        for j in np.nonzero(hmask[i])[0]:
+            h = g * G + j
+            q = _rot(x @ wq[h].T + bq[h], cos, sin) / np.sqrt(wq.shape[1])
+            s = np.einsum("bk,bsk->bs", q, kc[:, g, :pos + 1])
+            p = np.exp(s - s.max(1, keepdims=True))
+            out += np.einsum("bs,bsk->bk", p / p.sum(1, keepdims=True),
+                             vc[:, g, :pos + 1]) @ wo[:, h].T
+    return out, kc, vc
+
+
+def _weights(rng, d, H, n_kv, hd):
+    r = lambda *s: rng.standard_normal(s)
+    return [r(H, hd, d) / np.sqrt(d), r(H, hd), r(n_kv, hd, d) / np.sqrt(d), r(n_kv, hd),
+            r(n_kv, hd, d) / np.sqrt(d), r(n_kv, hd), r(d, H, hd) / np.sqrt(H * hd), r(d)]
+
+
+def _poison(w, kc, vc, hidx, hmask, G, keep_kv=()):
+    """NaN in what a query-head selection must not read: unselected query heads' q rows,
+    q biases and out-projection columns; the K/V weights and cache of groups with no
+    selected head (except `keep_kv`, groups a window refreshes)."""
+    wq, bq, wk, bk, wv, bv, wo, bo = (a.copy() for a in w)
+    kc, vc = kc.copy(), vc.copy()
+    keep = np.zeros((wk.shape[0], G), bool)
+    keep[hidx] = hmask
+    off_q = np.nonzero(~keep.reshape(-1))[0]
+    wq[off_q], bq[off_q], wo[:, off_q] = np.nan, np.nan, np.nan
+    idle = [g for g in range(wk.shape[0]) if not keep[g].any() and g not in keep_kv]
+    for a in (wk, bk, wv, bv):
+        a[idle] = np.nan
+    kc[:, idle], vc[:, idle] = np.nan, np.nan
+    return [wq, bq, wk, bk, wv, bv, wo, bo], kc, vc
+
+
+def test_query_head_groups_puts_groups_with_a_selected_head_first():
+    gids, mask = query_head_groups(jnp.asarray([7, 2, 3], jnp.int32), 4, 2)
+    np.testing.assert_array_equal(gids, [1, 3, 0])
+    np.testing.assert_array_equal(mask, [[True, True], [False, True], [False, False]])
+    gids, mask = query_head_groups(jnp.asarray([5, 1], jnp.int32), 6, 1)
+    np.testing.assert_array_equal(gids, [5, 1])
+    assert mask is None
+
+
+@pytest.mark.parametrize("impl,B", [("interpret", 3), ("reference", 1)])
+def test_query_head_mask_matches_numpy(rng, impl, B):
+    """G = 3: one selected group partly masked, one whole, one with no selected head
+    (skipped: its poisoned K/V weights and cache are not read, nothing is written)."""
+    d, H, n_kv, hd, S, pos = 48, 12, 4, 16, 20, 13
+    G = H // n_kv
+    w = _weights(rng, d, H, n_kv, hd)
+    kc, vc = rng.standard_normal((2, B, n_kv, S, hd))
+    kc[:, :, pos:], vc[:, :, pos:] = np.nan, np.nan
+    x = rng.standard_normal((B, d))
+    ang = rng.standard_normal(hd // 2)
+    cos, sin = np.cos(np.r_[ang, ang]), np.sin(np.r_[ang, ang])
+    hidx = np.asarray([2, 0, 3], np.int32)
+    hmask = np.asarray([[True, False, True], [True, True, True], [False, False, False]])
+    want, want_k, want_v = _np_masked_attention(x, [np.nan_to_num(a) for a in w],
+                                                np.nan_to_num(kc), np.nan_to_num(vc), pos,
+                                                hidx, hmask, cos, sin)
+    pw, pk, pv = _poison(w, kc, vc, hidx, hmask, G)
+    f = lambda a: jnp.asarray(a, F32)
+    out, k2, v2 = head_sparse_attention(
+        f(x), *map(f, pw[:8]), f(pk), f(pv), jnp.int32(pos), jnp.asarray(hidx),
+        head_mask=jnp.asarray(hmask), rope=(f(cos), f(sin)), impl=impl)
+    assert_finite_close(out, want, rtol=1e-5, atol=1e-5)
+    for got, ref, poisoned in ((k2, want_k, pk), (v2, want_v, pv)):
+        got = np.asarray(got, np.float64)
+        for g in (0, 2):
+            assert_finite_close(got[:, g, :pos + 1], ref[:, g, :pos + 1], rtol=1e-5,
+                                atol=1e-5)
+        assert np.isnan(got[:, [1, 3]]).all()                 # idle groups: untouched
+
+
+@pytest.mark.parametrize("impl", ["interpret"])   # the reference: the engine tests
+def test_query_head_mask_with_a_missing_kv_window(rng, impl):
+    """The bitmap window with a query-head mask: the groups with a selected head and the
+    refresh groups write their missing entries; a selected group with no selected head
+    writes nothing itself, but as a refresh group it still does (group 1 here), and an
+    idle group that is not refreshed (3) keeps its entries and bits."""
+    B, d, H, n_kv, hd, S, W, pos = 1, 32, 8, 4, 8, 16, 4, 9
+    G = H // n_kv
+    w = _weights(rng, d, H, n_kv, hd)
+    kc, vc = rng.standard_normal((2, B, n_kv, S, hd))
+    kc[:, :, pos + 1:], vc[:, :, pos + 1:] = np.nan, np.nan
+    xs = rng.standard_normal((B, W, d))                       # the last row: this token
+    slots = np.arange(pos - W + 1, pos + 1, dtype=np.int32)
+    hidx, extra = np.asarray([1, 2, 0, 3], np.int32), np.asarray([1], np.int32)
+    hmask = np.asarray([[False, False], [True, False], [True, True], [False, False]])
+    written = rng.random((B, n_kv, S)) > 0.5
+    written[:, :, pos] = False                                # the current token: missing
+    ang = rng.standard_normal(hd // 2)
+    cos, sin = np.cos(np.r_[ang, ang]), np.sin(np.r_[ang, ang])
+    wq, bq, wk, bk, wv, bv, wo, bo = w
+    want_k, want_v, want_w = kc.copy(), vc.copy(), written.copy()
+    for g in (2, 0, 1):                                       # writing groups
+        for j, s in enumerate(slots):
+            if not written[0, g, s]:                          # same rotary table: a test
+                want_k[0, g, s] = _rot(xs[0, j] @ wk[g].T + bk[g], cos, sin)
+                want_v[0, g, s] = xs[0, j] @ wv[g].T + bv[g]
+                want_w[0, g, s] = True
+    want, want_k, want_v = _np_masked_attention(xs[:, -1], w, want_k, want_v, pos, hidx,
+                                                hmask, cos, sin)
+    pw, pk, pv = _poison(w, kc, vc, hidx, hmask, G, keep_kv=(1,))
+    f = lambda a: jnp.asarray(a, F32)
+    tables = (np.broadcast_to(cos, (B, W, hd)), np.broadcast_to(sin, (B, W, hd)))
+    window = KVWindow(x=f(xs), current=jnp.int32(W - 1), extra_ids=jnp.asarray(extra),
+                      need=None, slots=jnp.asarray(slots), cos=f(tables[0]),
+                      sin=f(tables[1]), written=jnp.asarray(written),
+                      written_base=jnp.int32(0), row_valid=jnp.ones((B, W), bool))
+    out, k2, v2, w2 = head_sparse_attention(
+        f(xs[:, -1]), *map(f, pw), f(pk), f(pv), jnp.int32(pos), jnp.asarray(hidx),
+        head_mask=jnp.asarray(hmask), rope=(f(cos), f(sin)), window=window, impl=impl)
+    assert_finite_close(out, want, rtol=1e-5, atol=1e-5)
+    np.testing.assert_array_equal(np.asarray(w2), want_w)
+    for got, ref in ((k2, want_k), (v2, want_v)):
+        got = np.asarray(got, np.float64)
+        assert_finite_close(got[:, :3, :pos + 1], ref[:, :3, :pos + 1], rtol=1e-5,
+                            atol=1e-5)
+        assert np.isnan(got[:, 3]).all()
