@@ -1,4 +1,5 @@
-"""dejavu_jax.analysis: the notebook's measurements, on hand-made arrays and a tiny model."""
+"""dejavu_jax.eval.sparsity_analysis: the notebook's measurements, on hand-made arrays
+and a tiny model."""
 
 import json
 
@@ -7,7 +8,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from dejavu_jax import analysis as an
+from dejavu_jax.eval import sparsity_analysis as an
 from dejavu_jax.model import sequence_forward
 from dejavu_jax.train.predictor_model import PredictorParams, init_predictor
 
