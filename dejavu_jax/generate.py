@@ -47,16 +47,11 @@ def parse_ids(text: str) -> list[int]:
     return ids
 
 
-CLI_SELECT_METHODS = ("exact", "local")
-
-
 def sparse_select_methods() -> tuple[str, ...]:
-    """The predictor top-k methods `--select` accepts: `exact` (the default) and `local`
-    (the fastest measured). The others of `sparse.SELECT_METHODS` are benchmark variants,
-    reachable from Python (`sparse.predictor_selector(..., method=...)`)."""
+    """The predictor top-k methods `--select` accepts (`sparse.SELECT_METHODS`): `exact`
+    (the default) and `local` (the fastest on the GPU; docs/kernels.md says why)."""
     from dejavu_jax import sparse
-    assert set(CLI_SELECT_METHODS) <= set(sparse.SELECT_METHODS)
-    return CLI_SELECT_METHODS
+    return sparse.SELECT_METHODS
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -127,9 +122,7 @@ def build_parser() -> argparse.ArgumentParser:
     sp.add_argument("--select", choices=sparse_select_methods(),
                     help="top-k of the predictor scores (for --sparse): exact (lax.top_k, "
                          "default) or local (Pallas, the top of each chunk of the scores: "
-                         "approximate, the fastest measured). The other methods of "
-                         "sparse.SELECT_METHODS (threshold, radix, chunked, packed) are "
-                         "benchmark variants, reachable from Python")
+                         "approximate, the fastest measured on the GPU)")
     multidevice.add_mesh_arguments(p)
     return p
 

@@ -72,7 +72,7 @@ def load_params(source, config, dtype, seed: int, mesh):
 def build_engine(config, params, scfg, predictors, select_method: str, mesh):
     """(engine, engine params) on `mesh`: the dense engine when `scfg` is None, else the
     sparse one with decode-form `predictors` (None: the oracle, `scfg.oracle`) selecting by
-    `select_method` (`sparse.SELECT_METHODS`)."""
+    `select_method` (one of `sparse.SELECT_METHODS`)."""
     from dejavu_jax import sparse
     if scfg is None:
         return tp_decode.tp_dense_engine(config, mesh), params

@@ -56,8 +56,6 @@ class SparseConfig:
     instead of predicted sets (research mode: computes densely, then masks).
     kv_window: tokens of layer inputs kept for missing-KV recomputation.
     impl: kernel implementation (None: Pallas on GPU, jnp reference on CPU).
-    kv_recompute: False skips missing-KV recomputation (selected heads then see zeros for
-    entries they missed). Inexact: a diagnostic that isolates its cost in benchmarks.
     kv_refresh: KV groups refreshed per token besides the selected ones (None: the fewest
     that keeps every entry exact, ceil(n_kv_heads / kv_window); fewer, 0 included, gives
     up exactness: entries missed for longer than the window stay missing). Under tensor
@@ -81,6 +79,7 @@ class SparseConfig:
     (`dejavu_jax.activation_sparsity`: TEAL's input channels, CATS' gate): the sites
     thresholded in the sparse layers; the engine's selector params are then the
     thresholds [L, len(SITES)] (`threshold_config`).
+    _kv_recompute: benchmark-only (`sparse_variants.without_kv_recompute`).
     """
 
     mlp_k: tuple[int, ...]
@@ -89,7 +88,7 @@ class SparseConfig:
     oracle: bool = False
     kv_window: int = 16
     impl: str | None = None
-    kv_recompute: bool = True
+    _kv_recompute: bool = dataclasses.field(default=True, repr=False)
     kv_refresh: int | None = None
     attn_config: kernels.AttnConfig | None = None
     mlp_config: kernels.MLPConfig | None = None
@@ -343,7 +342,7 @@ def _sparse_attention(config, scfg, view, io: _LayerIO, layer, y, groups, step,
             rows, y.astype(rows.dtype)[:, None, :], (0, row, 0))
     io, ring = _with_history_rows(io, layer, history_rows)
     window = None
-    if scfg.kv_recompute:
+    if scfg._kv_recompute:
         window = _missing_kv_window(config, view, io, layer, step["window"], ring)
     B, S, hd = io.written.shape[0], io.written.shape[-1], config.head_dim
     rope = None
@@ -761,7 +760,9 @@ def sparse_step_fn(config: ModelConfig, scfg: SparseConfig, select: Selector,
                                                    history=io.history)
 
 
-SELECT_METHODS = ("exact", "threshold", "radix", "chunked", "local", "packed")
+# the measured-best top-k methods (docs/kernels.md); the slower ones the benchmarks compare
+# against are `sparse_variants.TOP_K_VARIANTS`
+SELECT_METHODS = ("exact", "local")
 
 
 class PredictorSelector:
@@ -778,7 +779,8 @@ class PredictorSelector:
 
     def __init__(self, group_size: int, union_capacity=None, method: str = "exact",
                  impl: str | None = None, ride_mlp_launches: bool = True):
-        if method not in SELECT_METHODS:
+        from dejavu_jax.sparse_variants import TOP_K_VARIANTS
+        if method not in SELECT_METHODS + TOP_K_VARIANTS:
             raise ValueError(f"unknown selection method {method!r}; choose from "
                              f"{SELECT_METHODS}")
         self.group_size, self.method, self.impl = group_size, method, impl
@@ -786,22 +788,18 @@ class PredictorSelector:
         self.ride_mlp_launches = ride_mlp_launches
 
     def _top(self, scores, k, capacity):
-        from dejavu_jax.kernels.top_k import (top_k_indices, top_k_indices_chunked,
-                                              top_k_indices_local)
-        from dejavu_jax.topk import packed_top_k, threshold_top_k, union_top_k
+        from dejavu_jax.kernels.top_k import top_k_indices_local
+        from dejavu_jax.topk import union_top_k
         from dejavu_jax.train.predict import default_union_size, select_top_k
         method, impl = self.method, self.impl
         if scores.shape[0] == 1 and capacity in (None, k):
-            if method == "threshold":
-                return threshold_top_k(scores[0], k)
-            if method == "radix":
-                return top_k_indices(scores[0], k, impl=impl)
-            if method == "chunked":
-                return top_k_indices_chunked(scores[0], k, impl=impl)
             if method == "local":
                 return top_k_indices_local(scores[0], k, impl=impl)
-            if method == "packed" and scores.shape[1] <= 1 << 16:
-                return packed_top_k(scores[0], k)
+            if method != "exact":  # a benchmark variant (`sparse_variants`)
+                from dejavu_jax.sparse_variants import variant_top_k
+                ids = variant_top_k(method, scores[0], k, impl)
+                if ids is not None:
+                    return ids
         if scores.shape[0] > 1 and method != "exact":
             capacity = capacity or default_union_size(scores.shape[1], k, scores.shape[0])
             return union_top_k(scores, k, capacity)
@@ -848,28 +846,24 @@ class PredictorSelector:
 
 def predictor_selector(group_size: int,
                        union_capacity: tuple[int | None, int | None] | None = None,
-                       method: str = "exact", impl: str | None = None,
-                       ride_mlp_launches: bool = True) -> PredictorSelector:
+                       method: str = "exact", impl: str | None = None) -> PredictorSelector:
     """A Selector whose parameters are trained predictors (`dejavu_jax.train.predict`).
 
     Batches select the union of their rows' sets, of static size min(n, k * B) by default
     (`union_capacity` sets it): "exact" through `train.predict.select_top_k` (per-row
-    `lax.top_k` and a sort), every other method through `topk.union_top_k` (counting
-    passes, no sort). A union of every unit needs no ranking at all.
-    method, for a single row:
-    "exact" (`lax.top_k`, a sort on the GPU), "threshold" (`topk.threshold_top_k`,
-    sort-free jnp), "radix" (`kernels.top_k_indices`: one Pallas launch, exact top-k of
-    the scores at bfloat16 precision, ties to the lower id; impl picks its kernel path),
-    "chunked" (`kernels.top_k.top_k_indices_chunked`: the same set in three parallel
-    launches), "local" (`kernels.top_k.top_k_indices_local`: the top round(k/P) of each of
-    P chunks of 2048 scores in one launch of parallel programs; approximate, and the set
-    size rounds to a multiple of P; with decode-form predictors at batch 1 the step runs
-    it split across the layer, see `PredictorSelector`) or "packed" (`topk.packed_top_k`:
-    the radix set through one integer sort).
-    ride_mlp_launches: where the step splits the selector, run its score product and
-    selection inside the MLP's launches (False: launches of their own, for comparison).
+    `lax.top_k` and a sort), "local" through `topk.union_top_k` (counting passes, no
+    sort). A union of every unit needs no ranking at all.
+    method (`SELECT_METHODS`), for a single row: "exact" (`lax.top_k`, a sort on the GPU;
+    the default, the true top-k) or "local" (`kernels.top_k.top_k_indices_local`: the top
+    round(k/P) of each of P chunks of 2048 scores in one launch of parallel programs, impl
+    picking its kernel path; approximate, and the set size rounds to a multiple of P; the
+    fastest on the GPU, and with decode-form predictors at batch 1 the step runs it split
+    across the layer, riding in the MLP's launches, see `PredictorSelector`). The slower
+    methods the benchmarks compare are `dejavu_jax.sparse_variants.variant_selector`'s.
     """
-    return PredictorSelector(group_size, union_capacity, method, impl, ride_mlp_launches)
+    if method not in SELECT_METHODS:
+        raise ValueError(f"unknown selection method {method!r}; choose from {SELECT_METHODS}")
+    return PredictorSelector(group_size, union_capacity, method, impl)
 
 
 def fixed_selector(sets, layer, x, k_mlp, k_heads):

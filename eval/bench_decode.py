@@ -52,6 +52,8 @@ from dejavu_jax import cli
 from dejavu_jax import config as config_lib
 from dejavu_jax import sparse
 from dejavu_jax.eval import bench_hf
+from dejavu_jax.sparse_variants import (TOP_K_VARIANTS, is_selector_name, variant_selector,
+                                        without_kv_recompute)
 from dejavu_jax.eval.bench_hf import cache_len
 from dejavu_jax.eval.parity_gate import add_parity_argument, require_parity
 from dejavu_jax.eval.provenance import run_meta
@@ -101,19 +103,15 @@ def random_sets(config, scfg, seed: int = 0, per_layer: bool = False):
     return jnp.asarray(neurons, jnp.int32), jnp.asarray(groups, jnp.int32)
 
 
-APART = "-apart"  # a --select suffix: the split selection in launches of its own
-
-
 def select_method(config, method: str):
-    """The predictor selector of a --select entry: a `sparse.SELECT_METHODS` name, or one
-    with the suffix "-apart" (the split selector's score product and selection in launches
-    of their own rather than riding in the MLP's launches)."""
-    base = method.removesuffix(APART)
-    return sparse.predictor_selector(config.group_size, method=base,
-                                     ride_mlp_launches=not method.endswith(APART))
+    """The predictor selector of a --select entry: "exact" or "local", a benchmark variant
+    (`dejavu_jax.sparse_variants`), optionally with the suffix "-apart" (the split
+    selector's score product and selection in launches of their own rather than riding in
+    the MLP's launches)."""
+    return variant_selector(config.group_size, method)
 
 
-def sparse_variants(config, preds, select_methods, fixed_sets=None,
+def sparse_row_kinds(config, preds, select_methods, fixed_sets=None,
                     diagnose_kv_recompute=False):
     """(row label, selector, selector params) for the sparse rows of one setting.
 
@@ -409,7 +407,7 @@ def measure_rows(config, params, preds, contexts, mlp_densities, head_densities,
                  make_row, kv_recompute_off=False, loop_only=False,
                  dense_qkv="fused", kernel_configs=None, generate_tokens=0) -> list[dict]:
     """The rows of one model for every context and batch: the `dense` engine, then for each
-    density pair the sparse variants (`sparse_variants`) built by `sparse_engine(scfg,
+    density pair the sparse rows (`sparse_row_kinds`) built by `sparse_engine(scfg,
     select)`; precomputed sets come from `fixed_sets(scfg)` (at heads 0.5, first context).
     `make_row(columns)` completes each row (model, layout, device columns); every row is
     logged as one JSON line. A setting that fails (OOM, lowering) is logged and skipped.
@@ -471,10 +469,10 @@ def measure_rows(config, params, preds, contexts, mlp_densities, head_densities,
                     base_cfg = sparse.sparse_config(config, md, hdn, dense_layers=dense_layers)
                     fixed = fixed_sets(base_cfg) if hdn == 0.5 and ctx == contexts[0] else None
                     for kernel_cfg, (kind, select, sel_params) in itertools.product(
-                            kernel_configs or [{}], sparse_variants(
+                            kernel_configs or [{}], sparse_row_kinds(
                                 config, preds, select_methods, fixed, kv_recompute_off)):
                         scfg = dataclasses.replace(base_cfg, **kernel_cfg)
-                        run_cfg = (dataclasses.replace(scfg, kv_recompute=False)
+                        run_cfg = (without_kv_recompute(scfg)
                                    if kind.endswith("no-kv-recompute") else scfg)
                         res = measure(f"mlp={md} heads={hdn} {kind}{config_label(kernel_cfg)}",
                                       sparse_engine(run_cfg, select), (params, sel_params))
@@ -524,7 +522,7 @@ def run_model(name, contexts, mlp_densities, head_densities, batches, rank, dens
               kv_recompute_off=False, modes=("dense", "sparse"), prefill_reps=3,
               loop_only=False, dense_qkv="fused", kernel_configs=None, generate_tokens=0):
     """All rows for one model preset, with the layers stacked (scan) or unrolled: for every
-    context and batch, dense (ours) and the sparse variants (`sparse_variants`)."""
+    context and batch, dense (ours) and the sparse rows (`sparse_row_kinds`)."""
     from dejavu_jax.generation import dense_engine
     config = config_lib.preset(name)
     if isinstance(batches, int):
@@ -756,9 +754,10 @@ def main(argv=None) -> int:
     p.add_argument("--layouts", default="unrolled",
                    help="stacked (lax.scan over stacked layers), unrolled, or both")
     p.add_argument("--select", default="exact",
-                   help="comma list of predictor top-k methods (sparse.SELECT_METHODS: exact, "
-                        "threshold, radix, chunked, local, packed), one row each; 'local-apart': "
-                        "local with its launches not riding in the MLP's")
+                   help="comma list of predictor top-k methods, one row each: exact, local, "
+                        "or the slower variants of dejavu_jax.sparse_variants (threshold, "
+                        "radix, chunked, packed); 'local-apart': local with its launches not "
+                        "riding in the MLP's")
     p.add_argument("--diagnose-kv-recompute", action="store_true",
                    help="add a fixed-index row without missing-KV recomputation (inexact)")
     p.add_argument("--hf-python", default=sys.executable,
@@ -816,11 +815,11 @@ def main(argv=None) -> int:
     unknown = [m for m in modes if m not in MODES]
     if unknown:
         p.error(f"unknown modes {unknown}; known: {', '.join(MODES)}")
-    bad_select = [m for m in split(args.select, str)
-                  if m.removesuffix(APART) not in sparse.SELECT_METHODS]
+    bad_select = [m for m in split(args.select, str) if not is_selector_name(m)]
     if bad_select:
         p.error(f"unknown --select methods {bad_select}; known: "
-                f"{', '.join(sparse.SELECT_METHODS)}")
+                f"{', '.join(sparse.SELECT_METHODS + TOP_K_VARIANTS)} (each optionally "
+                f"-apart)")
     try:
         kernel_configs = parse_kernel_configs(args.attn_config, args.mlp_config)
     except ValueError as e:

@@ -54,6 +54,7 @@ from dejavu_jax import config as config_lib
 from dejavu_jax import sparse
 from dejavu_jax.eval.bench_decode import random_sets
 from dejavu_jax.params import init_params, unstack_layers
+from dejavu_jax.sparse_variants import APART, variant_selector
 
 
 @functools.cache
@@ -265,8 +266,7 @@ def split_rows(impl: str, steps: int, variants=None) -> list[dict]:
         ref_sets = _per_step_sets(ref_log, config.n_layers)
         for ride, layout in variants or SPLIT_VARIANTS:
             p = unstack_layers(params) if layout == "unrolled" else params
-            select = sparse.predictor_selector(1, method="local", impl=impl,
-                                               ride_mlp_launches=ride)
+            select = variant_selector(1, "local" if ride else "local" + APART, impl=impl)
             log: list = []
             got = _decode(config, dataclasses.replace(scfg, impl=impl), p, preds, steps,
                           layout == "unrolled", select, batch=1, log=log)

@@ -19,7 +19,6 @@ from __future__ import annotations
 
 import argparse
 import collections
-import dataclasses
 import glob
 import gzip
 import json
@@ -119,12 +118,13 @@ def mode_engine(config, mode: str, mlp: float, heads: float, dense_layers: int, 
     """(engine, selector params) for a mode, None for dense (per_layer: the unrolled
     layout's per-layer index sets)."""
     from dejavu_jax.eval.bench_decode import random_predictors, random_sets, select_method
+    from dejavu_jax.sparse_variants import without_kv_recompute
     from dejavu_jax.train.predictor_model import decode_predictors
     if mode == "dense":
         return None
     scfg = sparse.sparse_config(config, mlp, heads, dense_layers=dense_layers)
     if mode.endswith("no-kv-recompute"):
-        scfg = dataclasses.replace(scfg, kv_recompute=False)
+        scfg = without_kv_recompute(scfg)
     if mode.startswith("sparse-fixed"):
         return (sparse.sparse_engine(config, scfg, sparse.fixed_selector),
                 random_sets(config, scfg, per_layer=per_layer))
@@ -138,13 +138,12 @@ def mode_engine(config, mode: str, mlp: float, heads: float, dense_layers: int, 
 
 def modes_list(text: str) -> list[str]:
     """An argparse type: a comma list of the modes `mode_engine` knows."""
-    from dejavu_jax.eval.bench_decode import APART
+    from dejavu_jax.sparse_variants import is_selector_name
     modes = [m for m in text.split(",") if m]
     for m in modes:
         method = m.removeprefix("sparse-predictor").lstrip("-") or "exact"
         known = (m in ("dense", "sparse-fixed", "sparse-fixed-no-kv-recompute")
-                 or (m.startswith("sparse-predictor")
-                     and method.removesuffix(APART) in sparse.SELECT_METHODS))
+                 or (m.startswith("sparse-predictor") and is_selector_name(method)))
         if not known:
             raise argparse.ArgumentTypeError(f"unknown mode {m!r}")
     if not modes:
@@ -229,9 +228,9 @@ def main(argv=None) -> int:
                    default="dense,sparse-fixed,sparse-fixed-no-kv-recompute,"
                            "sparse-predictor-exact,sparse-predictor-radix",
                    help="dense, sparse-fixed[-no-kv-recompute], sparse-predictor[-METHOD] "
-                        "(METHOD: one of sparse.SELECT_METHODS: exact, threshold, radix, "
-                        "chunked, local, packed; local-apart: local, its launches not riding "
-                        "in the MLP's)")
+                        "(METHOD: exact or local, or a benchmark variant of "
+                        "dejavu_jax.sparse_variants: threshold, radix, chunked, packed; "
+                        "local-apart: local, its launches not riding in the MLP's)")
     p.add_argument("--layout", default="unrolled", choices=("unrolled", "stacked"))
     p.add_argument("--context", type=cli.positive_int, default=128)
     p.add_argument("--batch", type=cli.positive_int, default=1)

@@ -12,6 +12,7 @@ import dejavu_jax as dj
 from dejavu_jax import sparse
 from dejavu_jax.kernels.predictor_select import predictor_select
 from dejavu_jax.kernels.sparse_mlp import Riders
+from dejavu_jax.sparse_variants import APART, variant_selector
 
 F32 = jnp.float32
 
@@ -104,8 +105,8 @@ def test_split_predictor_step_equals_the_called_selector(impl, dtype, ride, pres
     preds = jax.tree.map(lambda a: a.astype(dtype) if a.dtype == jnp.bfloat16 else a,
                          decode_predictors(random_predictors(config, 8, jax.random.key(4))))
     scfg = sparse.sparse_config(config, 0.25, 0.5, dense_layers=1, impl=impl)
-    split = sparse.predictor_selector(config.group_size, method="local", impl=impl,
-                                      ride_mlp_launches=ride)
+    split = variant_selector(config.group_size, "local" if ride else "local" + APART,
+                             impl=impl)
     assert split.splits(preds, 1) and not split.splits(preds, 2)
     calls = []
 

@@ -450,13 +450,13 @@ def test_a_batch_selects_the_union_of_its_rows_sets(method):
     """Three rows at MLP density 0.25 (union capacity 0.75 F): every method's neuron set
     holds every row's exact top-k of the predictor scores, as distinct ascending ids."""
     from dejavu_jax.eval.bench_decode import random_predictors
+    from dejavu_jax.sparse_variants import variant_selector
     from dejavu_jax.train.predict import predictor_scores
     config = dj.preset("opt-tiny")
     preds = random_predictors(config, 8, jax.random.key(4))
     x = jax.random.normal(jax.random.key(6), (3, config.hidden))
     k = config.ffn // 4
-    neurons, groups = sparse.predictor_selector(config.group_size, method=method)(
-        preds, 2, x, k, 1)
+    neurons, groups = variant_selector(config.group_size, method)(preds, 2, x, k, 1)
     scores = np.asarray(predictor_scores(preds, 2, x)[0])
     union = set(np.argsort(-scores, axis=1)[:, :k].reshape(-1).tolist())
     got = np.asarray(neurons)

@@ -88,14 +88,14 @@ def test_local_top_k_rejects_bad_arguments():
 def test_predictor_selector_methods_pick_the_top_scores(rng, method):
     """Each selection method returns the top-k of the predictor's own scores (radix: at
     bfloat16 precision) for the next layer, neurons and KV groups."""
-    from dejavu_jax import sparse
     from dejavu_jax.config import preset
     from dejavu_jax.eval.bench_decode import random_predictors
+    from dejavu_jax.sparse_variants import variant_selector
     from dejavu_jax.train.predict import group_scores, predictor_scores
     config = preset("llama-tiny")
     preds = random_predictors(config, 16, jax.random.key(int(rng.integers(1 << 30))))
     preds = jax.tree.map(lambda a: a.astype(jnp.float32), preds)
-    select = sparse.predictor_selector(config.group_size, method=method, impl="interpret")
+    select = variant_selector(config.group_size, method, impl="interpret")
     x = jnp.asarray(rng.standard_normal((1, config.hidden)), jnp.float32)
     layer = jnp.int32(1)
     neurons, groups = jax.jit(select, static_argnums=(3, 4))(preds, layer, x, 40, 2)
