@@ -113,11 +113,16 @@ def threshold_reads(config: ModelConfig, sites, kept: dict) -> dict:
             "up": get["gate"] if gate_site else get["gate_up"], "down": down}
 
 
-def unit_reads(config: ModelConfig, mlp_density, head_density) -> dict:
+def unit_reads(config: ModelConfig, mlp_density, head_density, group_density=None) -> dict:
     """The fraction of each matmul's rows a token reads when it keeps `mlp_density` of the
-    neurons (gate, up and down rows) and `head_density` of the KV groups (their query
-    heads' q and o rows, their k and v rows): DejaVu's and the oracle's sets."""
-    return {"qkv": head_density, "o": head_density, "gate": mlp_density, "up": mlp_density,
+    neurons (gate, up and down rows), `head_density` of the query heads (their q and o
+    rows) and `group_density` of the KV groups (their k and v rows; default
+    `head_density`, exact for multi-head models): DejaVu's and the oracle's sets."""
+    c = config
+    group_density = head_density if group_density is None else group_density
+    qkv = ((c.n_heads * head_density + 2 * c.n_kv_heads * group_density)
+           / (c.n_heads + 2 * c.n_kv_heads))
+    return {"qkv": qkv, "o": head_density, "gate": mlp_density, "up": mlp_density,
             "down": mlp_density}
 
 

@@ -116,7 +116,8 @@ def build_parser() -> argparse.ArgumentParser:
                          "list with one value per layer, or @FILE with one value per line "
                          "(default 0.5)")
     sp.add_argument("--head-density", type=cli.fractions,
-                    help="fraction of KV-head groups per layer, same forms (default 1.0)")
+                    help="fraction of query heads per layer, same forms (default 1.0); a "
+                         "grouped-query model reads the K/V of the groups holding one")
     sp.add_argument("--dense-layers", type=cli.non_negative_int,
                     help="first layers that always run dense (default 2)")
     sp.add_argument("--select", choices=sparse_select_methods(),
@@ -275,7 +276,7 @@ def build_engine(args, config, params, scfg, predictors, mesh=None):
 
 
 def describe_sparsity(config, scfg, batch: int = 1, profile=None) -> str:
-    """One line per layer: the fraction of neurons and KV groups each token selects and,
+    """One line per layer: the fraction of neurons and query heads each token selects and,
     for a batch, the fraction its union computes (static size min(n, k * batch)) and which
     of the layer's parts then run XLA's dense products (`sparse.batch_dense_parts`)."""
     from dejavu_jax.sparse import batch_dense_parts, batch_runs_dense
@@ -288,17 +289,17 @@ def describe_sparsity(config, scfg, batch: int = 1, profile=None) -> str:
         return profile.summary() if profile is not None else "sparse decoding: thresholds"
     lines, union_mlp = [], []
     for l, (km, kh) in enumerate(zip(scfg.mlp_k, scfg.head_k)):
-        m, h = km / config.ffn, kh / config.n_kv_heads
+        m, h = km / config.ffn, kh / config.n_heads
         line = f"  layer {l:2d}: mlp {m:6.1%}  heads {h:6.1%}"
         if l < scfg.dense_layers:
             union_mlp.append(1.0)
             lines.append(line + "  (dense)")
             continue
         um = default_union_size(config.ffn, km, batch)
-        uh = default_union_size(config.n_kv_heads, kh, batch)
+        uh = default_union_size(config.n_heads, kh, batch)
         union_mlp.append(um / config.ffn)
         if batch > 1:
-            line += f"  union mlp {um / config.ffn:6.1%}  heads {uh / config.n_kv_heads:6.1%}"
+            line += f"  union mlp {um / config.ffn:6.1%}  heads {uh / config.n_heads:6.1%}"
             attention, mlp, layer = batch_dense_parts(config, scfg, um, uh, batch)
             if scfg.oracle:
                 pass  # the oracle computes densely and masks

@@ -1,7 +1,7 @@
 """DejaVu sparse decoding: per-token neuron and head subsets, lookahead prediction, missing KV.
 
 One decode step runs the layers in *segments*: consecutive layers that share the same
-(neurons kept, KV groups kept) form one `lax.scan`. Inside a sparse segment the carry
+(neurons kept, query heads kept) form one `lax.scan`. Inside a sparse segment the carry
 holds the hidden state and the index sets for the *next* layer, predicted from this
 layer's input while this layer computes (DejaVu's lookahead).
 
@@ -13,6 +13,10 @@ entries in the window before attention. This rides on the projection launch that
 those heads' K/V rows anyway and on the attention launch (`kernels.KVWindow`): no weight
 is read twice, and there is no branch, so the step never waits on the host. Each group is refreshed at least once every W tokens, so no entry
 leaves the window unwritten: every selected head attends over exactly the dense KV.
+
+Attention is selected by query head: a layer's set is a static number of query-head ids,
+and the KV groups holding one of them are the ones whose K/V are read and written
+(`kernels.query_head_groups`); for multi-head models a group is one head.
 """
 
 from __future__ import annotations
@@ -35,7 +39,7 @@ from dejavu_jax.params import ModelParams, has_fused_qkv
 F32 = jnp.float32
 
 # select(selector_params, layer, x_prev_input [B, d], k_mlp, k_heads)
-#   -> (neuron_idx [Km], group_idx [Kh]); selector_params is a pytree (e.g. predictor weights);
+#   -> (neuron_idx [Km], query_head_idx [Kh]); selector_params is a pytree (e.g. predictor weights);
 #   layer is a Python int with unrolled layers, an int32 scalar array otherwise
 Selector = Callable[..., tuple[jax.Array, jax.Array]]
 
@@ -47,8 +51,8 @@ BATCH_POLICIES = ("dense", "union", "kernels")
 class SparseConfig:
     """Static sparsity settings.
 
-    mlp_k[l]: neurons computed in layer l (F = dense). head_k[l]: KV groups computed
-    (n_kv_heads = dense; for multi-head models a group is one head).
+    mlp_k[l]: neurons computed in layer l (F = dense). head_k[l]: query heads computed
+    (n_heads = dense); a KV group's K/V are read when one of its query heads is.
     dense_layers: the first layers run the dense path (the others run the sparse path
     even when k covers every unit, which is how density-1.0 parity is tested; with several
     rows see `batch_policy`).
@@ -124,7 +128,7 @@ class SparseConfig:
                              f"{config.n_layers}")
         runs = []
         for layer, (km, kh) in enumerate(zip(self.mlp_k, self.head_k)):
-            if not (0 < km <= config.ffn and 0 < kh <= config.n_kv_heads):
+            if not (0 < km <= config.ffn and 0 < kh <= config.n_heads):
                 raise ValueError(f"layer {layer}: k_mlp={km} / k_heads={kh} out of range")
             ks = (layer < self.dense_layers, km, kh)
             if runs and runs[-1][2:] == ks:
@@ -134,9 +138,9 @@ class SparseConfig:
         return runs
 
     def density(self, config: ModelConfig) -> dict[str, list[float]]:
-        """Per-layer fraction of neurons and KV groups computed (per shared index set)."""
+        """Per-layer fraction of neurons and query heads computed (per shared index set)."""
         return {"mlp": [k / config.ffn for k in self.mlp_k],
-                "heads": [k / config.n_kv_heads for k in self.head_k]}
+                "heads": [k / config.n_heads for k in self.head_k]}
 
 
 def _per_layer(value, n_layers: int, name: str) -> list[float]:
@@ -154,7 +158,8 @@ def sparse_config(config: ModelConfig, mlp_density=0.1, head_density=0.5,
                   impl: str | None = None) -> SparseConfig:
     """SparseConfig from densities (a float for all layers, or one per layer).
 
-    The first `dense_layers` layers run dense. k = ceil(density * units), at least 1.
+    The first `dense_layers` layers run dense. k = ceil(density * units), at least 1;
+    the head units are query heads.
     """
     L = config.n_layers
     mlp = _per_layer(mlp_density, L, "mlp_density")
@@ -169,7 +174,7 @@ def sparse_config(config: ModelConfig, mlp_density=0.1, head_density=0.5,
 
     mlp_k = tuple(config.ffn if l < dense_layers else count(mlp[l], config.ffn)
                   for l in range(L))
-    head_k = tuple(config.n_kv_heads if l < dense_layers else count(heads[l], config.n_kv_heads)
+    head_k = tuple(config.n_heads if l < dense_layers else count(heads[l], config.n_heads)
                    for l in range(L))
     return SparseConfig(mlp_k, head_k, dense_layers, oracle, kv_window, impl)
 
@@ -184,7 +189,7 @@ def threshold_config(config: ModelConfig, sites, dense_layers: int = 0,
     if not 0 <= dense_layers <= config.n_layers:
         raise ValueError(f"dense_layers={dense_layers} must be in 0..{config.n_layers}")
     L = config.n_layers
-    return SparseConfig((config.ffn,) * L, (config.n_kv_heads,) * L, dense_layers,
+    return SparseConfig((config.ffn,) * L, (config.n_heads,) * L, dense_layers,
                         impl=impl, threshold_sites=sites)
 
 
@@ -326,9 +331,10 @@ def _with_history_rows(io: _LayerIO, layer, rows) -> tuple[_LayerIO, jax.Array]:
     return io.replace(history=history), history[:, layer]
 
 
-def _sparse_attention(config, scfg, view, io: _LayerIO, layer, y, groups, step,
+def _sparse_attention(config, scfg, view, io: _LayerIO, layer, y, heads, step,
                       residual=None, extra_segments=(), history_rows=None):
-    """Head-sparse attention for normed inputs y [B, d] over the selected KV groups.
+    """Head-sparse attention for normed inputs y [B, d] over the selected query heads
+    (the KV groups holding them read and write their K/V).
 
     `history_rows`: the `_history_rows` buffer with y already written (by the norm launch);
     None writes it here. Returns (out [B, d] fp32, io), out added to `residual` when
@@ -355,6 +361,7 @@ def _sparse_attention(config, scfg, view, io: _LayerIO, layer, y, groups, step,
     if config.query_scale is not None:
         norms["scale"] = config.attention_scale
     lp_flat = view.flat
+    groups, head_mask = kernels.query_head_groups(heads, config.n_kv_heads, config.group_size)
     if view.unrolled:
         k_in, v_in, head_idx = cache_layer(io.k, layer), cache_layer(io.v, layer), groups
     else:
@@ -365,7 +372,8 @@ def _sparse_attention(config, scfg, view, io: _LayerIO, layer, y, groups, step,
     res = kernels.head_sparse_attention(
         y.astype(lp_flat["wq"].dtype), lp_flat["wq"], lp_flat["bq"], lp_flat["wk"],
         lp_flat["bk"], lp_flat["wv"], lp_flat["bv"], lp_flat["wo"], view.lp.bo,
-        k_in, v_in, slot, head_idx, rope=rope, kv_mask=layer_valid(config, layer, step),
+        k_in, v_in, slot, head_idx, head_mask=head_mask, rope=rope,
+        kv_mask=layer_valid(config, layer, step),
         impl=scfg.impl, window=window, residual=residual, extra_segments=extra_segments,
         config=scfg.attn_config, **norms)
     out, k_out, v_out = res[:3]
@@ -408,12 +416,11 @@ def _sparse_mlp(config, scfg, view, y, neurons, residual=None, riders=None, dens
 
 def _dense_layer(config, view, io: _LayerIO, layer, x, step, oracle_k=None, reduce=None):
     """A dense layer on the decode path (also the oracle: dense, then top-k masking)."""
-    from dejavu_jax.train.predict import group_scores, select_top_k
-    def mask_heads(lp, heads):
-        scores = group_scores(head_output_norms(lp, heads), config.group_size)
-        chosen = select_top_k(scores, oracle_k[1])
-        keep = jnp.zeros(config.n_kv_heads, bool).at[chosen].set(True)
-        return heads * jnp.repeat(keep, config.group_size)[None, :, None]
+    from dejavu_jax.train.predict import select_top_k
+    def mask_heads(lp, heads):  # the query heads with the largest output norms
+        chosen = select_top_k(head_output_norms(lp, heads), oracle_k[1])
+        keep = jnp.zeros(config.n_heads, bool).at[chosen].set(True)
+        return heads * keep[None, :, None]
 
     def mask_neurons(hidden):
         keep = select_top_k(jnp.abs(hidden), oracle_k[0])
@@ -512,7 +519,7 @@ def _all_written(config, io: _LayerIO, layer, step) -> _LayerIO:
 
 def _dense_batch_attention(config, view, io: _LayerIO, layer, y, step):
     """(output [B, d] fp32, io): XLA's dense attention, for a batch whose union holds every
-    KV group (it writes and marks every group's K/V of this token, so no later token needs
+    query head (it writes and marks every group's K/V of this token, so no later token needs
     this token's row of the missing-KV ring, which it may leave unwritten)."""
     out, k, v = dense_attention(config, view.lp, y, io.k, io.v, layer, step)
     return out.astype(F32), _all_written(config, io.replace(k=k, v=v), layer, step)
@@ -525,33 +532,33 @@ def batch_runs_dense(scfg: SparseConfig, batch: int) -> bool:
 
 
 def batch_dense_parts(config: ModelConfig, scfg: SparseConfig, n_neurons: int,
-                      n_groups: int, batch: int) -> tuple[bool, bool, bool]:
+                      n_heads: int, batch: int) -> tuple[bool, bool, bool]:
     """(attention, mlp, layer): which parts of a sparse layer run XLA's dense products for
-    a batch whose (static-size) sets hold n_neurons neurons and n_groups KV groups, as a
+    a batch whose (static-size) sets hold n_neurons neurons and n_heads query heads, as a
     union's capacity min(n, k * B) often makes them (`SparseConfig.batch_policy`): under
-    "dense", everything; under "union", every group, the attention; at least
-    `batch_dense_mlp` of F, the MLP (masked unless every neuron); every group and every
+    "dense", everything; under "union", every head, the attention; at least
+    `batch_dense_mlp` of F, the MLP (masked unless every neuron); every head and every
     neuron, the whole dense layer."""
     if batch == 1 or scfg.batch_policy == "kernels":
         return False, False, False
     if batch_runs_dense(scfg, batch):
         return True, True, True
-    attention = n_groups == config.n_kv_heads
+    attention = n_heads == config.n_heads
     return (attention, n_neurons >= scfg.batch_dense_mlp * config.ffn,
             attention and n_neurons == config.ffn)
 
 
-def _dense_parts(config, scfg, x: jax.Array, neurons, groups) -> tuple[bool, bool, bool]:
+def _dense_parts(config, scfg, x: jax.Array, neurons, heads) -> tuple[bool, bool, bool]:
     """`batch_dense_parts` of a layer's rows x [B, d] and index sets."""
-    return batch_dense_parts(config, scfg, neurons.shape[-1], groups.shape[-1], x.shape[0])
+    return batch_dense_parts(config, scfg, neurons.shape[-1], heads.shape[-1], x.shape[0])
 
 
-def _sparse_layer(config, scfg, view, io, layer, x, neurons, groups, step, reduce=None):
+def _sparse_layer(config, scfg, view, io, layer, x, neurons, heads, step, reduce=None):
     """One DejaVu layer: head-sparse attention, then the sparse MLP. A batch whose set
-    holds every KV group runs XLA's dense attention; one whose sets hold every neuron too
+    holds every query head runs XLA's dense attention; one whose sets hold every neuron too
     runs `_dense_layer`."""
     dense_attention_part, dense_mlp, dense_layer = _dense_parts(config, scfg, x, neurons,
-                                                                 groups)
+                                                                 heads)
     if dense_layer:
         return _dense_layer(config, view, io, layer, x, step, reduce=reduce)
     box = {}
@@ -560,7 +567,7 @@ def _sparse_layer(config, scfg, view, io, layer, x, neurons, groups, step, reduc
         if dense_attention_part:
             out, box["io"] = _dense_batch_attention(config, view, io, layer, y, step)
         else:
-            out, box["io"] = _sparse_attention(config, scfg, view, io, layer, y, groups, step)
+            out, box["io"] = _sparse_attention(config, scfg, view, io, layer, y, heads, step)
         return _reduced(reduce, out)
 
     lp = view.lp
@@ -573,7 +580,7 @@ def _sparse_layer(config, scfg, view, io, layer, x, neurons, groups, step, reduc
     return x, box["io"]
 
 
-def _fused_sparse_layer(config, scfg, view, io, layer, x, neurons, groups, step, lookahead,
+def _fused_sparse_layer(config, scfg, view, io, layer, x, neurons, heads, step, lookahead,
                         rms_dtype=None):
     """One DejaVu layer of a pre-norm model on one device, its residual adds done by the
     out-projection and fc2 launches (`residual=`), which add into the residual rows.
@@ -583,14 +590,14 @@ def _fused_sparse_layer(config, scfg, view, io, layer, x, neurons, groups, step,
     sets, or the `Riders` that select inside the MLP's two launches.
     x_rms (x over its RMS, in `rms_dtype`) is None unless `rms_dtype` is given. Returns
     (output rows, the layer's input rows, io, next sets). A batch whose set holds every
-    KV group runs XLA's dense attention; one whose sets hold every neuron too runs
+    query head runs XLA's dense attention; one whose sets hold every neuron too runs
     `_dense_layer`.
     """
     lp = view.lp
     eps = config.norm_eps
     x = x.astype(F32)
     dense_attention_part, dense_mlp, dense_layer = _dense_parts(config, scfg, x, neurons,
-                                                                 groups)
+                                                                 heads)
     if dense_layer:
         nxt = lookahead(x, None)
         out, io = _dense_layer(config, view, io, layer, x, step)
@@ -612,7 +619,7 @@ def _fused_sparse_layer(config, scfg, view, io, layer, x, neurons, groups, step,
         h = x + out
     else:
         h, io, *extra_parts = _sparse_attention(
-            config, scfg, view, io, layer, y, groups, step, residual=x,
+            config, scfg, view, io, layer, y, heads, step, residual=x,
             extra_segments=(nxt[0],) if split else (), history_rows=rest[-1])
     if split:
         nxt = nxt[1](extra_parts[0][0])
@@ -694,11 +701,11 @@ def sparse_layers(config: ModelConfig, scfg: SparseConfig, params: ModelParams,
             continue
 
         def sparse_body(carry, layer, k_mlp=k_mlp, k_heads=k_heads):
-            x, io, (neurons, groups), _ = carry
+            x, io, (neurons, heads), _ = carry
             nxt = _next_layer(layer, config.n_layers)
             idx_next = select(selector_params, nxt, x, k_mlp, k_heads)  # lookahead
             x_next, io = _sparse_layer(config, scfg, _layer_view(params, layer), io, layer, x,
-                                       neurons, groups, step, reduce)
+                                       neurons, heads, step, reduce)
             return (x_next, io, idx_next, x), None
 
         x, io, _, prev_input = _layer_loop(sparse_body, (x, io, idx, prev_input), start, stop,
@@ -713,7 +720,7 @@ def _fused_segment(config, scfg, params, select, selector_params, x, io, step, i
     split = hasattr(select, "splits") and select.splits(selector_params, x.shape[0])
 
     def sparse_body(carry, layer):
-        x, io, (neurons, groups), _ = carry
+        x, io, (neurons, heads), _ = carry
         nxt = _next_layer(layer, config.n_layers)
 
         def lookahead(x_in, x_rms):
@@ -724,7 +731,7 @@ def _fused_segment(config, scfg, params, select, selector_params, x, io, step, i
             return select(selector_params, nxt, x_in, k_mlp, k_heads)
 
         x_next, x_in, io, idx_next = _fused_sparse_layer(
-            config, scfg, _layer_view(params, layer), io, layer, x, neurons, groups, step,
+            config, scfg, _layer_view(params, layer), io, layer, x, neurons, heads, step,
             lookahead, selector_params.w1t.dtype if split else None)
         return (x_next, io, idx_next, x_in), None
 
@@ -806,11 +813,10 @@ class PredictorSelector:
         return select_top_k(scores, k, capacity)
 
     def __call__(self, pred_params, layer, x, k_mlp, k_heads):
-        from dejavu_jax.train.predict import group_scores, predictor_scores
-        mlp, heads = predictor_scores(pred_params, layer, x)
+        from dejavu_jax.train.predict import predictor_scores
+        mlp, heads = predictor_scores(pred_params, layer, x)   # heads: per query head
         cap_mlp, cap_heads = self.union_capacity
-        return (self._top(mlp, k_mlp, cap_mlp),
-                self._top(group_scores(heads, self.group_size), k_heads, cap_heads))
+        return (self._top(mlp, k_mlp, cap_mlp), self._top(heads, k_heads, cap_heads))
 
     def splits(self, pred_params, batch: int) -> bool:
         """Whether a decode step may run this selector split across the layer."""
@@ -828,7 +834,7 @@ class PredictorSelector:
                        jnp.asarray(layer, jnp.int32).reshape(1), r, x=x_rms)
 
     def finish(self, pred_params, layer, h_parts, k_mlp, k_heads, impl=None):
-        """(neuron ids, KV-group ids) from the first product's partials, or on the Pallas
+        """(neuron ids, query-head ids) from the first product's partials, or on the Pallas
         paths (the selector's impl, else the step's `impl`) with `ride_mlp_launches` the
         `kernels.sparse_mlp.Riders` that select inside the MLP's launches: the score
         product beside fc1, the selection ahead of fc2, whose outputs are those ids."""
@@ -867,7 +873,8 @@ def predictor_selector(group_size: int,
 
 
 def fixed_selector(sets, layer, x, k_mlp, k_heads):
-    """A Selector whose parameters are precomputed sets: (neuron_idx [L, K], head_idx [L, Kh]),
+    """A Selector whose parameters are precomputed sets: (neuron_idx [L, K], head_idx [L, Kh])
+    (head ids: query heads),
     or tuples of per-layer arrays ([K] and [Kh] each; unrolled layers only, whose layer ids
     are static). Per-layer arrays of exactly k ids reach the kernels as they are; a row of
     the stacked arrays is a slice that XLA copies before every kernel that reads it.

@@ -88,7 +88,7 @@ def shard_predictors(pred_params, mesh: Mesh):
 def select_per_shard(config: ModelConfig, select, selector_params, mesh: Mesh, layer,
                      x: jax.Array, k_mlp: int, k_heads: int):
     """The sets the sharded engine selects for one layer, as global unit ids:
-    (neurons [tp * ceil(k_mlp / tp)], KV groups [tp * ceil(k_heads / tp)]), shard by shard.
+    (neurons [tp * ceil(k_mlp / tp)], query heads [tp * ceil(k_heads / tp)]), shard by shard.
 
     Runs `select` per shard exactly as `tp_sparse_engine` does (for tests and inspection).
     """
@@ -97,9 +97,9 @@ def select_per_shard(config: ModelConfig, select, selector_params, mesh: Mesh, l
     km, kh = local_k(k_mlp, tp), local_k(k_heads, tp)
 
     def body(sel, x):
-        neurons, groups = select(sel, jnp.asarray(layer, jnp.int32), x, km, kh)
+        neurons, heads = select(sel, jnp.asarray(layer, jnp.int32), x, km, kh)
         shard = jax.lax.axis_index(TP)
-        return neurons + shard * lconfig.ffn, groups + shard * lconfig.n_kv_heads
+        return neurons + shard * lconfig.ffn, heads + shard * lconfig.n_heads
 
     return jax.shard_map(body, mesh=mesh, check_vma=False,
                          in_specs=(selector_specs(selector_params, mesh), P()),

@@ -92,15 +92,15 @@ def layer_rows(rng, n: int, ks, width: int) -> np.ndarray:
 
 def random_sets(config, scfg, seed: int = 0, per_layer: bool = False):
     """Random index sets per layer, each layer's first k (its own density) sorted:
-    (neurons [L, Kmax], groups [L, Khmax]), or with per_layer tuples of each layer's own
-    [k] arrays (`sparse.fixed_selector`)."""
+    (neurons [L, Kmax], query heads [L, Khmax]), or with per_layer tuples of each layer's
+    own [k] arrays (`sparse.fixed_selector`)."""
     rng = np.random.default_rng(seed)
     neurons = layer_rows(rng, config.ffn, scfg.mlp_k, max(scfg.mlp_k))
-    groups = layer_rows(rng, config.n_kv_heads, scfg.head_k, max(scfg.head_k))
+    heads = layer_rows(rng, config.n_heads, scfg.head_k, max(scfg.head_k))
     if per_layer:
         return (tuple(jnp.asarray(neurons[l, :k], jnp.int32) for l, k in enumerate(scfg.mlp_k)),
-                tuple(jnp.asarray(groups[l, :k], jnp.int32) for l, k in enumerate(scfg.head_k)))
-    return jnp.asarray(neurons, jnp.int32), jnp.asarray(groups, jnp.int32)
+                tuple(jnp.asarray(heads[l, :k], jnp.int32) for l, k in enumerate(scfg.head_k)))
+    return jnp.asarray(neurons, jnp.int32), jnp.asarray(heads, jnp.int32)
 
 
 def select_method(config, method: str):
@@ -130,10 +130,12 @@ def step_bytes(config, scfg, context: int, batch: int, rank: int, predictors: bo
     """Bytes (bf16) a decode step must read at least.
 
     Every weight a step uses, once: the LM head (the embedding when tied), project_in/out,
-    the final norm; per layer both norms, the q/o rows of the selected KV groups' query
-    heads and their k/v rows, their biases, `bo`, the selected neurons' `w_in` (`w_gate`),
+    the final norm; per layer both norms, the q/o rows of the selected query heads, the k/v
+    rows of the KV groups holding them (counted as min(Hk, k) groups, every group k query
+    heads can touch: exact for multi-head models, an upper bound where selected heads
+    share a group), their biases, `bo`, the selected neurons' `w_in` (`w_gate`),
     `w_out_t` rows and `b_in`, and `b_out`. Gathered rows: the `batch` embedding rows of the
-    new tokens and (OPT) their position rows. The selected KV groups' K and V over `context`
+    new tokens and (OPT) their position rows. Those KV groups' K and V over `context`
     tokens per row (the new token's and the cache's padding slots are not counted), and, for
     predictor rows, both predictors of every sparse layer. scfg None: dense. At density 1.0
     this is the model's weight bytes minus the position table plus the gathered rows plus
@@ -145,7 +147,7 @@ def step_bytes(config, scfg, context: int, batch: int, rank: int, predictors: bo
     head or neuron is read; a layer it runs dense reads no predictor.
     """
     c = config
-    d, E, hd, G = c.hidden, c.embed_dim, c.head_dim, c.group_size
+    d, E, hd = c.hidden, c.embed_dim, c.head_dim
     layer_norm = c.family == "opt"
     total = c.vocab_size * E + batch * E  # LM head; embedding rows of the new tokens
     if c.family == "opt":
@@ -157,23 +159,24 @@ def step_bytes(config, scfg, context: int, batch: int, rank: int, predictors: bo
     mlp_mats = 3 if c.gated_mlp else 2
     for layer in range(c.n_layers):
         km = c.ffn if scfg is None else scfg.mlp_k[layer]
-        kh = c.n_kv_heads if scfg is None else scfg.head_k[layer]
+        kh = c.n_heads if scfg is None else scfg.head_k[layer]
         if predictors and batch > 1:
             km = default_union_size(c.ffn, km, batch)
-            kh = default_union_size(c.n_kv_heads, kh, batch)
+            kh = default_union_size(c.n_heads, kh, batch)
         dense_layer = False
         if scfg is not None:
             attention, dense_mlp, dense_layer = sparse.batch_dense_parts(c, scfg, km, kh, batch)
             km = c.ffn if dense_mlp else km  # XLA's dense MLP, the other neurons masked
-            kh = c.n_kv_heads if attention else kh
+            kh = c.n_heads if attention else kh
+        kg = min(c.n_kv_heads, kh)  # the KV groups of kh query heads, at most
         total += 2 * d * (2 if layer_norm else 1)  # attention and MLP norms
-        total += kh * (2 * G + 2) * hd * d  # q and o of the group's query heads, k, v
+        total += (2 * kh + 2 * kg) * hd * d  # q and o of the query heads, k and v
         if c.attention_bias:
-            total += kh * (G + 2) * hd + d  # bq, bk, bv of the selected groups; bo
+            total += (kh + 2 * kg) * hd + d  # bq, bk, bv; bo
         total += km * mlp_mats * d
         if c.mlp_bias:
             total += km + d  # b_in of the selected neurons; b_out
-        total += batch * kh * 2 * context * hd  # K and V
+        total += batch * kg * 2 * context * hd  # K and V
         if (predictors and scfg is not None and layer >= scfg.dense_layers
                 and not dense_layer):
             # both predictors in decode form (`decode_predictors`): w1t [2r, d] and

@@ -49,7 +49,7 @@ def random_local_sets(config, scfg, tp: int, seed: int = 0):
     (`bench_decode.layer_rows`)."""
     from dejavu_jax.eval.bench_decode import layer_rows
     rng = np.random.default_rng(seed)
-    f_loc, h_loc = config.ffn // tp, config.n_kv_heads // tp
+    f_loc, h_loc = config.ffn // tp, config.n_heads // tp
 
     def sets(n, ks):
         local = [tp_decode.local_k(k, tp) for k in ks]

@@ -37,7 +37,7 @@ def add_model_args(p: argparse.ArgumentParser, mode: bool = True) -> None:
                        help="MLP neurons kept per token, in (0, 1] (sparse and oracle "
                             "modes; default 1.0)")
         p.add_argument("--head-density", type=cli.fraction,
-                       help="KV-head groups kept per token, in (0, 1] (sparse and oracle "
+                       help="query heads kept per token, in (0, 1] (sparse and oracle "
                             "modes; default 1.0)")
     p.add_argument("--dense-layers", type=cli.non_negative_int,
                    help="the first N layers run dense, as in the decode engine (sparse and "

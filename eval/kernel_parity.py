@@ -12,7 +12,10 @@
 3. Head-sparse attention with a missing-KV window whose needed entries are random (so
    selected heads attend to rewritten entries and refresh heads only write), MHA and GQA
    with rotary tables, rows rotated as in a ring: output and caches. In the batch case
-   one head misses no earlier entry (its programs take the current-rows-only path).
+   one head misses no earlier entry (its programs take the current-rows-only path). The
+   last GQA case selects query heads (`head_mask`): one selected group keeps some of its
+   query heads, another none (skipped, though a refresh group: it still writes its
+   entries).
 4. The fused LayerNorm / RMSNorm (`kernels.layer_norm`, which every decode path uses on
    GPU, the reference runs of check 1 included), with and without its RMS-scaled second
    output, against its reference at model widths.
@@ -316,11 +319,19 @@ def window_rows(impl: str) -> list[dict]:
     rows = []
     rng = np.random.default_rng(7)
     f = lambda *shape: jnp.asarray(rng.standard_normal(shape), jnp.float32)
-    for B, d, H, n_kv, hd, S, W, pos, rope in ((1, 512, 8, 8, 64, 64, 16, 40, False),
-                                              (2, 512, 8, 4, 64, 64, 16, 21, True),
-                                              (1, 256, 4, 4, 64, 32, 16, 5, False)):
+    for B, d, H, n_kv, hd, S, W, pos, rope, qh in (
+            (1, 512, 8, 8, 64, 64, 16, 40, False, False),
+            (2, 512, 8, 4, 64, 64, 16, 21, True, False),
+            (1, 256, 4, 4, 64, 32, 16, 5, False, False),
+            (1, 512, 16, 4, 64, 64, 16, 21, True, True)):
         hidx = jnp.asarray(rng.permutation(n_kv)[: n_kv // 2], jnp.int32)
         extra = jnp.asarray([int(np.setdiff1d(np.arange(n_kv), hidx)[0])], jnp.int32)
+        head_mask = None
+        if qh:   # query heads: group hidx[0] keeps none (and is refreshed), the others
+            G = H // n_kv  # some
+            head_mask = jnp.asarray(rng.random((len(hidx), G)) > 0.5).at[0].set(False)
+            head_mask = head_mask.at[1:, 0].set(True)
+            extra = hidx[:1]
         raw = (pos - (pos - np.arange(W)) % W).astype(np.int32)      # ring order
         need = rng.random((B, len(hidx) + 1, W)) > 0.5
         need[:, :, raw == pos] = True
@@ -342,9 +353,11 @@ def window_rows(impl: str) -> list[dict]:
              f(n_kv, hd, d) * d ** -0.5, f(n_kv, hd), f(d, H, hd) * (H * hd) ** -0.5, f(d)]
         caches = (f(B, n_kv, S, hd), f(B, n_kv, S, hd))
         got, ref = (jax.jit(functools.partial(head_sparse_attention, impl=i))(
-            x, *w, *caches, jnp.int32(pos), hidx, rope=rope_now, window=window)
+            x, *w, *caches, jnp.int32(pos), hidx, rope=rope_now, window=window,
+            head_mask=head_mask)
             for i in (impl, "reference"))
         rows.append(dict(check="window", B=B, H=H, n_kv=n_kv, pos=pos, rope=rope,
+                         query_heads=qh,
                          out=float(jnp.abs(got[0] - ref[0]).max()),
                          k_cache=float(jnp.abs(got[1] - ref[1]).max()),
                          v_cache=float(jnp.abs(got[2] - ref[2]).max())))

@@ -10,8 +10,10 @@ index sets, exactly as the decode step picks them at batch 1:
   * predictors: layer l's sets are predicted from the attention input (pre-norm residual)
     of layer l-1 at the same position (lookahead; layer 0 reads its own input), which is
     what `sparse.sparse_layers` carries from layer to layer, also across segments;
-  * oracle: the top-k of the layer's own |MLP activation| and of its KV groups' head
-    output norms (`group_scores` of ||H_i W_O^i||).
+  * oracle: the top-k of the layer's own |MLP activation| and of its query heads' output
+    norms ||H_i W_O^i||.
+Heads are query heads (for grouped-query models too): a KV group's K/V are used when one
+of its query heads is selected, and the decode step recomputes what its group missed.
 The MLP keeps only the selected neurons: masking the dense activations equals the
 gathered sparse MLP. Attention: the decode path recomputes missing KV from each token's
 stored layer input, so a selected head attends over the K/V of every earlier position
@@ -24,7 +26,7 @@ attention is causal.
 
 Tensor parallel (`shards` = tp > 1): the tensor-parallel decode engine
 (`dejavu_jax.tp_decode`) lets every device pick the top ceil(k / tp) of its own neurons and
-KV groups (devices hold equal contiguous blocks of units). With `shards` the scorer applies
+query heads (devices hold equal contiguous blocks of units). With `shards` the scorer applies
 that same rule: the scores of each layer split into `shards` equal blocks, each keeping its
 own top ceil(k / tp). The rule is a function of the global scores, so it gives the same sets
 on one device or under GSPMD with sharded weights (`--devices N` in the CLIs).
@@ -136,25 +138,19 @@ def top_k_mask(scores: jax.Array, k: int, shards: int = 1) -> jax.Array:
     return jnp.vectorize(one_row, signature="(m)->(m)")(blocks).reshape(scores.shape)
 
 
-def _group_scores(config: ModelConfig, head_scores: jax.Array) -> jax.Array:
-    """Per-KV-group scores [..., Hk] from per-query-head scores [..., H] (max over group)."""
-    g = config.group_size
-    return head_scores.reshape(*head_scores.shape[:-1], config.n_kv_heads, g).max(axis=-1)
-
-
 def _layer(config, lp, x, src, positions, mask, active, sel, layer, shards=1):
     """One block. sel: None (dense) or (kind, selector params, k_mlp, k_heads), with k per
     block of units when shards > 1 (see `top_k_mask`); for kind "threshold" the selector
     params are the thresholds [L, len(SITES)] (`activation_sparsity`).
 
     `active` [B, T] marks positions that run sparse; `src` is the lookahead input.
-    Returns (x_out, (neuron mask [B,T,F], group mask [B,T,Hk], kept [B,T,len(SITES)])):
+    Returns (x_out, (neuron mask [B,T,F], query-head mask [B,T,H], kept [B,T,len(SITES)])):
     kept holds, per position, the fraction of each threshold site's channels kept (1 for
     the index-set modes and dense positions).
     """
     B, T, _ = x.shape
     n_mask = jnp.ones((B, T, config.ffn), bool)
-    g_mask = jnp.ones((B, T, config.n_kv_heads), bool)
+    h_mask = jnp.ones((B, T, config.n_heads), bool)
     kept = {}
     kind = None if sel is None else sel[0]
     thresholds = None
@@ -165,10 +161,10 @@ def _layer(config, lp, x, src, positions, mask, active, sel, layer, shards=1):
         from dejavu_jax.train.predict import predictor_scores
         _, pred_params, k_mlp, k_heads = sel
         mlp_s, head_s = predictor_scores(pred_params, layer, src.reshape(B * T, -1))
-        pred = (mlp_s.reshape(B, T, -1), _group_scores(config, head_s.reshape(B, T, -1)))
+        pred = (mlp_s.reshape(B, T, -1), head_s.reshape(B, T, -1))
 
     def attn(y):
-        nonlocal g_mask
+        nonlocal h_mask
         mask_heads = None
         if thresholds is not None:
             mask_input, mask_out = activation_sparsity.attention_hooks(thresholds)
@@ -181,11 +177,10 @@ def _layer(config, lp, x, src, positions, mask, active, sel, layer, shards=1):
                 return masked
         out, heads, _, _ = sequence_attention(config, lp, y, positions, mask, layer,
                                               mask_heads)
-        if kind in ("sparse", "oracle") and sel[3] < config.n_kv_heads // shards:
-            scores = (pred[1] if pred is not None
-                      else _group_scores(config, head_output_norms(lp, heads)))
-            g_mask = top_k_mask(scores, sel[3], shards) | ~active[..., None]
-            heads = heads * jnp.repeat(g_mask, config.group_size, axis=-1)[..., None]
+        if kind in ("sparse", "oracle") and sel[3] < config.n_heads // shards:
+            scores = pred[1] if pred is not None else head_output_norms(lp, heads)
+            h_mask = top_k_mask(scores, sel[3], shards) | ~active[..., None]
+            heads = heads * h_mask[..., None]
             out = ops.out_project(lp, heads)
         return out
 
@@ -209,21 +204,24 @@ def _layer(config, lp, x, src, positions, mask, active, sel, layer, shards=1):
                        lp.post_mlp_norm_scale)
     ones = jnp.ones((B, T), F32)
     kept = jnp.stack([kept.get(site, ones) for site in activation_sparsity.SITES], axis=-1)
-    return out, (n_mask, g_mask, kept)
+    return out, (n_mask, h_mask, kept)
 
 
 def read_fraction(config: ModelConfig, scfg: SparseConfig | None, sets) -> jax.Array:
     """Per position [B, T]: the fraction of the decoder layers' matmul weight bytes read,
     from `scored_hidden`'s sets (masks of the index-set modes, kept fractions of the
-    threshold mode), averaged over the layers. Predictor weights are not counted."""
-    n_mask, g_mask, kept = sets  # [L, B, T, ...]
+    threshold mode), averaged over the layers. Predictor weights are not counted. The
+    q/o rows count per selected query head, the k/v rows per KV group holding one."""
+    n_mask, h_mask, kept = sets  # [L, B, T, ...]
     if scfg is not None and scfg.threshold_sites:
         names = activation_sparsity.SITES
         reads = activation_sparsity.threshold_reads(
             config, scfg.threshold_sites, {s: kept[..., i] for i, s in enumerate(names)})
     else:
+        groups = h_mask.reshape(*h_mask.shape[:-1], config.n_kv_heads, config.group_size)
         reads = activation_sparsity.unit_reads(config, jnp.mean(n_mask, -1, dtype=F32),
-                                               jnp.mean(g_mask, -1, dtype=F32))
+                                               jnp.mean(h_mask, -1, dtype=F32),
+                                               jnp.mean(groups.any(-1), -1, dtype=F32))
     sizes = activation_sparsity.matmul_elements(config)
     per_layer = sum(sizes[m] * reads[m] for m in activation_sparsity.MATMULS)
     return jnp.mean(per_layer, axis=0) / activation_sparsity.layer_elements(config)
@@ -237,7 +235,7 @@ def scored_hidden(config: ModelConfig, scfg: SparseConfig | None, params: ModelP
     scfg None: dense. scfg.oracle: oracle top-k. scfg.threshold_sites: activation
     thresholds (`pred_params` the thresholds [L, len(SITES)]). Otherwise predictors
     (`pred_params`). dense_prefix [B]: positions below it run dense (the engine's dense
-    prefill). With return_sets, also (neuron masks [L,B,T,F], KV-group masks [L,B,T,Hk]
+    prefill). With return_sets, also (neuron masks [L,B,T,F], query-head masks [L,B,T,H]
     bool, kept fractions of the threshold sites [L,B,T,len(SITES)]).
     shards > 1: each of `shards` blocks of units keeps ceil(k / shards) (tensor parallel).
     Ids must lie in [0, vocab_size) (`check_window`).
@@ -249,7 +247,7 @@ def scored_hidden(config: ModelConfig, scfg: SparseConfig | None, params: ModelP
     positions = positions_from_mask(mask)
     active = jnp.arange(T)[None, :] >= dense_prefix[:, None]
     x = embed(config, params, ids, positions)
-    segments = ([(0, config.n_layers, True, config.ffn, config.n_kv_heads)]
+    segments = ([(0, config.n_layers, True, config.ffn, config.n_heads)]
                 if scfg is None else scfg.segments(config))
     kind = None
     if scfg is not None:
@@ -296,7 +294,7 @@ def check_window(config: ModelConfig, ids, mask, dense_prefix, targets=None) -> 
 @functools.partial(jax.jit, static_argnames=("config", "scfg", "shards"))
 def window_logits(config: ModelConfig, scfg: SparseConfig | None, params: ModelParams,
                   pred_params, ids, mask, dense_prefix, shards: int = 1):
-    """(logits [B, T, V] fp32, (neuron masks, group masks, kept fractions)) for tests and
+    """(logits [B, T, V] fp32, (neuron masks, query-head masks, kept fractions)) for tests and
     small models."""
     hidden, sets = scored_hidden(config, scfg, params, pred_params, ids, mask, dense_prefix,
                                  return_sets=True, shards=shards)

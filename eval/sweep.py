@@ -27,12 +27,13 @@ LABELS = {"dense": "dense", "sparse": "predictors", "oracle": "oracle top-k"}
 
 
 def total_sparsity(config, mode: EvalMode) -> float:
-    """Fraction of attention and MLP weights skipped per token, over all layers."""
+    """Fraction of attention and MLP weights skipped per token, over all layers (heads are
+    query heads; their groups' k/v rows counted as skipped in the same proportion)."""
     if mode.scfg is None:
         return 0.0
     mlp_w = (3 if config.gated_mlp else 2) * config.hidden * config.ffn
     attn_w = config.hidden * config.head_dim * (2 * config.n_heads + 2 * config.n_kv_heads)
-    skipped = sum((1 - km / config.ffn) * mlp_w + (1 - kh / config.n_kv_heads) * attn_w
+    skipped = sum((1 - km / config.ffn) * mlp_w + (1 - kh / config.n_heads) * attn_w
                   for km, kh in zip(mode.scfg.mlp_k, mode.scfg.head_k))
     return skipped / (config.n_layers * (mlp_w + attn_w))
 

@@ -334,10 +334,10 @@ def test_random_sets_are_random_per_layer(per_layer):
     from dejavu_jax.eval.bench_tp import random_local_sets
     config = config_lib.preset("opt-tiny").replace(n_layers=4)
     scfg = sparse.sparse_config(config, 0.25, 0.5, dense_layers=2)
-    neurons, groups = bench_decode.random_sets(config, scfg, per_layer=per_layer)
+    neurons, heads = bench_decode.random_sets(config, scfg, per_layer=per_layer)
     for layer in range(2, 4):
         for sets, k, n in ((neurons, scfg.mlp_k[layer], config.ffn),
-                           (groups, scfg.head_k[layer], config.n_kv_heads)):
+                           (heads, scfg.head_k[layer], config.n_heads)):
             ids = np.asarray(sets[layer][:k])
             assert len(set(ids.tolist())) == k and (np.diff(ids) > 0).all() and ids.max() < n
     firsts = [np.asarray(neurons[l][:scfg.mlp_k[l]]) for l in (2, 3)]

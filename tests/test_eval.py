@@ -49,11 +49,12 @@ def _model(preset):
 
 def _scorer_config(config, mode):
     """Layer 0 dense, layers 1 and 2 at MLP densities 0.5 and 0.3 (two sparse segments, so
-    the lookahead crosses a segment boundary) and half the KV groups."""
+    the lookahead crosses a segment boundary) and half the query heads (on llama-tiny's
+    two groups of two: a group may keep one, both or none of its heads)."""
     scfg = sparse.sparse_config(config, [1.0, 0.5, 0.3], 0.5, dense_layers=1,
                                 oracle=mode == "oracle", kv_window=4)
     for layer in range(1, config.n_layers):  # densities below 1: real selections
-        assert scfg.mlp_k[layer] < config.ffn and scfg.head_k[layer] < config.n_kv_heads
+        assert scfg.mlp_k[layer] < config.ffn and scfg.head_k[layer] < config.n_heads
     return scfg
 
 
@@ -80,17 +81,17 @@ def _recording_selector(config, scfg, mode, monkeypatch):
     base = sparse.predictor_selector(config.group_size)
 
     def select(pred_params, layer, x, k_mlp, k_heads):
-        neurons, groups = base(pred_params, layer, x, k_mlp, k_heads)
+        neurons, heads = base(pred_params, layer, x, k_mlp, k_heads)
         jax.debug.callback(
-            lambda l, n, g: calls.append((_RECORD["step"], int(l), (n.tolist(), g.tolist()))),
-            layer, neurons, groups, ordered=True)
-        return neurons, groups
+            lambda l, n, h: calls.append((_RECORD["step"], int(l), (n.tolist(), h.tolist()))),
+            layer, neurons, heads, ordered=True)
+        return neurons, heads
 
     return select
 
 
 def _sets_of_calls(config, scfg, mode, calls, steps):
-    """{(step, layer): (neuron set, KV-group set)} the engine used, from its recorded calls.
+    """{(step, layer): (neuron set, query-head set)} the engine used, from its recorded calls.
 
     Oracle: per step and sparse layer, the heads' call then the neurons'. Predictors: the
     engine also makes calls whose result it drops (a segment's last layer looks ahead with
@@ -156,7 +157,7 @@ def _decoded(preset, mode):
 
 def _check_row(d, r, logits, masks, b):
     """Row r of the window, scored as row b of `logits` [B, T, V] and `masks` ([L, B, T, F],
-    [L, B, T, Hk]), against its decode: finite logits equal to the decode's at every
+    [L, B, T, H]), against its decode: finite logits equal to the decode's at every
     decoded position, the engine's sets at every sparse position, every unit elsewhere."""
     config, scfg = d["config"], d["scfg"]
     n, prefix = ROWS[r]

@@ -97,7 +97,7 @@ def test_training_learns_planted_lookahead_pattern(trained):
         assert m["groups"]["group_size"] == 2
     manifest = trainer.build_manifest(records, tc, summary, per_layer)
     assert len(manifest["recommended_k"]["mlp"]["0.95"]) == L
-    assert manifest["recommended_k"]["heads_unit"] == "kv_groups"
+    assert manifest["recommended_k"]["heads_unit"] == "query_heads"
 
 
 def test_same_layer_inputs_cannot_learn_lookahead_labels(trained, tmp_path):
@@ -166,7 +166,7 @@ def numpy_union(scores, k, capacity=None):
 def test_predict_jit_and_scan_match_eager(activation):
     p = random_params(activation=activation)
     xs = np.random.default_rng(1).normal(size=(L, 1, D)).astype(np.float32) * 30
-    k_mlp, k_groups, g = 7, 2, H // KV
+    k_mlp, k_heads = 7, 3
     eager = []
     for layer in range(L):
         with jax.disable_jit():
@@ -175,19 +175,17 @@ def test_predict_jit_and_scan_match_eager(activation):
                                    rtol=1e-4, atol=1e-4)
         np.testing.assert_allclose(h, numpy_scores(p.heads, layer, xs[layer], activation),
                                    rtol=1e-4, atol=1e-4)
-        groups = np.asarray(h).reshape(1, KV, g).max(-1)
         eager.append((np.sort(np.argsort(-np.asarray(m)[0])[:k_mlp]),
-                      np.sort(np.argsort(-groups[0])[:k_groups])))
+                      np.sort(np.argsort(-np.asarray(h)[0])[:k_heads])))   # query heads
 
     def body(layer, x):
-        idx = predict(p, layer, x, k_mlp, k_groups, group_size=g)
+        idx = predict(p, layer, x, k_mlp, k_heads)
         return layer + 1, idx
 
     _, (scan_mlp, scan_heads) = jax.jit(lambda x: jax.lax.scan(
         body, jnp.int32(0), x))(jnp.asarray(xs))
     for layer in range(L):
-        jit_mlp, jit_heads = predict(p, jnp.int32(layer), xs[layer], k_mlp, k_groups,
-                                     group_size=g)
+        jit_mlp, jit_heads = predict(p, jnp.int32(layer), xs[layer], k_mlp, k_heads)
         for got in ((jit_mlp, jit_heads), (scan_mlp[layer], scan_heads[layer])):
             assert got[0].dtype == jnp.int32
             np.testing.assert_array_equal(got[0], eager[layer][0])
@@ -207,8 +205,8 @@ def test_decode_form_scores_and_sets_equal_the_trained_form(activation):
                                    rtol=1e-4, atol=1e-4)
         np.testing.assert_allclose(h, numpy_scores(p.heads, layer, xs[layer], activation),
                                    rtol=1e-4, atol=1e-4)
-        for a, b in zip(predict(folded, jnp.int32(layer), xs[layer][:1], 7, 2, group_size=H // KV),
-                        predict(p, jnp.int32(layer), xs[layer][:1], 7, 2, group_size=H // KV)):
+        for a, b in zip(predict(folded, jnp.int32(layer), xs[layer][:1], 7, 2),
+                        predict(p, jnp.int32(layer), xs[layer][:1], 7, 2)):
             np.testing.assert_array_equal(a, b)
 
 
@@ -224,10 +222,9 @@ def test_batch_union_matches_numpy_reference():
     p = random_params()
     x = rng.normal(size=(4, D)).astype(np.float32)
     m, h = predictor_scores(p, 1, x)
-    neurons, groups = predict(p, 1, x, 5, 1, group_size=2, union_capacity=(12, 2))
+    neurons, heads = predict(p, 1, x, 5, 1, union_capacity=(12, 3))
     np.testing.assert_array_equal(neurons, numpy_union(np.asarray(m), 5, 12))
-    np.testing.assert_array_equal(
-        groups, numpy_union(np.asarray(h).reshape(4, KV, 2).max(-1), 1, 2))
+    np.testing.assert_array_equal(heads, numpy_union(np.asarray(h), 1, 3))
 
 
 def test_cli_end_to_end(tmp_path, capsys):

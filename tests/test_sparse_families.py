@@ -80,7 +80,7 @@ def test_density_one_greedy_matches_hugging_face(name):
 
 def _oracle_sets(config, scfg, params, prompt, tokens, monkeypatch):
     """Logits of the oracle engine (dense layers, then top-k masks) teacher-forced through
-    `tokens`, and per step the (neurons [L, k_mlp], groups [L, k_heads]) it kept (rows of
+    `tokens`, and per step the (neurons [L, k_mlp], query heads [L, k_heads]) it kept (rows of
     dense layers: every unit's first k)."""
     calls = []
     original = predict_mod.select_top_k
@@ -120,13 +120,14 @@ def test_oracle_sets_through_the_sparse_kernels_equal_the_oracle(name, impl, ste
                                                                  monkeypatch):
     """The oracle (dense layers whose outputs are masked to the true top-k) and the sparse
     kernels fed the oracle's sets per step compute the same logits: half the neurons and
-    one of the two KV groups in layers 1.., a window of 16 tokens (no refresh needed to be
+    two of the four query heads in layers 1.. (the two KV groups each keep one, or one
+    keeps both and the other none), a window of 16 tokens (no refresh needed to be
     exact), 10 steps past a 4-token prompt (past Gemma's window). A group skipped earlier
     gets its missing K/V recomputed from the window when it returns (Gemma: through its
     k-norm and its layer's RoPE; interpreted, in the Pallas path's XLA finishing). The
     masks matter: the logits differ from the dense model's."""
     config, params = _load(name)
-    k_mlp, k_heads = config.ffn // 2, 1
+    k_mlp, k_heads = config.ffn // 2, config.n_heads // 2
     L = config.n_layers
     oracle = sparse.SparseConfig((k_mlp,) * L, (k_heads,) * L, dense_layers=1, oracle=True,
                                  kv_window=16)
@@ -134,7 +135,9 @@ def test_oracle_sets_through_the_sparse_kernels_equal_the_oracle(name, impl, ste
     tokens = np.random.default_rng(1).integers(3, config.vocab_size, steps).tolist()
     want, sets = _oracle_sets(config, oracle, params, prompt, tokens, monkeypatch)
     assert len({tuple(np.asarray(g[1:, 0]).tolist()) for _, g in sets}) > 1, \
-        "the oracle kept the same KV groups at every step: weak test"
+        "the oracle kept the same query heads at every step: weak test"
+    assert any(len(set((np.asarray(h[l]) // config.group_size).tolist())) < config.n_kv_heads
+               for _, h in sets for l in range(1, L)), "no KV group was ever idle: weak test"
     kernels_cfg = sparse.SparseConfig((k_mlp,) * L, (k_heads,) * L, dense_layers=1,
                                       kv_window=16, impl=impl)
     eng = sparse.sparse_engine(config, kernels_cfg, sparse.fixed_selector)

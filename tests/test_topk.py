@@ -87,21 +87,21 @@ def test_local_top_k_rejects_bad_arguments():
 @pytest.mark.parametrize("method", ["radix", "chunked", "local", "packed", "threshold", "exact"])
 def test_predictor_selector_methods_pick_the_top_scores(rng, method):
     """Each selection method returns the top-k of the predictor's own scores (radix: at
-    bfloat16 precision) for the next layer, neurons and KV groups."""
+    bfloat16 precision) for the next layer, neurons and query heads."""
     from dejavu_jax.config import preset
     from dejavu_jax.eval.bench_decode import random_predictors
     from dejavu_jax.sparse_variants import variant_selector
-    from dejavu_jax.train.predict import group_scores, predictor_scores
+    from dejavu_jax.train.predict import predictor_scores
     config = preset("llama-tiny")
     preds = random_predictors(config, 16, jax.random.key(int(rng.integers(1 << 30))))
     preds = jax.tree.map(lambda a: a.astype(jnp.float32), preds)
     select = variant_selector(config.group_size, method, impl="interpret")
     x = jnp.asarray(rng.standard_normal((1, config.hidden)), jnp.float32)
     layer = jnp.int32(1)
-    neurons, groups = jax.jit(select, static_argnums=(3, 4))(preds, layer, x, 40, 2)
+    neurons, heads_idx = jax.jit(select, static_argnums=(3, 4))(preds, layer, x, 40, 2)
     mlp, heads = predictor_scores(preds, layer, x)
     for got, scores, k in ((neurons, mlp[0], 40),
-                           (groups, group_scores(heads, config.group_size)[0], 2)):
+                           (heads_idx, heads[0], 2)):
         scores = np.asarray(scores, np.float32)
         if method in ("radix", "chunked", "local", "packed"):
             scores = (scores.view(np.int32) & np.int32(-65536)).view(np.float32)

@@ -62,12 +62,14 @@ def test_sparse_mlp_lowers(B, gated, residual):
     assert text.count("gather_matvec") >= 2
 
 
-@pytest.mark.parametrize("B,n_kv,rope,window,residual", [(1, 8, False, True, True),
-                                                         (2, 4, True, True, True),
-                                                         (1, 8, False, False, False),
-                                                         (3, 8, False, False, True),
-                                                         (16, 4, False, True, True)])
-def test_head_sparse_attention_lowers(B, n_kv, rope, window, residual):
+@pytest.mark.parametrize("B,n_kv,rope,window,residual,masked", [
+    (1, 8, False, True, True, False),
+    (2, 4, True, True, True, True),       # a query-head mask (GQA)
+    (1, 4, True, True, True, True),
+    (1, 8, False, False, False, False),
+    (3, 8, False, False, True, False),
+    (16, 4, False, True, True, False)])
+def test_head_sparse_attention_lowers(B, n_kv, rope, window, residual, masked):
     from dejavu_jax.kernels.gather_matvec import Segment
     d, H, hd, S, W = 512, 8, 64, 64, 16
     w = [z(H, hd, d), z(H, hd), z(n_kv, hd, d), z(n_kv, hd), z(n_kv, hd, d), z(n_kv, hd),
@@ -83,11 +85,12 @@ def test_head_sparse_attention_lowers(B, n_kv, rope, window, residual):
                                sin=z(B, W, hd, dtype=F32) if rope else None)
     rope_now = (z(B, hd, dtype=F32), z(B, hd, dtype=F32)) if rope else None
     seg = Segment(z(3 * 512, d), jnp.asarray([1], jnp.int32), 512, x=z(1, d))
+    head_mask = jnp.asarray([[True, False], [False, False]]) if masked else None
 
     def fn(x, caches, res):
         return kernels.head_sparse_attention(
             x, *w, *caches, jnp.int32(20), hidx, rope=rope_now, window=win, residual=res,
-            extra_segments=(seg,) if B == 1 else (), impl="pallas")
+            extra_segments=(seg,) if B == 1 else (), head_mask=head_mask, impl="pallas")
 
     text = lowers(fn, z(B, d), (z(B, n_kv, S, hd), z(B, n_kv, S, hd)),
                   z(B, d, dtype=F32) if residual else None)
@@ -96,16 +99,18 @@ def test_head_sparse_attention_lowers(B, n_kv, rope, window, residual):
 
 @pytest.mark.parametrize("B", [1, 3])
 def test_column_gather_lowers(B):
-    """Both out-projection loads: flat (any head width) and 3-D group view (power of two)."""
+    """Both out-projection loads: flat (any head width) and 3-D group view (power of two),
+    with and without an id mask."""
     import functools
     from dejavu_jax.kernels.column_gather import gather_cols_matvec
     from dejavu_jax.kernels.gather_matvec import batch_pad
     from dejavu_jax.kernels.head_attention import merged_attention_loader
     load = functools.partial(merged_attention_loader, ns=0, B=B, Bp=batch_pad(B), hd=128)
-    for group_view in (False, True):
+    for group_view, mask in ((False, None), (True, None), (False, [1, 0, 1]), (True, [0, 1, 1])):
+        id_mask = None if mask is None else jnp.asarray(mask, bool)
         text = lowers(lambda a, w, r: gather_cols_matvec(
             [a], load, w, jnp.asarray([3, 0, 5], jnp.int32), B=B, cols_per_id=128,
-            group_view=group_view, residual=r, bias=w[:, 0]),
+            group_view=group_view, residual=r, bias=w[:, 0], id_mask=id_mask),
             z(1, B, 384, dtype=F32), z(1000, 768), z(B, 1000, dtype=F32))
         assert "gather_cols_matvec" in text
 

@@ -4,8 +4,7 @@
 `k` and capacities are static. Returned index sets are distinct and sorted ascending.
 
   params, manifest = load_predictors(folder, config)
-  neuron_idx, group_idx = predict(params, layer, x, k_mlp=256, k_heads=2,
-                                  group_size=config.group_size)
+  neuron_idx, head_idx = predict(params, layer, x, k_mlp=256, k_heads=4)
 """
 
 from __future__ import annotations
@@ -85,17 +84,15 @@ def select_top_k(scores: jax.Array, k: int, capacity: int | None = None) -> jax.
     return jnp.sort(order[:capacity])
 
 
-@functools.partial(jax.jit, static_argnames=("k_mlp", "k_heads", "group_size",
-                                             "union_capacity"))
+@functools.partial(jax.jit, static_argnames=("k_mlp", "k_heads", "union_capacity"))
 def predict(pred_params: PredictorParams, layer: jax.Array, x: jax.Array, k_mlp: int,
-            k_heads: int, *, group_size: int = 1,
-            union_capacity: int | tuple[int, int] | None = None):
+            k_heads: int, *, union_capacity: int | tuple[int, int] | None = None):
     """(neuron_idx [K] int32, head_idx [Kh] int32) for residual stream x [B, d] or [d].
 
-    Head selection is per KV group when group_size > 1: head_idx then holds group ids
-    and k_heads counts groups. For B > 1 the sets are the union over rows (see
-    `select_top_k`); union_capacity is the neuron set's size, or a pair
-    (neurons, heads); by default min(F, k_mlp*B) and min(groups, k_heads*B).
+    Heads are query heads (also for grouped-query models: the KV groups to read follow
+    from them, `kernels.query_head_groups`). For B > 1 the sets are the union over rows
+    (see `select_top_k`); union_capacity is the neuron set's size, or a pair (neurons,
+    heads); by default min(F, k_mlp*B) and min(H, k_heads*B).
     """
     if x.ndim == 1:
         x = x[None]
@@ -103,14 +100,15 @@ def predict(pred_params: PredictorParams, layer: jax.Array, x: jax.Array, k_mlp:
     cap_mlp, cap_heads = (union_capacity if isinstance(union_capacity, tuple)
                           else (union_capacity, None))
     neuron_idx = select_top_k(mlp, k_mlp, cap_mlp)
-    head_idx = select_top_k(group_scores(heads, group_size), k_heads, cap_heads)
+    head_idx = select_top_k(heads, k_heads, cap_heads)
     return neuron_idx, head_idx
 
 
 def recommended_k(manifest: dict, target: float = 0.95) -> tuple[list[int], list[int]]:
     """Per-layer (k_mlp, k_heads) reaching validation recall `target` (from the manifest).
 
-    k_heads counts KV groups for GQA models (the unit `predict` selects).
+    k_heads counts query heads (the unit `predict` selects); a manifest written before
+    query-head selection may count KV groups for GQA models (its "heads_unit" says).
     """
     rec = manifest["recommended_k"]
     key = f"{target:g}"

@@ -302,13 +302,13 @@ def evaluate(params: PredictorParams, val: data_lib.Batch, records: rec.Records,
 
 
 def recommended(per_layer: list[dict], gqa: bool) -> dict:
-    """Per-layer recommended k lists, keyed by recall target; heads count KV groups for GQA."""
-    head_key = "groups" if gqa else "heads"
+    """Per-layer recommended k lists, keyed by recall target; heads count query heads (the
+    unit the sparse step selects, also for GQA; the group report stays per layer)."""
     targets = per_layer[0]["mlp"]["recommended_k"].keys()
     return {"mlp": {t: [m["mlp"]["recommended_k"][t] for m in per_layer] for t in targets},
-            "heads": {t: [m[head_key]["recommended_k"][t] for m in per_layer]
+            "heads": {t: [m["heads"]["recommended_k"][t] for m in per_layer]
                       for t in targets},
-            "heads_unit": "kv_groups" if gqa else "query_heads"}
+            "heads_unit": "query_heads"}
 
 
 def build_manifest(records: rec.Records, tc: TrainConfig, summary: dict,
