@@ -91,6 +91,16 @@ MODELS: dict[str, ModelSource] = {m.name: m for m in [
 ]}
 
 
+def registry_name(model_name: str) -> str:
+    """The registry name (e.g. "smollm2-135m") of a fetchable model's config name, which is
+    its file's stem ("SmolLM2-135M-Instruct.Q4_1"); any other name unchanged. Output files
+    are named with it."""
+    for m in MODELS.values():
+        if Path(m.filename).stem == model_name:
+            return m.name
+    return model_name
+
+
 def model_source(name: str) -> ModelSource:
     """The registry row called `name`; raises ValueError listing the known names."""
     try:

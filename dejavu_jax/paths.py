@@ -40,4 +40,4 @@ def data_file(relative: str, what: str, hint: str = "") -> Path:
     where = ("DEJAVU_DATA=" + os.environ["DEJAVU_DATA"] if "DEJAVU_DATA" in os.environ
              else "the default data folder")
     raise MissingDataError(f"{what} not found: no {path} ({where}); set DEJAVU_DATA=DIR to "
-                           f"a folder holding {relative}{hint}")
+                           f"a folder holding {relative} (layout: eval/README.md){hint}")

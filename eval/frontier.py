@@ -32,6 +32,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from dejavu_jax import cli
+from dejavu_jax.models_registry import registry_name
 
 DEFAULT_SKIPS = (0.1, 0.2, 0.3, 0.4, 0.5)
 
@@ -262,7 +263,7 @@ def main(argv: list[str] | None = None) -> int:
         searched = {}
         for budget in args.budgets:
             label = f"{budget:.0%}"
-            path = args.out / "profiles" / f"{config.name}-{method}-{label}.json"
+            path = args.out / "profiles" / f"{registry_name(config.name)}-{method}-{label}.json"
             if path.is_file():
                 prof = load_profile(path, config)
             else:

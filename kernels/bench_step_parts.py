@@ -16,7 +16,7 @@
 * ``predictor``: the split predictor's selection launches (`kernels.predictor_select`) for
   score-product block variants (``--predictor-variants ROW_BLOCKSxBLOCK_D/...``).
 * ``top-k``: the selection of k of the F MLP scores by the radix, chunked and packed
-  methods of ``sparse.SELECT_METHODS`` (the same set each) and ``lax.top_k``; ``local``
+  methods of ``dejavu_jax.sparse_variants`` (the same set each) and ``lax.top_k``; ``local``
   (approximate) is timed in the step by ``eval.profile_decode``.
 
 Timing as in :mod:`.bench`: calls chained inside one jitted loop. A top-k call is chained

@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
-# Run benchmark pieces on the device machine, each under its own timeout, and pack every
-# result into one archive under $OUT (the device tool returns at most 8 files).
+# Run benchmark pieces on a GPU machine, each under its own timeout, and pack every result
+# into one archive, device_results.tgz under $OUT (default /tmp): the results come back as
+# one file.
 #
 #   bash scripts/device_bench.sh "NAME SECONDS [VAR=VALUE ...] MODULE ARGS..." [...]
 #

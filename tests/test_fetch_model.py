@@ -108,6 +108,12 @@ def test_unknown_name_lists_the_registry():
         fetch_model.fetch("nope")
 
 
+def test_registry_name_of_a_fetched_models_config_name():
+    assert models_registry.registry_name("SmolLM2-135M-Instruct.Q4_1") == "smollm2-135m"
+    assert models_registry.registry_name("qwen2.5-coder-1.5b-instruct-q4_k_m") == "qwen2.5-1.5b"
+    assert models_registry.registry_name("opt-125m") == "opt-125m"
+
+
 def test_cli_list_and_errors(tmp_path, fake_registry, monkeypatch, capsys):
     monkeypatch.setenv("DEJAVU_CACHE", str(tmp_path))
     assert fetch_model.main(["--list"]) == 0

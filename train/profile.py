@@ -11,7 +11,8 @@ thresholds and cost estimates (`train.thresholds`), and the next `--search-token
 windows of the same text, measure the allocations the search tries (`train.allocate`)
 with the scorer that equals the sparse decode step. Evaluation text (WikiText-2 test, the
 standard library's test files) is never read. Nothing but the profile is written: by
-default `$DEJAVU_CACHE/profiles/<model>-<method>.json`, where `generate --sparse` finds it.
+default `$DEJAVU_CACHE/profiles/<model>-<method>.json` (a fetchable model by its registry
+name, e.g. `smollm2-135m`), where `generate --sparse` finds it.
 """
 
 from __future__ import annotations
@@ -26,6 +27,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from dejavu_jax import cli
+from dejavu_jax.models_registry import registry_name
 from dejavu_jax.sparsity_profile import METHODS, SparsityProfile, method_sites
 
 DEFAULT_LEVELS = (0.1, 0.2, 0.3, 0.4, 0.5, 0.6, 0.7, 0.8, 0.9)
@@ -247,7 +249,7 @@ def main(argv: list[str] | None = None) -> int:
                            rounds=args.rounds)
     profile.calibration.update(corpus=[str(f) for f in files], seed=args.seed,
                                source=str(source))
-    out = args.out or cache_root() / "profiles" / f"{config.name}-{method}.json"
+    out = args.out or cache_root() / "profiles" / f"{registry_name(config.name)}-{method}.json"
     profile.save(out)
     print(profile.summary(), file=sys.stderr)
     print(out)
