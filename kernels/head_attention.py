@@ -138,10 +138,13 @@ def query_head_groups(q_ids, n_kv: int, group: int, n_groups: int | None = None)
     The groups holding a selected head come first, in ascending order, then groups with
     none (their mask rows all False: the kernels skip them) fill the static capacity
     ``n_groups`` (default ``min(n_kv, Kq)``, every group a selection can touch). For
-    ``group == 1`` this is ``(q_ids, None)``: multi-head attention needs no mask.
+    ``group == 1`` this is ``(q_ids, None)``: multi-head attention needs no mask; a set of
+    every query head (its static size ``n_kv * group``) gives ``(all groups, None)``.
     """
     if group == 1:
         return q_ids.astype(jnp.int32), None
+    if q_ids.shape[0] == n_kv * group and n_groups in (None, n_kv):
+        return jnp.arange(n_kv, dtype=jnp.int32), None
     n_groups = min(n_kv, q_ids.shape[0]) if n_groups is None else n_groups
     keep = jnp.zeros((n_kv * group,), bool).at[q_ids].set(True).reshape(n_kv, group)
     order = jnp.argsort(jnp.logical_not(keep.any(axis=1)).astype(jnp.int32), stable=True)

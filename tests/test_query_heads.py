@@ -72,6 +72,9 @@ def test_query_head_groups_puts_groups_with_a_selected_head_first():
     gids, mask = query_head_groups(jnp.asarray([5, 1], jnp.int32), 6, 1)
     np.testing.assert_array_equal(gids, [5, 1])
     assert mask is None
+    gids, mask = query_head_groups(jnp.asarray([3, 0, 2, 1], jnp.int32), 2, 2)  # every head
+    np.testing.assert_array_equal(gids, [0, 1])
+    assert mask is None
 
 
 @pytest.mark.parametrize("impl,B", [("interpret", 3), ("reference", 1)])

@@ -19,12 +19,12 @@ HF = Path(__file__).parent / "fixtures" / "hf"
 def _full_sets(config):
     L = config.n_layers
     return (jnp.tile(jnp.arange(config.ffn, dtype=jnp.int32), (L, 1)),
-            jnp.tile(jnp.arange(config.n_kv_heads, dtype=jnp.int32), (L, 1)))
+            jnp.tile(jnp.arange(config.n_heads, dtype=jnp.int32), (L, 1)))
 
 
 def _full_sparse(config, **kw):
     L = config.n_layers
-    return sparse.SparseConfig((config.ffn,) * L, (config.n_kv_heads,) * L, dense_layers=1, **kw)
+    return sparse.SparseConfig((config.ffn,) * L, (config.n_heads,) * L, dense_layers=1, **kw)
 
 
 def _run_both(config, params, scfg, sets, prompts, steps):
@@ -132,11 +132,12 @@ def test_bounded_window_refresh_keeps_kv_exact(preset, refresh, unrolled):
     params = _silence_group0(config, dj.init_params(config, jax.random.key(4), jnp.float32,
                                                     std=0.1))
     d_params = params
-    L, F, Hk = config.n_layers, config.ffn, config.n_kv_heads
+    L, F, Hk, H, G = (config.n_layers, config.ffn, config.n_kv_heads, config.n_heads,
+                      config.group_size)
     W = 4 if refresh is None else Hk  # the round-robin covers every group within W tokens
-    skip = (jnp.tile(jnp.arange(F, dtype=jnp.int32), (L, 1)),
-            jnp.tile(jnp.arange(1, Hk, dtype=jnp.int32), (L, 1)))
-    scfg = sparse.SparseConfig((F,) * L, (Hk - 1,) * L, dense_layers=1, kv_window=W,
+    skip = (jnp.tile(jnp.arange(F, dtype=jnp.int32), (L, 1)),       # group 0's query
+            jnp.tile(jnp.arange(G, H, dtype=jnp.int32), (L, 1)))     # heads never selected
+    scfg = sparse.SparseConfig((F,) * L, (H - G,) * L, dense_layers=1, kv_window=W,
                                kv_refresh=refresh)
     eng = sparse.sparse_engine(config, scfg, sparse.fixed_selector)
     ids = jnp.asarray([[5, 9, 14]])
@@ -322,7 +323,7 @@ def test_a_set_of_every_neuron_runs_the_dense_mlp(monkeypatch):
                          ids=["opt-half-masked-dense-mlp", "llama-quarter-kernel"])
 def test_a_batch_with_every_head_runs_dense_attention_and_matches_single_rows(
         preset, mlp_share, monkeypatch):
-    """Batch 2 with fixed sets of every KV group and 1/mlp_share of the neurons: the
+    """Batch 2 with fixed sets of every query head and 1/mlp_share of the neurons: the
     attention is XLA's dense one (no attention kernel); the MLP is XLA's dense one with
     the other neurons masked for half the neurons (>= SparseConfig.batch_dense_mlp), the
     gather kernel for a quarter. Each row's logits at every step equal those of that prompt
@@ -336,7 +337,7 @@ def test_a_batch_with_every_head_runs_dense_attention_and_matches_single_rows(
     neurons = jnp.asarray(np.sort(np.stack([rng.permutation(F)[:k] for _ in range(L)]),
                                   axis=1), jnp.int32)
     sets = (neurons, _full_sets(config)[1])
-    scfg = sparse.SparseConfig((k,) * L, (config.n_kv_heads,) * L, dense_layers=1,
+    scfg = sparse.SparseConfig((k,) * L, (config.n_heads,) * L, dense_layers=1,
                                kv_window=4, batch_policy="union")
     attn_calls, mlp_calls = [], []
     real_attn, real_mlp = kernels.head_sparse_attention, kernels.sparse_mlp
