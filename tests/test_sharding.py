@@ -140,7 +140,7 @@ else:
         """Fixed sets selecting every unit: each shard's block lists its local ids."""
         L = config.n_layers
         return (jnp.tile(jnp.arange(config.ffn // tp, dtype=jnp.int32), (L, tp)),
-                jnp.tile(jnp.arange(config.n_kv_heads // tp, dtype=jnp.int32), (L, tp)))
+                jnp.tile(jnp.arange(config.n_heads // tp, dtype=jnp.int32), (L, tp)))
 
     @pytest.mark.parametrize("preset,tp,unrolled,policy", [
         ("opt", 4, False, "kernels"), ("opt", 8, True, "kernels"), ("llama", 2, False, "kernels"),
@@ -152,7 +152,7 @@ else:
         params = _params(config)
         mesh = sharding.make_mesh(tp=tp)
         L = config.n_layers
-        scfg = sparse.SparseConfig((config.ffn,) * L, (config.n_kv_heads,) * L, dense_layers=1,
+        scfg = sparse.SparseConfig((config.ffn,) * L, (config.n_heads,) * L, dense_layers=1,
                                    kv_window=4, batch_policy=policy)
         sets = _full_sets_per_shard(config, tp)
         sharded = sharding.shard_params(params, mesh)
@@ -165,7 +165,7 @@ else:
 
     @pytest.mark.parametrize("mlp_share", [2, 4], ids=["masked-dense-mlp", "kernel-mlp"])
     def test_a_batch_with_every_head_equals_one_device(mlp_share):
-        """Two prompts, tp=4, every KV group and 1/mlp_share of each shard's neurons: the
+        """Two prompts, tp=4, every head and 1/mlp_share of each shard's neurons: the
         dense attention with the psum, and the masked dense MLP (half the neurons) or the
         gather kernel (a quarter), against one device with the same global sets."""
         config = _opt8()
@@ -178,7 +178,7 @@ else:
                         axis=1).reshape(L, tp, k)
         glob = (local + (np.arange(tp) * F_shard)[None, :, None]).reshape(L, tp * k)
         heads_local = _full_sets_per_shard(config, tp)[1]
-        scfg_tp = sparse.SparseConfig((tp * k,) * L, (config.n_kv_heads,) * L,
+        scfg_tp = sparse.SparseConfig((tp * k,) * L, (config.n_heads,) * L,
                                       dense_layers=1, kv_window=4)
         mesh = sharding.make_mesh(tp=tp)
         engine = tp_decode.tp_sparse_engine(config, scfg_tp, sparse.fixed_selector, mesh)
@@ -186,7 +186,7 @@ else:
         many, state = _decode(engine, (sharding.shard_params(params, mesh), sets_tp), steps=3)
         one_engine = sparse.sparse_engine(config, scfg_tp, sparse.fixed_selector)
         sets_one = (jnp.asarray(glob, jnp.int32),
-                    jnp.tile(jnp.arange(config.n_kv_heads, dtype=jnp.int32), (L, 1)))
+                    jnp.tile(jnp.arange(config.n_heads, dtype=jnp.int32), (L, 1)))
         one, _ = _decode(one_engine, (params, sets_one), steps=3)
         assert _max_diff(one, many) <= TOL
         # every head's entry of every valid token is written (the dense attention marks them)
@@ -235,13 +235,13 @@ else:
             sharded = tp_decode.shard_predictors(preds, mesh)
             assert sharded.mlp.w2.sharding.spec == sharding.P(None, None, "tp")
         for layer, k_mlp, k_heads in [(0, 40, 2), (1, 17, 4)]:
-            neurons, groups = tp_decode.select_per_shard(config, select, sharded, mesh, layer,
-                                                         jnp.asarray(x), k_mlp, k_heads)
+            neurons, heads = tp_decode.select_per_shard(config, select, sharded, mesh, layer,
+                                                        jnp.asarray(x), k_mlp, k_heads)
             mlp = _numpy_scores(preds.mlp, layer, x)[0]
-            heads = _numpy_scores(preds.heads, layer, x)[0].reshape(-1, config.group_size)
+            head_scores = _numpy_scores(preds.heads, layer, x)[0]    # per query head
             np.testing.assert_array_equal(neurons, _numpy_per_shard_top_k(mlp, k_mlp, tp))
-            np.testing.assert_array_equal(groups, _numpy_per_shard_top_k(heads.max(-1),
-                                                                         k_heads, tp))
+            np.testing.assert_array_equal(heads, _numpy_per_shard_top_k(head_scores, k_heads,
+                                                                        tp))
 
     def test_sparse_decode_below_density_one_uses_per_shard_top_k():
         """Predictors whose scores are their bias only (w2 = 0) select the same sets at every
