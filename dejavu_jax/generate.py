@@ -252,8 +252,13 @@ def sparse_settings(args, config):
     return scfg, decode_predictors(predictors)  # normalisation folded, one first layer
 
 
-def build_engine(args, config, params, scfg, predictors, mesh=None):
-    """(engine, engine params) for the dense mode (scfg None), --sparse or --oracle."""
+def build_engine(args, config, params, scfg, predictors, mesh=None, batch: int = 1):
+    """(engine, engine params) for the dense mode (scfg None), --sparse or --oracle. A batch
+    that sparse decoding would run dense anyway (`sparse.batch_runs_dense`) gets the dense
+    engine itself, whose fused q/k/v product is the faster dense step."""
+    from dejavu_jax import sparse
+    if mesh is None and scfg is not None and sparse.batch_runs_dense(scfg, batch):
+        scfg = None
     if mesh is not None:
         if scfg is not None and scfg.threshold_sites:
             cli.fail("a sparsity profile decodes on one device; with --devices or --mesh "
@@ -264,7 +269,6 @@ def build_engine(args, config, params, scfg, predictors, mesh=None):
         # the loaded q/k/v weights are not needed beside their fused copy
         return dense_engine(config), decode_layout(fuse_qkv(params, free_originals=True),
                                                    free_stacked=True)
-    from dejavu_jax import sparse
     params = decode_layout(params, free_stacked=True)
     if scfg.oracle:
         return sparse.sparse_engine(config, scfg, sparse.no_selector), (params, None)
@@ -282,7 +286,7 @@ def describe_sparsity(config, scfg, batch: int = 1, profile=None) -> str:
     from dejavu_jax.sparse import batch_dense_parts, batch_runs_dense
     from dejavu_jax.train.predict import default_union_size
     if batch_runs_dense(scfg, batch):
-        return (f"sparse decoding: a batch of {batch} runs every layer dense (a batch's "
+        return (f"sparse decoding: a batch of {batch} runs the dense engine (a batch's "
                 f"union of sets and its selection cost more than they save; "
                 f"SparseConfig.batch_policy)")
     if scfg.threshold_sites:
@@ -398,7 +402,8 @@ def main(argv: list[str] | None = None) -> int:
                      else default_tokenizer_for(config, model_path))
         prompts = prompts_for(args, config, tokenizer)
         params = load_params(args, config, model_path, mesh)
-        engine, engine_params = build_engine(args, config, params, scfg, predictors, mesh)
+        engine, engine_params = build_engine(args, config, params, scfg, predictors, mesh,
+                                             batch=len(prompts))
     except (CheckpointError, ShardingError, OSError) as e:  # bad files, a mesh that
         cli.fail(str(e))                                    # does not divide the model
     where = "" if mesh is None else f" on mesh {dict(mesh.shape)}"

@@ -408,7 +408,8 @@ def measure_rows(config, params, preds, contexts, mlp_densities, head_densities,
                  rank, dense_layers, warmup, steps, bar, log, select_methods, modes,
                  prefill_reps, *, init_kwargs, label, dense, sparse_engine, fixed_sets,
                  make_row, kv_recompute_off=False, loop_only=False,
-                 dense_qkv="fused", kernel_configs=None, generate_tokens=0) -> list[dict]:
+                 dense_qkv="fused", kernel_configs=None, generate_tokens=0,
+                 dense_engine_for_dense_batches=False) -> list[dict]:
     """The rows of one model for every context and batch: the `dense` engine, then for each
     density pair the sparse rows (`sparse_row_kinds`) built by `sparse_engine(scfg,
     select)`; precomputed sets come from `fixed_sets(scfg)` (at heads 0.5, first context).
@@ -421,7 +422,10 @@ def measure_rows(config, params, preds, contexts, mlp_densities, head_densities,
     kernel_configs: variants of `SparseConfig` fields (attn_config, mlp_config), each
     measured for every sparse row (see `parse_kernel_configs`). generate_tokens: when above
     0, the dense and predictor rows also time `generation.generate_tokens` making that many
-    tokens end to end (`time_generate`: `generate_ms`)."""
+    tokens end to end (`time_generate`: `generate_ms`). dense_engine_for_dense_batches: a
+    sparse row whose batch runs every layer dense (`sparse.batch_runs_dense`) times the
+    `dense` engine on its fused weights instead, as `generate` runs such a batch (its
+    indices label ends in "(dense engine)")."""
     rows = []
     prefill_cache = {}
     for ctx in contexts:
@@ -477,14 +481,22 @@ def measure_rows(config, params, preds, contexts, mlp_densities, head_densities,
                         scfg = dataclasses.replace(base_cfg, **kernel_cfg)
                         run_cfg = (without_kv_recompute(scfg)
                                    if kind.endswith("no-kv-recompute") else scfg)
-                        res = measure(f"mlp={md} heads={hdn} {kind}{config_label(kernel_cfg)}",
-                                      sparse_engine(run_cfg, select), (params, sel_params))
+                        what = f"mlp={md} heads={hdn} {kind}{config_label(kernel_cfg)}"
+                        as_dense = (dense_engine_for_dense_batches
+                                    and sparse.batch_runs_dense(run_cfg, batch))
+                        if as_dense:
+                            what += " (dense engine)"
+                            res = measure(what, dense, fuse_qkv(params))
+                        else:
+                            res = measure(what, sparse_engine(run_cfg, select),
+                                          (params, sel_params))
                         bar.update()
                         if res is not None:
                             add(res, step_bytes(config, scfg, ctx, batch, rank,
                                                 kind.startswith("predictor")),
                                 mode="sparse", mlp=md, heads=hdn,
-                                indices=kind + config_label(kernel_cfg),
+                                indices=(kind + config_label(kernel_cfg)
+                                         + " (dense engine)" * as_dense),
                                 **({"kernel_config": {key: dataclasses.asdict(cfg)
                                                       for key, cfg in kernel_cfg.items()}}
                                    if kernel_cfg else {}))
@@ -545,7 +557,8 @@ def run_model(name, contexts, mlp_densities, head_densities, batches, rank, dens
         fixed_sets=lambda scfg: random_sets(config, scfg, per_layer=layout == "unrolled"),
         make_row=lambda r: dict(model=name, layout=layout, **r),
         kv_recompute_off=kv_recompute_off, loop_only=loop_only, dense_qkv=dense_qkv,
-        kernel_configs=kernel_configs, generate_tokens=generate_tokens)
+        kernel_configs=kernel_configs, generate_tokens=generate_tokens,
+        dense_engine_for_dense_batches=True)
     del params
     return rows
 

@@ -98,7 +98,26 @@ def test_describe_sparsity_names_a_batchs_dense_parts():
     assert "union mlp  20.3%  heads  50.0%\n" in some
     default = cli.describe_sparsity(config, sparse.sparse_config(config, 0.1, 0.25,
                                                                  dense_layers=1), batch=2)
-    assert "a batch of 2 runs every layer dense" in default and "layer  1" not in default
+    assert "a batch of 2 runs the dense engine" in default and "layer  1" not in default
     kernels_only = cli.describe_sparsity(
         config, dataclasses.replace(scfg, batch_policy="kernels"), batch=16)
     assert "(dense layer)" not in kernels_only and "union mlp 100.0%" in kernels_only
+
+
+def test_a_batch_that_sparse_decoding_runs_dense_gets_the_dense_engine():
+    """Under the default batch policy a batch of several prompts runs every layer dense, so
+    `generate` builds the dense engine for it (its fused q/k/v step), and the sparse engine
+    for one prompt."""
+    import argparse
+
+    import dejavu_jax as dj
+    from dejavu_jax import sparse
+    config = dj.preset("opt-tiny").replace(n_layers=2, vocab_size=512)
+    params = dj.init_params(config, jax.random.key(0), jnp.float32)
+    scfg = sparse.sparse_config(config, 0.25, 0.5, dense_layers=1)
+    args = argparse.Namespace(select=None)
+    engine, engine_params = cli.build_engine(args, config, params, scfg, None, batch=2)
+    assert engine.name == "dense" and engine_params.layers.wqkv is not None
+    engine, (model_params, predictors) = cli.build_engine(args, config, params, scfg, None,
+                                                          batch=1)
+    assert engine.name == "sparse" and predictors is None
