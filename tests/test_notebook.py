@@ -3,7 +3,8 @@
 The notebook reads its parameters from DEJAVU_NOTEBOOK_* environment variables in its first
 code cell; here it runs `preset:opt-tiny` on a few hundred tokens, with tiny predictors
 trained in the test (on a made-up corpus, through a word-level tokenizer built here, so no
-data folder is needed) and a made-up evaluation file, so every section executes. Any cell
+data folder is needed) and a made-up evaluation file, so every section executes; the fetch
+cache is an empty folder, so section 9 (a larger fetched model) prints its skip line. Any cell
 error (for example a changed public API) fails the test. The kernel is this interpreter
 (a kernelspec written for sys.executable), so it sees the same installed dejavu_jax.
 """
@@ -76,6 +77,8 @@ def test_notebook_runs_on_tiny_model(tmp_path, monkeypatch):
     monkeypatch.setenv("DEJAVU_NOTEBOOK_WINDOW", "13")
     monkeypatch.setenv("DEJAVU_NOTEBOOK_PREDICTORS", str(pred))
     monkeypatch.setenv("DEJAVU_NOTEBOOK_EVAL", str(evals / "*.json"))
+    # an empty fetch cache: section 9 (the larger model) must skip with a line, as in CI
+    monkeypatch.setenv("DEJAVU_CACHE", str(tmp_path / "empty-cache"))
 
     nb = nbformat.read(NOTEBOOK, as_version=4)
     client = nbclient.NotebookClient(nb, kernel_name=KERNEL, timeout=120,
@@ -90,3 +93,5 @@ def test_notebook_runs_on_tiny_model(tmp_path, monkeypatch):
     images = sum("image/png" in o.get("data", {}) for o in outputs)
     assert images >= 6  # sections 1-4 and 6 always plot, 7 plots the made-up sweep
     assert "on this notebook's tokens" in text  # section 5 ran the trained predictors
+    assert "section 9 skipped: qwen2.5-1.5b is not in the fetch cache" in text
+    assert "./dejavu run fetch_model qwen2.5-1.5b" in text
