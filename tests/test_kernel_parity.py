@@ -62,3 +62,40 @@ def _split_row(folder):
 def test_steps_must_be_positive():
     with pytest.raises(SystemExit):
         kernel_parity.main(["--steps", "0"])
+
+
+def test_the_gate_reports_no_rows_for_code_that_fails_parity(monkeypatch, tmp_path):
+    """On a GPU a benchmark reuses a passing parity file of the same code and device, and
+    otherwise runs the checks; a failing run stops it before any row (SystemExit)."""
+    import json
+    import types
+
+    import jax
+
+    from dejavu_jax.eval import parity_gate
+    from dejavu_jax.eval.provenance import code_fingerprint
+    monkeypatch.setattr(jax, "default_backend", lambda: "gpu")
+    monkeypatch.setattr(jax, "devices", lambda: [types.SimpleNamespace(device_kind="H200")])
+    runs = []
+
+    def fake_main(argv, verdict):
+        runs.append(argv)
+        folder = tmp_path / "out" / "kernel_parity"
+        folder.mkdir(parents=True, exist_ok=True)
+        (folder / "kernel_parity.json").write_text(json.dumps({"meta": {"checks": 3}}))
+        return verdict
+
+    passing = tmp_path / "pass.json"
+    meta = dict(passed=True, code_fingerprint=code_fingerprint(), device="H200", checks=44)
+    passing.write_text(json.dumps({"meta": meta}))
+    monkeypatch.setattr(kernel_parity, "main", lambda argv: fake_main(argv, 0))
+    got = parity_gate.require_parity(passing, tmp_path / "out", log=lambda *_: None)
+    assert got["status"] == "passed" and got["checks"] == 44 and not runs
+    stale = tmp_path / "stale.json"
+    stale.write_text(json.dumps({"meta": {**meta, "code_fingerprint": "other"}}))
+    got = parity_gate.require_parity(stale, tmp_path / "out", log=lambda *_: None)
+    assert got["status"] == "passed" and got["checks"] == 3 and len(runs) == 1
+    monkeypatch.setattr(kernel_parity, "main", lambda argv: fake_main(argv, 1))
+    with pytest.raises(SystemExit, match="no benchmark rows"):
+        parity_gate.require_parity(None, tmp_path / "out", log=lambda *_: None)
+    assert len(runs) == 2
