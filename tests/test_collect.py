@@ -107,6 +107,10 @@ def test_records_match_numpy_forward(tmp_path, corpus, name):
                             window=WINDOW, batch=2, shard_tokens=46, progress=False,
                             log=lambda s: None)
     assert m["complete"] and m["tokens"] == 92 and len(m["shards"]) == 2
+    # the size the CLI announces is the arrays' bytes on disk (less the .npy headers)
+    arrays = [f for f in (tmp_path / "rec").rglob("*.npy")]
+    data_bytes = sum(np.load(f, mmap_mode="r").nbytes for f in arrays)
+    assert data_bytes == 92 * collect_lib.record_bytes_per_token(c)
     assert m["label_rules"]["mlp"] == ("positive" if name == "opt-tiny" else "top:0.3")
     assert m["config_fingerprint"] == c.fingerprint()
     _, got = _read_all(tmp_path / "rec")

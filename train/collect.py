@@ -94,6 +94,13 @@ def _signature(manifest: dict) -> dict:
     return {k: manifest.get(k) for k in keys}
 
 
+def record_bytes_per_token(config: ModelConfig) -> int:
+    """Bytes one recorded token takes on disk: both residual inputs (fp16, [L, d] each),
+    the packed neuron labels ([L, ceil(F/8)] bits) and the head norms (fp16, [L, H])."""
+    L = config.n_layers
+    return L * (2 * 2 * config.hidden + -(-config.ffn // 8) + 2 * config.n_heads)
+
+
 def collect(config: ModelConfig, params: ModelParams, tokenizer, files: list[Path],
             out: Path, *, tokens: int, window: int, batch: int = 4,
             shard_tokens: int = 16384, mlp_rule: rec.LabelRule | None = None,
@@ -285,7 +292,9 @@ def main(argv: list[str] | None = None) -> int:
             rec._remove_tree(out)
         print(f"model {config.name} ({config.family}, {config.n_layers} layers, "
               f"d={config.hidden}, F={config.ffn}) on {jax.default_backend()}; "
-              f"{len(files)} corpus files", file=sys.stderr)
+              f"{len(files)} corpus files; the records take about "
+              f"{args.tokens * record_bytes_per_token(config) / 1e9:.2f} GB in {out} "
+              "(delete them after training)", file=sys.stderr)
         m = collect(config, params, tokenizer, files, out, tokens=args.tokens,
                     window=args.window, batch=args.batch, shard_tokens=args.shard_tokens,
                     mlp_rule=args.mlp_rule, seed=args.seed, source=source,
