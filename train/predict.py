@@ -18,7 +18,7 @@ from dejavu_jax.train.checkpoint import PredictorCheckpointError, load_predictor
 from dejavu_jax.train.predictor_model import PredictorParams, layer_slice, predictor_logits
 
 __all__ = ["load_predictors", "PredictorCheckpointError", "predictor_scores", "predict",
-           "select_top_k", "default_union_size", "group_scores", "recommended_k"]
+           "select_top_k", "default_union_size", "recommended_k"]
 
 
 def predictor_scores(pred_params: PredictorParams, layer: jax.Array,
@@ -39,17 +39,6 @@ def predictor_scores(pred_params: PredictorParams, layer: jax.Array,
     heads = predictor_logits(layer_slice(pred_params.heads, layer), x,
                              pred_params.activation)
     return mlp, heads
-
-
-def group_scores(head_scores: jax.Array, group_size: int) -> jax.Array:
-    """Per-KV-group scores [B, H/g]: the max over each group's query heads.
-
-    Query head h belongs to group h // group_size (the model's GQA layout).
-    """
-    if group_size == 1:
-        return head_scores
-    B, H = head_scores.shape
-    return head_scores.reshape(B, H // group_size, group_size).max(axis=-1)
 
 
 def default_union_size(n: int, k: int, batch: int) -> int:
