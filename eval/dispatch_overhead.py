@@ -1,0 +1,129 @@
+"""Where a host-synchronised decode step loses time against steps chained on the device.
+
+    python -m dejavu_jax.eval.dispatch_overhead --models qwen2.5-7b,opt-6.7b --out DIR
+
+The dense engine on random bf16 weights, context 128, batch 1. Rows, ms per token:
+  chained          `steps` steps in one jitted fori_loop (bench_decode's `ms_loop`)
+  compiled_synced  the ahead-of-time compiled step, the host waiting for each (its `ms`)
+  jit_synced       the same step through jax.jit's dispatch
+  jit_queued       jax.jit, the host enqueuing every step before waiting once
+  args_only        a jitted function of the same params and state that only returns the
+                   state (donated) and the token plus one: the cost of handing the
+                   arguments over and syncing, no model
+  sync_floor       a jitted function of the token alone, synced: one dispatch and one wait
+Each with the per-layer buffers `generate` decodes with (`params.decode_layout`) and, with
+`--stacked`, the stacked layers too. The run opens with `eval.kernel_parity` on the GPU.
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+import time
+from pathlib import Path
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from dejavu_jax import cli
+
+BF16 = jnp.bfloat16
+
+
+def _per_step(call, steps: int, warmup: int, synced: bool) -> float:
+    """Median (synced) or mean (queued) seconds per `call()`, which returns what to wait
+    for."""
+    for _ in range(warmup):
+        jax.block_until_ready(call())
+    if not synced:
+        t = time.perf_counter()
+        for _ in range(steps):
+            out = call()
+        jax.block_until_ready(out)
+        return (time.perf_counter() - t) / steps
+    times = []
+    for _ in range(steps):
+        t = time.perf_counter()
+        jax.block_until_ready(call())
+        times.append(time.perf_counter() - t)
+    return float(np.median(times))
+
+
+def measure(config, params, per_layer: bool, steps: int, warmup: int) -> dict:
+    """The rows of the module doc for one params layout: {name: ms}."""
+    from dejavu_jax.eval.bench_decode import time_loop
+    from dejavu_jax.eval.bench_hf import cache_len
+    from dejavu_jax.generation import dense_engine
+    engine = dense_engine(config)
+    ctx = 128
+    prompt = jax.random.randint(jax.random.key(2), (1, ctx), 3, config.vocab_size)
+    tokens = jnp.full((1,), 42, jnp.int32)
+    state = engine.init_state(1, cache_len(ctx, warmup, 3 * (steps + warmup)), BF16,
+                              per_layer=per_layer)
+    _, state = jax.jit(engine.prefill, donate_argnums=3)(params, prompt, jnp.ones_like(prompt),
+                                                         state)
+    holder = {"state": state}
+
+    def threaded(fn):  # one step of fn, the state threaded through (donated)
+        def call():
+            out, holder["state"] = fn(params, holder["state"], tokens)
+            return out, holder["state"]
+        return call
+
+    rows = {}
+    compiled = jax.jit(engine.step, donate_argnums=1).lower(params, state, tokens).compile()
+    jitted = jax.jit(engine.step, donate_argnums=1)
+    rows["compiled_synced"] = _per_step(threaded(compiled), steps, warmup, True)
+    rows["jit_synced"] = _per_step(threaded(jitted), steps, warmup, True)
+    rows["jit_queued"] = _per_step(threaded(jitted), steps, warmup, False)
+    args_only = jax.jit(lambda p, s, t: (t + 1, s), donate_argnums=1)
+    rows["args_only"] = _per_step(threaded(args_only), steps, warmup, True)
+    floor = jax.jit(lambda t: t + 1)
+    rows["sync_floor"] = _per_step(lambda: floor(tokens), steps, warmup, True)
+    per, _, holder["state"] = time_loop(engine.step, params, holder["state"], tokens, steps)
+    rows["chained"] = per
+    return {k: round(v * 1e3, 4) for k, v in rows.items()}
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Run the diagnostic; writes dispatch_overhead.json into --out."""
+    from dejavu_jax import config as config_lib
+    from dejavu_jax.eval.parity_gate import add_parity_argument, require_parity
+    from dejavu_jax.eval.provenance import run_meta
+    from dejavu_jax.params import fuse_qkv, init_params, unstack_layers
+    p = cli.ArgumentParser(prog="python -m dejavu_jax.eval.dispatch_overhead",
+                           description=__doc__.split("\n")[0])
+    p.add_argument("--models", default="qwen2.5-7b")
+    p.add_argument("--steps", type=cli.positive_int, default=30)
+    p.add_argument("--warmup", type=cli.non_negative_int, default=3)
+    p.add_argument("--stacked", action="store_true", help="also the stacked layers")
+    p.add_argument("--out", type=Path, required=True)
+    add_parity_argument(p)
+    args = p.parse_args(argv)
+    models = [m for m in args.models.split(",") if m]
+    unknown = [m for m in models if m not in config_lib.PRESETS]
+    if unknown:
+        p.error(f"unknown --models {unknown}; known: {', '.join(config_lib.PRESETS)}")
+    args.out.mkdir(parents=True, exist_ok=True)
+    parity = require_parity(args.parity, args.out)
+    result = {"meta": dict(command="python -m dejavu_jax.eval.dispatch_overhead " + " ".join(
+        sys.argv[1:] if argv is None else argv), **run_meta(), kernel_parity=parity),
+        "rows": []}
+    for name in models:
+        config = config_lib.preset(name)
+        stacked = fuse_qkv(init_params(config, jax.random.key(0), BF16))
+        layouts = [("per-layer", unstack_layers(stacked), True)]
+        if args.stacked:
+            layouts.append(("stacked", stacked, False))
+        for layout, params, per_layer in layouts:
+            row = dict(model=name, layout=layout, leaves=len(jax.tree.leaves(params)),
+                       **measure(config, params, per_layer, args.steps, args.warmup))
+            result["rows"].append(row)
+            print(json.dumps(row), flush=True)
+            (args.out / "dispatch_overhead.json").write_text(json.dumps(result, indent=1))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
