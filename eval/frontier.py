@@ -285,7 +285,7 @@ def main(argv: list[str] | None = None) -> int:
         prof = load_profile(profile_file, config)
         mode = make_mode(config, "threshold", sites=prof.sites)
         run("profile", prof.method, Path(profile_file).stem, mode,
-            jnp.asarray(prof.threshold_array()))
+            jnp.asarray(prof.threshold_array()), profile_path=Path(profile_file))
     if args.oracle and not args.no_sweep:
         for target in args.skips:
             density = oracle_density(config, target)
@@ -300,7 +300,8 @@ def main(argv: list[str] | None = None) -> int:
                 make_mode(config, "sparse", density, 1.0, dense_layers=0), pred,
                 {"mlp_density": density})
     for r in rows.rows:  # also rows of earlier runs of this OUT
-        path = args.out / "profiles" / f"{config.name}-{r['method']}-{r['label']}.json"
+        path = (args.out / "profiles"
+                / f"{registry_name(config.name)}-{r['method']}-{r['label']}.json")
         if r["kind"] == "profile" and path.is_file():
             record_test(path, r["text"], r, dense_ppl(r["text"]))
     plot(rows.rows, args.out / "frontier.png", config.name)
