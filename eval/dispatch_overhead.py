@@ -12,11 +12,14 @@ The dense engine on random bf16 weights, context 128, batch 1. Rows, ms per toke
                    arguments over and syncing, no model
   sync_floor       a jitted function of the token alone, synced: one dispatch and one wait
 Each with the per-layer buffers `generate` decodes with (`params.decode_layout`) and, with
-`--stacked`, the stacked layers too. The run opens with `eval.kernel_parity` on the GPU.
+`--stacked`, the stacked layers too: under `lax.scan` (`stacked`), and unrolled, each
+layer taking static slices of the stacked arrays (`stacked-unrolled`: as few arrays to
+hand over as stacked, as static a program as per-layer). The run opens with `eval.kernel_parity` on the GPU.
 """
 
 from __future__ import annotations
 
+import contextlib
 import json
 import sys
 import time
@@ -48,6 +51,26 @@ def _per_step(call, steps: int, warmup: int, synced: bool) -> float:
         jax.block_until_ready(call())
         times.append(time.perf_counter() - t)
     return float(np.median(times))
+
+
+@contextlib.contextmanager
+def unrolled_layers():
+    """The dense model's layer loop unrolled over static slices of stacked weights."""
+    from dejavu_jax import model
+    original = model.scan_layers
+
+    def unrolled(body, carry, layers, with_index=False):
+        if isinstance(layers, tuple):
+            return original(body, carry, layers, with_index)
+        n = jax.tree.leaves(layers)[0].shape[0]
+        per_layer = tuple(jax.tree.map(lambda w: w[i], layers) for i in range(n))
+        return original(body, carry, per_layer, with_index)
+
+    model.scan_layers = unrolled
+    try:
+        yield
+    finally:
+        model.scan_layers = original
 
 
 def measure(config, params, per_layer: bool, steps: int, warmup: int) -> dict:
@@ -115,10 +138,11 @@ def main(argv: list[str] | None = None) -> int:
         stacked = fuse_qkv(init_params(config, jax.random.key(0), BF16))
         layouts = [("per-layer", unstack_layers(stacked), True)]
         if args.stacked:
-            layouts.append(("stacked", stacked, False))
+            layouts += [("stacked", stacked, False), ("stacked-unrolled", stacked, False)]
         for layout, params, per_layer in layouts:
-            row = dict(model=name, layout=layout, leaves=len(jax.tree.leaves(params)),
-                       **measure(config, params, per_layer, args.steps, args.warmup))
+            with unrolled_layers() if layout == "stacked-unrolled" else contextlib.nullcontext():
+                timed = measure(config, params, per_layer, args.steps, args.warmup)
+            row = dict(model=name, layout=layout, leaves=len(jax.tree.leaves(params)), **timed)
             result["rows"].append(row)
             print(json.dumps(row), flush=True)
             (args.out / "dispatch_overhead.json").write_text(json.dumps(result, indent=1))
