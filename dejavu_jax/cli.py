@@ -72,6 +72,17 @@ def fraction(text: str) -> float:
     return value
 
 
+def presets(text: str) -> list[str]:
+    """An argparse type: a comma list of preset names (`config.PRESETS`)."""
+    from dejavu_jax.config import PRESETS
+    names = [t.strip() for t in text.split(",") if t.strip()]
+    unknown = [n for n in names if n not in PRESETS]
+    if unknown or not names:
+        raise argparse.ArgumentTypeError(f"unknown presets {unknown or text!r}; known: "
+                                         f"{', '.join(PRESETS)}")
+    return names
+
+
 def fractions(text: str) -> list[float]:
     """An argparse type: one fraction, a comma list of them, or @FILE with one per line."""
     if text.startswith("@"):

@@ -117,17 +117,14 @@ def main(argv: list[str] | None = None) -> int:
     from dejavu_jax.params import fuse_qkv, init_params, unstack_layers
     p = cli.ArgumentParser(prog="python -m dejavu_jax.eval.dispatch_overhead",
                            description=__doc__.split("\n")[0])
-    p.add_argument("--models", default="qwen2.5-7b")
+    p.add_argument("--models", type=cli.presets, default="qwen2.5-7b")
     p.add_argument("--steps", type=cli.positive_int, default=30)
     p.add_argument("--warmup", type=cli.non_negative_int, default=3)
     p.add_argument("--stacked", action="store_true", help="also the stacked layers")
     p.add_argument("--out", type=Path, required=True)
     add_parity_argument(p)
     args = p.parse_args(argv)
-    models = [m for m in args.models.split(",") if m]
-    unknown = [m for m in models if m not in config_lib.PRESETS]
-    if unknown:
-        p.error(f"unknown --models {unknown}; known: {', '.join(config_lib.PRESETS)}")
+    models = args.models
     args.out.mkdir(parents=True, exist_ok=True)
     parity = require_parity(args.parity, args.out)
     result = {"meta": dict(command="python -m dejavu_jax.eval.dispatch_overhead " + " ".join(
