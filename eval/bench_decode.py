@@ -743,7 +743,7 @@ def run_hf(python: str, models, contexts, batches, modes, warmup: int, steps: in
 def main(argv=None) -> int:
     """Run the benchmark; writes JSON and markdown into --out."""
     p = cli.ArgumentParser(prog="python -m dejavu_jax.eval.bench_decode")
-    p.add_argument("--models", default="opt-6.7b,opt-13b,opt-30b")
+    p.add_argument("--models", type=cli.presets, default="opt-6.7b,opt-13b,opt-30b")
     p.add_argument("--contexts", default="128,1024")
     p.add_argument("--modes", default="dense,sparse",
                    help=f"comma-separated, of: {', '.join(MODES)}")
@@ -803,10 +803,7 @@ def main(argv=None) -> int:
             p.error(f"argument {flag}: no values given")
         return values
 
-    models = checked("--models", args.models, str)
-    unknown_models = [m for m in models if m not in config_lib.PRESETS]
-    if unknown_models:
-        p.error(f"unknown --models {unknown_models}; known: {', '.join(config_lib.PRESETS)}")
+    models = args.models
     contexts = checked("--contexts", args.contexts, cli.positive_int)
     mlps, heads = checked("--mlp", args.mlp, cli.fraction), checked("--heads", args.heads,
                                                                     cli.fraction)
