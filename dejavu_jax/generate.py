@@ -281,8 +281,9 @@ def build_engine(args, config, params, scfg, predictors, mesh=None, batch: int =
 
 def describe_sparsity(config, scfg, batch: int = 1, profile=None) -> str:
     """One line per layer: the fraction of neurons and query heads each token selects and,
-    for a batch, the fraction its union computes (static size min(n, k * batch)) and which
-    of the layer's parts then run XLA's dense products (`sparse.batch_dense_parts`)."""
+    for a batch, the fraction its union computes (static size min(n, k * batch); for heads,
+    the weights read, while each row attends with its own heads) and which of the layer's
+    parts then run XLA's dense products (`sparse.batch_dense_parts`)."""
     from dejavu_jax.sparse import batch_dense_parts, batch_runs_dense
     from dejavu_jax.train.predict import default_union_size
     if batch_runs_dense(scfg, batch):
@@ -304,19 +305,22 @@ def describe_sparsity(config, scfg, batch: int = 1, profile=None) -> str:
         union_mlp.append(um / config.ffn)
         if batch > 1:
             line += f"  union mlp {um / config.ffn:6.1%}  heads {uh / config.n_heads:6.1%}"
-            attention, mlp, layer = batch_dense_parts(config, scfg, um, uh, batch)
+            attention, mlp, layer = batch_dense_parts(config, scfg, um, kh, batch)
             if scfg.oracle:
                 pass  # the oracle computes densely and masks
             elif layer:
                 line += "  (dense layer)"
             elif attention or mlp:
-                parts = ["attention"] * attention + ["masked mlp"] * mlp
+                parts = (["attention"] * attention
+                         + ["mlp" if um == config.ffn else "masked mlp"] * mlp)
                 line += "  (dense " + " + ".join(parts) + ")"
         lines.append(line)
     per_token = sum(scfg.mlp_k) / (config.ffn * len(scfg.mlp_k))
     total = f"\n  mean mlp density {per_token:.1%} per token"
     if batch > 1:
-        total += f", {sum(union_mlp) / len(union_mlp):.1%} computed for the batch of {batch}"
+        total += (f", {sum(union_mlp) / len(union_mlp):.1%} computed for the batch of "
+                  f"{batch}; the union's head weights are read once, and each row attends "
+                  f"with its own heads")
     return "realised per-layer density:\n" + "\n".join(lines) + total
 
 

@@ -16,7 +16,9 @@ leaves the window unwritten: every selected head attends over exactly the dense 
 
 Attention is selected by query head: a layer's set is a static number of query-head ids,
 and the KV groups holding one of them are the ones whose K/V are read and written
-(`kernels.query_head_groups`); for multi-head models a group is one head.
+(`kernels.query_head_groups`); for multi-head models a group is one head. In a batch each
+row may select its own heads ([B, k] ids): the weights are read for their union, and each
+row reads and writes only its own heads' cache entries.
 """
 
 from __future__ import annotations
@@ -816,6 +818,8 @@ class PredictorSelector:
         from dejavu_jax.train.predict import predictor_scores
         mlp, heads = predictor_scores(pred_params, layer, x)   # heads: per query head
         cap_mlp, cap_heads = self.union_capacity
+        if heads.shape[0] > 1 and cap_heads is None:   # a batch: each row its own heads
+            return (self._top(mlp, k_mlp, cap_mlp), row_top_k(heads, k_heads))
         return (self._top(mlp, k_mlp, cap_mlp), self._top(heads, k_heads, cap_heads))
 
     def splits(self, pred_params, batch: int) -> bool:
@@ -850,15 +854,22 @@ class PredictorSelector:
         return predictor_select(*args, activation=p.activation, impl=self.impl)
 
 
+def row_top_k(scores: jax.Array, k: int) -> jax.Array:
+    """Each row's top-k unit ids of scores [B, n], ascending: [B, k] int32."""
+    return jnp.sort(jax.lax.top_k(scores, k)[1], axis=-1).astype(jnp.int32)
+
+
 def predictor_selector(group_size: int,
                        union_capacity: tuple[int | None, int | None] | None = None,
                        method: str = "exact", impl: str | None = None) -> PredictorSelector:
     """A Selector whose parameters are trained predictors (`dejavu_jax.train.predict`).
 
-    Batches select the union of their rows' sets, of static size min(n, k * B) by default
-    (`union_capacity` sets it): "exact" through `train.predict.select_top_k` (per-row
-    `lax.top_k` and a sort), "local" through `topk.union_top_k` (counting passes, no
-    sort). A union of every unit needs no ranking at all.
+    Batches select the union of their rows' neuron sets, of static size min(n, k * B) by
+    default (`union_capacity` sets it): "exact" through `train.predict.select_top_k`
+    (per-row `lax.top_k` and a sort), "local" through `topk.union_top_k` (counting
+    passes, no sort). A union of every unit needs no ranking at all. Heads are per row
+    ([B, k] ids: each row attends with its own, `kernels.head_sparse_attention`'s
+    per-row masks), unless `union_capacity` gives their union a size.
     method (`SELECT_METHODS`), for a single row: "exact" (`lax.top_k`, a sort on the GPU;
     the default, the true top-k) or "local" (`kernels.top_k.top_k_indices_local`: the top
     round(k/P) of each of P chunks of 2048 scores in one launch of parallel programs, impl
@@ -874,7 +885,7 @@ def predictor_selector(group_size: int,
 
 def fixed_selector(sets, layer, x, k_mlp, k_heads):
     """A Selector whose parameters are precomputed sets: (neuron_idx [L, K], head_idx [L, Kh])
-    (head ids: query heads),
+    (head ids: query heads; [L, B, Kh]: each batch row its own heads),
     or tuples of per-layer arrays ([K] and [Kh] each; unrolled layers only, whose layer ids
     are static). Per-layer arrays of exactly k ids reach the kernels as they are; a row of
     the stacked arrays is a slice that XLA copies before every kernel that reads it.
@@ -885,8 +896,8 @@ def fixed_selector(sets, layer, x, k_mlp, k_heads):
     if isinstance(neuron_idx, (tuple, list)):
         if not isinstance(layer, int):
             raise TypeError("per-layer index sets need static layer ids (unrolled layers)")
-        return neuron_idx[layer][:k_mlp], head_idx[layer][:k_heads]
-    return neuron_idx[layer, :k_mlp], head_idx[layer, :k_heads]
+        return neuron_idx[layer][:k_mlp], head_idx[layer][..., :k_heads]
+    return neuron_idx[layer, :k_mlp], head_idx[layer][..., :k_heads]
 
 
 def no_selector(params, layer, x, k_mlp, k_heads):

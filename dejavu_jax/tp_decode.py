@@ -99,11 +99,13 @@ def select_per_shard(config: ModelConfig, select, selector_params, mesh: Mesh, l
     def body(sel, x):
         neurons, heads = select(sel, jnp.asarray(layer, jnp.int32), x, km, kh)
         shard = jax.lax.axis_index(TP)
-        return neurons + shard * lconfig.ffn, heads + shard * lconfig.n_heads
+        # per-row heads [B, kh] go out as [kh, B], so that shards stack their own heads
+        return neurons + shard * lconfig.ffn, (heads + shard * lconfig.n_heads).T
 
-    return jax.shard_map(body, mesh=mesh, check_vma=False,
-                         in_specs=(selector_specs(selector_params, mesh), P()),
-                         out_specs=(P(TP), P(TP)))(selector_params, x)
+    neurons, heads = jax.shard_map(body, mesh=mesh, check_vma=False,
+                                   in_specs=(selector_specs(selector_params, mesh), P()),
+                                   out_specs=(P(TP), P(TP)))(selector_params, x)
+    return neurons, heads.T
 
 
 def _step_specs(step: dict, mesh: Mesh) -> dict:

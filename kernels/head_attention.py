@@ -34,6 +34,12 @@ into these two arrays. Unselected query heads cost nothing: their q rows and out
 columns are masked loads (never read), and a group with no selected head is skipped
 entirely (no K/V weights, no cache reads, no K/V written). With ``n_kv == H`` and no mask
 this is exactly DESIGN.md's contract.
+
+Per-row heads (batches): a ``[B, Kh, group]`` mask gives each row its own query heads
+among the union ``head_idx``. The projections read the union's weights once for all rows;
+each attention program reads and writes its row's cache only for that row's heads (the
+KV reads, which grow with batch x context, shrink with each row's set), and the
+out-projection sees zeros for a row's other heads.
 """
 from __future__ import annotations
 
@@ -140,7 +146,12 @@ def query_head_groups(q_ids, n_kv: int, group: int, n_groups: int | None = None)
     ``n_groups`` (default ``min(n_kv, Kq)``, every group a selection can touch). For
     ``group == 1`` this is ``(q_ids, None)``: multi-head attention needs no mask; a set of
     every query head (its static size ``n_kv * group``) gives ``(all groups, None)``.
+    Per-row selections ``q_ids [B, Kq]`` (each row's own distinct heads) give the groups of
+    the rows' union (default capacity ``min(n_kv, B * Kq)``) and a per-row mask
+    ``[B, n_groups, group]``, for every ``group`` (1 included).
     """
+    if q_ids.ndim == 2:
+        return _row_query_head_groups(q_ids, n_kv, group, n_groups)
     if group == 1:
         return q_ids.astype(jnp.int32), None
     if q_ids.shape[0] == n_kv * group and n_groups in (None, n_kv):
@@ -150,6 +161,29 @@ def query_head_groups(q_ids, n_kv: int, group: int, n_groups: int | None = None)
     order = jnp.argsort(jnp.logical_not(keep.any(axis=1)).astype(jnp.int32), stable=True)
     gids = order[:n_groups].astype(jnp.int32)
     return gids, keep[gids]
+
+
+def _row_query_head_groups(q_ids, n_kv: int, group: int, n_groups: int | None):
+    """:func:`query_head_groups` of per-row selections ``q_ids [B, Kq]``: the groups of
+    the rows' union, and each row's own query heads in them, ``[B, n_groups, group]``."""
+    B, Kq = q_ids.shape
+    n_groups = min(n_kv, B * Kq) if n_groups is None else n_groups
+    rows = jnp.arange(B)[:, None]
+    keep = jnp.zeros((B, n_kv * group), bool).at[rows, q_ids].set(True)
+    keep = keep.reshape(B, n_kv, group)
+    if n_groups == n_kv:   # every group: idle ones have all-False rows, which cost nothing
+        return jnp.arange(n_kv, dtype=jnp.int32), keep
+    idle = jnp.logical_not(keep.any(axis=(0, 2))).astype(jnp.int32)
+    gids = jnp.argsort(idle, stable=True)[:n_groups].astype(jnp.int32)
+    return gids, keep[:, gids]
+
+
+def union_head_mask(head_mask):
+    """The ``[Kh, G]`` query heads some row computes, of a ``[Kh, G]`` or per-row
+    ``[B, Kh, G]`` head mask (None stays None)."""
+    if head_mask is None or head_mask.ndim == 2:
+        return head_mask
+    return jnp.any(head_mask.astype(bool), axis=0)
 
 
 def _active_groups(head_mask, Kh: int):
@@ -238,7 +272,11 @@ def _validate(x, wq, bq, wk, bk, wv, bv, wo, bo, k_cache, v_cache, pos, head_idx
     if kv_mask is not None:
         check_array("kv_mask", kv_mask, shape=(B, S))
     if head_mask is not None:
-        check_array("head_mask", head_mask, shape=(head_idx.shape[0], H // n_kv))
+        Kh, G = head_idx.shape[0], H // n_kv
+        if np.ndim(head_mask) == 3:
+            check_array("head_mask", head_mask, shape=(B, Kh, G))
+        else:
+            check_array("head_mask", head_mask, shape=(Kh, G))
     return H // n_kv
 
 
@@ -346,9 +384,11 @@ def head_sparse_attention_reference(x, wq, bq, wk, bk, wv, bv, wo, bo, k_cache, 
     head_idx = head_idx.astype(jnp.int32)
     pos = jnp.asarray(pos, jnp.int32).reshape(())
     hq = _query_heads(head_idx, G)
-    active = _active_groups(head_mask, Kh)
-    keep_q = (jnp.repeat(active, G) if head_mask is None
-              else head_mask.astype(bool).reshape(-1))
+    # each row's computed query heads [B, Kh, G], and the groups holding one [B, Kh]
+    row_q = (jnp.ones((Kh, G), bool) if head_mask is None else head_mask.astype(bool))
+    row_q = jnp.broadcast_to(row_q, (B, Kh, G))
+    active = jnp.any(row_q, axis=2)
+    keep_q = row_q.reshape(B, Kh * G)
     xf = x.astype(f32)
 
     def proj(w, b, ids):
@@ -365,14 +405,14 @@ def head_sparse_attention_reference(x, wq, bq, wk, bk, wv, bv, wo, bo, k_cache, 
         ids = window_heads(head_idx, window)
         n_extra = ids.shape[0] - Kh
         need = window_need(window, ids) & jnp.concatenate(
-            [active, jnp.ones((n_extra,), bool)])[None, :, None]
+            [active, jnp.ones((B, n_extra), bool)], axis=1)[:, :, None]
         k_win, v_win = _window_kv_reference(wk, bk, wv, bv, ids, window, k_norm, norm_eps)
         k_cache = merge_window(k_cache, k_win, ids, window, need)
         v_cache = merge_window(v_cache, v_win, ids, window, need)
         if window.written is not None:
             written = mark_written(window, ids, need)
     # a group with no selected head writes nothing (its K/V stays missing)
-    act = active[None, :, None]
+    act = active[:, :, None]
     k_cache = k_cache.at[:, head_idx, pos, :].set(
         jnp.where(act, k.astype(k_cache.dtype), k_cache[:, head_idx, pos, :]))
     v_cache = v_cache.at[:, head_idx, pos, :].set(
@@ -388,10 +428,10 @@ def head_sparse_attention_reference(x, wq, bq, wk, bk, wv, bv, wo, bo, k_cache, 
     s = jnp.where(valid[:, None, None, :], s, -jnp.inf)
     p = jax.nn.softmax(s, axis=-1)
     o = jnp.einsum("bgjs,bgsk->bgjk", p, vc, precision=hi).reshape(B, Kh * G, hd)
-    o = jnp.where(keep_q[None, :, None], o, 0.0)            # unselected query heads add 0
+    o = jnp.where(keep_q[:, :, None], o, 0.0)               # unselected query heads add 0
     Hl = wo.shape[1]                 # wo may stack H // Hl layers by rows
     wo_sel = wo.reshape(H // Hl, d, Hl, hd)[hq // Hl, :, hq % Hl]     # [Kh*G, d, hd]
-    wo_sel = jnp.where(keep_q[:, None, None], wo_sel, 0.0)
+    wo_sel = jnp.where(jnp.any(keep_q, axis=0)[:, None, None], wo_sel, 0.0)
     out = jnp.einsum("bhk,hdk->bd", o, wo_sel.astype(f32), precision=hi)
     if bo is not None:
         out = out + bo.astype(f32)
@@ -404,12 +444,14 @@ def head_sparse_attention_reference(x, wq, bq, wk, bk, wv, bv, wo, bo, k_cache, 
 # ----------------------------------------------------------------------------
 
 def _decode_attention_kernel(*refs, nds, has_bq, has_bk, has_bv, has_rope, has_mask, G, Gp,
-                             hd, hdp, L, bs, scale, Kh, W, Wp, bitmap, has_hmask):
+                             hd, hdp, L, bs, scale, Kh, W, Wp, bitmap, has_hmask, row_hmask):
     # W > 0: a missing-KV window. Grid axis 1 then runs over Kh selected + R refresh heads;
     # a refresh head's programs only write its needed window entries. bitmap: the needed
     # entries come from the written bitmap (read, then set, per program's cache split).
     # has_hmask: a [Kh, G] query-head mask; a selected group with no head in it is idle
     # (no cache reads, nothing written), like a refresh head with nothing to write.
+    # row_hmask: the mask is per batch row, [B, Kh, G]: each row attends with its own
+    # heads, and its unselected heads output o = l = 0.
     it = iter(refs)
     qp_ref, kp_ref, vp_ref = next(it), next(it), next(it)
     if W:
@@ -451,8 +493,9 @@ def _decode_attention_kernel(*refs, nds, has_bq, has_bk, has_bv, has_rope, has_m
     vec = Gp == 1
     qrows = jm                               # the query heads computed in this group
     attends = attend                         # attends to the cache and writes pos
+    hm_row = (lambda ref: ref.at[b]) if row_hmask else (lambda ref: ref)
     if has_hmask:
-        qrows = jm & (plgpu.load(hm_ref.at[gq, jr], mask=jm, other=0) != 0)
+        qrows = jm & (plgpu.load(hm_row(hm_ref).at[gq, jr], mask=jm, other=0) != 0)
         active = jnp.max(qrows.astype(jnp.int32)) > 0
         attends = attend & active
 
@@ -504,7 +547,7 @@ def _decode_attention_kernel(*refs, nds, has_bq, has_bk, has_bv, has_rope, has_m
                 kk = jnp.arange(next_pow2(Kh), dtype=jnp.int32)
                 sel = plgpu.load(hidx_ref.at[kk], mask=kk < Kh, other=-1)
                 if has_hmask:   # an idle selected group leaves its entries to the refresh
-                    on = plgpu.load(hm_ref.at[kk[:, None], jr[None, :]],
+                    on = plgpu.load(hm_row(hm_ref).at[kk[:, None], jr[None, :]],
                                     mask=(kk < Kh)[:, None] & jm[None, :], other=0)
                     sel = jnp.where(jnp.max(on, axis=1) != 0, sel, -1)
                 dup = jnp.logical_not(attend) & (jnp.max((sel == hv).astype(jnp.int32)) > 0)
@@ -624,6 +667,13 @@ def _decode_attention_kernel(*refs, nds, has_bq, has_bk, has_bv, has_rope, has_m
         plgpu.store(kout_ref.at[b, hv, pos, cols], kn, mask=cm)
         plgpu.store(vout_ref.at[b, hv, pos, cols], vn, mask=cm)
 
+    if row_hmask:   # this row's unselected heads add nothing
+        if vec:
+            o, l = jnp.where(attends, o, 0.0), jnp.where(attends, l, 0.0)
+        else:
+            on = qrows & attends
+            o, l = jnp.where(on[:, None], o, 0.0), jnp.where(on, l, 0.0)
+
     @pl.when(attend)
     def _():
         if vec:
@@ -657,7 +707,9 @@ def decode_attention(qp, kp, vp, head_idx, pos, k_cache, v_cache, *, group, bq=N
       scale: the attention logits' scale (default ``hd ** -0.5``).
       head_mask: optional ``[Kh, group]`` query heads to compute (see
         :func:`head_sparse_attention`): a group with none reads and writes no cache entry;
-        the other heads' outputs are left for the out-projection to skip.
+        the other heads' outputs are left for the out-projection to skip. Per row,
+        ``[B, Kh, group]``: the same for each row on its own, and a row's unselected
+        heads output ``o = l = 0``.
       window: the missing-KV window whose K/V were projected into ``kp``/``vp`` (rows
         ``b * W + j`` for window row j, columns ``window_heads(head_idx, window)``; its
         ``x`` is not read). Its needed entries are finished (bias, rotary), written to the
@@ -691,7 +743,8 @@ def decode_attention(qp, kp, vp, head_idx, pos, k_cache, v_cache, *, group, bq=N
         has_bv=bv is not None, has_rope=cos is not None, has_mask=kv_mask is not None, G=G,
         Gp=Gp, hd=hd, hdp=next_pow2(hd), L=L, bs=bs,
         scale=float(hd) ** -0.5 if scale is None else float(scale), Kh=Kh, W=W,
-        Wp=max(16, next_pow2(W)), bitmap=bitmap, has_hmask=head_mask is not None)
+        Wp=max(16, next_pow2(W)), bitmap=bitmap, has_hmask=head_mask is not None,
+        row_hmask=head_mask is not None and head_mask.ndim == 3)
     args = [qp, kp, vp]
     if window is not None:
         args.append(jnp.asarray(window.current, jnp.int32).reshape(1))
@@ -734,7 +787,9 @@ def merge_splits(o, m, l):
     """Merge flash-decoding split partials into normalised attention ``[B, Hs, hd]``."""
     mx = jnp.max(m, axis=0)
     w = jnp.exp(m - mx[None])
-    return (o * w[..., None]).sum(0) / (l * w).sum(0)[..., None]
+    den = (l * w).sum(0)
+    # a row's unselected head (per-row head masks) has o = l = 0 in every split: 0
+    return (o * w[..., None]).sum(0) / jnp.where(den > 0, den, 1.0)[..., None]
 
 
 def merged_attention_loader(act_refs, r, valid, rows, *, ns, B, Bp, hd):
@@ -815,11 +870,12 @@ def head_sparse_attention_pallas(x, wq, bq, wk, bk, wv, bv, wo, bo, k_cache, v_c
             kv_opts.update(window=W, current=window.current,
                            past_flags=window_past_flags(window, kv_ids))
     q_seg = Segment(wq.reshape(H * hd, d), head_idx, G * hd)
+    union_mask = union_head_mask(head_mask)   # the weights: read once, for every row
     if head_mask is not None:   # one masked id per query head; idle groups' K/V skipped
         q_seg = Segment(wq.reshape(H * hd, d), _query_heads(head_idx, G), hd,
-                        mask=head_mask.reshape(-1))
+                        mask=union_mask.reshape(-1))
         kv_opts = dict(kv_opts, mask=jnp.concatenate(
-            [_active_groups(head_mask, Kh), jnp.ones((kv_ids.shape[0] - Kh,), bool)]))
+            [_active_groups(union_mask, Kh), jnp.ones((kv_ids.shape[0] - Kh,), bool)]))
     segs = [q_seg,
             Segment(wk.reshape(n_kv * hd, d), kv_ids, hd, x=x_rows, **kv_opts),
             Segment(wv.reshape(n_kv * hd, d), kv_ids, hd, x=x_rows, **kv_opts)]
@@ -885,7 +941,7 @@ def head_sparse_attention_pallas(x, wq, bq, wk, bk, wv, bv, wo, bo, k_cache, v_c
     out_cols = min(cfg.out_block_d, next_pow2(Kh * G * hd))
     out_ids, per_id, id_mask = head_idx, G * hd, None
     if head_mask is not None:   # the selected query heads' columns only
-        out_ids, per_id, id_mask = _query_heads(head_idx, G), hd, head_mask.reshape(-1)
+        out_ids, per_id, id_mask = _query_heads(head_idx, G), hd, union_mask.reshape(-1)
     out = gather_cols_matvec(act_args, load_act, wo.reshape(wo.shape[0], -1), out_ids, B=B,
                              cols_per_id=per_id, layers=H // wo.shape[1],
                              block_rows=cfg.out_block_rows, block_cols=out_cols,
@@ -1000,7 +1056,10 @@ def head_sparse_attention(x, wq, bq, wk, bk, wv, bv, wo, bo, k_cache, v_cache, p
         out-projection columns are not read; a group with no selected head is skipped
         (no K/V weights or cache read, no K/V written, window entries included: a
         refresh in ``window.extra_ids`` still writes its own). Made from a query-head
-        selection by :func:`query_head_groups`.
+        selection by :func:`query_head_groups`. Per row, ``[B, Kh, G]``: each row
+        attends with its own query heads, reading and writing only their groups' cache
+        entries (an entry a row skips stays missing for that row), while the weights are
+        read once for the heads some row computes.
       rope: optional rotary embedding for the current position: a callable mapping
         ``[B, n, hd]`` fp32 to the same shape, or ``(cos, sin)`` of shape ``[hd]`` or
         ``[B, hd]`` applied HF-Llama style (``t*cos + rotate_half(t)*sin``) to q and k.

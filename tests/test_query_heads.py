@@ -154,3 +154,71 @@ def test_query_head_mask_with_a_missing_kv_window(rng, impl):
         assert_finite_close(got[:, :3, :pos + 1], ref[:, :3, :pos + 1], rtol=1e-5,
                             atol=1e-5)
         assert np.isnan(got[:, 3]).all()
+
+
+def _row_poison(w, kc, vc, hidx, row_mask, G):
+    """`_poison` for per-row masks: weights by the rows' union, each row's cache by its own
+    heads (a group a row does not select is NaN in that row's cache)."""
+    pw, _, _ = _poison(w, kc, vc, hidx, row_mask.any(0), G)
+    kc, vc = kc.copy(), vc.copy()
+    for b in range(kc.shape[0]):
+        keep = np.zeros((kc.shape[1], G), bool)
+        keep[hidx] = row_mask[b]
+        idle = ~keep.any(1)
+        kc[b, idle], vc[b, idle] = np.nan, np.nan
+    return pw, kc, vc
+
+
+@pytest.mark.parametrize("impl,G,splits", [("interpret", 3, 1), ("interpret", 1, 3),
+                                           ("reference", 2, None)])
+def test_per_row_head_masks_equal_each_row_alone(rng, impl, G, splits):
+    """Three rows, each with its own query heads among the union's groups (one row with a
+    group the others skip, one with a group of no head at all): every row's output and
+    cache entries equal numpy's attention of that row alone with its own heads; the
+    weights only the union reads and the cache groups a row skips are NaN."""
+    from dejavu_jax.kernels import AttnConfig
+    B, d, hd, S, pos, n_kv = 3, 48, 16, 40, 29, 4
+    H = n_kv * G
+    w = _weights(rng, d, H, n_kv, hd)
+    kc, vc = rng.standard_normal((2, B, n_kv, S, hd))
+    kc[:, :, pos:], vc[:, :, pos:] = np.nan, np.nan
+    x = rng.standard_normal((B, d))
+    ang = rng.standard_normal(hd // 2)
+    cos, sin = np.cos(np.r_[ang, ang]), np.sin(np.r_[ang, ang])
+    hidx = np.asarray([2, 0, 3], np.int32)
+    row_mask = np.zeros((B, 3, G), bool)
+    row_mask[0, 0, 0] = True                    # row 0: group 2 only
+    row_mask[1, 0, -1] = row_mask[1, 1, :] = True
+    row_mask[2, 1, 0] = True                    # row 2: group 0 only; group 3: no row
+    pw, pk, pv = _row_poison(w, kc, vc, hidx, row_mask, G)
+    f = lambda a: jnp.asarray(a, F32)
+    cfg = None if splits is None else AttnConfig(seq_splits=splits, block_s=16)
+    out, k2, v2 = head_sparse_attention(
+        f(x), *map(f, pw), f(pk), f(pv), jnp.int32(pos), jnp.asarray(hidx),
+        head_mask=jnp.asarray(row_mask), rope=(f(cos), f(sin)), impl=impl, config=cfg)
+    for b in range(B):
+        want, want_k, want_v = _np_masked_attention(
+            x[b:b + 1], [np.nan_to_num(a) for a in w], np.nan_to_num(kc[b:b + 1]),
+            np.nan_to_num(vc[b:b + 1]), pos, hidx, row_mask[b], cos, sin)
+        assert_finite_close(out[b:b + 1], want, rtol=1e-5, atol=1e-5)
+        own = [g for i, g in enumerate(hidx) if row_mask[b, i].any()]
+        idle = [g for g in range(n_kv) if g not in own]
+        for got, ref in ((k2, want_k), (v2, want_v)):
+            got = np.asarray(got, np.float64)[b]
+            assert_finite_close(got[own, :pos + 1], ref[0, own, :pos + 1], rtol=1e-5,
+                                atol=1e-5)
+            assert np.isnan(got[idle]).all()        # a row's skipped groups: untouched
+
+
+def test_per_row_query_head_groups_hold_the_union_and_each_rows_heads():
+    ids = jnp.asarray([[7, 2], [3, 2]], jnp.int32)          # G = 2, 4 groups
+    gids, mask = query_head_groups(ids, 4, 2)               # capacity min(4, 2 * 2): all
+    np.testing.assert_array_equal(gids, [0, 1, 2, 3])
+    assert not mask[:, [0, 2]].any() and mask.shape == (2, 4, 2)
+    gids, mask = query_head_groups(ids, 4, 2, n_groups=3)
+    np.testing.assert_array_equal(gids, [1, 3, 0])
+    np.testing.assert_array_equal(mask, [[[True, False], [False, True], [False, False]],
+                                         [[True, True], [False, False], [False, False]]])
+    gids, mask = query_head_groups(jnp.asarray([[5], [1]], jnp.int32), 6, 1)
+    np.testing.assert_array_equal(gids, [1, 5])
+    np.testing.assert_array_equal(mask[..., 0], [[False, True], [True, False]])

@@ -89,11 +89,15 @@ def test_describe_sparsity_names_a_batchs_dense_parts():
                                    batch_policy="union")
     scfg = union(0.1, 0.5)
     text = cli.describe_sparsity(config, scfg, batch=16)
-    assert "union mlp 100.0%  heads 100.0%  (dense layer)" in text
+    # each row attends with its own heads: the attention kernel, though the union's head
+    # weights are every head
+    assert "union mlp 100.0%  heads 100.0%  (dense mlp)" in text
     assert "per token" in text and "100.0% computed for the batch of 16" in text
     assert "union" not in cli.describe_sparsity(config, scfg)
     masked = cli.describe_sparsity(config, union(0.25, 0.5), batch=2)
-    assert "union mlp  50.0%  heads 100.0%  (dense attention + masked mlp)" in masked
+    assert "union mlp  50.0%  heads 100.0%  (dense masked mlp)" in masked
+    every_head = cli.describe_sparsity(config, union(0.25, 1.0), batch=2)
+    assert "union mlp  50.0%  heads 100.0%  (dense attention + masked mlp)" in every_head
     some = cli.describe_sparsity(config, union(0.1, 0.25), batch=2)
     assert "union mlp  20.3%  heads  50.0%\n" in some
     default = cli.describe_sparsity(config, sparse.sparse_config(config, 0.1, 0.25,

@@ -392,6 +392,51 @@ def test_a_batch_union_of_some_heads_runs_the_attention_kernel(monkeypatch):
     assert attn_calls and all(k == config.n_kv_heads // 2 for k in attn_calls)
 
 
+@pytest.mark.parametrize("preset,heads,impl", [("opt-tiny", 0.5, None),
+                                               ("llama-tiny", 0.25, None),
+                                               ("llama-tiny", 0.25, "interpret")])
+def test_a_batch_with_per_row_heads_equals_each_row_decoded_alone(preset, heads, impl,
+                                                                   monkeypatch):
+    """Batch 3 with predictors: each row selects its own query heads (per-row head masks
+    in the attention kernel, the union's weights read once) and every neuron. Each row's
+    logits at every step equal that prompt's decoded alone, where batch 1 selects the same
+    heads; a 2-token missing-KV window makes every row recompute its own missing entries."""
+    from dejavu_jax import kernels
+    from dejavu_jax.eval.bench_decode import random_predictors
+    from dejavu_jax.generation import left_pad
+    config = dj.preset(preset)
+    params = dj.init_params(config, jax.random.key(5), jnp.float32, std=0.1)
+    preds = random_predictors(config, 8, jax.random.key(4))
+    scfg = dataclasses.replace(sparse.sparse_config(config, 1.0, heads, dense_layers=1,
+                                                    kv_window=2),
+                               batch_policy="union", impl=impl)
+    masks = []
+    real_attn = kernels.head_sparse_attention
+    monkeypatch.setattr(kernels, "head_sparse_attention", lambda *a, **kw: masks.append(
+        None if kw["head_mask"] is None else kw["head_mask"].shape) or real_attn(*a, **kw))
+    eng = sparse.sparse_engine(config, scfg, sparse.predictor_selector(config.group_size))
+    prefill, step = jax.jit(eng.prefill), jax.jit(eng.step)
+    prompts = [[5, 9, 14, 3, 7], [8, 2], [11, 4, 6]]
+    tokens = np.random.default_rng(0).integers(3, config.vocab_size, (6, 3))
+
+    def run(rows):
+        ids, mask = (jnp.asarray(a) for a in left_pad([prompts[r] for r in rows]))
+        state = eng.init_state(len(rows), 32, jnp.float32)
+        logits, state = prefill((params, preds), ids, mask, state)
+        out = [np.asarray(logits)]
+        for t in range(tokens.shape[0]):
+            logits, state = step((params, preds), state, jnp.asarray(tokens[t, rows]))
+            out.append(np.asarray(logits))
+        return np.stack(out)
+
+    batch = run([0, 1, 2])
+    assert masks and all(m is not None and len(m) == 3 and m[0] == 3 for m in masks)
+    for r in range(3):
+        alone = run([r])
+        assert np.isfinite(alone).all()
+        assert np.abs(batch[:, r] - alone[:, 0]).max() <= 2e-5
+
+
 def test_sparse_step_refuses_fused_qkv():
     from dejavu_jax.params import fuse_qkv
     config = dj.preset("opt-tiny")
