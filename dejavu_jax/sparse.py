@@ -798,6 +798,7 @@ class PredictorSelector:
 
     def _top(self, scores, k, capacity):
         from dejavu_jax.kernels.top_k import top_k_indices_local
+        from dejavu_jax.kernels.union_select import union_top_k_local
         from dejavu_jax.topk import union_top_k
         from dejavu_jax.train.predict import default_union_size, select_top_k
         method, impl = self.method, self.impl
@@ -809,6 +810,10 @@ class PredictorSelector:
                 ids = variant_top_k(method, scores[0], k, impl)
                 if ids is not None:
                     return ids
+        if scores.shape[0] > 1 and method == "local" and capacity is None:
+            if k * scores.shape[0] >= scores.shape[1]:   # every unit: nothing to rank
+                return jnp.arange(scores.shape[1], dtype=jnp.int32)
+            return union_top_k_local(scores, k, impl=impl)
         if scores.shape[0] > 1 and method != "exact":
             capacity = capacity or default_union_size(scores.shape[1], k, scores.shape[0])
             return union_top_k(scores, k, capacity)
@@ -866,8 +871,10 @@ def predictor_selector(group_size: int,
 
     Batches select the union of their rows' neuron sets, of static size min(n, k * B) by
     default (`union_capacity` sets it): "exact" through `train.predict.select_top_k`
-    (per-row `lax.top_k` and a sort), "local" through `topk.union_top_k` (counting
-    passes, no sort). A union of every unit needs no ranking at all. Heads are per row
+    (per-row `lax.top_k` and a sort), "local" through `kernels.union_select` (the union
+    of the rows' local top-k sets, chunk by chunk, in one launch; about min(n, k * B)
+    ids), or with a `union_capacity` through `topk.union_top_k` (counting passes, no
+    sort). A union of every unit needs no ranking at all. Heads are per row
     ([B, k] ids: each row attends with its own, `kernels.head_sparse_attention`'s
     per-row masks), unless `union_capacity` gives their union a size.
     method (`SELECT_METHODS`), for a single row: "exact" (`lax.top_k`, a sort on the GPU;

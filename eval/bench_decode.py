@@ -90,16 +90,23 @@ def layer_rows(rng, n: int, ks, width: int) -> np.ndarray:
     return np.stack(rows)
 
 
-def random_sets(config, scfg, seed: int = 0, per_layer: bool = False):
+def random_sets(config, scfg, seed: int = 0, per_layer: bool = False,
+                row_heads: int | None = None):
     """Random index sets per layer, each layer's first k (its own density) sorted:
     (neurons [L, Kmax], query heads [L, Khmax]), or with per_layer tuples of each layer's
-    own [k] arrays (`sparse.fixed_selector`)."""
+    own [k] arrays (`sparse.fixed_selector`). row_heads=B: each of B batch rows its own
+    heads, [L, B, Khmax] (per_layer: [B, k] arrays)."""
     rng = np.random.default_rng(seed)
     neurons = layer_rows(rng, config.ffn, scfg.mlp_k, max(scfg.mlp_k))
     heads = layer_rows(rng, config.n_heads, scfg.head_k, max(scfg.head_k))
+    if row_heads is not None:
+        heads = np.stack([heads] + [layer_rows(rng, config.n_heads, scfg.head_k,
+                                               max(scfg.head_k))
+                                    for _ in range(row_heads - 1)], axis=1)
     if per_layer:
         return (tuple(jnp.asarray(neurons[l, :k], jnp.int32) for l, k in enumerate(scfg.mlp_k)),
-                tuple(jnp.asarray(heads[l, :k], jnp.int32) for l, k in enumerate(scfg.head_k)))
+                tuple(jnp.asarray(heads[l, ..., :k], jnp.int32)
+                      for l, k in enumerate(scfg.head_k)))
     return jnp.asarray(neurons, jnp.int32), jnp.asarray(heads, jnp.int32)
 
 
@@ -141,10 +148,12 @@ def step_bytes(config, scfg, context: int, batch: int, rank: int, predictors: bo
     this is the model's weight bytes minus the position table plus the gathered rows plus
     the KV (tests/test_bench.py checks it against the parameter arrays).
 
-    Predictor rows with batch > 1 read the union's static capacity
-    (`train.predict.default_union_size`); fixed-index rows read their k units for every
-    batch. Where `sparse.batch_dense_parts` runs a batch's attention or MLP dense, every
-    head or neuron is read; a layer it runs dense reads no predictor.
+    Predictor rows with batch > 1 read the union's static capacity of neurons
+    (`train.predict.default_union_size`); fixed-index rows read their k neurons for every
+    batch. Heads are per row at batch > 1 (both kinds): the weights of their union's
+    capacity, each row's K and V of its own groups. Where `sparse.batch_dense_parts` runs
+    a batch's attention or MLP dense, every head or neuron is read; a layer it runs dense
+    reads no predictor.
     """
     c = config
     d, E, hd = c.hidden, c.embed_dim, c.head_dim
@@ -162,13 +171,16 @@ def step_bytes(config, scfg, context: int, batch: int, rank: int, predictors: bo
         kh = c.n_heads if scfg is None else scfg.head_k[layer]
         if predictors and batch > 1:
             km = default_union_size(c.ffn, km, batch)
-            kh = default_union_size(c.n_heads, kh, batch)
+        kh_row = kh
         dense_layer = False
         if scfg is not None:
-            attention, dense_mlp, dense_layer = sparse.batch_dense_parts(c, scfg, km, kh, batch)
+            attention, dense_mlp, dense_layer = sparse.batch_dense_parts(c, scfg, km, kh,
+                                                                         batch)
             km = c.ffn if dense_mlp else km  # XLA's dense MLP, the other neurons masked
-            kh = c.n_heads if attention else kh
+            kh_row = kh = c.n_heads if attention else kh
+        kh = default_union_size(c.n_heads, kh, batch)  # the rows' union: weights
         kg = min(c.n_kv_heads, kh)  # the KV groups of kh query heads, at most
+        kg_row = min(c.n_kv_heads, kh_row)
         total += 2 * d * (2 if layer_norm else 1)  # attention and MLP norms
         total += (2 * kh + 2 * kg) * hd * d  # q and o of the query heads, k and v
         if c.attention_bias:
@@ -176,7 +188,7 @@ def step_bytes(config, scfg, context: int, batch: int, rank: int, predictors: bo
         total += km * mlp_mats * d
         if c.mlp_bias:
             total += km + d  # b_in of the selected neurons; b_out
-        total += batch * kg * 2 * context * hd  # K and V
+        total += batch * kg_row * 2 * context * hd  # K and V of each row's own groups
         if (predictors and scfg is not None and layer >= scfg.dense_layers
                 and not dense_layer):
             # both predictors in decode form (`decode_predictors`): w1t [2r, d] and
@@ -412,7 +424,8 @@ def measure_rows(config, params, preds, contexts, mlp_densities, head_densities,
                  dense_engine_for_dense_batches=False) -> list[dict]:
     """The rows of one model for every context and batch: the `dense` engine, then for each
     density pair the sparse rows (`sparse_row_kinds`) built by `sparse_engine(scfg,
-    select)`; precomputed sets come from `fixed_sets(scfg)` (at heads 0.5, first context).
+    select)`; precomputed sets come from `fixed_sets(scfg, batch)` (at heads 0.5, first
+    context; per-row heads at batch > 1).
     `make_row(columns)` completes each row (model, layout, device columns); every row is
     logged as one JSON line. A setting that fails (OOM, lowering) is logged and skipped.
     Compiled prefills are reused across rows of equal shapes (the sparse engines of a model
@@ -474,7 +487,8 @@ def measure_rows(config, params, preds, contexts, mlp_densities, head_densities,
             for md in mlp_densities:
                 for hdn in head_densities:
                     base_cfg = sparse.sparse_config(config, md, hdn, dense_layers=dense_layers)
-                    fixed = fixed_sets(base_cfg) if hdn == 0.5 and ctx == contexts[0] else None
+                    fixed = (fixed_sets(base_cfg, batch)
+                             if hdn == 0.5 and ctx == contexts[0] else None)
                     for kernel_cfg, (kind, select, sel_params) in itertools.product(
                             kernel_configs or [{}], sparse_row_kinds(
                                 config, preds, select_methods, fixed, kv_recompute_off)):
@@ -497,7 +511,8 @@ def measure_rows(config, params, preds, contexts, mlp_densities, head_densities,
                                 mode="sparse", mlp=md, heads=hdn,
                                 indices=(kind + config_label(kernel_cfg)
                                          + " (dense engine)" * as_dense),
-                                **({"kernel_config": {key: dataclasses.asdict(cfg)
+                                **({"kernel_config": {key: cfg if isinstance(cfg, str)
+                                                      else dataclasses.asdict(cfg)
                                                       for key, cfg in kernel_cfg.items()}}
                                    if kernel_cfg else {}))
     return rows
@@ -511,7 +526,9 @@ def config_label(kernel_configs) -> str:
     differ from the defaults ("" when none do), appended to a sparse row's indices label."""
     fields = []
     for key, cfg in (kernel_configs or {}).items():
-        if cfg is not None:
+        if key == "batch_policy":
+            fields.append(f"policy={cfg}")
+        elif cfg is not None:
             default = type(cfg)()
             fields += [f"{CONFIG_PREFIX[key]}{f.name}={getattr(cfg, f.name)}"
                        for f in dataclasses.fields(cfg)
@@ -519,17 +536,24 @@ def config_label(kernel_configs) -> str:
     return f" [{','.join(fields)}]" if fields else ""
 
 
-def parse_kernel_configs(attn: str, mlp: str) -> list[dict]:
+def parse_kernel_configs(attn: str, mlp: str, batch_policies: str = "dense") -> list[dict]:
     """SparseConfig fields for each sparse-row variant, from --attn-config / --mlp-config:
     '/'-separated variants of "field=value,..." ("base": the defaults); every attention
-    variant with every MLP variant."""
+    variant with every MLP variant, each under every comma-separated --batch-policy
+    (`sparse.BATCH_POLICIES`; "dense", the engine's default, adds no field)."""
     from dejavu_jax.kernels import AttnConfig, MLPConfig
     from dejavu_jax.kernels.bench_step_parts import parse_variants
     choices = []
     for key, text, cls in (("attn_config", attn, AttnConfig), ("mlp_config", mlp, MLPConfig)):
         variants = parse_variants(text, cls) if text else []
         choices.append([{key: cfg} for _, cfg in variants] or [{}])
-    return [{**a, **m} for a in choices[0] for m in choices[1]]
+    policies = [p.strip() for p in batch_policies.split(",") if p.strip()]
+    unknown = [p for p in policies if p not in sparse.BATCH_POLICIES]
+    if unknown or not policies:
+        raise ValueError(f"--batch-policy: unknown {unknown or batch_policies!r}; choose "
+                         f"from {', '.join(sparse.BATCH_POLICIES)}")
+    return [{**a, **m, **({} if p == "dense" else {"batch_policy": p})}
+            for p in policies for a in choices[0] for m in choices[1]]
 
 
 def run_model(name, contexts, mlp_densities, head_densities, batches, rank, dense_layers,
@@ -554,7 +578,8 @@ def run_model(name, contexts, mlp_densities, head_densities, batches, rank, dens
         dense_layers, warmup, steps, bar, log, select_methods, modes, prefill_reps,
         init_kwargs=dict(per_layer=layout == "unrolled"), label=f"{name} {layout}",
         dense=dense_engine(config), sparse_engine=functools.partial(sparse.sparse_engine, config),
-        fixed_sets=lambda scfg: random_sets(config, scfg, per_layer=layout == "unrolled"),
+        fixed_sets=lambda scfg, batch: random_sets(config, scfg, per_layer=layout == "unrolled",
+                                                   row_heads=batch if batch > 1 else None),
         make_row=lambda r: dict(model=name, layout=layout, **r),
         kv_recompute_off=kv_recompute_off, loop_only=loop_only, dense_qkv=dense_qkv,
         kernel_configs=kernel_configs, generate_tokens=generate_tokens,
@@ -767,6 +792,9 @@ def main(argv=None) -> int:
                         "each measured, e.g. 'base/out_block_rows=16'")
     p.add_argument("--mlp-config", default="",
                    help="sparse rows' kernels.MLPConfig variants, e.g. 'base/num_stages=3'")
+    p.add_argument("--batch-policy", default="dense",
+                   help="comma-separated SparseConfig.batch_policy values for the sparse "
+                        "rows (dense, union, kernels)")
     p.add_argument("--layouts", default="unrolled",
                    help="stacked (lax.scan over stacked layers), unrolled, or both")
     p.add_argument("--select", default="exact",
@@ -834,7 +862,8 @@ def main(argv=None) -> int:
                 f"{', '.join(sparse.SELECT_METHODS + TOP_K_VARIANTS)} (each optionally "
                 f"-apart)")
     try:
-        kernel_configs = parse_kernel_configs(args.attn_config, args.mlp_config)
+        kernel_configs = parse_kernel_configs(args.attn_config, args.mlp_config,
+                                              args.batch_policy)
     except ValueError as e:
         p.error(str(e))
     hf_modes = [m for m in modes if m in bench_hf.HF_MODES]
@@ -873,7 +902,7 @@ def main(argv=None) -> int:
                 xla_flags=os.environ.get("XLA_FLAGS", ""),
                 dense_layers=args.dense_layers, modes=modes, batches=batches,
                 loop_only=args.loop_only, attn_config=args.attn_config,
-                mlp_config=args.mlp_config,
+                mlp_config=args.mlp_config, batch_policy=args.batch_policy,
                 dense_qkv="separate" if mesh is not None else args.dense_qkv,
                 warmup=args.warmup, steps=args.steps,
                 mesh=None if mesh is None else dict(mesh.shape),

@@ -99,7 +99,7 @@ def run_model_tp(name, contexts, mlp_densities, head_densities, batches, rank, d
         label=f"{name} tp={tp}", dense=tp_decode.tp_dense_engine(config, mesh),
         sparse_engine=lambda scfg, select: tp_decode.tp_sparse_engine(config, scfg, select,
                                                                       mesh),
-        fixed_sets=lambda scfg: random_local_sets(config, scfg, tp), make_row=make_row,
+        fixed_sets=lambda scfg, batch: random_local_sets(config, scfg, tp), make_row=make_row,
         loop_only=loop_only, dense_qkv="separate")  # sharded by head: q/k/v stay apart
     del params
     return rows

@@ -13,9 +13,11 @@
    selected heads attend to rewritten entries and refresh heads only write), MHA and GQA
    with rotary tables, rows rotated as in a ring: output and caches. In the batch case
    one head misses no earlier entry (its programs take the current-rows-only path). The
-   last GQA case selects query heads (`head_mask`): one selected group keeps some of its
-   query heads, another none (skipped, though a refresh group: it still writes its
-   entries).
+   GQA case with a [Kh, G] `head_mask` selects query heads: one selected group keeps some
+   of its query heads, another none (skipped, though a refresh group: it still writes its
+   entries). The last two cases give each batch row its own heads ([B, Kh, G] masks,
+   MHA and GQA, longer caches with several sequence splits); check 1's "rows" layout
+   decodes with per-row head sets.
 4. The fused LayerNorm / RMSNorm (`kernels.layer_norm`, which every decode path uses on
    GPU, the reference runs of check 1 included), with and without its RMS-scaled second
    output, against its reference at model widths.
@@ -130,9 +132,10 @@ def gemma3_tiny():
         query_scale=0.25)
 
 
-# (config, (MLP density, head density) pairs, layouts); density 1 runs the dense branches
-DECODE_CASES = (("opt-tiny", ((1.0, 1.0), (0.3, 0.5)), ("unrolled", "stacked")),
-                ("llama-tiny", ((0.3, 0.5),), ("unrolled", "stacked")),
+# (config, (MLP density, head density) pairs, layouts); density 1 runs the dense branches;
+# layout "rows": stacked, each batch row with its own heads
+DECODE_CASES = (("opt-tiny", ((1.0, 1.0), (0.3, 0.5)), ("unrolled", "stacked", "rows")),
+                ("llama-tiny", ((0.3, 0.5),), ("unrolled", "stacked", "rows")),
                 ("gemma3-tiny", ((0.3, 0.5),), ("unrolled",)))
 
 
@@ -150,13 +153,20 @@ def _decode_rows(impl: str, steps: int, cases) -> list[dict]:
             ref = _decode(config, dataclasses.replace(scfg, impl="reference"), params, sets,
                           steps, False)
             for layout in layouts:
+                if layout == "rows" and heads == 1.0:
+                    continue
                 p = unstack_layers(params) if layout == "unrolled" else params
-                got = _decode(config, dataclasses.replace(scfg, impl=impl), p, sets, steps,
-                              layout == "unrolled")
+                layout_sets, want = sets, ref
+                if layout == "rows":
+                    layout_sets = random_sets(config, scfg, seed=3, row_heads=2)
+                    want = _decode(config, dataclasses.replace(scfg, impl="reference"),
+                                   params, layout_sets, steps, False)
+                got = _decode(config, dataclasses.replace(scfg, impl=impl), p, layout_sets,
+                              steps, layout == "unrolled")
                 rows.append(dict(check="decode", preset=preset, mlp=mlp, heads=heads,
                                  layout=layout, steps=steps,
-                                 logits=float(np.abs(got[0] - ref[0]).max()),
-                                 k_cache=float(np.abs(got[1] - ref[1]).max())))
+                                 logits=float(np.abs(got[0] - want[0]).max()),
+                                 k_cache=float(np.abs(got[1] - want[1]).max())))
     return rows
 
 
@@ -323,11 +333,15 @@ def window_rows(impl: str) -> list[dict]:
             (1, 512, 8, 8, 64, 64, 16, 40, False, False),
             (2, 512, 8, 4, 64, 64, 16, 21, True, False),
             (1, 256, 4, 4, 64, 32, 16, 5, False, False),
-            (1, 512, 16, 4, 64, 64, 16, 21, True, True)):
+            (1, 512, 16, 4, 64, 64, 16, 21, True, True),
+            (3, 512, 8, 8, 64, 256, 16, 200, False, "rows"),
+            (4, 512, 16, 4, 64, 256, 16, 150, True, "rows")):
         hidx = jnp.asarray(rng.permutation(n_kv)[: n_kv // 2], jnp.int32)
         extra = jnp.asarray([int(np.setdiff1d(np.arange(n_kv), hidx)[0])], jnp.int32)
         head_mask = None
-        if qh:   # query heads: group hidx[0] keeps none (and is refreshed), the others
+        if qh == "rows":   # each row its own query heads; some row-idle groups
+            head_mask = jnp.asarray(rng.random((B, len(hidx), H // n_kv)) > 0.6)
+        elif qh:   # query heads: group hidx[0] keeps none (and is refreshed), the others
             G = H // n_kv  # some
             head_mask = jnp.asarray(rng.random((len(hidx), G)) > 0.5).at[0].set(False)
             head_mask = head_mask.at[1:, 0].set(True)

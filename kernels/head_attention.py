@@ -493,9 +493,11 @@ def _decode_attention_kernel(*refs, nds, has_bq, has_bk, has_bv, has_rope, has_m
     vec = Gp == 1
     qrows = jm                               # the query heads computed in this group
     attends = attend                         # attends to the cache and writes pos
-    hm_row = (lambda ref: ref.at[b]) if row_hmask else (lambda ref: ref)
+    def hm_at(group, col):   # the head mask at (group, col), of this row when per row
+        return hm_ref.at[b, group, col] if row_hmask else hm_ref.at[group, col]
+
     if has_hmask:
-        qrows = jm & (plgpu.load(hm_row(hm_ref).at[gq, jr], mask=jm, other=0) != 0)
+        qrows = jm & (plgpu.load(hm_at(gq, jr), mask=jm, other=0) != 0)
         active = jnp.max(qrows.astype(jnp.int32)) > 0
         attends = attend & active
 
@@ -547,7 +549,7 @@ def _decode_attention_kernel(*refs, nds, has_bq, has_bk, has_bv, has_rope, has_m
                 kk = jnp.arange(next_pow2(Kh), dtype=jnp.int32)
                 sel = plgpu.load(hidx_ref.at[kk], mask=kk < Kh, other=-1)
                 if has_hmask:   # an idle selected group leaves its entries to the refresh
-                    on = plgpu.load(hm_row(hm_ref).at[kk[:, None], jr[None, :]],
+                    on = plgpu.load(hm_at(kk[:, None], jr[None, :]),
                                     mask=(kk < Kh)[:, None] & jm[None, :], other=0)
                     sel = jnp.where(jnp.max(on, axis=1) != 0, sel, -1)
                 dup = jnp.logical_not(attend) & (jnp.max((sel == hv).astype(jnp.int32)) > 0)

@@ -287,12 +287,11 @@ def test_sparse_config_validation():
 def test_a_set_of_every_neuron_runs_the_dense_mlp(monkeypatch):
     """Batch 2 at MLP density 0.5: the union's static capacity is every neuron, so the MLP
     runs XLA's dense products (no gather kernel) and the logits stay the dense ones; at
-    batch 1 the same density runs the kernel. Head density 0.5 over 2 rows makes the
-    union every head too (as head density 1.0 would), so the whole layer is the dense
-    one: no attention kernel either; at batch 1 the attention kernel runs with half the
-    heads. A union of some heads runs the attention kernel at batch 2:
+    batch 1 the same density runs the kernel. With every head too, the whole layer is
+    the dense one: no attention kernel either; at batch 1 the attention kernel runs. A
+    batch whose rows select some heads runs the attention kernel with per-row heads:
     test_a_batch_union_of_some_heads_runs_the_attention_kernel."""
-    head_density = 0.5
+    head_density = 1.0
     from dejavu_jax import kernels
     config = dj.preset("opt-tiny")
     params = dj.init_params(config, jax.random.key(3), jnp.float32, std=0.1)
@@ -373,8 +372,9 @@ def test_a_batch_with_every_head_runs_dense_attention_and_matches_single_rows(
 
 
 def test_a_batch_union_of_some_heads_runs_the_attention_kernel(monkeypatch):
-    """Batch 2 at heads 0.25: the union holds half the heads, so the attention kernel
-    runs with that many (and the MLP, whose union is every neuron, runs dense)."""
+    """Batch 2 at heads 0.25: the rows' union holds half the heads, so the attention kernel
+    runs with that many groups (each row with its own heads), and the MLP, whose union is
+    every neuron, runs dense."""
     from dejavu_jax import kernels
     config = dj.preset("opt-tiny")
     params = dj.init_params(config, jax.random.key(3), jnp.float32, std=0.1)
@@ -502,9 +502,10 @@ def test_a_batch_selects_the_union_of_its_rows_sets(method):
     preds = random_predictors(config, 8, jax.random.key(4))
     x = jax.random.normal(jax.random.key(6), (3, config.hidden))
     k = config.ffn // 4
-    neurons, groups = variant_selector(config.group_size, method)(preds, 2, x, k, 1)
-    scores = np.asarray(predictor_scores(preds, 2, x)[0])
+    neurons, heads = variant_selector(config.group_size, method)(preds, 2, x, k, 2)
+    scores, head_scores = map(np.asarray, predictor_scores(preds, 2, x))
     union = set(np.argsort(-scores, axis=1)[:, :k].reshape(-1).tolist())
     got = np.asarray(neurons)
     assert got.shape == (3 * k,) and np.all(np.diff(got) > 0) and union <= set(got.tolist())
-    assert groups.shape == (3,)
+    # heads: each row its own top 2, ascending
+    np.testing.assert_array_equal(heads, np.sort(np.argsort(-head_scores, axis=1)[:, :2], 1))

@@ -129,6 +129,10 @@ def test_norms_top_k_and_predictor_select_lower():
     s = z(28672, dtype=F32)
     for fn in (kernels.top_k_indices, top_k_indices_chunked, top_k_indices_local):
         lowers(lambda v, fn=fn: fn(v, 2867, impl="pallas"), s)
+    from dejavu_jax.kernels.union_select import union_top_k_local
+    for B in (4, 16):
+        text = lowers(lambda v: union_top_k_local(v, 2867, impl="pallas"), z(B, 28672, dtype=F32))
+        assert "union_top_k_local" in text
     L, r, F, H = 2, 256, 28672, 56
     for deferred, warps in ((False, None), (True, 1)):
         lowers(lambda *a: predictor_select(*a, jnp.int32(1), 2867, 28, impl="pallas",
@@ -165,6 +169,8 @@ def test_sparse_decode_step_lowers(preset, batch, split, stacked):
     assert ("predictor_scores_gather_matvec" in text) == split
     assert ("predictor_select_gather_matvec_t" in text) == split
     assert "layer_norm" in text
+    # a batch: the union of its rows' neurons in one launch; each row its own heads
+    assert ("union_top_k_local" in text) == (batch > 1)
 
 
 @pytest.mark.parametrize("preset", ["opt-tiny", "llama-tiny"])

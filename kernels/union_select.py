@@ -1,0 +1,124 @@
+"""A batch's union of its rows' local top-k sets in one Pallas launch.
+
+A batch of B rows computes the union of the rows' selected neurons. Ranking every row
+and merging the sets in XLA takes a sort or several counting passes per layer; here one
+launch does it, with a program per chunk of the scores holding all B rows of its chunk:
+
+1. each row's chunk maps to 16-bit keys (the scores' bfloat16 truncation, as in
+   :mod:`.top_k`), and a 16-step binary search over key values, run for the B rows at
+   once, finds each row's ``k_c``-th largest key;
+2. a lane is a member when some row chooses it (its keys above that row's k-th, then
+   ties in lane order);
+3. the chunk writes ``cap_c = min(c, B * k_c)`` ids in ascending order: its members, and
+   where they are fewer, the lowest-index non-members (computing a unit no row chose
+   changes no row's result beyond adding that unit).
+
+The chunks are :func:`.top_k.top_k_indices_local`'s: with one row this is that set.
+"""
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+from jax.experimental import pallas as pl
+from jax.experimental.pallas import triton as plgpu
+
+from ._common import check_array, next_pow2, resolve_impl
+from .top_k import KEY_BITS, local_top_k_shape, score_keys
+
+
+def union_local_shape(B: int, n: int, k: int, chunk: int) -> tuple[int, int, int, int]:
+    """(chunks P, chunk length c, ids per row per chunk k_c, ids per chunk cap_c)."""
+    P, c, kc = local_top_k_shape(n, k, chunk)
+    last = n - (P - 1) * c
+    return P, c, kc, min(last, B * kc)
+
+
+def union_top_k_local_reference(scores: jax.Array, k: int, chunk: int = 2048) -> jax.Array:
+    """jnp reference of :func:`union_top_k_local` (a stable sort per row and chunk)."""
+    B, n = scores.shape
+    P, c, kc, cap = union_local_shape(B, n, k, chunk)
+    keys = score_keys(scores)
+    out = []
+    for p in range(P):
+        lo, hi = p * c, min(p * c + c, n)
+        top = jnp.argsort(-keys[:, lo:hi], axis=1, stable=True)[:, :kc]
+        member = jnp.zeros((hi - lo,), bool).at[top.reshape(-1)].set(True)
+        spare = jnp.cumsum(~member) <= cap - member.sum()
+        take = member | (~member & spare)
+        out.append(lo + jnp.nonzero(take, size=cap)[0])
+    return jnp.concatenate(out).astype(jnp.int32)
+
+
+def _union_kernel(s_ref, o_ref, *, B, Bp, n, c, kc, cap, block):
+    p = pl.program_id(0)
+    lane = jnp.arange(block, dtype=jnp.int32)
+    ids = p * c + lane
+    valid = (lane < c) & (ids < n)
+    rows = jnp.arange(Bp, dtype=jnp.int32)
+    ok = (rows < B)[:, None] & valid[None, :]
+    s = plgpu.load(s_ref.at[rows[:, None], ids[None, :]], mask=ok, other=0.0)
+    key = jnp.where(ok, score_keys(s), -1)                       # [Bp, block]
+
+    def halve(_, bounds):                # per row: count(key >= lo) >= kc > count(>= hi)
+        lo, hi = bounds
+        mid = (lo + hi) // 2
+        enough = jnp.sum((key >= mid[:, None]).astype(jnp.int32), axis=1) >= kc
+        return jnp.where(enough, mid, lo), jnp.where(enough, hi, mid)
+
+    kth, _ = lax.fori_loop(0, KEY_BITS, halve,
+                           (jnp.zeros((Bp,), jnp.int32),
+                            jnp.full((Bp,), 1 << KEY_BITS, jnp.int32)))
+    above = key > kth[:, None]
+    tie = key == kth[:, None]
+    room = kc - jnp.sum(above.astype(jnp.int32), axis=1)
+    chosen = above | (tie & (jnp.cumsum(tie.astype(jnp.int32), axis=1) <= room[:, None]))
+    member = jnp.max(chosen.astype(jnp.int32), axis=0) > 0      # [block]
+    spare = valid & jnp.logical_not(member)
+    fill = cap - jnp.sum(member.astype(jnp.int32))
+    take = member | (spare & (jnp.cumsum(spare.astype(jnp.int32)) <= fill))
+    slot = jnp.where(take, jnp.cumsum(take.astype(jnp.int32)),
+                     cap + jnp.cumsum(jnp.logical_not(take).astype(jnp.int32))) - 1
+    plgpu.store(o_ref.at[p, slot], ids)
+
+
+@functools.partial(jax.jit, static_argnames=("k", "chunk", "interpret"))
+def _union_local(scores, *, k: int, chunk: int, interpret: bool):
+    B, n = scores.shape
+    P, c, kc, cap = union_local_shape(B, n, k, chunk)
+    block = next_pow2(c)
+    Bp = next_pow2(B)
+    out = pl.pallas_call(
+        functools.partial(_union_kernel, B=B, Bp=Bp, n=n, c=c, kc=kc, cap=cap, block=block),
+        grid=(P,),
+        out_shape=jax.ShapeDtypeStruct((P, block), jnp.int32),
+        compiler_params=plgpu.CompilerParams(
+            num_warps=min(16, max(4, Bp * block // 1024)), num_stages=1),
+        interpret=interpret,
+        name="union_top_k_local",
+    )(scores.astype(jnp.float32))
+    return out[:, :cap].reshape(-1)
+
+
+def union_top_k_local(scores: jax.Array, k: int, *, chunk: int = 2048,
+                      impl: str | None = None) -> jax.Array:
+    """Ids (int32, ascending) of a batch's union of local top-k sets, scores ``[B, n]``:
+    per chunk of :func:`.top_k.top_k_indices_local`, the union of the rows' ``k_c``
+    largest (bfloat16-precision keys, ties to the lower id), padded to ``min(c, B * k_c)``
+    ids with the chunk's lowest-index non-members. One launch; the size is static:
+    ``P * cap_c`` (:func:`union_local_shape`), about ``min(n, B * k)``.
+    """
+    check_array("scores", scores, ndim=2, floating=True)
+    B, n = scores.shape
+    if not 0 < k <= n:
+        raise ValueError(f"k={k} must be in 1..{n}")
+    if chunk < 1 or chunk > 1 << 15:
+        raise ValueError(f"chunk={chunk} must be in 1..32768")
+    if B > 64:
+        raise ValueError(f"union_top_k_local holds the batch's rows in one program; B={B} > 64")
+    impl = resolve_impl(impl)
+    if impl == "reference":
+        return union_top_k_local_reference(scores, int(k), int(chunk))
+    return _union_local(scores, k=int(k), chunk=int(chunk), interpret=impl == "interpret")
