@@ -787,7 +787,8 @@ class PredictorSelector:
     """
 
     def __init__(self, group_size: int, union_capacity=None, method: str = "exact",
-                 impl: str | None = None, ride_mlp_launches: bool = True):
+                 impl: str | None = None, ride_mlp_launches: bool = True,
+                 row_heads: bool = True):
         from dejavu_jax.sparse_variants import TOP_K_VARIANTS
         if method not in SELECT_METHODS + TOP_K_VARIANTS:
             raise ValueError(f"unknown selection method {method!r}; choose from "
@@ -795,6 +796,7 @@ class PredictorSelector:
         self.group_size, self.method, self.impl = group_size, method, impl
         self.union_capacity = union_capacity or (None, None)
         self.ride_mlp_launches = ride_mlp_launches
+        self.row_heads = row_heads
 
     def _top(self, scores, k, capacity):
         from dejavu_jax.kernels.top_k import top_k_indices_local
@@ -823,7 +825,7 @@ class PredictorSelector:
         from dejavu_jax.train.predict import predictor_scores
         mlp, heads = predictor_scores(pred_params, layer, x)   # heads: per query head
         cap_mlp, cap_heads = self.union_capacity
-        if heads.shape[0] > 1 and cap_heads is None:   # a batch: each row its own heads
+        if heads.shape[0] > 1 and cap_heads is None and self.row_heads:   # each row its own
             return (self._top(mlp, k_mlp, cap_mlp), row_top_k(heads, k_heads))
         return (self._top(mlp, k_mlp, cap_mlp), self._top(heads, k_heads, cap_heads))
 

@@ -12,6 +12,8 @@ measured against (docs/kernels.md, "What was tried"):
                         "packed" (the radix set through one integer sort)
   APART                 a --select suffix: the split selector's score product and selection
                         in launches of their own instead of riding in the MLP's launches
+  UNION_HEADS           a --select suffix: a batch selects the union of its rows' heads
+                        (every row attends with all of them) instead of per-row heads
   without_kv_recompute  missing-KV recomputation off (inexact: isolates its cost)
 """
 
@@ -23,12 +25,17 @@ from dejavu_jax import sparse
 
 TOP_K_VARIANTS = ("threshold", "radix", "chunked", "packed")
 APART = "-apart"
+UNION_HEADS = "-union-heads"
+
+
+def _method(name: str) -> str:
+    return name.removesuffix(UNION_HEADS).removesuffix(APART)
 
 
 def is_selector_name(name: str) -> bool:
     """Whether `name` is a benchmark --select entry: a method of `sparse.SELECT_METHODS` or
-    `TOP_K_VARIANTS`, optionally with the suffix `APART`."""
-    return name.removesuffix(APART) in sparse.SELECT_METHODS + TOP_K_VARIANTS
+    `TOP_K_VARIANTS`, optionally with the suffix `APART`, then optionally `UNION_HEADS`."""
+    return _method(name) in sparse.SELECT_METHODS + TOP_K_VARIANTS
 
 
 def variant_top_k(method: str, scores, k: int, impl: str | None = None):
@@ -52,13 +59,17 @@ def variant_selector(group_size: int, name: str, impl: str | None = None,
     """The predictor selector of a benchmark --select entry (see `is_selector_name`).
 
     The method picks each row's top-k as `sparse.predictor_selector` does for the public
-    ones; the suffix `APART` keeps a split selector out of the MLP's launches.
+    ones; the suffix `APART` keeps a split selector out of the MLP's launches, and
+    `UNION_HEADS` gives a batch the union of its rows' heads.
     """
     if not is_selector_name(name):
         raise ValueError(f"unknown selection method {name!r}; choose from "
-                         f"{sparse.SELECT_METHODS + TOP_K_VARIANTS} (optionally + {APART!r})")
-    return sparse.PredictorSelector(group_size, union_capacity, name.removesuffix(APART), impl,
-                                    ride_mlp_launches=not name.endswith(APART))
+                         f"{sparse.SELECT_METHODS + TOP_K_VARIANTS} (optionally + {APART!r}, "
+                         f"+ {UNION_HEADS!r})")
+    return sparse.PredictorSelector(group_size, union_capacity, _method(name), impl,
+                                    ride_mlp_launches=not name.removesuffix(
+                                        UNION_HEADS).endswith(APART),
+                                    row_heads=not name.endswith(UNION_HEADS))
 
 
 def without_kv_recompute(scfg: sparse.SparseConfig) -> sparse.SparseConfig:

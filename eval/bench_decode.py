@@ -52,8 +52,8 @@ from dejavu_jax import cli
 from dejavu_jax import config as config_lib
 from dejavu_jax import sparse
 from dejavu_jax.eval import bench_hf
-from dejavu_jax.sparse_variants import (TOP_K_VARIANTS, is_selector_name, variant_selector,
-                                        without_kv_recompute)
+from dejavu_jax.sparse_variants import (TOP_K_VARIANTS, UNION_HEADS, is_selector_name,
+                                        variant_selector, without_kv_recompute)
 from dejavu_jax.eval.bench_hf import cache_len
 from dejavu_jax.eval.parity_gate import add_parity_argument, require_parity
 from dejavu_jax.eval.provenance import run_meta
@@ -133,7 +133,8 @@ def sparse_row_kinds(config, preds, select_methods, fixed_sets=None,
     return variants
 
 
-def step_bytes(config, scfg, context: int, batch: int, rank: int, predictors: bool) -> int:
+def step_bytes(config, scfg, context: int, batch: int, rank: int, predictors: bool,
+               row_heads: bool = True) -> int:
     """Bytes (bf16) a decode step must read at least.
 
     Every weight a step uses, once: the LM head (the embedding when tied), project_in/out,
@@ -151,7 +152,8 @@ def step_bytes(config, scfg, context: int, batch: int, rank: int, predictors: bo
     Predictor rows with batch > 1 read the union's static capacity of neurons
     (`train.predict.default_union_size`); fixed-index rows read their k neurons for every
     batch. Heads are per row at batch > 1 (both kinds): the weights of their union's
-    capacity, each row's K and V of its own groups. Where `sparse.batch_dense_parts` runs
+    capacity, each row's K and V of its own groups (row_heads False: a predictor row's
+    heads are the union's for every row). Where `sparse.batch_dense_parts` runs
     a batch's attention or MLP dense, every head or neuron is read; a layer it runs dense
     reads no predictor.
     """
@@ -171,13 +173,15 @@ def step_bytes(config, scfg, context: int, batch: int, rank: int, predictors: bo
         kh = c.n_heads if scfg is None else scfg.head_k[layer]
         if predictors and batch > 1:
             km = default_union_size(c.ffn, km, batch)
-        kh_row = kh
+            if not row_heads:
+                kh = default_union_size(c.n_heads, kh, batch)
         dense_layer = False
         if scfg is not None:
             attention, dense_mlp, dense_layer = sparse.batch_dense_parts(c, scfg, km, kh,
                                                                          batch)
             km = c.ffn if dense_mlp else km  # XLA's dense MLP, the other neurons masked
-            kh_row = kh = c.n_heads if attention else kh
+            kh = c.n_heads if attention else kh
+        kh_row = kh
         kh = default_union_size(c.n_heads, kh, batch)  # the rows' union: weights
         kg = min(c.n_kv_heads, kh)  # the KV groups of kh query heads, at most
         kg_row = min(c.n_kv_heads, kh_row)
@@ -507,7 +511,8 @@ def measure_rows(config, params, preds, contexts, mlp_densities, head_densities,
                         bar.update()
                         if res is not None:
                             add(res, step_bytes(config, scfg, ctx, batch, rank,
-                                                kind.startswith("predictor")),
+                                                kind.startswith("predictor"),
+                                                not kind.endswith(UNION_HEADS)),
                                 mode="sparse", mlp=md, heads=hdn,
                                 indices=(kind + config_label(kernel_cfg)
                                          + " (dense engine)" * as_dense),

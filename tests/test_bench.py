@@ -73,16 +73,24 @@ def test_step_bytes_counts_every_weight(name):
     for predictors in (True, False):
         assert (bench_decode.step_bytes(config, half, 8, 2, rank, predictors)
                 == bench_decode.step_bytes(config, None, 8, 2, rank, False))
-    # under the "union" policy a batch's predicted sets are the union's capacity: 2 rows
-    # at half density read every unit, run dense and read no predictor; fixed sets read
-    # their k units at any batch
+    # under the "union" policy a batch's predicted neurons are the union's capacity: 2 rows
+    # at half density read every neuron; with the union of their heads, every head too:
+    # the layer runs dense and reads no predictor. With per-row heads (the default) the
+    # union's head weights are every head's, but each row reads only its own groups' K/V;
+    # fixed sets read their k neurons at any batch
     def union(mlp, heads):
         return dataclasses.replace(sparse.sparse_config(config, mlp, heads,
                                                         dense_layers=dense_layers),
                                    batch_policy="union")
+    dense2 = bench_decode.step_bytes(config, None, 8, 2, rank, False)
+    assert bench_decode.step_bytes(config, union(0.5, 0.5), 8, 2, rank, True,
+                                   row_heads=False) == dense2
+    sparse_layers = config.n_layers - dense_layers
+    kh = union(0.5, 0.5).head_k[-1]
+    skipped_kv = 2 * (config.n_kv_heads - min(config.n_kv_heads, kh)) * 2 * 8 * config.head_dim
     assert (bench_decode.step_bytes(config, union(0.5, 0.5), 8, 2, rank, True)
-            == bench_decode.step_bytes(config, None, 8, 2, rank, False))
-    assert (bench_decode.step_bytes(config, union(0.5, 0.5), 8, 2, rank, False)
+            == dense2 - 2 * skipped_kv * sparse_layers + per_layer * sparse_layers)
+    assert (bench_decode.step_bytes(config, union(0.25, 0.5), 8, 2, rank, False)
             < bench_decode.step_bytes(config, None, 8, 2, rank, False))
     quarter, half_mlp = union(0.25, 1.0), union(0.5, 1.0)
     assert (bench_decode.step_bytes(config, quarter, 8, 2, rank, True)
