@@ -326,9 +326,25 @@ def prefill_key(engine, params, prompt, mask, state):
     return ident, tree, tuple((tuple(a.shape), str(a.dtype)) for a in leaves)
 
 
+def held_context(state, context: int):
+    """A decode state whose first `context` cache slots count as held tokens (slot,
+    validity, positions, and a sparse state's written bitmap), whatever the prefill wrote:
+    a step then reads the bytes of that context (the entries past the prefill's are
+    zeros)."""
+    dense = state.dense if hasattr(state, "dense") else state
+    held = jnp.arange(dense.valid.shape[1]) < context
+    dense = dense.replace(valid=jnp.broadcast_to(held, dense.valid.shape),
+                          slot=jnp.asarray(context, jnp.int32),
+                          positions=jnp.full_like(dense.positions, context))
+    if not hasattr(state, "dense"):
+        return dense
+    return state.replace(dense=dense, written=state.written | held)
+
+
 def measure_engine(engine, params, prompt, mask, tokens, max_len: int, warmup: int,
                    steps: int, init_kwargs: dict, prefill_reps: int = 3,
-                   prefill_cache: dict | None = None, loop_only: bool = False) -> dict:
+                   prefill_cache: dict | None = None, loop_only: bool = False,
+                   context: int | None = None) -> dict:
     """Timings of one engine at one (context, batch).
 
     Prefill, step and device loop are compiled ahead of time, and each compile is timed
@@ -342,6 +358,7 @@ def measure_engine(engine, params, prompt, mask, tokens, max_len: int, warmup: i
     prefill_cache: a dict that keeps compiled prefills across calls (`prefill_key`); a
     reused one reports `compile_prefill_s` 0 and `prefill_cached` True. loop_only: skip
     the host-synchronised step (its compile and timing; `ms`, `p90_ms` are None), for grids.
+    context: a context longer than the prompt, held after the prefill (`held_context`).
     """
     batch = prompt.shape[0]
 
@@ -372,6 +389,8 @@ def measure_engine(engine, params, prompt, mask, tokens, max_len: int, warmup: i
         jax.block_until_ready(state)
         times.append(time.perf_counter() - t)
     res["prefill_ms"] = float(np.median(times[1:] or times)) * 1e3
+    if context is not None and context > prompt.shape[1]:
+        state = held_context(state, context)
     if loop_only:
         res.update(compile_step_s=0.0, step_peak_bytes=None, ms=None, p90_ms=None)
     else:
@@ -425,7 +444,8 @@ def measure_rows(config, params, preds, contexts, mlp_densities, head_densities,
                  prefill_reps, *, init_kwargs, label, dense, sparse_engine, fixed_sets,
                  make_row, kv_recompute_off=False, loop_only=False,
                  dense_qkv="fused", kernel_configs=None, generate_tokens=0,
-                 dense_engine_for_dense_batches=False) -> list[dict]:
+                 dense_engine_for_dense_batches=False,
+                 prefill_tokens: int | None = None) -> list[dict]:
     """The rows of one model for every context and batch: the `dense` engine, then for each
     density pair the sparse rows (`sparse_row_kinds`) built by `sparse_engine(scfg,
     select)`; precomputed sets come from `fixed_sets(scfg, batch)` (at heads 0.5, first
@@ -442,13 +462,17 @@ def measure_rows(config, params, preds, contexts, mlp_densities, head_densities,
     tokens end to end (`time_generate`: `generate_ms`). dense_engine_for_dense_batches: a
     sparse row whose batch runs every layer dense (`sparse.batch_runs_dense`) times the
     `dense` engine on its fused weights instead, as `generate` runs such a batch (its
-    indices label ends in "(dense engine)")."""
+    indices label ends in "(dense engine)"). prefill_tokens: prefill only that many prompt
+    tokens and hold the rest of the context (`held_context`: the step reads the same
+    bytes), where a whole prompt's prefill would not fit beside a long cache."""
     rows = []
     prefill_cache = {}
     for ctx in contexts:
         max_len = cache_len(ctx, warmup, steps)
         for batch in batches:
-            prompt = jax.random.randint(jax.random.key(2), (batch, ctx), 3, config.vocab_size)
+            prompt_len = min(ctx, prefill_tokens or ctx)
+            prompt = jax.random.randint(jax.random.key(2), (batch, prompt_len), 3,
+                                        config.vocab_size)
             mask = jnp.ones_like(prompt)
             tokens = jnp.full((batch,), 42, jnp.int32)
 
@@ -456,7 +480,7 @@ def measure_rows(config, params, preds, contexts, mlp_densities, head_densities,
                 try:
                     res = measure_engine(engine, engine_params, prompt, mask, tokens, max_len,
                                          warmup, steps, init_kwargs, prefill_reps,
-                                         prefill_cache, loop_only)
+                                         prefill_cache, loop_only, context=ctx)
                     if generate_tokens and ("dense" in what or "predictor" in what):
                         res.update(time_generate(engine, engine_params, prompt,
                                                  generate_tokens))
@@ -468,6 +492,7 @@ def measure_rows(config, params, preds, contexts, mlp_densities, head_densities,
 
             def add(res, nbytes, **columns):
                 rows.append(make_row(dict(columns, context=ctx, batch=batch, cache_len=max_len,
+                                          prefill_tokens=prompt.shape[1],
                                           **res, **rates(nbytes, batch, res["ms"],
                                                          res["ms_loop"]))))
                 log(json.dumps(rows[-1]))
@@ -564,7 +589,8 @@ def parse_kernel_configs(attn: str, mlp: str, batch_policies: str = "dense") -> 
 def run_model(name, contexts, mlp_densities, head_densities, batches, rank, dense_layers,
               warmup, steps, bar, log, layout="unrolled", select_methods=("exact",),
               kv_recompute_off=False, modes=("dense", "sparse"), prefill_reps=3,
-              loop_only=False, dense_qkv="fused", kernel_configs=None, generate_tokens=0):
+              loop_only=False, dense_qkv="fused", kernel_configs=None, generate_tokens=0,
+              prefill_tokens=None):
     """All rows for one model preset, with the layers stacked (scan) or unrolled: for every
     context and batch, dense (ours) and the sparse rows (`sparse_row_kinds`)."""
     from dejavu_jax.generation import dense_engine
@@ -588,7 +614,7 @@ def run_model(name, contexts, mlp_densities, head_densities, batches, rank, dens
         make_row=lambda r: dict(model=name, layout=layout, **r),
         kv_recompute_off=kv_recompute_off, loop_only=loop_only, dense_qkv=dense_qkv,
         kernel_configs=kernel_configs, generate_tokens=generate_tokens,
-        dense_engine_for_dense_batches=True)
+        dense_engine_for_dense_batches=True, prefill_tokens=prefill_tokens)
     del params
     return rows
 
@@ -797,6 +823,10 @@ def main(argv=None) -> int:
                         "each measured, e.g. 'base/out_block_rows=16'")
     p.add_argument("--mlp-config", default="",
                    help="sparse rows' kernels.MLPConfig variants, e.g. 'base/num_stages=3'")
+    p.add_argument("--prefill-tokens", type=cli.positive_int,
+                   help="prefill at most this many prompt tokens and hold the rest of the "
+                        "context as zeros (the step reads the same bytes): long contexts "
+                        "at large batches whose prefill would not fit")
     p.add_argument("--batch-policy", default="dense",
                    help="comma-separated SparseConfig.batch_policy values for the sparse "
                         "rows (dense, union, kernels)")
@@ -908,6 +938,7 @@ def main(argv=None) -> int:
                 dense_layers=args.dense_layers, modes=modes, batches=batches,
                 loop_only=args.loop_only, attn_config=args.attn_config,
                 mlp_config=args.mlp_config, batch_policy=args.batch_policy,
+                prefill_tokens=args.prefill_tokens,
                 dense_qkv="separate" if mesh is not None else args.dense_qkv,
                 warmup=args.warmup, steps=args.steps,
                 mesh=None if mesh is None else dict(mesh.shape),
@@ -958,7 +989,7 @@ def main(argv=None) -> int:
                               args.dense_layers, args.warmup, args.steps, bar, log, layout,
                               tuple(split(args.select, str)), args.diagnose_kv_recompute,
                               ours, args.prefill_reps, args.loop_only, args.dense_qkv,
-                              kernel_configs, args.generate_tokens)
+                              kernel_configs, args.generate_tokens, args.prefill_tokens)
             measured.clear()
         write()
     bar.close()

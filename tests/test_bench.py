@@ -393,3 +393,20 @@ def test_kernel_bench_cli_takes_model_names_and_fractions(tmp_path, capsys):
                 mlp=[dict(model="opt-30b", B=1, density=0.1, K=2867, which="sparse",
                           bytes=82e6, time_us=37.0, gbps=2216.0)])
     assert "| opt-30b | 1 | 0.1 | 2867 | sparse |" in kernel_bench.markdown_table(rows)
+
+
+def test_held_context_counts_the_first_slots_as_tokens():
+    """A short prefill, then a held context of 20: slot 20, the first 20 slots valid and
+    (sparse state) written for every layer and group, every row at position 20."""
+    from dejavu_jax.eval.bench_decode import held_context
+    config = config_lib.preset("opt-tiny")
+    scfg = sparse.sparse_config(config, 0.5, 0.5, dense_layers=1)
+    state = sparse.init_sparse_state(config, scfg, 2, 32, jnp.float32)
+    held = held_context(state, 20)
+    assert int(held.dense.slot) == 20
+    assert np.asarray(held.dense.positions).tolist() == [20, 20]
+    want = np.arange(32) < 20
+    assert (np.asarray(held.dense.valid) == want).all()
+    assert (np.asarray(held.written) == want).all()
+    dense_only = held_context(state.dense, 7)
+    assert int(dense_only.slot) == 7 and np.asarray(dense_only.valid)[:, :7].all()
