@@ -527,6 +527,46 @@ def _dense_batch_attention(config, view, io: _LayerIO, layer, y, step):
     return out.astype(F32), _all_written(config, io.replace(k=k, v=v), layer, step)
 
 
+def _row_heads_attention(config, scfg, view, io: _LayerIO, layer, y, heads, step):
+    """(output [B, d] fp32, io): a batch whose rows select their own heads [B, k] and whose
+    union's capacity min(H, B k) is every head: XLA's dense projections (the weights all
+    rows read anyway), every group's K/V of this token written and marked, and each row's
+    attention core over its own heads only (`kernels.row_head_attention`: the KV reads,
+    which grow with batch x context, shrink to each row's groups)."""
+    from dejavu_jax.model import write_kv
+    lp = view.lp
+    q, k, v = ops.project_qkv(config, lp, y, step["positions"], layer)
+    k_all = write_kv(io.k, layer, step["slot"], k)
+    v_all = write_kv(io.v, layer, step["slot"], v)
+    _, mask = kernels.query_head_groups(heads, config.n_kv_heads, config.group_size,
+                                        n_groups=config.n_kv_heads)
+    if view.unrolled:
+        k_in, v_in, ids = cache_layer(k_all, layer), cache_layer(v_all, layer), None
+    else:
+        B, S, hd = io.written.shape[0], io.written.shape[-1], config.head_dim
+        k_in, v_in = k_all.reshape(B, -1, S, hd), v_all.reshape(B, -1, S, hd)
+        ids = layer * config.n_kv_heads + jnp.arange(config.n_kv_heads, dtype=jnp.int32)
+    heads_out, k_out, v_out = kernels.row_head_attention(
+        q, k_in, v_in, step["slot"], mask, kv_mask=layer_valid(config, layer, step),
+        group_ids=ids, impl=scfg.impl, config=scfg.attn_config)
+    if view.unrolled:
+        io = io.replace(k=set_cache_layer(k_all, layer, k_out),
+                        v=set_cache_layer(v_all, layer, v_out))
+    else:
+        io = io.replace(k=k_out.reshape(io.k.shape), v=v_out.reshape(io.v.shape))
+    out = ops.out_project(lp, heads_out)
+    return out.astype(F32), _all_written(config, io, layer, step)
+
+
+def _row_heads_project_densely(config, heads) -> bool:
+    """Whether a batch's per-row heads [B, k] run `_row_heads_attention`: their union's
+    capacity is every head, though each row's set is not."""
+    if heads.ndim != 2:
+        return False
+    B, k = heads.shape
+    return k < config.n_heads <= B * k
+
+
 def batch_runs_dense(scfg: SparseConfig, batch: int) -> bool:
     """Whether a step of `batch` rows runs every layer dense (`SparseConfig.batch_policy`
     "dense"; the oracle, which computes densely anyway, keeps its masks)."""
@@ -568,6 +608,9 @@ def _sparse_layer(config, scfg, view, io, layer, x, neurons, heads, step, reduce
     def attn(y):
         if dense_attention_part:
             out, box["io"] = _dense_batch_attention(config, view, io, layer, y, step)
+        elif _row_heads_project_densely(config, heads):
+            out, box["io"] = _row_heads_attention(config, scfg, view, io, layer, y, heads,
+                                                  step)
         else:
             out, box["io"] = _sparse_attention(config, scfg, view, io, layer, y, heads, step)
         return _reduced(reduce, out)
@@ -615,9 +658,12 @@ def _fused_sparse_layer(config, scfg, view, io, layer, x, neurons, heads, step, 
     rms = rest[0] if rms_dtype is not None else None
     nxt = lookahead(x, rms)
     split = isinstance(nxt, tuple) and callable(nxt[1])
-    if dense_attention_part:  # batches only: never split
+    if dense_attention_part or _row_heads_project_densely(config, heads):  # batches only
         io, _ = _with_history_rows(io, layer, rest[-1])  # keep the norm's ring write
-        out, io = _dense_batch_attention(config, view, io, layer, y, step)
+        if dense_attention_part:
+            out, io = _dense_batch_attention(config, view, io, layer, y, step)
+        else:
+            out, io = _row_heads_attention(config, scfg, view, io, layer, y, heads, step)
         h = x + out
     else:
         h, io, *extra_parts = _sparse_attention(

@@ -16,8 +16,9 @@
    GQA case with a [Kh, G] `head_mask` selects query heads: one selected group keeps some
    of its query heads, another none (skipped, though a refresh group: it still writes its
    entries). The last two cases give each batch row its own heads ([B, Kh, G] masks,
-   MHA and GQA, longer caches with several sequence splits); check 1's "rows" layout
-   decodes with per-row head sets.
+   MHA and GQA, longer caches with several sequence splits), and with them the attention
+   core of dense projections (`row_head_attention`); check 1's "rows" layout decodes
+   with per-row head sets (whose union is every head: that core).
 4. The fused LayerNorm / RMSNorm (`kernels.layer_norm`, which every decode path uses on
    GPU, the reference runs of check 1 included), with and without its RMS-scaled second
    output, against its reference at model widths.
@@ -325,7 +326,7 @@ def top_k_rows(impl: str) -> list[dict]:
 
 def window_rows(impl: str) -> list[dict]:
     """Largest output / cache difference of windowed head-sparse attention."""
-    from dejavu_jax.kernels import KVWindow, head_sparse_attention
+    from dejavu_jax.kernels import KVWindow, head_sparse_attention, row_head_attention
     rows = []
     rng = np.random.default_rng(7)
     f = lambda *shape: jnp.asarray(rng.standard_normal(shape), jnp.float32)
@@ -375,6 +376,18 @@ def window_rows(impl: str) -> list[dict]:
                          out=float(jnp.abs(got[0] - ref[0]).max()),
                          k_cache=float(jnp.abs(got[1] - ref[1]).max()),
                          v_cache=float(jnp.abs(got[2] - ref[2]).max())))
+        if qh == "rows":   # the attention core alone, every group per row (dense projections)
+            mask = jnp.asarray(rng.random((B, n_kv, H // n_kv)) > 0.5)
+            q = f(B, H, hd) * hd ** -0.5
+            valid = jnp.asarray(rng.random((B, S)) > 0.2)
+            got, ref = (jax.jit(functools.partial(row_head_attention, impl=i))(
+                q, *caches, jnp.int32(pos), mask, kv_mask=valid)
+                for i in (impl, "reference"))
+            rows.append(dict(check="window", B=B, H=H, n_kv=n_kv, pos=pos, rope=False,
+                             query_heads="rows, attention core",
+                             out=float(jnp.abs(got[0] - ref[0]).max()),
+                             k_cache=float(jnp.abs(got[1] - ref[1]).max()),
+                             v_cache=float(jnp.abs(got[2] - ref[2]).max())))
     return rows
 
 

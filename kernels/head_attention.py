@@ -785,6 +785,94 @@ def decode_attention(qp, kp, vp, head_idx, pos, k_cache, v_cache, *, group, bq=N
     )(*args)
 
 
+def row_head_attention_reference(q, k_cache, v_cache, pos, head_mask, kv_mask=None,
+                                 group_ids=None):
+    """jnp reference of :func:`row_head_attention` (fp32)."""
+    f32 = jnp.float32
+    hi = lax.Precision.HIGHEST
+    B, H, hd = q.shape
+    if group_ids is not None:
+        k_cache, v_cache = k_cache[:, group_ids], v_cache[:, group_ids]
+    n_kv, S = k_cache.shape[1], k_cache.shape[2]
+    G = H // n_kv
+    positions = jnp.arange(S)
+    valid = jnp.broadcast_to(positions <= pos, (B, S))
+    if kv_mask is not None:
+        valid = valid & (kv_mask.astype(bool) | (positions == pos)[None])
+    kc = jnp.where(valid[:, None, :, None], k_cache.astype(f32), 0.0)
+    vc = jnp.where(valid[:, None, :, None], v_cache.astype(f32), 0.0)
+    s = jnp.einsum("bgjk,bgsk->bgjs", q.astype(f32).reshape(B, n_kv, G, hd), kc, precision=hi)
+    p = jax.nn.softmax(jnp.where(valid[:, None, None, :], s, -jnp.inf), axis=-1)
+    o = jnp.einsum("bgjs,bgsk->bgjk", p, vc, precision=hi)
+    return jnp.where(head_mask.astype(bool)[..., None], o, 0.0).reshape(B, H, hd)
+
+
+def row_head_attention(q, k_cache, v_cache, pos, head_mask, *, kv_mask=None, group_ids=None,
+                       impl: str | None = None, config: AttnConfig | None = None):
+    """Each batch row's attention over its own query heads, for queries already projected:
+    the attention core of a batch whose projections run dense (every head's K/V of this
+    token already written at ``pos``).
+
+    Args:
+      q: ``[B, H, hd]`` queries, already scaled (and rotated, normed).
+      k_cache, v_cache: ``[B, n_kv, S, hd]`` holding this token's K/V at ``pos``.
+      pos: int32 scalar, the current slot (attended to together with the valid ones before).
+      head_mask: ``[B, n_kv, G]`` bool (``G = H // n_kv``): the query heads each row
+        computes. A row reads the cache of the groups holding one of its heads only.
+      kv_mask: optional ``[B, S]`` validity of the slots before ``pos``.
+      group_ids: optional ``[n_kv]`` int32: the caches' groups the query heads use, when
+        the caches hold more (stacked layers: ``layer * n_kv + arange(n_kv)``).
+    Returns:
+      ``(out [B, H, hd] fp32, k_cache, v_cache)``: softmax(q kᵀ) v for each row's selected
+      heads, 0 for the others; the caches as given (the Pallas kernel rewrites the entries
+      at ``pos`` in place: pass them donated under jit).
+    """
+    check_array("q", q, ndim=3, floating=True)
+    B, H, hd = q.shape
+    check_array("k_cache", k_cache, ndim=4, floating=True)
+    n_kv = k_cache.shape[1] if group_ids is None else group_ids.shape[0]
+    if k_cache.shape[0] != B or k_cache.shape[3] != hd or H % n_kv:
+        raise ValueError(f"k_cache must be [B, n_kv, S, hd] = [{B}, n_kv, S, {hd}] with n_kv "
+                         f"dividing {H}, got {tuple(k_cache.shape)}")
+    check_array("v_cache", v_cache, shape=k_cache.shape, floating=True)
+    check_array("head_mask", head_mask, shape=(B, n_kv, H // n_kv))
+    if group_ids is not None:
+        check_indices("group_ids", group_ids, k_cache.shape[1])
+    if kv_mask is not None:
+        check_array("kv_mask", kv_mask, shape=(B, k_cache.shape[2]))
+    return _row_head_attention_jit(q, k_cache, v_cache, jnp.asarray(pos, jnp.int32).reshape(()),
+                                   jnp.asarray(head_mask, bool), kv_mask, group_ids,
+                                   impl=resolve_impl(impl), config=config)
+
+
+@functools.partial(jax.jit, static_argnames=("impl", "config"))
+def _row_head_attention_jit(q, k_cache, v_cache, pos, head_mask, kv_mask, group_ids, *, impl,
+                            config):
+    if impl == "reference":
+        return (row_head_attention_reference(q, k_cache, v_cache, pos, head_mask, kv_mask,
+                                             group_ids), k_cache, v_cache)
+    cfg = config or AttnConfig()
+    B, H, hd = q.shape
+    n_kv = head_mask.shape[1]
+    ids = (jnp.arange(n_kv, dtype=jnp.int32) if group_ids is None
+           else group_ids.astype(jnp.int32))
+    # the current token's K/V as one-split "partials" of the whole groups, read back from
+    # the cache (the kernel writes them again where a row attends: the same values)
+    cur_k = k_cache[:, ids, pos]
+    cur_v = v_cache[:, ids, pos]
+    f32 = jnp.float32
+    o, m, l, k_cache, v_cache = decode_attention(
+        q.astype(f32).reshape(1, B, H * hd), cur_k.astype(f32).reshape(1, B, n_kv * hd),
+        cur_v.astype(f32).reshape(1, B, n_kv * hd), ids,
+        pos.reshape(1), k_cache, v_cache, group=H // n_kv,
+        kv_mask=None if kv_mask is None else kv_mask.astype(jnp.int32),
+        block_s=cfg.block_s, seq_splits=cfg.seq_splits,
+        target_programs=cfg.attn_target_programs or 4 * sm_count(),
+        num_warps=cfg.attn_num_warps, batch=B, interpret=impl == "interpret", scale=1.0,
+        head_mask=head_mask)
+    return merge_splits(o, m, l).reshape(B, H, hd), k_cache, v_cache
+
+
 def merge_splits(o, m, l):
     """Merge flash-decoding split partials into normalised attention ``[B, Hs, hd]``."""
     mx = jnp.max(m, axis=0)

@@ -222,3 +222,40 @@ def test_per_row_query_head_groups_hold_the_union_and_each_rows_heads():
     gids, mask = query_head_groups(jnp.asarray([[5], [1]], jnp.int32), 6, 1)
     np.testing.assert_array_equal(gids, [1, 5])
     np.testing.assert_array_equal(mask[..., 0], [[False, True], [True, False]])
+
+
+@pytest.mark.parametrize("impl,G,splits", [("interpret", 1, 2), ("interpret", 3, 1),
+                                           ("reference", 2, None)])
+def test_row_head_attention_equals_numpy_per_row(rng, impl, G, splits):
+    """Projected queries, each row with its own heads and a key mask: numpy's softmax
+    attention of that row's selected heads, zeros for its other heads; the groups a row
+    does not select are NaN in its cache before pos (never read)."""
+    from dejavu_jax.kernels import AttnConfig, row_head_attention
+    B, n_kv, hd, S, pos = 3, 4, 16, 48, 37
+    H = n_kv * G
+    q = rng.standard_normal((B, H, hd)) / 4
+    kc, vc = rng.standard_normal((2, B, n_kv, S, hd))
+    kc[:, :, pos + 1:], vc[:, :, pos + 1:] = np.nan, np.nan
+    mask = rng.random((B, n_kv, G)) > 0.5
+    mask[0] = False
+    mask[0, 2, 0] = True                                      # row 0: one head
+    kv_mask = rng.random((B, S)) > 0.2
+    want = np.zeros((B, H, hd))
+    for b in range(B):
+        ok = kv_mask[b, :pos + 1].copy()
+        ok[pos] = True
+        for g in range(n_kv):
+            for j in np.nonzero(mask[b, g])[0]:
+                s = kc[b, g, :pos + 1] @ q[b, g * G + j]
+                p = np.where(ok, np.exp(s - s[ok].max()), 0.0)
+                want[b, g * G + j] = (p / p.sum()) @ vc[b, g, :pos + 1]
+    pk, pv = kc.copy(), vc.copy()
+    for b in range(B):
+        idle = ~mask[b].any(1)
+        pk[b, idle, :pos], pv[b, idle, :pos] = np.nan, np.nan
+    f = lambda a: jnp.asarray(a, F32)
+    cfg = None if splits is None else AttnConfig(seq_splits=splits, block_s=16)
+    out, k2, v2 = row_head_attention(f(q), f(pk), f(pv), jnp.int32(pos), jnp.asarray(mask),
+                                     kv_mask=jnp.asarray(kv_mask), impl=impl, config=cfg)
+    assert_finite_close(out, want, rtol=1e-5, atol=1e-5)
+    np.testing.assert_array_equal(np.asarray(k2)[:, :, pos], pk[:, :, pos].astype(np.float32))

@@ -393,14 +393,18 @@ def test_a_batch_union_of_some_heads_runs_the_attention_kernel(monkeypatch):
 
 
 @pytest.mark.parametrize("preset,heads,impl", [("opt-tiny", 0.5, None),
+                                               ("opt-tiny", 0.5, "interpret"),
                                                ("llama-tiny", 0.25, None),
                                                ("llama-tiny", 0.25, "interpret")])
 def test_a_batch_with_per_row_heads_equals_each_row_decoded_alone(preset, heads, impl,
                                                                    monkeypatch):
-    """Batch 3 with predictors: each row selects its own query heads (per-row head masks
-    in the attention kernel, the union's weights read once) and every neuron. Each row's
-    logits at every step equal that prompt's decoded alone, where batch 1 selects the same
-    heads; a 2-token missing-KV window makes every row recompute its own missing entries."""
+    """Batch 3 with predictors: each row selects its own query heads and every neuron.
+    Llama-tiny's rows (1 of 4 heads each) run the head-sparse kernel with per-row masks,
+    the union's weights read once, and a 2-token missing-KV window makes every row
+    recompute its own missing entries; OPT-tiny's (2 of 4), whose union's capacity is
+    every head, project densely and attend per row (`kernels.row_head_attention`). Each
+    row's logits at every step equal that prompt's decoded alone, where batch 1 runs the
+    head-sparse kernel with the same heads."""
     from dejavu_jax import kernels
     from dejavu_jax.eval.bench_decode import random_predictors
     from dejavu_jax.generation import left_pad
@@ -410,10 +414,12 @@ def test_a_batch_with_per_row_heads_equals_each_row_decoded_alone(preset, heads,
     scfg = dataclasses.replace(sparse.sparse_config(config, 1.0, heads, dense_layers=1,
                                                     kv_window=2),
                                batch_policy="union", impl=impl)
-    masks = []
-    real_attn = kernels.head_sparse_attention
+    masks, row_masks = [], []
+    real_attn, real_rows = kernels.head_sparse_attention, kernels.row_head_attention
     monkeypatch.setattr(kernels, "head_sparse_attention", lambda *a, **kw: masks.append(
         None if kw["head_mask"] is None else kw["head_mask"].shape) or real_attn(*a, **kw))
+    monkeypatch.setattr(kernels, "row_head_attention", lambda *a, **kw: row_masks.append(
+        a[4].shape) or real_rows(*a, **kw))
     eng = sparse.sparse_engine(config, scfg, sparse.predictor_selector(config.group_size))
     prefill, step = jax.jit(eng.prefill), jax.jit(eng.step)
     prompts = [[5, 9, 14, 3, 7], [8, 2], [11, 4, 6]]
@@ -430,7 +436,12 @@ def test_a_batch_with_per_row_heads_equals_each_row_decoded_alone(preset, heads,
         return np.stack(out)
 
     batch = run([0, 1, 2])
-    assert masks and all(m is not None and len(m) == 3 and m[0] == 3 for m in masks)
+    if preset == "llama-tiny":
+        assert masks and all(m is not None and len(m) == 3 and m[0] == 3 for m in masks)
+        assert not row_masks
+    else:
+        assert row_masks and all(m == (3, config.n_kv_heads, 1) for m in row_masks)
+        assert not masks
     for r in range(3):
         alone = run([r])
         assert np.isfinite(alone).all()
