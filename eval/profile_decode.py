@@ -114,20 +114,25 @@ def time_steps(step, params, state, tokens, steps: int):
 
 
 def mode_engine(config, mode: str, mlp: float, heads: float, dense_layers: int, rank: int,
-                per_layer: bool = False):
+                per_layer: bool = False, batch: int = 1, batch_policy: str = "dense"):
     """(engine, selector params) for a mode, None for dense (per_layer: the unrolled
-    layout's per-layer index sets)."""
+    layout's per-layer index sets; batch > 1: fixed sets' heads per row, and the sparse
+    engine's `SparseConfig.batch_policy`)."""
+    import dataclasses
     from dejavu_jax.eval.bench_decode import random_predictors, random_sets, select_method
     from dejavu_jax.sparse_variants import without_kv_recompute
     from dejavu_jax.train.predictor_model import decode_predictors
     if mode == "dense":
         return None
-    scfg = sparse.sparse_config(config, mlp, heads, dense_layers=dense_layers)
+    scfg = dataclasses.replace(sparse.sparse_config(config, mlp, heads,
+                                                    dense_layers=dense_layers),
+                               batch_policy=batch_policy)
     if mode.endswith("no-kv-recompute"):
         scfg = without_kv_recompute(scfg)
     if mode.startswith("sparse-fixed"):
         return (sparse.sparse_engine(config, scfg, sparse.fixed_selector),
-                random_sets(config, scfg, per_layer=per_layer))
+                random_sets(config, scfg, per_layer=per_layer,
+                            row_heads=batch if batch > 1 else None))
     if mode.startswith("sparse-predictor"):
         method = mode.removeprefix("sparse-predictor").lstrip("-") or "exact"
         sel = select_method(config, method)
@@ -160,7 +165,7 @@ def profile_mode(config, params, mode, args, out: Path, log) -> dict:
     mask = jnp.ones_like(prompt)
     tokens = jnp.full((B,), 42, jnp.int32)
     eng = mode_engine(config, mode, args.mlp, args.heads, args.dense_layers, args.rank,
-                      per_layer=unrolled)
+                      per_layer=unrolled, batch=B, batch_policy=args.batch_policy)
     if eng is None:
         step_fn = lambda p, s, t: model.decode_step_fn(config, p, s, t)  # noqa: E731
         run_params = params if args.dense_qkv == "separate" else fuse_qkv(params)
@@ -234,6 +239,8 @@ def main(argv=None) -> int:
     p.add_argument("--layout", default="unrolled", choices=("unrolled", "stacked"))
     p.add_argument("--context", type=cli.positive_int, default=128)
     p.add_argument("--batch", type=cli.positive_int, default=1)
+    p.add_argument("--batch-policy", default="union", choices=sparse.BATCH_POLICIES,
+                   help="the sparse modes' SparseConfig.batch_policy at batch > 1")
     p.add_argument("--mlp", type=cli.fraction, default=0.1)
     p.add_argument("--heads", type=cli.fraction, default=0.5)
     p.add_argument("--dense-layers", type=cli.non_negative_int, default=2)
