@@ -333,6 +333,25 @@ def _with_history_rows(io: _LayerIO, layer, rows) -> tuple[_LayerIO, jax.Array]:
     return io.replace(history=history), history[:, layer]
 
 
+def _kernel_caches(config, view, io: _LayerIO, layer, groups):
+    """(k, v, group ids) as the attention kernels take them: this layer's cache buffers
+    and `groups`, or with stacked layers every layer's groups viewed as [B, L * Hk, S, hd]
+    (no copy) and the groups' ids among them."""
+    if view.unrolled:
+        return cache_layer(io.k, layer), cache_layer(io.v, layer), groups
+    B, S, hd = io.written.shape[0], io.written.shape[-1], config.head_dim
+    return (io.k.reshape(B, -1, S, hd), io.v.reshape(B, -1, S, hd),
+            layer * config.n_kv_heads + groups)
+
+
+def _with_kernel_caches(view, io: _LayerIO, layer, k_out, v_out) -> _LayerIO:
+    """io holding the caches a kernel returned in `_kernel_caches`' form."""
+    if view.unrolled:
+        return io.replace(k=set_cache_layer(io.k, layer, k_out),
+                          v=set_cache_layer(io.v, layer, v_out))
+    return io.replace(k=k_out.reshape(io.k.shape), v=v_out.reshape(io.v.shape))
+
+
 def _sparse_attention(config, scfg, view, io: _LayerIO, layer, y, heads, step,
                       residual=None, extra_segments=(), history_rows=None):
     """Head-sparse attention for normed inputs y [B, d] over the selected query heads
@@ -352,7 +371,6 @@ def _sparse_attention(config, scfg, view, io: _LayerIO, layer, y, heads, step,
     window = None
     if scfg._kv_recompute:
         window = _missing_kv_window(config, view, io, layer, step["window"], ring)
-    B, S, hd = io.written.shape[0], io.written.shape[-1], config.head_dim
     rope = None
     if config.rotary:
         rope = ops.layer_rope_tables(config, step["positions"], layer)
@@ -364,11 +382,7 @@ def _sparse_attention(config, scfg, view, io: _LayerIO, layer, y, heads, step,
         norms["scale"] = config.attention_scale
     lp_flat = view.flat
     groups, head_mask = kernels.query_head_groups(heads, config.n_kv_heads, config.group_size)
-    if view.unrolled:
-        k_in, v_in, head_idx = cache_layer(io.k, layer), cache_layer(io.v, layer), groups
-    else:
-        k_in, v_in = io.k.reshape(B, -1, S, hd), io.v.reshape(B, -1, S, hd)
-        head_idx = layer * config.n_kv_heads + groups
+    k_in, v_in, head_idx = _kernel_caches(config, view, io, layer, groups)
     if window is not None:  # the ring's row of this token holds y at the ring's precision
         y = y.astype(ring.dtype)
     res = kernels.head_sparse_attention(
@@ -382,11 +396,7 @@ def _sparse_attention(config, scfg, view, io: _LayerIO, layer, y, heads, step,
     if window is not None:
         io = io.replace(written=res[3].reshape(io.written.shape))
         res = res[:3] + res[4:]
-    if view.unrolled:
-        io = io.replace(k=set_cache_layer(io.k, layer, k_out),
-                        v=set_cache_layer(io.v, layer, v_out))
-    else:
-        io = io.replace(k=k_out.reshape(io.k.shape), v=v_out.reshape(io.v.shape))
+    io = _with_kernel_caches(view, io, layer, k_out, v_out)
     return (out.astype(F32), io) + tuple(res[3:])
 
 
@@ -536,24 +546,15 @@ def _row_heads_attention(config, scfg, view, io: _LayerIO, layer, y, heads, step
     from dejavu_jax.model import write_kv
     lp = view.lp
     q, k, v = ops.project_qkv(config, lp, y, step["positions"], layer)
-    k_all = write_kv(io.k, layer, step["slot"], k)
-    v_all = write_kv(io.v, layer, step["slot"], v)
-    _, mask = kernels.query_head_groups(heads, config.n_kv_heads, config.group_size,
-                                        n_groups=config.n_kv_heads)
-    if view.unrolled:
-        k_in, v_in, ids = cache_layer(k_all, layer), cache_layer(v_all, layer), None
-    else:
-        B, S, hd = io.written.shape[0], io.written.shape[-1], config.head_dim
-        k_in, v_in = k_all.reshape(B, -1, S, hd), v_all.reshape(B, -1, S, hd)
-        ids = layer * config.n_kv_heads + jnp.arange(config.n_kv_heads, dtype=jnp.int32)
+    io = io.replace(k=write_kv(io.k, layer, step["slot"], k),
+                    v=write_kv(io.v, layer, step["slot"], v))
+    groups, mask = kernels.query_head_groups(heads, config.n_kv_heads, config.group_size,
+                                             n_groups=config.n_kv_heads)
+    k_in, v_in, ids = _kernel_caches(config, view, io, layer, groups)
     heads_out, k_out, v_out = kernels.row_head_attention(
         q, k_in, v_in, step["slot"], mask, kv_mask=layer_valid(config, layer, step),
         group_ids=ids, impl=scfg.impl, config=scfg.attn_config)
-    if view.unrolled:
-        io = io.replace(k=set_cache_layer(k_all, layer, k_out),
-                        v=set_cache_layer(v_all, layer, v_out))
-    else:
-        io = io.replace(k=k_out.reshape(io.k.shape), v=v_out.reshape(io.v.shape))
+    io = _with_kernel_caches(view, io, layer, k_out, v_out)
     out = ops.out_project(lp, heads_out)
     return out.astype(F32), _all_written(config, io, layer, step)
 

@@ -379,7 +379,6 @@ def head_sparse_attention_reference(x, wq, bq, wk, bk, wv, bv, wo, bo, k_cache, 
     H, hd, _ = wq.shape
     n_kv = wk.shape[0]
     G = H // n_kv
-    S = k_cache.shape[2]
     Kh = head_idx.shape[0]
     head_idx = head_idx.astype(jnp.int32)
     pos = jnp.asarray(pos, jnp.int32).reshape(())
@@ -417,17 +416,8 @@ def head_sparse_attention_reference(x, wq, bq, wk, bk, wv, bv, wo, bo, k_cache, 
         jnp.where(act, k.astype(k_cache.dtype), k_cache[:, head_idx, pos, :]))
     v_cache = v_cache.at[:, head_idx, pos, :].set(
         jnp.where(act, v.astype(v_cache.dtype), v_cache[:, head_idx, pos, :]))
-    positions = jnp.arange(S)
-    valid = jnp.broadcast_to(positions <= pos, (B, S))
-    if kv_mask is not None:
-        valid = valid & (kv_mask.astype(bool) | (positions == pos)[None])
-    keep = valid[:, None, :, None]                            # never let unread rows leak in
-    kc = jnp.where(keep, k_cache[:, head_idx].astype(f32), 0.0)   # [B, Kh, S, hd]
-    vc = jnp.where(keep, v_cache[:, head_idx].astype(f32), 0.0)
-    s = jnp.einsum("bgjk,bgsk->bgjs", q.reshape(B, Kh, G, hd), kc, precision=hi)
-    s = jnp.where(valid[:, None, None, :], s, -jnp.inf)
-    p = jax.nn.softmax(s, axis=-1)
-    o = jnp.einsum("bgjs,bgsk->bgjk", p, vc, precision=hi).reshape(B, Kh * G, hd)
+    o = _attention_core_reference(q.reshape(B, Kh, G, hd), k_cache[:, head_idx],
+                                  v_cache[:, head_idx], pos, kv_mask).reshape(B, Kh * G, hd)
     o = jnp.where(keep_q[:, :, None], o, 0.0)               # unselected query heads add 0
     Hl = wo.shape[1]                 # wo may stack H // Hl layers by rows
     wo_sel = wo.reshape(H // Hl, d, Hl, hd)[hq // Hl, :, hq % Hl]     # [Kh*G, d, hd]
@@ -785,25 +775,34 @@ def decode_attention(qp, kp, vp, head_idx, pos, k_cache, v_cache, *, group, bq=N
     )(*args)
 
 
-def row_head_attention_reference(q, k_cache, v_cache, pos, head_mask, kv_mask=None,
-                                 group_ids=None):
-    """jnp reference of :func:`row_head_attention` (fp32)."""
+def _attention_core_reference(q, k_cache, v_cache, pos, kv_mask=None):
+    """fp32 softmax attention of queries ``q [B, n, G, hd]`` (scaled) over caches
+    ``[B, n, S, hd]``: slots up to ``pos``, those before it where ``kv_mask`` allows;
+    ``[B, n, G, hd]``. Unattended slots are zeroed first: they may hold anything."""
     f32 = jnp.float32
     hi = lax.Precision.HIGHEST
-    B, H, hd = q.shape
-    if group_ids is not None:
-        k_cache, v_cache = k_cache[:, group_ids], v_cache[:, group_ids]
-    n_kv, S = k_cache.shape[1], k_cache.shape[2]
-    G = H // n_kv
+    B, S = k_cache.shape[0], k_cache.shape[2]
     positions = jnp.arange(S)
     valid = jnp.broadcast_to(positions <= pos, (B, S))
     if kv_mask is not None:
         valid = valid & (kv_mask.astype(bool) | (positions == pos)[None])
-    kc = jnp.where(valid[:, None, :, None], k_cache.astype(f32), 0.0)
-    vc = jnp.where(valid[:, None, :, None], v_cache.astype(f32), 0.0)
-    s = jnp.einsum("bgjk,bgsk->bgjs", q.astype(f32).reshape(B, n_kv, G, hd), kc, precision=hi)
+    keep = valid[:, None, :, None]
+    kc = jnp.where(keep, k_cache.astype(f32), 0.0)
+    vc = jnp.where(keep, v_cache.astype(f32), 0.0)
+    s = jnp.einsum("bgjk,bgsk->bgjs", q.astype(f32), kc, precision=hi)
     p = jax.nn.softmax(jnp.where(valid[:, None, None, :], s, -jnp.inf), axis=-1)
-    o = jnp.einsum("bgjs,bgsk->bgjk", p, vc, precision=hi)
+    return jnp.einsum("bgjs,bgsk->bgjk", p, vc, precision=hi)
+
+
+def row_head_attention_reference(q, k_cache, v_cache, pos, head_mask, kv_mask=None,
+                                 group_ids=None):
+    """jnp reference of :func:`row_head_attention` (fp32)."""
+    B, H, hd = q.shape
+    if group_ids is not None:
+        k_cache, v_cache = k_cache[:, group_ids], v_cache[:, group_ids]
+    n_kv = k_cache.shape[1]
+    o = _attention_core_reference(q.reshape(B, n_kv, H // n_kv, hd), k_cache, v_cache, pos,
+                                  kv_mask)
     return jnp.where(head_mask.astype(bool)[..., None], o, 0.0).reshape(B, H, hd)
 
 

@@ -48,6 +48,16 @@ def _weights(rng, d, H, n_kv, hd):
             r(n_kv, hd, d) / np.sqrt(d), r(n_kv, hd), r(d, H, hd) / np.sqrt(H * hd), r(d)]
 
 
+def _problem(rng, B, d, H, n_kv, hd, S, pos):
+    """Weights, caches NaN from `pos` on, inputs x [B, d] and one rotary (cos, sin)."""
+    w = _weights(rng, d, H, n_kv, hd)
+    kc, vc = rng.standard_normal((2, B, n_kv, S, hd))
+    kc[:, :, pos:], vc[:, :, pos:] = np.nan, np.nan
+    x = rng.standard_normal((B, d))
+    ang = rng.standard_normal(hd // 2)
+    return w, kc, vc, x, np.cos(np.r_[ang, ang]), np.sin(np.r_[ang, ang])
+
+
 def _poison(w, kc, vc, hidx, hmask, G, keep_kv=()):
     """NaN in what a query-head selection must not read: unselected query heads' q rows,
     q biases and out-projection columns; the K/V weights and cache of groups with no
@@ -83,12 +93,7 @@ def test_query_head_mask_matches_numpy(rng, impl, B):
     (skipped: its poisoned K/V weights and cache are not read, nothing is written)."""
     d, H, n_kv, hd, S, pos = 48, 12, 4, 16, 20, 13
     G = H // n_kv
-    w = _weights(rng, d, H, n_kv, hd)
-    kc, vc = rng.standard_normal((2, B, n_kv, S, hd))
-    kc[:, :, pos:], vc[:, :, pos:] = np.nan, np.nan
-    x = rng.standard_normal((B, d))
-    ang = rng.standard_normal(hd // 2)
-    cos, sin = np.cos(np.r_[ang, ang]), np.sin(np.r_[ang, ang])
+    w, kc, vc, x, cos, sin = _problem(rng, B, d, H, n_kv, hd, S, pos)
     hidx = np.asarray([2, 0, 3], np.int32)
     hmask = np.asarray([[True, False, True], [True, True, True], [False, False, False]])
     want, want_k, want_v = _np_masked_attention(x, [np.nan_to_num(a) for a in w],
@@ -179,12 +184,7 @@ def test_per_row_head_masks_equal_each_row_alone(rng, impl, G, splits):
     from dejavu_jax.kernels import AttnConfig
     B, d, hd, S, pos, n_kv = 3, 48, 16, 40, 29, 4
     H = n_kv * G
-    w = _weights(rng, d, H, n_kv, hd)
-    kc, vc = rng.standard_normal((2, B, n_kv, S, hd))
-    kc[:, :, pos:], vc[:, :, pos:] = np.nan, np.nan
-    x = rng.standard_normal((B, d))
-    ang = rng.standard_normal(hd // 2)
-    cos, sin = np.cos(np.r_[ang, ang]), np.sin(np.r_[ang, ang])
+    w, kc, vc, x, cos, sin = _problem(rng, B, d, H, n_kv, hd, S, pos)
     hidx = np.asarray([2, 0, 3], np.int32)
     row_mask = np.zeros((B, 3, G), bool)
     row_mask[0, 0, 0] = True                    # row 0: group 2 only
