@@ -125,3 +125,22 @@ def test_a_batch_that_sparse_decoding_runs_dense_gets_the_dense_engine():
     engine, (model_params, predictors) = cli.build_engine(args, config, params, scfg, None,
                                                           batch=1)
     assert engine.name == "sparse" and predictors is None
+
+
+def test_batch_policy_option_reaches_the_sparse_config(capsys):
+    """--batch-policy union keeps a batch on the sparse engine with the rows' union; without
+    it a batch runs dense; it needs index sets (--oracle or --predictors)."""
+    import dejavu_jax as dj
+    config = dj.preset("opt-tiny")
+    base = ["--preset", "opt-tiny", "--oracle", "--mlp-density", "0.25"]
+    union, _ = cli.sparse_settings(cli.build_parser().parse_args(
+        base + ["--batch-policy", "union"]), config)
+    default, _ = cli.sparse_settings(cli.build_parser().parse_args(base), config)
+    assert union.batch_policy == "union" and default.batch_policy == "dense"
+    assert "a batch of 2 runs the dense engine" not in cli.describe_sparsity(config, union, 2)
+    for argv, words in ((["--preset", "opt-tiny", "--batch-policy", "union"], "add --sparse"),
+                        (["--preset", "opt-tiny", "--sparse", "--batch-policy", "union"],
+                         "profile sets each layer")):
+        with pytest.raises(SystemExit) as e:
+            cli.check_options(cli.build_parser().parse_args(argv))
+        assert e.value.code == 2 and words in capsys.readouterr().err
