@@ -197,22 +197,35 @@ def main(argv: list[str] | None = None) -> int:
     from dejavu_jax.fetch_model import resolve_model
     from dejavu_jax.loading import load_pretrained
     from dejavu_jax.train import corpus as corpus_lib
+    try:
+        files = corpus_lib.resolve_files(args.corpus or corpus_lib.default_corpus())
+    except corpus_lib.CorpusError as e:
+        cli.fail(str(e))
+    from dejavu_jax.checkpoint_files import CheckpointError
     source = resolve_model(args.model)
-    config, params = load_pretrained(source, dtype=F32, progress=not args.no_progress)
+    try:
+        config, params = load_pretrained(source, dtype=F32, progress=not args.no_progress)
+    except (CheckpointError, OSError) as e:
+        cli.fail(str(e))
     if not config.gated_mlp:
         cli.fail(f"{config.name}: the MLP has no gate; the rules here score gated MLPs")
     if max(ranks) > config.hidden:
         cli.fail(f"--ranks: {max(ranks)} exceeds the model width {config.hidden}")
     args.tokenizer = None
     tok = common.load_tokenizer_for(args, config, Path(source))
-    files = corpus_lib.resolve_files(args.corpus or corpus_lib.default_corpus())
     per = args.window - (config.bos_token_id is not None)
+    if per < 1:
+        cli.fail(f"--window {args.window}: a window needs at least one text token")
     need = -(-args.calibration_tokens // per) + -(-args.tokens // per)
     windows = []
-    for w in corpus_lib.token_windows(tok, files, args.window, args.seed, config.bos_token_id):
-        windows.append(w)
-        if len(windows) == need:
-            break
+    try:
+        for w in corpus_lib.token_windows(tok, files, args.window, args.seed,
+                                          config.bos_token_id):
+            windows.append(w)
+            if len(windows) == need:
+                break
+    except corpus_lib.CorpusError as e:
+        cli.fail(str(e))
     if len(windows) < need:
         cli.fail(f"the corpus gave {len(windows)} windows of {args.window} tokens; "
                  f"{need} are needed")

@@ -83,6 +83,13 @@ def test_captured_and_full_rank_rules(name, rng):
     assert "| 0.3 | gate-r4 |" in msc.summary(rows)
 
 
-def test_rejects_an_ungated_model(tmp_path):
-    with pytest.raises(SystemExit):
-        msc.main(["--model", str(HF / "opt-preln"), "--out", str(tmp_path)])
+def test_rejects_an_ungated_model_and_a_missing_corpus(tmp_path, capsys):
+    corpus = tmp_path / "text.txt"
+    corpus.write_text("Some words of text. " * 200)
+    for argv, words in ((["--model", str(HF / "opt-preln"), "--corpus", str(corpus)],
+                         "the MLP has no gate"),
+                        (["--model", str(HF / "llama-gqa"), "--corpus",
+                          str(tmp_path / "missing.txt")], "no such file")):
+        with pytest.raises(SystemExit) as e:
+            msc.main(argv + ["--out", str(tmp_path / "out"), "--no-progress"])
+        assert e.value.code == 2 and words in capsys.readouterr().err
