@@ -267,6 +267,23 @@ def corpus_files(args) -> list[Path]:
         raise
 
 
+def load_source(args) -> tuple[ModelSource, ModelConfig, ModelParams, object]:
+    """(source, config, params, tokenizer) of --model / --preset (with --seed, --dtype) and
+    --tokenizer, else the model's own tokenizer; exits with one `error:` line when there is
+    none. A bad checkpoint raises CheckpointError."""
+    source = ModelSource(path=str(args.model.resolve()) if args.model else None,
+                         preset=args.preset, seed=args.seed, dtype=args.dtype)
+    config, params = source.load()
+    if args.tokenizer:
+        from dejavu_jax.tokenizer import load_tokenizer
+        tokenizer = load_tokenizer(args.tokenizer)
+    else:
+        tokenizer = source.tokenizer(config)
+    if tokenizer is None:
+        cli.fail("no tokenizer found for this model; pass --tokenizer")
+    return source, config, params, tokenizer
+
+
 def main(argv: list[str] | None = None) -> int:
     """Run the CLI; returns the process exit status (2 with one `error:` line for bad
     arguments, files or data)."""
@@ -278,16 +295,7 @@ def main(argv: list[str] | None = None) -> int:
     try:
         files = corpus_files(args)
         corpus_lib.corpus_chunks(files, args.window)  # fail fast, before loading weights
-        source = ModelSource(path=str(args.model.resolve()) if args.model else None,
-                             preset=args.preset, seed=args.seed, dtype=args.dtype)
-        config, params = source.load()
-        if args.tokenizer:
-            from dejavu_jax.tokenizer import load_tokenizer
-            tokenizer = load_tokenizer(args.tokenizer)
-        else:
-            tokenizer = source.tokenizer(config)
-        if tokenizer is None:
-            cli.fail("no tokenizer found for this model; pass --tokenizer")
+        source, config, params, tokenizer = load_source(args)
         if args.overwrite and out.exists():
             rec._remove_tree(out)
         print(f"model {config.name} ({config.family}, {config.n_layers} layers, "

@@ -175,7 +175,7 @@ def main(argv: list[str] | None = None) -> int:
     """Run the CLI; returns the process exit status (2 with one `error:` line for bad
     arguments, files or data)."""
     from dejavu_jax.checkpoint_files import CheckpointError
-    from dejavu_jax.train.collect import ModelSource, corpus_files
+    from dejavu_jax.train.collect import corpus_files, load_source
     args = build_parser().parse_args(argv)
     out = Path(args.out).expanduser()
     if out.is_dir():
@@ -183,16 +183,7 @@ def main(argv: list[str] | None = None) -> int:
     try:
         files = corpus_files(argparse.Namespace(corpus=args.corpus, dataset=None))
         corpus_lib.corpus_chunks(files, args.prompt_tokens + 1)  # fail before the weights
-        source = ModelSource(path=str(args.model.resolve()) if args.model else None,
-                             preset=args.preset, seed=args.seed, dtype=args.dtype)
-        config, params = source.load()
-        if args.tokenizer:
-            from dejavu_jax.tokenizer import load_tokenizer
-            tokenizer = load_tokenizer(args.tokenizer)
-        else:
-            tokenizer = source.tokenizer(config)
-        if tokenizer is None:
-            cli.fail("no tokenizer found for this model; pass --tokenizer")
+        _, config, params, tokenizer = load_source(args)
         sampling = SamplingConfig(args.temperature, args.top_k, args.top_p)
         import jax
         print(f"model {config.name} on {jax.default_backend()}; {len(files)} corpus files; "
