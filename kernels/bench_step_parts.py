@@ -6,8 +6,8 @@
   few ``AttnConfig.window_block_rows`` values (the K/V rows per program of the projection
   launch once the window's inputs make it a tensor-core product).
 * ``attn-config``: the same windowed attention (batch 1) at ``--context`` and 1024 for
-  ``AttnConfig`` variants (``--attn-variants``), and ``mlp-config``: the sparse MLP for
-  ``MLPConfig`` variants (``--mlp-variants``); a variant is ``field=value[,field=value]``,
+  ``AttnConfig`` variants (``--attn-variants``), and ``mlp-config``: XLA's dense MLP, then
+  the sparse MLP, both for ``--batch`` rows, for ``MLPConfig`` variants (``--mlp-variants``); a variant is ``field=value[,field=value]``,
   variants are separated by ``/`` and ``base`` is the default config.
 * ``out-proj``: the batch-1 out-projection of the selected heads into the residual, by the
   column-gather kernel the attention uses (3-D group-view loads, as the attention picks
@@ -221,6 +221,7 @@ def main(argv=None):
     p.add_argument("--parts", default="attn-window,top-k")
     p.add_argument("--attn-variants", default="base/seq_splits=1")
     p.add_argument("--mlp-variants", default="base/num_stages=3")
+    p.add_argument("--batch", type=int, default=1, help="rows of the mlp-config part (others: 1)")
     p.add_argument("--predictor-variants", default="4x512/2x512/1x512/1x256",
                    help="split predictor score product: ROW_BLOCKSxBLOCK_D[d][wN] ('d': deferred "
                         "sum, wN: N warps in the selection launch), '/'-separated")
@@ -260,8 +261,10 @@ def main(argv=None):
         del W
     if "mlp-config" in parts:
         W = bench.mlp_weights(d)
+        log({**bench.bench_mlp_point(W, d, args.batch, 1.0, which="dense"),
+             "part": "mlp-config", "variant": "xla-dense"})
         for name, cfg in parse_variants(args.mlp_variants, MLPConfig):
-            row = bench.bench_mlp_point(W, d, 1, args.mlp, which="sparse", config=cfg)
+            row = bench.bench_mlp_point(W, d, args.batch, args.mlp, which="sparse", config=cfg)
             log({**row, "part": "mlp-config", "variant": name})
         del W
     if "out-proj" in parts:
