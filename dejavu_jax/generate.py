@@ -126,12 +126,14 @@ def build_parser() -> argparse.ArgumentParser:
                     help="top-k of the predictor scores (for --sparse): exact (lax.top_k, "
                          "default) or local (Pallas, the top of each chunk of the scores: "
                          "approximate, the fastest measured on the GPU)")
-    sp.add_argument("--batch-policy", choices=("dense", "union"),
+    sp.add_argument("--batch-policy", choices=("dense", "union", "shared"),
                     help="how a batch of several prompts decodes: dense (default; at short "
-                         "context a batch's union of sets costs more than it saves) or "
+                         "context a batch's union of sets costs more than it saves), "
                          "union (the union of the rows' neurons, each row attending with "
                          "its own heads: the faster at long context, e.g. OPT-13B x1.67 "
-                         "at batch 16 and context 4096 on an H200)")
+                         "at batch 16 and context 4096 on an H200) or shared (predictors: "
+                         "one set per layer for the whole batch at the batch-1 budget, "
+                         "the units most rows need; each row's set is less its own)")
     multidevice.add_mesh_arguments(p)
     return p
 
@@ -311,11 +313,13 @@ def describe_sparsity(config, scfg, batch: int = 1, profile=None) -> str:
             union_mlp.append(1.0)
             lines.append(line + "  (dense)")
             continue
-        um = default_union_size(config.ffn, km, batch)
-        uh = default_union_size(config.n_heads, kh, batch)
+        shared = scfg.batch_policy == "shared"
+        um = km if shared else default_union_size(config.ffn, km, batch)
+        uh = kh if shared else default_union_size(config.n_heads, kh, batch)
         union_mlp.append(um / config.ffn)
         if batch > 1:
-            line += f"  union mlp {um / config.ffn:6.1%}  heads {uh / config.n_heads:6.1%}"
+            label = "shared" if shared else "union"
+            line += f"  {label} mlp {um / config.ffn:6.1%}  heads {uh / config.n_heads:6.1%}"
             attention, mlp, layer = batch_dense_parts(config, scfg, um, kh, batch)
             if scfg.oracle:
                 pass  # the oracle computes densely and masks
@@ -328,7 +332,10 @@ def describe_sparsity(config, scfg, batch: int = 1, profile=None) -> str:
         lines.append(line)
     per_token = sum(scfg.mlp_k) / (config.ffn * len(scfg.mlp_k))
     total = f"\n  mean mlp density {per_token:.1%} per token"
-    if batch > 1:
+    if batch > 1 and scfg.batch_policy == "shared":
+        total += (f"; the batch of {batch} shares each layer's neurons and heads, the "
+                  f"ones most of its rows need")
+    elif batch > 1:
         total += (f", {sum(union_mlp) / len(union_mlp):.1%} computed for the batch of "
                   f"{batch}; the union's head weights are read once, and each row attends "
                   f"with its own heads")

@@ -46,7 +46,7 @@ F32 = jnp.float32
 Selector = Callable[..., tuple[jax.Array, jax.Array]]
 
 
-BATCH_POLICIES = ("dense", "union", "kernels")
+BATCH_POLICIES = ("dense", "union", "shared", "kernels")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -75,7 +75,10 @@ class SparseConfig:
     XLA's dense products where they beat the gather kernels' batch path: a union of every KV
     group runs dense attention (writing every group's K/V), one of at least
     `batch_dense_mlp` of F neurons the dense MLP with the other neurons masked to zero (the
-    same result), and a union of everything the dense layer. "kernels": the union through
+    same result), and a union of everything the dense layer. "shared": the batch reads one
+    set per layer at the batch-1 budget, the k units of largest summed predicted
+    probability over its rows (`PredictorSelector.shared_batch`; predictors only): the
+    bytes of a batch-1 step, each row's set less its own. "kernels": the union through
     the sparse kernels at every size (parity checks of the kernels' batch path).
     batch_dense_mlp: that fraction (policy "union"). On an H200 at batch 4 the masked dense
     MLP on a 40% set was slower than the gather kernels: the opt-30b step ran at x0.65 of
@@ -116,6 +119,9 @@ class SparseConfig:
             raise ValueError(f"kv_refresh must be >= 0, got {self.kv_refresh}")
         if self.threshold_sites and self.oracle:
             raise ValueError("threshold_sites and oracle are two selection methods; pick one")
+        if self.batch_policy == "shared" and (self.oracle or self.threshold_sites):
+            raise ValueError("batch_policy 'shared' shares predicted sets; the oracle and "
+                             "thresholds select per row")
 
     def refresh_groups(self, config: ModelConfig) -> int:
         """KV groups refreshed per token (see `kv_refresh`)."""
@@ -713,6 +719,8 @@ def sparse_layers(config: ModelConfig, scfg: SparseConfig, params: ModelParams,
     unrolled = isinstance(params.layers, tuple)
     if batch_runs_dense(scfg, x.shape[0]):
         scfg = dataclasses.replace(scfg, dense_layers=config.n_layers)
+    if scfg.batch_policy == "shared" and x.shape[0] > 1 and hasattr(select, "shared_batch"):
+        select = select.shared_batch()
     step = {**step, "window": _window_step(config, scfg, step)}  # this (shard's) config
     prev_input = x  # the input of the layer before the segment (lookahead source)
     for start, stop, dense, k_mlp, k_heads in scfg.segments(config):
@@ -835,7 +843,7 @@ class PredictorSelector:
 
     def __init__(self, group_size: int, union_capacity=None, method: str = "exact",
                  impl: str | None = None, ride_mlp_launches: bool = True,
-                 row_heads: bool = True):
+                 row_heads: bool = True, shared: bool = False):
         from dejavu_jax.sparse_variants import TOP_K_VARIANTS
         if method not in SELECT_METHODS + TOP_K_VARIANTS:
             raise ValueError(f"unknown selection method {method!r}; choose from "
@@ -844,6 +852,15 @@ class PredictorSelector:
         self.union_capacity = union_capacity or (None, None)
         self.ride_mlp_launches = ride_mlp_launches
         self.row_heads = row_heads
+        self.shared = shared
+
+    def shared_batch(self) -> "PredictorSelector":
+        """This selector with one set per layer for a whole batch (`SparseConfig.batch_policy`
+        "shared"): the top-k of `shared_scores`, selected as for one row."""
+        import copy
+        out = copy.copy(self)
+        out.shared = True
+        return out
 
     def _top(self, scores, k, capacity):
         from dejavu_jax.kernels.top_k import top_k_indices_local
@@ -871,6 +888,9 @@ class PredictorSelector:
     def __call__(self, pred_params, layer, x, k_mlp, k_heads):
         from dejavu_jax.train.predict import predictor_scores
         mlp, heads = predictor_scores(pred_params, layer, x)   # heads: per query head
+        if self.shared and x.shape[0] > 1:
+            return (self._top(shared_scores(mlp), k_mlp, None),
+                    self._top(shared_scores(heads), k_heads, None))
         cap_mlp, cap_heads = self.union_capacity
         if heads.shape[0] > 1 and cap_heads is None and self.row_heads:   # each row its own
             return (self._top(mlp, k_mlp, cap_mlp), row_top_k(heads, k_heads))
@@ -906,6 +926,16 @@ class PredictorSelector:
             score, select_of = selection_parts(*args, activation=p.activation)
             return Riders((score,), lambda outs: [select_of(outs[0][0])])
         return predictor_select(*args, activation=p.activation, impl=self.impl)
+
+
+def shared_scores(logits: jax.Array, weights: jax.Array | None = None) -> jax.Array:
+    """A batch's scores [1, n] for one shared set, from its rows' predictor logits [B, n]:
+    the expected number of rows that need each unit, the sum of the rows' predicted
+    probabilities (rows weighted by `weights` [B] when given)."""
+    p = jax.nn.sigmoid(logits.astype(F32))
+    if weights is not None:
+        p = p * weights.astype(F32)[:, None]
+    return p.sum(0, keepdims=True)
 
 
 def row_top_k(scores: jax.Array, k: int) -> jax.Array:

@@ -153,7 +153,9 @@ def step_bytes(config, scfg, context: int, batch: int, rank: int, predictors: bo
     (`train.predict.default_union_size`); fixed-index rows read their k neurons for every
     batch. Heads are per row at batch > 1 (both kinds): the weights of their union's
     capacity, each row's K and V of its own groups (row_heads False: a predictor row's
-    heads are the union's for every row). Where `sparse.batch_dense_parts` runs
+    heads are the union's for every row). Under the "shared" batch policy a predictor row
+    reads one set of k neurons and k heads for the whole batch, each row the K and V of
+    those heads' groups. Where `sparse.batch_dense_parts` runs
     a batch's attention or MLP dense, every head or neuron is read; a layer it runs dense
     reads no predictor.
     """
@@ -171,7 +173,9 @@ def step_bytes(config, scfg, context: int, batch: int, rank: int, predictors: bo
     for layer in range(c.n_layers):
         km = c.ffn if scfg is None else scfg.mlp_k[layer]
         kh = c.n_heads if scfg is None else scfg.head_k[layer]
-        if predictors and batch > 1:
+        shared = (predictors and batch > 1 and scfg is not None
+                  and scfg.batch_policy == "shared")
+        if predictors and batch > 1 and not shared:
             km = default_union_size(c.ffn, km, batch)
             if not row_heads:
                 kh = default_union_size(c.n_heads, kh, batch)
@@ -182,7 +186,8 @@ def step_bytes(config, scfg, context: int, batch: int, rank: int, predictors: bo
             km = c.ffn if dense_mlp else km  # XLA's dense MLP, the other neurons masked
             kh = c.n_heads if attention else kh
         kh_row = kh
-        kh = default_union_size(c.n_heads, kh, batch)  # the rows' union: weights
+        if not shared:
+            kh = default_union_size(c.n_heads, kh, batch)  # the rows' union: weights
         kg = min(c.n_kv_heads, kh)  # the KV groups of kh query heads, at most
         kg_row = min(c.n_kv_heads, kh_row)
         total += 2 * d * (2 if layer_norm else 1)  # attention and MLP norms
@@ -521,6 +526,8 @@ def measure_rows(config, params, preds, contexts, mlp_densities, head_densities,
                     for kernel_cfg, (kind, select, sel_params) in itertools.product(
                             kernel_configs or [{}], sparse_row_kinds(
                                 config, preds, select_methods, fixed, kv_recompute_off)):
+                        if kind == "fixed" and kernel_cfg.get("batch_policy") == "shared":
+                            continue   # the policy shares predicted sets; fixed ones are
                         scfg = dataclasses.replace(base_cfg, **kernel_cfg)
                         run_cfg = (without_kv_recompute(scfg)
                                    if kind.endswith("no-kv-recompute") else scfg)
@@ -829,7 +836,7 @@ def main(argv=None) -> int:
                         "at large batches whose prefill would not fit")
     p.add_argument("--batch-policy", default="dense",
                    help="comma-separated SparseConfig.batch_policy values for the sparse "
-                        "rows (dense, union, kernels)")
+                        "rows (dense, union, shared, kernels)")
     p.add_argument("--layouts", default="unrolled",
                    help="stacked (lax.scan over stacked layers), unrolled, or both")
     p.add_argument("--select", default="exact",
@@ -955,7 +962,8 @@ def main(argv=None) -> int:
     n_sparse = (len(mlps) * len(heads) * len(split(args.select, str)) * len(kernel_configs)
                 if "sparse" in ours else 0)
     n_fixed = (len(mlps) * (0.5 in heads) * (1 + (args.diagnose_kv_recompute and mesh is None))
-               * len(kernel_configs) if "sparse" in ours else 0)
+               * sum(c.get("batch_policy") != "shared" for c in kernel_configs)
+               if "sparse" in ours else 0)
     n_rows = (len(models) * len(split(args.layouts, str)) * len(batches)
               * (len(contexts) * (("dense" in ours) + n_sparse) + n_fixed))
     bar = tqdm(total=n_rows, desc="decode benchmark")

@@ -214,7 +214,8 @@ def mode_from_args(args, config, mesh=None) -> tuple[EvalMode, object]:
         cli.fail(f"--dense-layers {dense_layers}: the model has {config.n_layers} layers")
     try:
         mode = make_mode(config, args.mode, args.mlp_density or 1.0, args.head_density or 1.0,
-                         dense_layers, shards=shards)
+                         dense_layers, shards=shards,
+                         shared_rows=getattr(args, "shared_rows", 1))
     except sharding.ShardingError as e:
         cli.fail(str(e))
     pred = (load_predictor_params(predictors_dir(args), config) if args.mode == "sparse"

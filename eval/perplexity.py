@@ -100,6 +100,8 @@ def score_windows(config, mode: EvalMode, params, pred_params, ids: np.ndarray,
     """
     plans = plan_windows(len(ids), window, stride)
     rows_per_call = common.mesh_rows(max(1, batch_tokens // window), mesh)
+    share = mode.shared_rows
+    rows_per_call = -(-rows_per_call // share) * share   # whole groups of shared rows
     length = min(window, len(ids) - 1)
     nll, count, greedy, read = 0.0, 0, 0, 0.0
     batches = [plans[i:i + rows_per_call] for i in range(0, len(plans), rows_per_call)]
@@ -117,7 +119,7 @@ def score_windows(config, mode: EvalMode, params, pred_params, ids: np.ndarray,
         logp, hit, reads = token_scores(
             config, mode.scfg, params, pred_params, put(inputs), put(mask),
             put(np.full((rows_per_call,), dense_prefix, np.int32)), put(targets),
-            shards=mode.shards)
+            shards=mode.shards, share=share)
         logp, hit = common.to_host(logp, np.float64), common.to_host(hit)
         nll -= float(logp[weight].sum())
         greedy += int(hit[weight].sum())
@@ -169,6 +171,10 @@ def build_parser() -> argparse.ArgumentParser:
                    help="tokens between window starts, at most --window (default 512)")
     p.add_argument("--max-tokens", type=cli.positive_int,
                    help="score only the first N tokens of the text")
+    p.add_argument("--shared-rows", type=cli.positive_int, default=1,
+                   help="sparse mode: score windows in groups of N decoded together under "
+                        "the batch policy 'shared' (each position's sets are the group's "
+                        "top-k of summed predicted probabilities; default 1: each its own)")
     p.add_argument("--out", help="write the result as JSON here")
     common.add_model_args(p)
     common.add_mesh_args(p)
@@ -182,6 +188,9 @@ def main(argv: list[str] | None = None) -> int:
     if args.stride > args.window:
         cli.fail(f"--stride {args.stride} is larger than --window {args.window}")
     common.check_model_args(args)
+    if args.shared_rows > 1 and args.mode != "sparse":
+        cli.fail(f"--shared-rows {args.shared_rows} shares predicted sets: it needs "
+                 f"--mode sparse")
     try:
         text = load_text(args.text)  # before the model: a missing text fails fast
     except (OSError, UnicodeDecodeError) as e:

@@ -22,7 +22,11 @@ attention pass over the sparse residual stream gives; unselected heads contribut
 `tests/test_eval.py` checks logits and index sets against the decode engine.
 
 Rows are independent (one batch-1 decode each); right padding is harmless because
-attention is causal.
+attention is causal. With `share` > 1 (predictors) consecutive groups of `share` rows are
+sequences decoded together under `SparseConfig.batch_policy` "shared": at each position
+the group's rows use one set per layer, the top-k of their summed predicted
+probabilities (`sparse.shared_scores`; rows still in their dense prefix, and padding,
+do not vote).
 
 Tensor parallel (`shards` = tp > 1): the tensor-parallel decode engine
 (`dejavu_jax.tp_decode`) lets every device pick the top ceil(k / tp) of its own neurons and
@@ -64,6 +68,7 @@ class EvalMode:
     name: str
     scfg: SparseConfig | None = None
     shards: int = 1  # top-k per block of units, as tp devices select (see module doc)
+    shared_rows: int = 1  # rows per group sharing their sets (see module doc)
     source: str | None = None  # where the selector params came from (a profile file)
 
     def describe(self, config: ModelConfig) -> dict:
@@ -79,6 +84,8 @@ class EvalMode:
                "head_density": sum(dens["heads"]) / config.n_layers,
                "dense_layers": self.scfg.dense_layers,
                "mlp_k": list(self.scfg.mlp_k), "head_k": list(self.scfg.head_k)}
+        if self.shared_rows > 1:
+            out["shared_rows"] = self.shared_rows
         if self.shards > 1:  # each of `shards` blocks keeps ceil(k / shards) of its units
             out["selection_shards"] = self.shards
             out["mlp_k_per_shard"] = [local_k(k, self.shards) for k in self.scfg.mlp_k]
@@ -87,16 +94,21 @@ class EvalMode:
 
 
 def make_mode(config: ModelConfig, name: str, mlp_density=1.0, head_density=1.0,
-              dense_layers: int = 2, shards: int = 1, sites=None) -> EvalMode:
+              dense_layers: int = 2, shards: int = 1, sites=None,
+              shared_rows: int = 1) -> EvalMode:
     """An EvalMode; densities are as for `sparse.sparse_config` (float or per layer).
     "threshold" takes the thresholded `sites` (default every site the model has) instead,
     and per-layer thresholds as its selector params, so dense_layers defaults to none.
 
     shards > 1 (sparse and oracle): select per block of units as `shards` tensor-parallel
     devices do; raises sharding.ShardingError when the heads or neurons do not divide.
+    shared_rows > 1 (sparse): groups of that many rows share their sets (module doc).
     """
     if name not in MODES:
         raise ValueError(f"unknown mode {name!r}; known: {MODES}")
+    if shared_rows < 1 or (shared_rows > 1 and name != "sparse"):
+        raise ValueError(f"shared_rows={shared_rows}: groups of rows share predicted sets "
+                         f"(sparse mode, shared_rows >= 1)")
     if name == "dense":
         return EvalMode("dense")
     if name == "threshold":
@@ -106,7 +118,7 @@ def make_mode(config: ModelConfig, name: str, mlp_density=1.0, head_density=1.0,
     if shards > 1:
         check_tp(config, shards)
     return EvalMode(name, sparse_config(config, mlp_density, head_density, dense_layers,
-                                        oracle=name == "oracle"), shards)
+                                        oracle=name == "oracle"), shards, shared_rows)
 
 
 def local_k(k: int, shards: int) -> int:
@@ -138,12 +150,28 @@ def top_k_mask(scores: jax.Array, k: int, shards: int = 1) -> jax.Array:
     return jnp.vectorize(one_row, signature="(m)->(m)")(blocks).reshape(scores.shape)
 
 
-def _layer(config, lp, x, src, positions, mask, active, sel, layer, shards=1):
+def shared_top_k_mask(logits: jax.Array, k: int, votes: jax.Array, share: int,
+                      shards: int = 1) -> jax.Array:
+    """Boolean [B, T, n]: for each group of `share` consecutive rows and each position, the
+    top-k (`top_k_mask`) of the group's summed predicted probabilities, the voting rows'
+    (`votes` [B, T] bool) only; every row of a group gets its group's set."""
+    from dejavu_jax.sparse import shared_scores
+    B, T, n = logits.shape
+    if B % share:
+        raise ValueError(f"{B} rows do not split into groups of {share}")
+    grouped = logits.reshape(B // share, share, T, n).transpose(0, 2, 1, 3)
+    w = votes.reshape(B // share, share, T).transpose(0, 2, 1)
+    summed = jax.vmap(jax.vmap(shared_scores))(grouped, w)[..., 0, :]   # [G, T, n]
+    return jnp.repeat(top_k_mask(summed, k, shards), share, axis=0)
+
+
+def _layer(config, lp, x, src, positions, mask, active, sel, layer, shards=1, share=1):
     """One block. sel: None (dense) or (kind, selector params, k_mlp, k_heads), with k per
     block of units when shards > 1 (see `top_k_mask`); for kind "threshold" the selector
     params are the thresholds [L, len(SITES)] (`activation_sparsity`).
 
     `active` [B, T] marks positions that run sparse; `src` is the lookahead input.
+    share > 1 (predictors): groups of `share` rows share their sets (`shared_top_k_mask`).
     Returns (x_out, (neuron mask [B,T,F], query-head mask [B,T,H], kept [B,T,len(SITES)])):
     kept holds, per position, the fraction of each threshold site's channels kept (1 for
     the index-set modes and dense positions).
@@ -162,6 +190,12 @@ def _layer(config, lp, x, src, positions, mask, active, sel, layer, shards=1):
         _, pred_params, k_mlp, k_heads = sel
         mlp_s, head_s = predictor_scores(pred_params, layer, src.reshape(B * T, -1))
         pred = (mlp_s.reshape(B, T, -1), head_s.reshape(B, T, -1))
+    votes = active & (mask > 0)
+
+    def pick(scores, k):
+        if pred is not None and share > 1:
+            return shared_top_k_mask(scores, k, votes, share, shards)
+        return top_k_mask(scores, k, shards)
 
     def attn(y):
         nonlocal h_mask
@@ -179,7 +213,7 @@ def _layer(config, lp, x, src, positions, mask, active, sel, layer, shards=1):
                                               mask_heads)
         if kind in ("sparse", "oracle") and sel[3] < config.n_heads // shards:
             scores = pred[1] if pred is not None else head_output_norms(lp, heads)
-            h_mask = top_k_mask(scores, sel[3], shards) | ~active[..., None]
+            h_mask = pick(scores, sel[3]) | ~active[..., None]
             heads = heads * h_mask[..., None]
             out = ops.out_project(lp, heads)
         return out
@@ -194,7 +228,7 @@ def _layer(config, lp, x, src, positions, mask, active, sel, layer, shards=1):
         hidden = ops.mlp_hidden(config, lp, y)
         if kind in ("sparse", "oracle") and sel[2] < config.ffn // shards:
             scores = pred[0] if pred is not None else jnp.abs(hidden)
-            n_mask = top_k_mask(scores, sel[2], shards) | ~active[..., None]
+            n_mask = pick(scores, sel[2]) | ~active[..., None]
             hidden = hidden * n_mask
         return ops.mlp_output(lp, hidden)
 
@@ -229,7 +263,7 @@ def read_fraction(config: ModelConfig, scfg: SparseConfig | None, sets) -> jax.A
 
 def scored_hidden(config: ModelConfig, scfg: SparseConfig | None, params: ModelParams,
                   pred_params, ids: jax.Array, mask: jax.Array, dense_prefix: jax.Array,
-                  return_sets: bool = False, shards: int = 1):
+                  return_sets: bool = False, shards: int = 1, share: int = 1):
     """Final hidden states [B, T, d] (before the final norm) of the sparse computation.
 
     scfg None: dense. scfg.oracle: oracle top-k. scfg.threshold_sites: activation
@@ -238,6 +272,7 @@ def scored_hidden(config: ModelConfig, scfg: SparseConfig | None, params: ModelP
     prefill). With return_sets, also (neuron masks [L,B,T,F], query-head masks [L,B,T,H]
     bool, kept fractions of the threshold sites [L,B,T,len(SITES)]).
     shards > 1: each of `shards` blocks of units keeps ceil(k / shards) (tensor parallel).
+    share > 1: groups of `share` rows share their predicted sets (module doc).
     Ids must lie in [0, vocab_size) (`check_window`).
     """
     check_window(config, ids, mask, dense_prefix)
@@ -264,7 +299,7 @@ def scored_hidden(config: ModelConfig, scfg: SparseConfig | None, params: ModelP
             lp, layer = xs
             sel = None if dense else (kind, pred_params, k_mlp, k_heads)
             out, masks = _layer(config, lp, x, src, positions, mask, active, sel, layer,
-                                shards)
+                                shards, share)
             return (out, x), (masks if return_sets else None)
 
         (x, src), ys = jax.lax.scan(body, (x, src),
@@ -290,23 +325,25 @@ def check_window(config: ModelConfig, ids, mask, dense_prefix, targets=None) -> 
 
 
 @functools.partial(checked, check=lambda config, scfg, params, pred_params, ids, mask,
-                   dense_prefix, shards=1: check_window(config, ids, mask, dense_prefix))
-@functools.partial(jax.jit, static_argnames=("config", "scfg", "shards"))
+                   dense_prefix, shards=1, share=1: check_window(config, ids, mask,
+                                                                 dense_prefix))
+@functools.partial(jax.jit, static_argnames=("config", "scfg", "shards", "share"))
 def window_logits(config: ModelConfig, scfg: SparseConfig | None, params: ModelParams,
-                  pred_params, ids, mask, dense_prefix, shards: int = 1):
+                  pred_params, ids, mask, dense_prefix, shards: int = 1, share: int = 1):
     """(logits [B, T, V] fp32, (neuron masks, query-head masks, kept fractions)) for tests and
     small models."""
     hidden, sets = scored_hidden(config, scfg, params, pred_params, ids, mask, dense_prefix,
-                                 return_sets=True, shards=shards)
+                                 return_sets=True, shards=shards, share=share)
     return unembed(config, params, hidden), sets
 
 
 @functools.partial(checked, check=lambda config, scfg, params, pred_params, ids, mask,
-                   dense_prefix, targets, shards=1: check_window(config, ids, mask,
-                                                                 dense_prefix, targets))
-@functools.partial(jax.jit, static_argnames=("config", "scfg", "shards"))
+                   dense_prefix, targets, shards=1, share=1: check_window(
+                       config, ids, mask, dense_prefix, targets))
+@functools.partial(jax.jit, static_argnames=("config", "scfg", "shards", "share"))
 def token_scores(config: ModelConfig, scfg: SparseConfig | None, params: ModelParams,
-                 pred_params, ids, mask, dense_prefix, targets, shards: int = 1):
+                 pred_params, ids, mask, dense_prefix, targets, shards: int = 1,
+                 share: int = 1):
     """Per-position (log p(target) [B, T], greedy hit [B, T], bytes read [B, T]) for next
     tokens `targets`; bytes read is `read_fraction`, the share of the decoder layers'
     matmul weights a decode step of that position reads.
@@ -316,7 +353,7 @@ def token_scores(config: ModelConfig, scfg: SparseConfig | None, params: ModelPa
     Concrete ids and targets are checked against the vocabulary before the jit.
     """
     hidden, sets = scored_hidden(config, scfg, params, pred_params, ids, mask, dense_prefix,
-                                 return_sets=True, shards=shards)
+                                 return_sets=True, shards=shards, share=share)
     logits = unembed(config, params, hidden)
     logz = jax.nn.logsumexp(logits, axis=-1)
     target_logit = jnp.take_along_axis(logits, targets[..., None], axis=-1)[..., 0]

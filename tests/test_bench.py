@@ -100,6 +100,18 @@ def test_step_bytes_counts_every_weight(name):
     kernels_only = dataclasses.replace(quarter, batch_policy="kernels")
     assert (bench_decode.step_bytes(config, kernels_only, 8, 2, rank, True)
             < bench_decode.step_bytes(config, quarter, 8, 2, rank, True))
+    # "shared": the batch-1 weights and predictors once, each further row its token's
+    # embedding (and OPT position) row and the K/V of the shared heads' groups
+    # (below `batch_dense_mlp`, so the MLP gathers its rows at any batch)
+    quarter_mlp = sparse.sparse_config(config, 0.25, 0.5, dense_layers=dense_layers)
+    shared = dataclasses.replace(quarter_mlp, batch_policy="shared")
+    extra_row = config.embed_dim + (config.hidden if config.family == "opt" else 0)
+    for layer in range(config.n_layers):
+        kg = min(config.n_kv_heads, shared.head_k[layer])
+        extra_row += kg * 2 * 8 * config.head_dim
+    one = bench_decode.step_bytes(config, quarter_mlp, 8, 1, rank, True)
+    assert (bench_decode.step_bytes(config, shared, 8, 3, rank, True)
+            == one + 2 * 2 * extra_row)
 
 
 @pytest.mark.parametrize("name", sorted(config_lib.PRESETS))
