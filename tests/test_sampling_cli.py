@@ -103,6 +103,10 @@ def test_describe_sparsity_names_a_batchs_dense_parts():
     default = cli.describe_sparsity(config, sparse.sparse_config(config, 0.1, 0.25,
                                                                  dense_layers=1), batch=2)
     assert "a batch of 2 runs the dense engine" in default and "layer  1" not in default
+    shared = dataclasses.replace(union(0.1, 0.5), batch_policy="shared")
+    text = cli.describe_sparsity(config, shared, batch=16)
+    assert "shared mlp  10.2%  heads  50.0%\n" in text
+    assert "the batch of 16 shares each layer's neurons and heads" in text
     kernels_only = cli.describe_sparsity(
         config, dataclasses.replace(scfg, batch_policy="kernels"), batch=16)
     assert "(dense layer)" not in kernels_only and "union mlp 100.0%" in kernels_only
