@@ -153,6 +153,9 @@ def check_options(args) -> None:
                  "pick one")
     if args.oracle and (args.predictors is not None or args.select is not None):
         cli.fail("--predictors and --select are for --sparse; --oracle needs neither")
+    if args.oracle and args.batch_policy == "shared":
+        cli.fail("--batch-policy shared shares predicted sets; the oracle selects per row "
+                 "(use union)")
     set_options = [f for f in SET_OPTIONS if values[f] is not None]
     if args.sparse and args.predictors is None and set_options:
         cli.fail(f"{', '.join(set_options)}: for --predictors and --oracle; a sparsity "

@@ -144,7 +144,8 @@ def test_batch_policy_option_reaches_the_sparse_config(capsys):
     assert "a batch of 2 runs the dense engine" not in cli.describe_sparsity(config, union, 2)
     for argv, words in ((["--preset", "opt-tiny", "--batch-policy", "union"], "add --sparse"),
                         (["--preset", "opt-tiny", "--sparse", "--batch-policy", "union"],
-                         "profile sets each layer")):
+                         "profile sets each layer"),
+                        (base + ["--batch-policy", "shared"], "the oracle selects per row")):
         with pytest.raises(SystemExit) as e:
             cli.check_options(cli.build_parser().parse_args(argv))
         assert e.value.code == 2 and words in capsys.readouterr().err
