@@ -286,7 +286,8 @@ def main(argv=None):
             log(top_k_point(F, k, method))
     os.makedirs(args.out, exist_ok=True)
     with open(os.path.join(args.out, "bench_step_parts.json"), "w") as f:
-        json.dump({"meta": _versions(), "args": vars(args), "rows": rows}, f, indent=1)
+        json.dump({"meta": _versions(), "args": vars(args), "rows": rows}, f, indent=1,
+                  default=str)   # the --parity path
 
 
 if __name__ == "__main__":
