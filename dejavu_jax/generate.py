@@ -309,6 +309,7 @@ def describe_sparsity(config, scfg, batch: int = 1, profile=None) -> str:
     if scfg.threshold_sites:
         return profile.summary() if profile is not None else "sparse decoding: thresholds"
     lines, union_mlp = [], []
+    shared = scfg.batch_policy == "shared"
     for l, (km, kh) in enumerate(zip(scfg.mlp_k, scfg.head_k)):
         m, h = km / config.ffn, kh / config.n_heads
         line = f"  layer {l:2d}: mlp {m:6.1%}  heads {h:6.1%}"
@@ -316,7 +317,6 @@ def describe_sparsity(config, scfg, batch: int = 1, profile=None) -> str:
             union_mlp.append(1.0)
             lines.append(line + "  (dense)")
             continue
-        shared = scfg.batch_policy == "shared"
         um = km if shared else default_union_size(config.ffn, km, batch)
         uh = kh if shared else default_union_size(config.n_heads, kh, batch)
         union_mlp.append(um / config.ffn)
@@ -335,7 +335,7 @@ def describe_sparsity(config, scfg, batch: int = 1, profile=None) -> str:
         lines.append(line)
     per_token = sum(scfg.mlp_k) / (config.ffn * len(scfg.mlp_k))
     total = f"\n  mean mlp density {per_token:.1%} per token"
-    if batch > 1 and scfg.batch_policy == "shared":
+    if batch > 1 and shared:
         total += (f"; the batch of {batch} shares each layer's neurons and heads, the "
                   f"ones most of its rows need")
     elif batch > 1:

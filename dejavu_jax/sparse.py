@@ -843,7 +843,7 @@ class PredictorSelector:
 
     def __init__(self, group_size: int, union_capacity=None, method: str = "exact",
                  impl: str | None = None, ride_mlp_launches: bool = True,
-                 row_heads: bool = True, shared: bool = False):
+                 row_heads: bool = True):
         from dejavu_jax.sparse_variants import TOP_K_VARIANTS
         if method not in SELECT_METHODS + TOP_K_VARIANTS:
             raise ValueError(f"unknown selection method {method!r}; choose from "
@@ -852,7 +852,7 @@ class PredictorSelector:
         self.union_capacity = union_capacity or (None, None)
         self.ride_mlp_launches = ride_mlp_launches
         self.row_heads = row_heads
-        self.shared = shared
+        self.shared = False   # one set for a whole batch: `shared_batch`
 
     def shared_batch(self) -> "PredictorSelector":
         """This selector with one set per layer for a whole batch (`SparseConfig.batch_policy`

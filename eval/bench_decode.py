@@ -170,11 +170,11 @@ def step_bytes(config, scfg, context: int, batch: int, rank: int, predictors: bo
     if c.final_norm:
         total += d * (2 if layer_norm else 1)
     mlp_mats = 3 if c.gated_mlp else 2
+    shared = (predictors and batch > 1 and scfg is not None
+              and scfg.batch_policy == "shared")
     for layer in range(c.n_layers):
         km = c.ffn if scfg is None else scfg.mlp_k[layer]
         kh = c.n_heads if scfg is None else scfg.head_k[layer]
-        shared = (predictors and batch > 1 and scfg is not None
-                  and scfg.batch_policy == "shared")
         if predictors and batch > 1 and not shared:
             km = default_union_size(c.ffn, km, batch)
             if not row_heads:
