@@ -4,7 +4,8 @@ An engine is a set of pure functions: prefill, step and init_state. Generation j
 "`chunk` steps of decode-then-sample" as one `lax.scan` per engine and sampling setting,
 with the state donated so the KV cache is updated in place: the tokens of a chunk are
 produced on the device without a host round trip, and the host streams them and checks
-the stop ids once per chunk. chunk=1 is one round trip per token.
+the stop ids once per chunk. The next chunk is queued before the host reads the current
+one, so host work overlaps the device's; chunk=1 hands the host every token as it is made.
 """
 
 from __future__ import annotations
@@ -187,11 +188,18 @@ def generate_tokens(engine: Engine, params, prompts: Sequence[Sequence[int]],
     prefill_seconds = time.perf_counter() - t0
     emit(host)
     produced, steps, timed, first_call = 1, 0, 0, 0.0
-    t_steps = time.perf_counter()
-    while produced < max_new_tokens and not done.all():
-        t_call = time.perf_counter()
-        block, tokens, state, key = _steps_and_sample(engine, params, state, tokens, sampling,
-                                                      key, chunk)
+
+    def launch(state, tokens, key):
+        return _steps_and_sample(engine, params, state, tokens, sampling, key, chunk)
+
+    # One call stays queued behind the one being read, so the device never waits for the
+    # host to stream tokens and dispatch; a call queued past a stop is discarded.
+    t_steps = t_call = time.perf_counter()
+    queued = launch(state, tokens, key) if produced < max_new_tokens and not done.all() \
+        else None
+    while queued is not None:
+        block, tokens, state, key = queued
+        queued = launch(state, tokens, key) if steps + chunk < calls * chunk else None
         block = np.asarray(block)
         first = steps == 0
         if first:
@@ -206,6 +214,8 @@ def generate_tokens(engine: Engine, params, prompts: Sequence[Sequence[int]],
             produced += 1
         if first:  # the timed span starts after the first call's tokens are out
             t_steps = time.perf_counter()
+        if produced == max_new_tokens or done.all():
+            break
     decode_seconds = time.perf_counter() - t_steps if timed else 0.0
     return GenerationResult(out, prefill_seconds, decode_seconds, steps, first_call, timed,
                             chunk)

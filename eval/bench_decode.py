@@ -414,16 +414,23 @@ def measure_engine(engine, params, prompt, mask, tokens, max_len: int, warmup: i
     return res
 
 
-def time_generate(engine, params, prompt, new_tokens: int, chunk: int = 8) -> dict:
-    """ms per token of `generation.generate_tokens` end to end (greedy, no stop id, `chunk`
-    steps per device call): its decode rate over the calls after the first, from a second
-    run (the first compiles)."""
+def time_generate(engine, params, prompt, new_tokens: int, chunks=(8, 1)) -> dict:
+    """ms per token of `generation.generate_tokens` end to end (greedy, no stop id), from a
+    second run (the first compiles): `generate_ms` at chunk 8 (steps per device call, as
+    `generate` runs) and `stream_ms` at chunk 1, the host handed every token as it is
+    made."""
     from dejavu_jax.generation import generate_tokens
     rows = np.asarray(prompt).tolist()
-    for _ in range(2):
-        result = generate_tokens(engine, params, rows, new_tokens, stop_ids=[], chunk=chunk)
-    return dict(generate_ms=1e3 / result.tokens_per_second, generate_new_tokens=new_tokens,
-                generate_chunk=chunk)
+    res = dict(generate_new_tokens=new_tokens)
+    for chunk in chunks:
+        for _ in range(2):
+            result = generate_tokens(engine, params, rows, new_tokens, stop_ids=[],
+                                     chunk=chunk)
+        rate = result.tokens_per_second          # 0 when one call made every token
+        res["stream_ms" if chunk == 1 else "generate_ms"] = 1e3 / rate if rate else None
+        if chunk != 1:
+            res["generate_chunk"] = chunk
+    return res
 
 
 def rates(nbytes: int, batch: int, ms: float, ms_loop: float | None) -> dict:
@@ -744,9 +751,8 @@ def bandwidth_cells(gbs: float | None, r: dict, meta: dict) -> tuple[str, str]:
 def markdown(rows, meta: dict) -> str:
     """A markdown table of the rows (see `add_speedups` for the speedup columns)."""
     cols = ("model", "layers", "mode", "ctx", "batch", "mlp", "heads", "indices",
-            "ms (synced)", "ms_loop", "generate ms", "p90", "tokens/s", "GB read", "GB/s",
-            "% spec",
-            "% best measured", "prefill ms", "compile s", "peak GB",
+            "ms (synced)", "ms_loop", "generate ms", "stream ms", "p90", "tokens/s", "GB read",
+            "GB/s", "% spec", "% best measured", "prefill ms", "compile s", "peak GB",
             "vs dense (synced / loop)", "vs hf-eager", "vs hf-compiled")
 
     merged = any("source" in r for r in rows)
@@ -758,6 +764,7 @@ def markdown(rows, meta: dict) -> str:
         return (r["model"], r.get("layout", "stacked"), r["mode"], r["context"], r["batch"],
                 f"{r['mlp']:.2f}", f"{r['heads']:.2f}", r["indices"], _f(r.get("ms"), ".3f"),
                 _f(r.get("ms_loop"), ".3f"), _f(r.get("generate_ms"), ".3f"),
+                _f(r.get("stream_ms"), ".3f"),
                 _f(r.get("p90_ms"), ".3f"),
                 _f(r.get("tokens_per_s"), ".0f"), _f(r.get("bytes") and r["bytes"] / 1e9, ".2f"),
                 _f(r.get("gbs"), ".0f"), *bandwidth_cells(r.get("gbs"), r, meta),
@@ -858,7 +865,8 @@ def main(argv=None) -> int:
     add_parity_argument(p)
     p.add_argument("--generate-tokens", type=cli.non_negative_int, default=0, metavar="N",
                    help="also time generation.generate_tokens end to end making N tokens, "
-                        "for the dense and predictor rows (default 0: off)")
+                        "for the dense and predictor rows, 8 steps per call and 1 (stream "
+                        "ms) (default 0: off)")
     p.add_argument("--mesh", help="tensor-parallel mesh, e.g. 'tp=2' (rows from eval/bench_tp.py)")
     p.add_argument("--devices", type=cli.positive_int, help="shorthand for --mesh tp=N")
     args = p.parse_args(argv)

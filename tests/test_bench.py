@@ -422,3 +422,13 @@ def test_held_context_counts_the_first_slots_as_tokens():
     assert (np.asarray(held.written) == want).all()
     dense_only = held_context(state.dense, 7)
     assert int(dense_only.slot) == 7 and np.asarray(dense_only.valid)[:, :7].all()
+
+
+def test_time_generate_reports_chunked_and_streamed_rates():
+    config = config_lib.preset("opt-tiny")
+    params = init_params(config, jax.random.key(0), jnp.float32)
+    from dejavu_jax.generation import dense_engine
+    res = bench_decode.time_generate(dense_engine(config), params, np.array([[2, 5, 9]]), 20)
+    assert res["generate_new_tokens"] == 20 and res["generate_chunk"] == 8
+    for key in ("generate_ms", "stream_ms"):
+        assert math.isfinite(res[key]) and res[key] > 0

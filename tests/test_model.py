@@ -185,12 +185,13 @@ def test_chunked_generation_equals_a_per_token_loop(sampling):
         assert got.tokens == want.tolist(), chunk
     assert len(seen) == 3 * n_new
     stop = int(want[0, 5])                                      # row 0 ends mid-chunk
-    got = generate_tokens(dense_engine(config), params, prompts, n_new, sampling, seed=3,
-                          stop_ids=[stop], chunk=4)
-    for row in range(2):
-        full = want[row].tolist()
-        end = full.index(stop) + 1 if stop in full else n_new
-        assert got.tokens[row] == full[:end]
+    for chunk in (1, 4):                      # with a queued call discarded at the stop
+        got = generate_tokens(dense_engine(config), params, prompts, n_new, sampling, seed=3,
+                              stop_ids=[stop], chunk=chunk)
+        for row in range(2):
+            full = want[row].tolist()
+            end = full.index(stop) + 1 if stop in full else n_new
+            assert got.tokens[row] == full[:end], chunk
 
 
 def test_decode_step_updates_cache_in_place():
