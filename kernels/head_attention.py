@@ -69,7 +69,8 @@ class AttnConfig:
     window_block_rows: int = 32            # K/V rows per program when a window adds inputs
     proj_block_d: int = 512
     proj_d_chunks: int | None = None
-    out_block_rows: int = 8                # output rows per out-projection program
+    out_block_rows: int | None = None      # out-projection rows per program (None: 8 at
+                                           # batch 1, 32 for a batch; measured best)
     out_block_d: int = 512                 # selected columns per load there
     block_s: int = 64
     seq_splits: int | None = None
@@ -1033,7 +1034,8 @@ def head_sparse_attention_pallas(x, wq, bq, wk, bk, wv, bv, wo, bo, k_cache, v_c
         out_ids, per_id, id_mask = _query_heads(head_idx, G), hd, union_mask.reshape(-1)
     out = gather_cols_matvec(act_args, load_act, wo.reshape(wo.shape[0], -1), out_ids, B=B,
                              cols_per_id=per_id, layers=H // wo.shape[1],
-                             block_rows=cfg.out_block_rows, block_cols=out_cols,
+                             block_rows=cfg.out_block_rows or (8 if B == 1 else 32),
+                             block_cols=out_cols,
                              num_warps=cfg.out_num_warps or cfg.num_warps,
                              num_stages=cfg.num_stages,
                              residual=residual, bias=bo,
