@@ -26,7 +26,6 @@ import functools
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 from flax import struct
 
 from dejavu_jax.config import ModelConfig

@@ -23,7 +23,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import math
 import sys
 import time
 from pathlib import Path
@@ -203,7 +202,6 @@ def main(argv: list[str] | None = None) -> int:
     from dejavu_jax.eval.sparse_scoring import make_mode
     from dejavu_jax.fetch_model import resolve_model
     from dejavu_jax.loading import load_pretrained
-    from dejavu_jax.sparse import threshold_config
     from dejavu_jax.sparsity_profile import load_profile, method_sites
     from dejavu_jax.train import profile as profile_mod
     from dejavu_jax.train.corpus import default_corpus, resolve_files

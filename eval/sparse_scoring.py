@@ -199,8 +199,9 @@ def _layer(config, lp, x, src, positions, mask, active, sel, layer, shards=1, sh
 
     def attn(y):
         nonlocal h_mask
-        mask_heads = None
-        if thresholds is not None:
+        if thresholds is None:
+            mask_heads = None
+        else:
             mask_input, mask_out = activation_sparsity.attention_hooks(thresholds)
             y = mask_input(y)
             kept["qkv"] = jnp.mean(y != 0, axis=-1, dtype=F32)

@@ -12,7 +12,6 @@ allocation. Rows go to OUT/weighting.jsonl.
 
 from __future__ import annotations
 
-import argparse
 import json
 import sys
 import time
