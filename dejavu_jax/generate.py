@@ -78,7 +78,7 @@ def build_parser() -> argparse.ArgumentParser:
                    help="tokens to generate per prompt (default 64; rows also stop at EOS)")
     p.add_argument("--chunk", type=cli.positive_int, default=8,
                    help="decode steps per device call; the host streams tokens once per "
-                        "chunk (default 8; 1: a host round trip per token)")
+                        "chunk (default 8; 1: every token as it is made)")
     dec = p.add_argument_group("decoding")
     dec.add_argument("--temperature", type=cli.non_negative_float, default=0.0,
                      help="0 (default): greedy, the most likely token at every step; above "
