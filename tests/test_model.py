@@ -192,6 +192,13 @@ def test_chunked_generation_equals_a_per_token_loop(sampling):
             full = want[row].tolist()
             end = full.index(stop) + 1 if stop in full else n_new
             assert got.tokens[row] == full[:end], chunk
+    # every row stopped while a call is queued: it is dropped, the result unchanged
+    free = generate_tokens(dense_engine(config), params, prompts[:1], n_new, sampling, seed=3,
+                           stop_ids=[], chunk=1).tokens[0]
+    end = free.index(free[5]) + 1                              # stops by token 6 of 11
+    alone = generate_tokens(dense_engine(config), params, prompts[:1], n_new, sampling, seed=3,
+                            stop_ids=[free[5]], chunk=1)
+    assert alone.tokens[0] == free[:end] and alone.decode_steps < n_new - 1
 
 
 def test_decode_step_updates_cache_in_place():
