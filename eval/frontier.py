@@ -195,6 +195,11 @@ def build_parser() -> argparse.ArgumentParser:
     return p
 
 
+def percent_label(fraction: float) -> str:
+    """A budget or target as a label: 0.01 -> "1%", 0.005 -> "0.5%"."""
+    return f"{fraction * 100:.4g}%"
+
+
 def main(argv: list[str] | None = None) -> int:
     """Run the CLI; returns the exit status."""
     args = build_parser().parse_args(argv)
@@ -260,7 +265,7 @@ def main(argv: list[str] | None = None) -> int:
         mode = make_mode(config, "threshold", sites=sites)
         searched = {}
         for budget in args.budgets:
-            label = f"{budget:.0%}"
+            label = percent_label(budget)
             path = args.out / "profiles" / f"{registry_name(config.name)}-{method}-{label}.json"
             if path.is_file():
                 prof = load_profile(path, config)
@@ -278,7 +283,7 @@ def main(argv: list[str] | None = None) -> int:
             continue
         for target, lv, predicted in path_points(config, sites, stats, levels, args.skips):
             th = jnp.asarray(thresholds_at(stats["quantiles"], lv))
-            run("path", method, f"{target:.0%}", mode, th, {"predicted_skip": predicted})
+            run("path", method, percent_label(target), mode, th, {"predicted_skip": predicted})
     for profile_file in args.profile:
         prof = load_profile(profile_file, config)
         mode = make_mode(config, "threshold", sites=prof.sites)
@@ -287,14 +292,14 @@ def main(argv: list[str] | None = None) -> int:
     if args.oracle and not args.no_sweep:
         for target in args.skips:
             density = oracle_density(config, target)
-            run("oracle", "oracle-mlp", f"{target:.0%}",
+            run("oracle", "oracle-mlp", percent_label(target),
                 make_mode(config, "oracle", density, 1.0, dense_layers=0), None,
                 {"mlp_density": density})
     if args.predictors:
         pred = common.load_predictor_params(args.predictors, config)
         for target in args.skips:
             density = oracle_density(config, target)
-            run("predictors", "dejavu-predictors", f"{target:.0%}",
+            run("predictors", "dejavu-predictors", percent_label(target),
                 make_mode(config, "sparse", density, 1.0, dense_layers=0), pred,
                 {"mlp_density": density})
     for r in rows.rows:  # also rows of earlier runs of this OUT

@@ -337,3 +337,9 @@ def test_task_loader_parses_the_real_file(name):
     for it in items:
         assert 0 <= it.gold < len(it.pairs) and all(c and x for c, x in it.pairs)
     assert len(tasks_mod.load_task(name, limit=7)) == 7
+
+
+def test_frontier_labels_keep_fractional_percents():
+    from dejavu_jax.eval.frontier import percent_label
+    assert [percent_label(x) for x in (0.01, 0.005, 0.03, 0.15, 0.0025)] == [
+        "1%", "0.5%", "3%", "15%", "0.25%"]
