@@ -93,10 +93,12 @@ def plan_windows(n_tokens: int, window: int, stride: int) -> list[tuple[int, int
 
 def score_windows(config, mode: EvalMode, params, pred_params, ids: np.ndarray,
                   window: int, stride: int, batch_tokens: int = 4096, dense_prefix: int = 1,
-                  show_progress: bool = False, mesh=None) -> dict:
+                  show_progress: bool = False, mesh=None, token_nll: bool = False) -> dict:
     """Total NLL and token count of `ids` under `mode`, windows batched into one shape.
 
     mesh: params placed on it (`common.load_weights`); rows split over its "data" axis.
+    token_nll: also return each scored target's NLL in text order (`token_nll`, float64
+    [tokens]: target i + 1 at index i).
     """
     plans = plan_windows(len(ids), window, stride)
     rows_per_call = common.mesh_rows(max(1, batch_tokens // window), mesh)
@@ -104,6 +106,7 @@ def score_windows(config, mode: EvalMode, params, pred_params, ids: np.ndarray,
     rows_per_call = -(-rows_per_call // share) * share   # whole groups of shared rows
     length = min(window, len(ids) - 1)
     nll, count, greedy, read = 0.0, 0, 0, 0.0
+    per_token = np.zeros(len(ids) - 1) if token_nll else None
     batches = [plans[i:i + rows_per_call] for i in range(0, len(plans), rows_per_call)]
     for batch in common.progress(batches, len(batches), f"perplexity ({mode.name})",
                                  not show_progress):
@@ -122,12 +125,16 @@ def score_windows(config, mode: EvalMode, params, pred_params, ids: np.ndarray,
             shards=mode.shards, share=share)
         logp, hit = common.to_host(logp, np.float64), common.to_host(hit)
         nll -= float(logp[weight].sum())
+        if per_token is not None:
+            for r, (b, e, first) in enumerate(batch):
+                per_token[first - 1:e] = -logp[r, first - b - 1:e - b]
         greedy += int(hit[weight].sum())
         read += float(common.to_host(reads, np.float64)[weight].sum())
         count += int(weight.sum())
     return {"tokens": count, "nll": nll / count, "perplexity": math.exp(nll / count),
             "total_nll": nll, "greedy_accuracy": greedy / count, "windows": len(plans),
-            **common.bytes_summary(config, mode, pred_params, read / count)}
+            **common.bytes_summary(config, mode, pred_params, read / count),
+            **({} if per_token is None else {"token_nll": per_token})}
 
 
 def perplexity(config, mode: EvalMode, params, pred_params, ids, window: int = 1024,

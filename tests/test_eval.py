@@ -240,17 +240,22 @@ def test_perplexity_equals_numpy_from_logits():
     mode = ss.make_mode(config, "dense")
     got = ppl_mod.perplexity(config, mode, params, None, ids, window=16, stride=8,
                              batch_tokens=48)
-    nll, count = 0.0, 0
+    nll, count, per_target = 0.0, 0, np.full(len(ids) - 1, np.nan)
     for begin, end, first in ppl_mod.plan_windows(len(ids), 16, 8):
         logits = np.asarray(dj.logits(config, params, [ids[begin:end].tolist()])[0], np.float64)
         logp = logits - logits.max(-1, keepdims=True)
         logp -= np.log(np.exp(logp).sum(-1, keepdims=True))
         for target in range(first, end + 1):
             nll -= logp[target - begin - 1, ids[target]]
+            per_target[target - 1] = -logp[target - begin - 1, ids[target]]
             count += 1
     assert got["tokens"] == count == len(ids) - 1
     assert got["total_nll"] == pytest.approx(nll, rel=1e-5)
     assert got["perplexity"] == pytest.approx(math.exp(nll / count), rel=1e-5)
+    assert np.isfinite(per_target).all()
+    each = ppl_mod.score_windows(config, mode, params, None, ids, 16, 8, batch_tokens=48,
+                                 token_nll=True)["token_nll"]
+    np.testing.assert_allclose(each, per_target, rtol=1e-5)
 
 
 def test_density_one_gives_the_dense_figures_exactly():
@@ -343,3 +348,47 @@ def test_frontier_labels_keep_fractional_percents():
     from dejavu_jax.eval.frontier import percent_label
     assert [percent_label(x) for x in (0.01, 0.005, 0.03, 0.15, 0.0025)] == [
         "1%", "0.5%", "3%", "15%", "0.25%"]
+
+
+def test_token_cost_split_against_numpy():
+    from dejavu_jax.eval.profile_ablation import token_cost_split
+    rng = np.random.default_rng(3)
+    dense = rng.uniform(1, 5, 200)
+    delta = rng.uniform(0, 0.01, 200)
+    delta[7] = 1.0                                         # one token carries most of it
+    got = token_cost_split(dense, dense + delta)
+    assert got["mean_nll_increase"] == pytest.approx(delta.mean())
+    assert got["worst_1pct_share"] == pytest.approx(np.sort(delta)[::-1][:2].sum() / delta.sum())
+    assert got["worst_1pct_share"] > 0.5
+    assert got["half_costs"] == pytest.approx([np.exp(delta[:100].mean()) - 1,
+                                               np.exp(delta[100:].mean()) - 1])
+
+
+def test_profile_ablation_rows_leave_each_part_dense():
+    """A profile whose only nonzero thresholds lie in one site and one layer: leaving that
+    site, or that layer, dense gives the dense perplexity exactly; the others do not."""
+    from dejavu_jax.eval.profile_ablation import ablation_rows
+    from dejavu_jax.sparsity_profile import method_sites
+    config, params = _small_llama()
+    sites = method_sites(config, "teal")
+    ids = np.random.default_rng(4).integers(0, config.vocab_size, 40).astype(np.int32)
+    th = np.zeros((config.n_layers, len(sites)), np.float32)
+    th[1, sites.index("down")] = 0.5
+    rows = ablation_rows(config, params, ids, th, sites, 16, 48, log=lambda s: None)
+    assert len(rows) == 2 + len(sites) + config.n_layers
+    by = {(r["kind"], r["name"]): r for r in rows}
+    dense, full = by["dense", "dense"], by["profile", "all sites"]
+    assert dense["cost"] == 0 and math.isfinite(full["perplexity"])
+    assert full["perplexity"] != dense["perplexity"] and full["bytes_skipped"] > 0
+    assert by["site dense", "down"]["perplexity"] == dense["perplexity"]
+    assert by["layer dense", "1"]["perplexity"] == dense["perplexity"]
+    assert by["layer dense", "0"]["perplexity"] == full["perplexity"]
+    assert by["site dense", "qkv"]["perplexity"] == full["perplexity"]
+
+
+def test_profile_ablation_cli_refuses_a_missing_profile(tmp_path, capsys):
+    from dejavu_jax.eval import profile_ablation
+    with pytest.raises(SystemExit) as exit_:
+        profile_ablation.main(["--profile", str(tmp_path / "none.json"), "--out",
+                               str(tmp_path / "o")])
+    assert exit_.value.code == 2 and "no such profile file" in capsys.readouterr().err
