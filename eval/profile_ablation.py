@@ -23,23 +23,25 @@ import numpy as np
 from dejavu_jax import cli
 
 
-def token_cost_split(dense_nll: np.ndarray, sparse_nll: np.ndarray) -> dict:
+def token_cost_split(dense_nll: np.ndarray, sparse_nll: np.ndarray, worst: int = 20) -> dict:
     """The profile's NLL increase per token, summarised: the mean increase, the share of
-    the total increase carried by the worst 1% and 10% of the tokens, and the perplexity
-    cost of each half of the text."""
+    the total increase carried by the worst 1% and 10% of the tokens, the perplexity
+    cost of each half of the text, and the `worst` targets' text positions (target i + 1
+    at i) with their increases."""
     delta = sparse_nll - dense_nll
     total = float(delta.sum())
-    worst = np.sort(delta)[::-1]
+    order = np.argsort(-delta, kind="stable")
     n = len(delta)
 
     def share(frac):
         k = max(1, int(round(n * frac)))
-        return float(worst[:k].sum() / total) if total > 0 else None
+        return float(delta[order[:k]].sum() / total) if total > 0 else None
 
     half = n // 2
     halves = [float(np.exp(delta[s].mean()) - 1) for s in (slice(0, half), slice(half, n))]
     return {"mean_nll_increase": total / n, "worst_1pct_share": share(0.01),
-            "worst_10pct_share": share(0.10), "half_costs": halves}
+            "worst_10pct_share": share(0.10), "half_costs": halves,
+            "worst_targets": [[int(i), float(delta[i])] for i in order[:worst]]}
 
 
 def ablation_rows(config, params, ids, thresholds: np.ndarray, sites, window: int,
@@ -79,8 +81,18 @@ def ablation_rows(config, params, ids, thresholds: np.ndarray, sites, window: in
     return rows
 
 
-def markdown(rows: list[dict]) -> str:
-    """The rows as a markdown table."""
+def worst_token_lines(full: dict, ids: np.ndarray, decode) -> list[str]:
+    """Markdown lines: each worst target in its context (`decode(ids) -> str`)."""
+    lines = ["| NLL increase | context → target |", "|---|---|"]
+    for i, inc in full["worst_targets"]:
+        before = decode(ids[max(0, i - 7):i + 1]).replace("|", "\\|").replace("\n", "⏎")
+        target = decode(ids[i + 1:i + 2]).replace("|", "\\|").replace("\n", "⏎")
+        lines.append(f"| {inc:+.2f} | `{before}` → `{target}` |")
+    return lines
+
+
+def markdown(rows: list[dict], extra: list[str] = ()) -> str:
+    """The rows as a markdown table, then `extra` lines."""
     lines = ["| rows | left dense | perplexity | cost | skipped |", "|---|---|---|---|---|"]
     for r in rows:
         lines.append(f"| {r['kind']} | {r['name']} | {r['perplexity']:.4f} | "
@@ -88,7 +100,7 @@ def markdown(rows: list[dict]) -> str:
     full = next(r for r in rows if r["kind"] == "profile")
     lines += ["", f"Worst 1% of tokens: {full['worst_1pct_share']:.0%} of the NLL increase; "
               f"worst 10%: {full['worst_10pct_share']:.0%}. Cost on the text's halves: "
-              + ", ".join(f"{c:+.2%}" for c in full["half_costs"]) + "."]
+              + ", ".join(f"{c:+.2%}" for c in full["half_costs"]) + ".", "", *extra]
     return "\n".join(lines) + "\n"
 
 
@@ -139,8 +151,10 @@ def main(argv: list[str] | None = None) -> int:
     with open(args.out / "ablation.jsonl", "w") as f:
         for r in rows:
             f.write(json.dumps(r) + "\n")
-    (args.out / "ablation.md").write_text(markdown(rows))
-    print(markdown(rows))
+    full = next(r for r in rows if r["kind"] == "profile")
+    text = markdown(rows, worst_token_lines(full, ids, lambda t: tok.decode(list(map(int, t)))))
+    (args.out / "ablation.md").write_text(text)
+    print(text)
     return 0
 
 

@@ -360,6 +360,11 @@ def test_token_cost_split_against_numpy():
     assert got["mean_nll_increase"] == pytest.approx(delta.mean())
     assert got["worst_1pct_share"] == pytest.approx(np.sort(delta)[::-1][:2].sum() / delta.sum())
     assert got["worst_1pct_share"] > 0.5
+    assert got["worst_targets"][0] == [7, pytest.approx(1.0)] and len(got["worst_targets"]) == 20
+    from dejavu_jax.eval.profile_ablation import worst_token_lines
+    ids = np.arange(200)
+    lines = worst_token_lines(got, ids, lambda t: " ".join(str(int(x)) for x in t))
+    assert lines[2] == "| +1.00 | `0 1 2 3 4 5 6 7` → `8` |"      # target 8 follows 7
     assert got["half_costs"] == pytest.approx([np.exp(delta[:100].mean()) - 1,
                                                np.exp(delta[100:].mean()) - 1])
 
