@@ -45,39 +45,35 @@ def token_cost_split(dense_nll: np.ndarray, sparse_nll: np.ndarray, worst: int =
 
 
 def ablation_rows(config, params, ids, thresholds: np.ndarray, sites, window: int,
-                  batch_tokens: int, log=print) -> list[dict]:
+                  batch_tokens: int, log=print, show_progress: bool = False) -> list[dict]:
     """Rows: dense, the whole profile, then each site and each layer left dense."""
+    from dejavu_jax.eval.common import progress
     from dejavu_jax.eval.perplexity import score_windows
     from dejavu_jax.eval.sparse_scoring import make_mode
     mode = make_mode(config, "threshold", sites=tuple(sites))
-
-    def score(th, token_nll=False):
-        return score_windows(config, mode, params, jnp.asarray(th), ids, window, window,
-                             batch_tokens, token_nll=token_nll)
-
-    dense = score_windows(config, make_mode(config, "dense"), params, None, ids, window,
-                          window, batch_tokens, token_nll=True)
-    full = score(thresholds, token_nll=True)
-
-    def row(kind, name, r, **extra):
-        out = {"kind": kind, "name": name, "tokens": r["tokens"],
-               "perplexity": r["perplexity"],
-               "cost": r["perplexity"] / dense["perplexity"] - 1,
-               "bytes_skipped": r.get("bytes_skipped", 0.0), **extra}
-        log(json.dumps(out))
-        return out
-
-    rows = [row("dense", "dense", dense),
-            row("profile", "all sites", full,
-                **token_cost_split(dense["token_nll"], full["token_nll"]))]
+    jobs = [("dense", "dense", None), ("profile", "all sites", thresholds)]
     for s, site in enumerate(sites):
         th = thresholds.copy()
         th[:, s] = 0
-        rows.append(row("site dense", site, score(th)))
+        jobs.append(("site dense", site, th))
     for layer in range(thresholds.shape[0]):
         th = thresholds.copy()
         th[layer] = 0
-        rows.append(row("layer dense", str(layer), score(th)))
+        jobs.append(("layer dense", str(layer), th))
+    rows, scored = [], {}
+    for kind, name, th in progress(jobs, len(jobs), "profile ablation", not show_progress):
+        per_token = kind in ("dense", "profile")
+        r = score_windows(config, make_mode(config, "dense") if th is None else mode, params,
+                          None if th is None else jnp.asarray(th), ids, window, window,
+                          batch_tokens, token_nll=per_token)
+        scored[kind] = r
+        extra = (token_cost_split(scored["dense"]["token_nll"], r["token_nll"])
+                 if kind == "profile" else {})
+        rows.append({"kind": kind, "name": name, "tokens": r["tokens"],
+                     "perplexity": r["perplexity"],
+                     "cost": r["perplexity"] / scored["dense"]["perplexity"] - 1,
+                     "bytes_skipped": r.get("bytes_skipped", 0.0), **extra})
+        log(json.dumps(rows[-1]))
     return rows
 
 
@@ -106,17 +102,20 @@ def markdown(rows: list[dict], extra: list[str] = ()) -> str:
 
 def build_parser() -> argparse.ArgumentParser:
     """The command line."""
+    from dejavu_jax.eval.perplexity import text_source
     p = argparse.ArgumentParser(prog="python -m dejavu_jax.eval.profile_ablation",
                                 description=__doc__.split("\n\n")[0])
     p.add_argument("--model", default="smollm2-135m",
                    help="a fetchable model's name, a checkpoint folder or a .gguf file")
     p.add_argument("--profile", required=True, help="sparsity profile file")
-    p.add_argument("--text", default=None,
-                   help="text file to score (default: WikiText-2 test)")
+    p.add_argument("--text", type=text_source, default=None,
+                   help="text file or hf:NAME[:CONFIG[:SPLIT]] to score (default: "
+                        "WikiText-2 test)")
     p.add_argument("--tokens", type=cli.positive_int, default=4096)
     p.add_argument("--window", type=cli.positive_int, default=1024)
     p.add_argument("--batch-tokens", type=cli.positive_int, default=4096)
     p.add_argument("--out", type=Path, required=True)
+    p.add_argument("--no-progress", action="store_true")
     return p
 
 
@@ -144,7 +143,8 @@ def main(argv: list[str] | None = None) -> int:
     args.out.mkdir(parents=True, exist_ok=True)
     log = lambda s: print(s, file=sys.stderr, flush=True)  # noqa: E731
     rows = ablation_rows(config, params, ids, np.asarray(prof.threshold_array()),
-                         prof.sites, args.window, args.batch_tokens, log)
+                         prof.sites, args.window, args.batch_tokens, log,
+                         show_progress=not args.no_progress)
     meta = {**provenance.run_meta(), "model": config.name, "profile": str(args.profile),
             "command": " ".join(sys.argv)}
     (args.out / "run.json").write_text(json.dumps(meta, indent=1) + "\n")
