@@ -36,7 +36,7 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
 from ._common import activation_fn, cdiv, check_array, is_pow2, next_pow2
-from .launch import LaunchPart, launch
+from .launch import LaunchPart, interpreting, launch
 
 
 def batch_pad(B: int) -> int:
@@ -310,7 +310,7 @@ def gather_matvec_part(x: jax.Array, segments: Sequence[Segment], *, block_rows:
 
 
 def _gather_matvec_t_body(pids, *refs, n_act, load_act, B, Bp, d, m, n_rows, bk, bd, kblocks,
-                          accumulate, has_bias, deferred):
+                          accumulate, has_bias, deferred, masked_atomics):
     act_refs = refs[:n_act]
     ids_ref, w_ref = refs[n_act:n_act + 2]
     rest = refs[n_act + 2:]
@@ -341,14 +341,16 @@ def _gather_matvec_t_body(pids, *refs, n_act, load_act, B, Bp, d, m, n_rows, bk,
     if Bp == 1 and deferred:
         acc = jnp.sum(acc, axis=0)
     write_split_k(acc, o_ref, b_ref if accumulate else None, i, cols, d, B=B, Bp=Bp,
-                  accumulate=accumulate, has_bias=has_bias)
+                  accumulate=accumulate, has_bias=has_bias, masked_atomics=masked_atomics)
 
 
 def write_split_k(acc, o_ref, b_ref, i, cols, d: int, *, B: int, Bp: int, accumulate: bool,
-                  has_bias: bool) -> None:
+                  has_bias: bool, masked_atomics: bool = True) -> None:
     """A split-k program's result ``acc`` (fp32 ``[bd]``, or ``[Bp, bd]``) for columns
     ``cols`` of ``d``: stored as chunk ``i``'s partial, or with ``accumulate`` added into
-    the residual rows in place (and the bias once, by chunk 0)."""
+    the residual rows in place (and the bias once, by chunk 0). Batch rows are added by
+    one masked atomic over ``[Bp, bd]`` (``masked_atomics``, compiled kernels only), or
+    else one row at a time, each picked out of ``acc`` by a reduction."""
     cm = cols < d
     if accumulate:
         # Lanes past d add 0 at distinct wrapped columns (block_d <= d): the interpreter
@@ -359,6 +361,10 @@ def write_split_k(acc, o_ref, b_ref, i, cols, d: int, *, B: int, Bp: int, accumu
         cols_w = cols % d
         if Bp == 1:
             plgpu.atomic_add(o_ref, (0, cols_w), jnp.where(cm, acc, 0.0))
+        elif masked_atomics and not interpreting():
+            brow = jnp.arange(Bp, dtype=jnp.int32)
+            plgpu.atomic_add(o_ref, (brow[:, None], cols[None, :]), acc,
+                             mask=(brow < B)[:, None] & cm[None, :])
         else:
             brow = jnp.arange(Bp, dtype=jnp.int32)
             for b in range(B):
@@ -377,7 +383,7 @@ def gather_matvec_t(act_args: Sequence[jax.Array], load_act: Callable, w: jax.Ar
                     block_d: int = 512, row_blocks_per_program: int = 4,
                     num_warps: int = 4, num_stages: int = 2, interpret: bool = False,
                     residual: jax.Array | None = None, bias: jax.Array | None = None,
-                    deferred_sum: bool = False):
+                    deferred_sum: bool = False, masked_atomics: bool = True):
     """Split-k transposed gathered GEMV: fp32 partials ``[n_kchunks, B, d]``.
 
     ``out = sum over chunks`` equals ``a @ W[rows]`` where ``a [B, K*m]`` is produced
@@ -392,12 +398,14 @@ def gather_matvec_t(act_args: Sequence[jax.Array], load_act: Callable, w: jax.Ar
     varies from run to run, so the low bits may too.
 
     ``deferred_sum`` (batch 1): accumulate the products elementwise over a program's row
-    blocks and sum across rows once at the end (not once per block).
+    blocks and sum across rows once at the end (not once per block). ``masked_atomics``:
+    see :func:`write_split_k`.
     """
     part = gather_matvec_t_part(act_args, load_act, w, ids, B=B, rows_per_id=rows_per_id,
                                 block_rows=block_rows, block_d=block_d,
                                 row_blocks_per_program=row_blocks_per_program,
-                                residual=residual, bias=bias, deferred_sum=deferred_sum)
+                                residual=residual, bias=bias, deferred_sum=deferred_sum,
+                                masked_atomics=masked_atomics)
     return launch([part], num_warps=num_warps, num_stages=num_stages,
                   interpret=interpret)[0][0]
 
@@ -407,7 +415,8 @@ def gather_matvec_t_part(act_args: Sequence[jax.Array], load_act: Callable, w: j
                          block_rows: int = 16, block_d: int = 512,
                          row_blocks_per_program: int = 4,
                          residual: jax.Array | None = None, bias: jax.Array | None = None,
-                         deferred_sum: bool = False) -> LaunchPart:
+                         deferred_sum: bool = False, masked_atomics: bool = True
+                         ) -> LaunchPart:
     """:func:`gather_matvec_t` as a :class:`~.launch.LaunchPart` (same arguments)."""
     d = w.shape[1]
     m = rows_per_id
@@ -423,7 +432,8 @@ def gather_matvec_t_part(act_args: Sequence[jax.Array], load_act: Callable, w: j
     body = functools.partial(
         _gather_matvec_t_body, n_act=len(act_args), load_act=load_act, B=B, Bp=Bp, d=d,
         m=m, n_rows=n_rows, bk=bk, bd=block_d, kblocks=kblocks, accumulate=accumulate,
-        has_bias=bias is not None, deferred=bool(deferred_sum))
+        has_bias=bias is not None, deferred=bool(deferred_sum),
+        masked_atomics=masked_atomics)
     args = [*act_args, ids.astype(jnp.int32), w]
     if accumulate:
         if residual.shape != (B, d) or residual.dtype != jnp.float32:

@@ -12,6 +12,8 @@ so parts compose without any block mapping.
 """
 from __future__ import annotations
 
+import contextlib
+import contextvars
 import dataclasses
 import math
 from typing import Callable, Sequence
@@ -37,6 +39,24 @@ class LaunchPart:
     @property
     def programs(self) -> int:
         return math.prod(self.grid)
+
+
+_INTERPRETING = contextvars.ContextVar("pallas_interpreting", default=False)
+
+
+def interpreting() -> bool:
+    """Whether the kernel bodies now being traced run in Pallas' interpreter (which has no
+    masked atomics), so that a body can pick a path both can run."""
+    return _INTERPRETING.get()
+
+
+@contextlib.contextmanager
+def _tracing_for(interpret: bool):
+    token = _INTERPRETING.set(bool(interpret))
+    try:
+        yield
+    finally:
+        _INTERPRETING.reset(token)
 
 
 def _unravel(p, grid: tuple[int, ...]) -> tuple:
@@ -92,15 +112,17 @@ def launch(parts: Sequence[LaunchPart], *, num_warps: int = 4, num_stages: int =
                     part.body(_unravel(p - start, part.grid), *refs_of(refs, k))
                 start = stop
 
-    outs = pl.pallas_call(
-        kernel,
-        grid=grid,
-        out_shape=tuple(out_shape),
-        input_output_aliases=aliases,
-        compiler_params=plgpu.CompilerParams(num_warps=num_warps, num_stages=num_stages),
-        interpret=interpret,
-        name=name or "_".join(p.name for p in parts),
-    )(*inputs)
+    with _tracing_for(interpret):
+        outs = pl.pallas_call(
+            kernel,
+            grid=grid,
+            out_shape=tuple(out_shape),
+            input_output_aliases=aliases,
+            compiler_params=plgpu.CompilerParams(num_warps=num_warps,
+                                                 num_stages=num_stages),
+            interpret=interpret,
+            name=name or "_".join(p.name for p in parts),
+        )(*inputs)
     result, o = [], 0
     for part in parts:
         result.append(tuple(outs[o:o + len(part.out_shape)]))

@@ -41,6 +41,7 @@ class MLPConfig:
     num_warps: int = 4
     num_stages: int = 2
     target_programs: int | None = None  # fc2 programs to aim for (None: 8 per SM)
+    fc2_masked_atomics: bool = True  # a batch's rows added by one masked atomic
 
     def resolve(self, K: int, d: int, B: int) -> "MLPConfig":
         """Fill the automatic fields for ``K`` selected rows, width ``d`` and batch ``B``."""
@@ -134,7 +135,8 @@ def sparse_mlp_pallas(x, w1, b1, w2t, b2, idx, *, activation="relu", w_gate=None
     fc2 = gather_matvec_t_part(act_args, load_act, w2t, idx, B=B,
                                block_rows=cfg.fc2_block_rows, block_d=cfg.fc2_block_d,
                                row_blocks_per_program=cfg.fc2_row_blocks, residual=residual,
-                               bias=None if residual is None else b2)
+                               bias=None if residual is None else b2,
+                               masked_atomics=cfg.fc2_masked_atomics)
     fc2_riders = riders.fc2_of(rider_outs) if riders is not None else ()
     *rider_outs, (out,) = launch([*fc2_riders, fc2], num_warps=cfg.num_warps,
                                  num_stages=cfg.num_stages, interpret=interpret)
