@@ -24,6 +24,7 @@ row reads and writes only its own heads' cache entries.
 from __future__ import annotations
 
 import dataclasses
+import math
 from typing import Callable, Sequence
 
 import jax
@@ -47,6 +48,7 @@ Selector = Callable[..., tuple[jax.Array, jax.Array]]
 
 
 BATCH_POLICIES = ("dense", "union", "shared", "kernels")
+BATCH_LAYER_MODES = ("sparse", "masked", "dense")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -84,6 +86,11 @@ class SparseConfig:
     MLP on a 40% set was slower than the gather kernels: the opt-30b step ran at x0.65 of
     its run's dense step against x0.73 (eval/results/h200/opt-30b-batch4/); the break-even
     is estimated near 45%.
+    batch_layers: a per-layer plan for batches under policy "union" (one mode per layer,
+    `dejavu_jax.batch_plan.LAYER_MODES`: "sparse" runs the union through the kernels at
+    any size, "masked" the union's attention with the masked dense MLP, "dense" the dense
+    layer with no selection), as `batch_plan.measure_batch_plan` chooses from measured
+    step times; () keeps the size rules above. Batch 1 ignores it.
     threshold_sites: activation sparsity by per-layer thresholds instead of index sets
     (`dejavu_jax.activation_sparsity`: TEAL's input channels, CATS' gate): the sites
     thresholded in the sparse layers; the engine's selector params are then the
@@ -104,6 +111,7 @@ class SparseConfig:
     batch_policy: str = "dense"
     batch_dense_mlp: float = 0.5
     threshold_sites: tuple[str, ...] = ()
+    batch_layers: tuple[str, ...] = ()
 
     def __post_init__(self):
         if len(self.mlp_k) != len(self.head_k):
@@ -122,6 +130,16 @@ class SparseConfig:
         if self.batch_policy == "shared" and (self.oracle or self.threshold_sites):
             raise ValueError("batch_policy 'shared' shares predicted sets; the oracle and "
                              "thresholds select per row")
+        if self.batch_layers:
+            bad = [m for m in self.batch_layers if m not in BATCH_LAYER_MODES]
+            if bad:
+                raise ValueError(f"batch_layers: unknown mode {bad[0]!r}; choose from "
+                                 f"{BATCH_LAYER_MODES}")
+            if len(self.batch_layers) != len(self.mlp_k):
+                raise ValueError(f"batch_layers has {len(self.batch_layers)} modes for "
+                                 f"{len(self.mlp_k)} layers")
+            if self.batch_policy != "union":
+                raise ValueError("batch_layers plans the union; set batch_policy 'union'")
 
     def refresh_groups(self, config: ModelConfig) -> int:
         """KV groups refreshed per token (see `kv_refresh`)."""
@@ -131,6 +149,12 @@ class SparseConfig:
 
     def segments(self, config: ModelConfig) -> list[tuple[int, int, bool, int, int]]:
         """(start, stop, dense, k_mlp, k_heads) runs of consecutive layers run alike."""
+        return [run[:5] for run in self.layer_runs(config)]
+
+    def layer_runs(self, config: ModelConfig, batch: int = 1
+                   ) -> list[tuple[int, int, bool, int, int, str | None]]:
+        """`segments` with each run's `batch_layers` mode (None without a plan or at
+        batch 1); a batch's "dense" layers are dense runs."""
         if len(self.mlp_k) != config.n_layers:
             raise ValueError(f"SparseConfig has {len(self.mlp_k)} layers, the model "
                              f"{config.n_layers}")
@@ -138,7 +162,8 @@ class SparseConfig:
         for layer, (km, kh) in enumerate(zip(self.mlp_k, self.head_k)):
             if not (0 < km <= config.ffn and 0 < kh <= config.n_heads):
                 raise ValueError(f"layer {layer}: k_mlp={km} / k_heads={kh} out of range")
-            ks = (layer < self.dense_layers, km, kh)
+            mode = self.batch_layers[layer] if batch > 1 and self.batch_layers else None
+            ks = (layer < self.dense_layers or mode == "dense", km, kh, mode)
             if runs and runs[-1][2:] == ks:
                 runs[-1] = (runs[-1][0], layer + 1, *ks)
             else:
@@ -723,7 +748,9 @@ def sparse_layers(config: ModelConfig, scfg: SparseConfig, params: ModelParams,
         select = select.shared_batch()
     step = {**step, "window": _window_step(config, scfg, step)}  # this (shard's) config
     prev_input = x  # the input of the layer before the segment (lookahead source)
-    for start, stop, dense, k_mlp, k_heads in scfg.segments(config):
+    planned = scfg
+    for start, stop, dense, k_mlp, k_heads, mode in planned.layer_runs(config, x.shape[0]):
+        scfg = _planned(planned, mode)
         if dense or scfg.oracle:
             oracle_k = None if dense else (k_mlp, k_heads)
 
@@ -768,6 +795,16 @@ def sparse_layers(config: ModelConfig, scfg: SparseConfig, params: ModelParams,
         x, io, _, prev_input = _layer_loop(sparse_body, (x, io, idx, prev_input), start, stop,
                                            unrolled)
     return x, io
+
+
+def _planned(scfg: SparseConfig, mode: str | None) -> SparseConfig:
+    """scfg with a planned layer mode's MLP rule: "masked" runs the union's MLP as the
+    masked dense product at any size, "sparse" through the kernels at any size."""
+    if mode == "masked":
+        return dataclasses.replace(scfg, batch_dense_mlp=1e-12)
+    if mode == "sparse":
+        return dataclasses.replace(scfg, batch_dense_mlp=math.inf)
+    return scfg
 
 
 def _fused_segment(config, scfg, params, select, selector_params, x, io, step, idx, start,
