@@ -75,12 +75,17 @@ class AttnConfig:
     block_s: int = 64
     seq_splits: int | None = None
     num_warps: int = 4
-    num_stages: int = 2
+    num_stages: int | None = None          # projection and out-projection pipeline stages
+                                           # (None: 2 at batch 1, 3 for a batch; measured)
     attn_num_warps: int = 4
     target_programs: int | None = None       # the q/k/v projection's grid (None: 8 per SM)
     attn_target_programs: int | None = None  # flash-decoding grid, B x heads x splits
                                              # (None: 4 per SM)
     out_num_warps: int | None = None       # the out-projection's warps (None: num_warps)
+
+    def stages(self, B: int) -> int:
+        """Pipeline stages of the projection launches for batch B (`num_stages`)."""
+        return self.num_stages or (2 if B == 1 else 3)
 
 
 @jax.tree_util.register_dataclass
@@ -976,7 +981,7 @@ def head_sparse_attention_pallas(x, wq, bq, wk, bk, wv, bv, wo, bo, k_cache, v_c
         chunks = balanced_chunks(cdiv(d, bd), tiles // (cfg.target_programs or 8 * sm_count()))
     qp, kp, vp, *extras = gather_matvec(
         x, segs + list(extra_segments), block_rows=bk_rows, block_d=bd, d_chunks=chunks,
-        num_warps=cfg.num_warps, num_stages=cfg.num_stages, interpret=interpret)
+        num_warps=cfg.num_warps, num_stages=cfg.stages(B), interpret=interpret)
     flat = lambda t: None if t is None else t.reshape(-1)
     biases = dict(bq=flat(bq), bk=flat(bk), bv=flat(bv))
     cos = sin = None
@@ -1037,7 +1042,7 @@ def head_sparse_attention_pallas(x, wq, bq, wk, bk, wv, bv, wo, bo, k_cache, v_c
                              block_rows=cfg.out_block_rows or (8 if B == 1 else 32),
                              block_cols=out_cols,
                              num_warps=cfg.out_num_warps or cfg.num_warps,
-                             num_stages=cfg.num_stages,
+                             num_stages=cfg.stages(B),
                              residual=residual, bias=bo,
                              group_view=per_id <= out_cols and is_pow2(per_id),
                              id_mask=id_mask, interpret=interpret)

@@ -36,7 +36,7 @@ class MLPConfig:
     fc1_block_d: int = 512
     fc1_d_chunks: int | None = None
     fc2_block_rows: int = 16
-    fc2_block_d: int = 512
+    fc2_block_d: int | None = None  # None: 512 at batch 1, 256 for a batch (measured best)
     fc2_row_blocks: int | None = None
     num_warps: int = 4
     num_stages: int = 2
@@ -46,7 +46,7 @@ class MLPConfig:
     def resolve(self, K: int, d: int, B: int) -> "MLPConfig":
         """Fill the automatic fields for ``K`` selected rows, width ``d`` and batch ``B``."""
         bd1 = min(self.fc1_block_d, max(16, _pow2_floor(d)))
-        bd2 = min(self.fc2_block_d, max(16, _pow2_floor(d)))
+        bd2 = min(self.fc2_block_d or (512 if B == 1 else 256), max(16, _pow2_floor(d)))
         bk1 = self.fc1_block_rows or (16 if B == 1 else 32)
         bk1 = bk1 if B == 1 else max(16, bk1)
         bk2 = self.fc2_block_rows if B == 1 else max(16, self.fc2_block_rows)
