@@ -750,7 +750,7 @@ def sparse_layers(config: ModelConfig, scfg: SparseConfig, params: ModelParams,
     prev_input = x  # the input of the layer before the segment (lookahead source)
     planned = scfg
     for start, stop, dense, k_mlp, k_heads, mode in planned.layer_runs(config, x.shape[0]):
-        scfg = _planned(planned, mode)
+        scfg = planned_config(planned, mode)
         if dense or scfg.oracle:
             oracle_k = None if dense else (k_mlp, k_heads)
 
@@ -797,7 +797,7 @@ def sparse_layers(config: ModelConfig, scfg: SparseConfig, params: ModelParams,
     return x, io
 
 
-def _planned(scfg: SparseConfig, mode: str | None) -> SparseConfig:
+def planned_config(scfg: SparseConfig, mode: str | None) -> SparseConfig:
     """scfg with a planned layer mode's MLP rule: "masked" runs the union's MLP as the
     masked dense product at any size, "sparse" through the kernels at any size."""
     if mode == "masked":

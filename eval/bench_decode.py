@@ -180,9 +180,13 @@ def step_bytes(config, scfg, context: int, batch: int, rank: int, predictors: bo
             if not row_heads:
                 kh = default_union_size(c.n_heads, kh, batch)
         dense_layer = False
-        if scfg is not None:
-            attention, dense_mlp, dense_layer = sparse.batch_dense_parts(c, scfg, km, kh,
-                                                                         batch)
+        mode = scfg.batch_layers[layer] if scfg is not None and batch > 1 and \
+            scfg.batch_layers else None
+        if mode == "dense":
+            km, kh, dense_layer = c.ffn, c.n_heads, True
+        elif scfg is not None:
+            attention, dense_mlp, dense_layer = sparse.batch_dense_parts(
+                c, sparse.planned_config(scfg, mode), km, kh, batch)
             km = c.ffn if dense_mlp else km  # XLA's dense MLP, the other neurons masked
             kh = c.n_heads if attention else kh
         kh_row = kh
@@ -530,17 +534,38 @@ def measure_rows(config, params, preds, contexts, mlp_densities, head_densities,
                     base_cfg = sparse.sparse_config(config, md, hdn, dense_layers=dense_layers)
                     fixed = (fixed_sets(base_cfg, batch)
                              if hdn == 0.5 and ctx == contexts[0] else None)
+                    seen = set()
                     for kernel_cfg, (kind, select, sel_params) in itertools.product(
                             kernel_configs or [{}], sparse_row_kinds(
                                 config, preds, select_methods, fixed, kv_recompute_off)):
-                        if kind == "fixed" and kernel_cfg.get("batch_policy") == "shared":
+                        policy = kernel_cfg.get("batch_policy", "dense")
+                        if kind == "fixed" and policy == "shared":
                             continue   # the policy shares predicted sets; fixed ones are
-                        scfg = dataclasses.replace(base_cfg, **kernel_cfg)
+                        if batch == 1:  # the policies differ only for a batch: one row
+                            same = (kind, repr({k: v for k, v in kernel_cfg.items()
+                                                if k != "batch_policy"}))
+                            if same in seen:
+                                continue
+                            seen.add(same)
+                        measured = policy == MEASURED
+                        scfg = dataclasses.replace(
+                            base_cfg, **{k: v for k, v in kernel_cfg.items()
+                                         if not (measured and k == "batch_policy")})
                         run_cfg = (without_kv_recompute(scfg)
                                    if kind.endswith("no-kv-recompute") else scfg)
                         what = f"mlp={md} heads={hdn} {kind}{config_label(kernel_cfg)}"
+                        plan = None
+                        if measured and batch > 1:
+                            plan = measure_plan(config, run_cfg, select, (params, sel_params),
+                                                init_kwargs, ctx, tokens, log)
+                            if plan is None:
+                                continue
+                            run_cfg = dataclasses.replace(run_cfg, batch_policy="union",
+                                                          batch_layers=plan.layers)
+                            scfg = run_cfg
                         as_dense = (dense_engine_for_dense_batches
-                                    and sparse.batch_runs_dense(run_cfg, batch))
+                                    and sparse.batch_runs_dense(run_cfg, batch)
+                                    or plan is not None and plan.all_dense)
                         if as_dense:
                             what += " (dense engine)"
                             res = measure(what, dense, fuse_qkv(params))
@@ -548,6 +573,10 @@ def measure_rows(config, params, preds, contexts, mlp_densities, head_densities,
                             res = measure(what, sparse_engine(run_cfg, select),
                                           (params, sel_params))
                         bar.update()
+                        if res is not None and plan is not None:
+                            res["batch_plan"] = {"layers": list(plan.layers), "ms": plan.ms,
+                                                 "dense_ms": plan.dense_ms,
+                                                 "trials": [list(t) for t in plan.trials]}
                         if res is not None:
                             add(res, step_bytes(config, scfg, ctx, batch, rank,
                                                 kind.startswith("predictor"),
@@ -560,6 +589,32 @@ def measure_rows(config, params, preds, contexts, mlp_densities, head_densities,
                                                       for key, cfg in kernel_cfg.items()}}
                                    if kernel_cfg else {}))
     return rows
+
+
+MEASURED = "measured"  # --batch-policy: `batch_plan.measure_batch_plan` picks each layer's mode
+
+
+def measure_plan(config, scfg, select, engine_params, init_kwargs, context: int, tokens,
+                 log):
+    """The measured per-layer plan for this batch at `context` (on a state of zeros held
+    at that context, made for the measurement and freed), or None where it fails."""
+    from dejavu_jax import batch_plan
+    try:
+        n_classes = len(batch_plan.layer_classes(config, scfg))
+        engine = sparse.sparse_engine(config, scfg, select)
+        state = engine.init_state(int(tokens.shape[0]),
+                                  context + 1 + batch_plan.steps_needed(n_classes, 8, 3),
+                                  BF16, **init_kwargs)
+        plan, state = batch_plan.measure_batch_plan(config, scfg, select, engine_params,
+                                                    held_context(state, context), tokens,
+                                                    log=log)
+        del state
+        log(plan.summary())
+        return plan
+    except Exception as e:  # report (OOM, lowering errors) and go on
+        log(f"FAILED batch plan ctx={context} batch={tokens.shape[0]}: "
+            f"{type(e).__name__}: {str(e)[:400]}")
+        return None
 
 
 CONFIG_PREFIX = {"attn_config": "attn.", "mlp_config": "mlp."}
@@ -592,10 +647,10 @@ def parse_kernel_configs(attn: str, mlp: str, batch_policies: str = "dense") -> 
         variants = parse_variants(text, cls) if text else []
         choices.append([{key: cfg} for _, cfg in variants] or [{}])
     policies = [p.strip() for p in batch_policies.split(",") if p.strip()]
-    unknown = [p for p in policies if p not in sparse.BATCH_POLICIES]
+    unknown = [p for p in policies if p not in (*sparse.BATCH_POLICIES, MEASURED)]
     if unknown or not policies:
         raise ValueError(f"--batch-policy: unknown {unknown or batch_policies!r}; choose "
-                         f"from {', '.join(sparse.BATCH_POLICIES)}")
+                         f"from {', '.join((*sparse.BATCH_POLICIES, MEASURED))}")
     return [{**a, **m, **({} if p == "dense" else {"batch_policy": p})}
             for p in policies for a in choices[0] for m in choices[1]]
 
@@ -843,7 +898,8 @@ def main(argv=None) -> int:
                         "at large batches whose prefill would not fit")
     p.add_argument("--batch-policy", default="dense",
                    help="comma-separated SparseConfig.batch_policy values for the sparse "
-                        "rows (dense, union, shared, kernels)")
+                        "rows (dense, union, shared, kernels), or measured: the union with "
+                        "a per-layer plan from timed steps (dejavu_jax.batch_plan)")
     p.add_argument("--layouts", default="unrolled",
                    help="stacked (lax.scan over stacked layers), unrolled, or both")
     p.add_argument("--select", default="exact",
