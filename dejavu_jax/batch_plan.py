@@ -97,10 +97,44 @@ def chained_ms(step, params, state, tokens, steps: int, repeats: int):
     return float(np.median(times)), state
 
 
+def held_context(state, context: int):
+    """A decode state whose first `context` cache slots count as held tokens (slot,
+    validity, positions, and a sparse state's written bitmap), whatever was written
+    there: a step then reads the bytes of that context (unwritten entries are zeros)."""
+    dense = state.dense if hasattr(state, "dense") else state
+    held = jnp.arange(dense.valid.shape[1]) < context
+    dense = dense.replace(valid=jnp.broadcast_to(held, dense.valid.shape),
+                          slot=jnp.asarray(context, jnp.int32),
+                          positions=jnp.full_like(dense.positions, context))
+    if not hasattr(state, "dense"):
+        return dense
+    return state.replace(dense=dense, written=state.written | held)
+
+
 def steps_needed(n_classes: int, steps: int, repeats: int) -> int:
     """Cache slots `measure_batch_plan` advances the state by, at most."""
     trials = 2 + 2 * n_classes
     return trials * steps * (repeats + 1)
+
+
+def plan_for(config: ModelConfig, scfg, select, params, batch: int, context: int, *,
+             log=None) -> BatchPlan:
+    """`measure_batch_plan` for `batch` rows at `context` tokens, on a cache of zeros made
+    for the measurement and freed after it (params: (model params in the decode layout,
+    selector params))."""
+    from dejavu_jax import sparse
+    union = dataclasses.replace(scfg, batch_policy="union", batch_layers=())
+    engine = sparse.sparse_engine(config, union, select)
+    slots = context + 1 + steps_needed(len(layer_classes(config, union)), 8, 3)
+    model_params = params[0]
+    state = engine.init_state(batch, -(-slots // 64) * 64,
+                              jax.tree.leaves(model_params)[0].dtype,
+                              per_layer=isinstance(model_params.layers, tuple))
+    tokens = jnp.full((batch,), config.pad_token_id or 0, jnp.int32)
+    plan, state = measure_batch_plan(config, union, select, params,
+                                     held_context(state, context), tokens, log=log)
+    del state
+    return plan
 
 
 def measure_batch_plan(config: ModelConfig, scfg, select, params, state, tokens, *,

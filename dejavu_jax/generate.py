@@ -126,12 +126,15 @@ def build_parser() -> argparse.ArgumentParser:
                     help="top-k of the predictor scores (for --sparse): exact (lax.top_k, "
                          "default) or local (Pallas, the top of each chunk of the scores: "
                          "approximate, the fastest measured on the GPU)")
-    sp.add_argument("--batch-policy", choices=("dense", "union", "shared"),
+    sp.add_argument("--batch-policy", choices=("dense", "union", "shared", "measured"),
                     help="how a batch of several prompts decodes: dense (default; at short "
                          "context a batch's union of sets costs more than it saves), "
                          "union (the union of the rows' neurons, each row attending with "
                          "its own heads: the faster at long context, e.g. OPT-13B x1.67 "
-                         "at batch 16 and context 4096 on an H200) or shared (predictors: "
+                         "at batch 16 and context 4096 on an H200), measured (the union "
+                         "with each layer run through the kernels, the masked dense MLP "
+                         "or dense, whichever steps timed fastest on this device before "
+                         "generating; never slower than dense) or shared (predictors: "
                          "one set per layer for the whole batch at the batch-1 budget, "
                          "the units most rows need; each row's set is less its own)")
     multidevice.add_mesh_arguments(p)
@@ -153,9 +156,9 @@ def check_options(args) -> None:
                  "pick one")
     if args.oracle and (args.predictors is not None or args.select is not None):
         cli.fail("--predictors and --select are for --sparse; --oracle needs neither")
-    if args.oracle and args.batch_policy == "shared":
-        cli.fail("--batch-policy shared shares predicted sets; the oracle selects per row "
-                 "(use union)")
+    if args.oracle and args.batch_policy in ("shared", "measured"):
+        cli.fail(f"--batch-policy {args.batch_policy} is for predicted sets; the oracle "
+                 "computes densely and selects per row (use union)")
     set_options = [f for f in SET_OPTIONS if values[f] is not None]
     if args.sparse and args.predictors is None and set_options:
         cli.fail(f"{', '.join(set_options)}: for --predictors and --oracle; a sparsity "
@@ -255,8 +258,9 @@ def sparse_settings(args, config):
     scfg = sparse.sparse_config(config, densities["--mlp-density"],
                                 densities["--head-density"], dense_layers=dense_layers,
                                 oracle=args.oracle)
-    if args.batch_policy is not None:
-        scfg = dataclasses.replace(scfg, batch_policy=args.batch_policy)
+    if args.batch_policy is not None:  # measured: the union, planned once prompts are known
+        scfg = dataclasses.replace(scfg, batch_policy="union" if args.batch_policy ==
+                                   "measured" else args.batch_policy)
     if args.oracle:
         return scfg, None
     from dejavu_jax.train.predict import PredictorCheckpointError, load_predictors
@@ -295,12 +299,28 @@ def build_engine(args, config, params, scfg, predictors, mesh=None, batch: int =
     return sparse.sparse_engine(config, scfg, select), (params, predictors)
 
 
+def planned_engine(args, config, scfg, engine_params, batch: int, context: int):
+    """(engine, engine params, scfg, plan) for --batch-policy measured: the per-layer plan
+    timed on this device for `batch` rows at `context` tokens (`dejavu_jax.batch_plan`);
+    a plan of every layer dense runs the dense engine, as a dense batch does."""
+    from dejavu_jax import batch_plan, sparse
+    select = sparse.predictor_selector(config.group_size, method=args.select or "exact")
+    plan = batch_plan.plan_for(config, scfg, select, engine_params, batch, context,
+                               log=lambda line: print(line, file=sys.stderr))
+    print(plan.summary(), file=sys.stderr)
+    if plan.all_dense:
+        return (dense_engine(config), fuse_qkv(engine_params[0], free_originals=True), None,
+                plan)
+    scfg = dataclasses.replace(scfg, batch_layers=plan.layers)
+    return sparse.sparse_engine(config, scfg, select), engine_params, scfg, plan
+
+
 def describe_sparsity(config, scfg, batch: int = 1, profile=None) -> str:
     """One line per layer: the fraction of neurons and query heads each token selects and,
     for a batch, the fraction its union computes (static size min(n, k * batch); for heads,
     the weights read, while each row attends with its own heads) and which of the layer's
     parts then run XLA's dense products (`sparse.batch_dense_parts`)."""
-    from dejavu_jax.sparse import batch_dense_parts, batch_runs_dense
+    from dejavu_jax.sparse import batch_dense_parts, batch_runs_dense, planned_config
     from dejavu_jax.train.predict import default_union_size
     if batch_runs_dense(scfg, batch):
         return (f"sparse decoding: a batch of {batch} runs the dense engine (a batch's "
@@ -323,7 +343,10 @@ def describe_sparsity(config, scfg, batch: int = 1, profile=None) -> str:
         if batch > 1:
             label = "shared" if shared else "union"
             line += f"  {label} mlp {um / config.ffn:6.1%}  heads {uh / config.n_heads:6.1%}"
-            attention, mlp, layer = batch_dense_parts(config, scfg, um, kh, batch)
+            mode = scfg.batch_layers[l] if scfg.batch_layers else None
+            attention, mlp, layer = ((True, True, True) if mode == "dense" else
+                                     batch_dense_parts(config, planned_config(scfg, mode),
+                                                       um, kh, batch))
             if scfg.oracle:
                 pass  # the oracle computes densely and masks
             elif layer:
@@ -429,6 +452,10 @@ def main(argv: list[str] | None = None) -> int:
         params = load_params(args, config, model_path, mesh)
         engine, engine_params = build_engine(args, config, params, scfg, predictors, mesh,
                                              batch=len(prompts))
+        plan = None
+        if args.batch_policy == "measured" and len(prompts) > 1 and mesh is None:
+            engine, engine_params, scfg, plan = planned_engine(
+                args, config, scfg, engine_params, len(prompts), max(map(len, prompts)))
     except (CheckpointError, ShardingError, OSError) as e:  # bad files, a mesh that
         cli.fail(str(e))                                    # does not divide the model
     where = "" if mesh is None else f" on mesh {dict(mesh.shape)}"
@@ -461,7 +488,10 @@ def main(argv: list[str] | None = None) -> int:
             print(f"[{row}] {shown_texts[row]}{tokenizer.decode(out, skip_special_tokens=True)}")
         if args.print_ids or tokenizer is None:
             print(f"[{row}] generated ids: {','.join(map(str, out))}")
-    if scfg is not None:
+    if plan is not None and plan.all_dense:
+        print(f"sparse decoding: a batch of {len(prompts)} runs the dense engine ("
+              f"{plan.summary()})")
+    elif scfg is not None:
         profile = (profile_settings(args, config)[2]
                    if scfg.threshold_sites else None)
         print(describe_sparsity(config, scfg, len(prompts), profile))

@@ -51,6 +51,7 @@ from tqdm.auto import tqdm
 from dejavu_jax import cli
 from dejavu_jax import config as config_lib
 from dejavu_jax import sparse
+from dejavu_jax.batch_plan import held_context
 from dejavu_jax.eval import bench_hf
 from dejavu_jax.sparse_variants import (TOP_K_VARIANTS, UNION_HEADS, is_selector_name,
                                         variant_selector, without_kv_recompute)
@@ -333,21 +334,6 @@ def prefill_key(engine, params, prompt, mask, state):
         return None
     leaves, tree = jax.tree.flatten((params, prompt, mask, state))
     return ident, tree, tuple((tuple(a.shape), str(a.dtype)) for a in leaves)
-
-
-def held_context(state, context: int):
-    """A decode state whose first `context` cache slots count as held tokens (slot,
-    validity, positions, and a sparse state's written bitmap), whatever the prefill wrote:
-    a step then reads the bytes of that context (the entries past the prefill's are
-    zeros)."""
-    dense = state.dense if hasattr(state, "dense") else state
-    held = jnp.arange(dense.valid.shape[1]) < context
-    dense = dense.replace(valid=jnp.broadcast_to(held, dense.valid.shape),
-                          slot=jnp.asarray(context, jnp.int32),
-                          positions=jnp.full_like(dense.positions, context))
-    if not hasattr(state, "dense"):
-        return dense
-    return state.replace(dense=dense, written=state.written | held)
 
 
 def measure_engine(engine, params, prompt, mask, tokens, max_len: int, warmup: int,

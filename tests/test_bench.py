@@ -410,7 +410,7 @@ def test_kernel_bench_cli_takes_model_names_and_fractions(tmp_path, capsys):
 def test_held_context_counts_the_first_slots_as_tokens():
     """A short prefill, then a held context of 20: slot 20, the first 20 slots valid and
     (sparse state) written for every layer and group, every row at position 20."""
-    from dejavu_jax.eval.bench_decode import held_context
+    from dejavu_jax.batch_plan import held_context
     config = config_lib.preset("opt-tiny")
     scfg = sparse.sparse_config(config, 0.5, 0.5, dense_layers=1)
     state = sparse.init_sparse_state(config, scfg, 2, 32, jnp.float32)

@@ -1,5 +1,8 @@
 """Sampling rules and the generate CLI."""
 
+import dataclasses
+import tempfile
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -145,7 +148,57 @@ def test_batch_policy_option_reaches_the_sparse_config(capsys):
     for argv, words in ((["--preset", "opt-tiny", "--batch-policy", "union"], "add --sparse"),
                         (["--preset", "opt-tiny", "--sparse", "--batch-policy", "union"],
                          "profile sets each layer"),
-                        (base + ["--batch-policy", "shared"], "the oracle selects per row")):
+                        (base + ["--batch-policy", "shared"], "selects per row"),
+                        (base + ["--batch-policy", "measured"], "selects per row")):
         with pytest.raises(SystemExit) as e:
             cli.check_options(cli.build_parser().parse_args(argv))
         assert e.value.code == 2 and words in capsys.readouterr().err
+
+
+def test_measured_batch_policy_plans_the_engine_and_reports_each_layer(monkeypatch):
+    """--batch-policy measured: the plan timed for the batch decides the engine (the dense
+    engine when every layer is planned dense, else the sparse engine with the plan), and
+    the density report names each layer's planned way."""
+    import argparse
+
+    import dejavu_jax as dj
+    from dejavu_jax import batch_plan, sparse
+    from dejavu_jax.eval.bench_decode import random_predictors
+    config = dj.preset("opt-tiny").replace(vocab_size=512)
+    params = dj.init_params(config, jax.random.key(0), jnp.float32)
+    preds = random_predictors(config, 8, jax.random.key(1))
+    scfg = dataclasses.replace(sparse.sparse_config(config, 0.25, 0.5, dense_layers=1),
+                               batch_policy="union")
+    args = argparse.Namespace(select=None)
+    layers = ("dense", "dense", "sparse", "masked")
+    monkeypatch.setattr(batch_plan, "plan_for", lambda *a, **k: batch_plan.BatchPlan(
+        layers, 1.0, 2.0, (("all dense", 2.0),)))
+    engine, engine_params, planned, plan = cli.planned_engine(args, config, scfg,
+                                                              (params, preds), 2, 5)
+    assert engine.name == "sparse" and planned.batch_layers == layers
+    report = cli.describe_sparsity(config, planned, 2).splitlines()
+    assert "(dense layer)" in report[2] and "(dense" not in report[3]
+    assert "(dense masked mlp)" in report[4]
+    monkeypatch.setattr(batch_plan, "plan_for", lambda *a, **k: batch_plan.BatchPlan(
+        ("dense",) * 4, 2.0, 2.0, (("all dense", 2.0),)))
+    engine, engine_params, planned, plan = cli.planned_engine(args, config, scfg,
+                                                              (params, preds), 2, 5)
+    assert engine.name == "dense" and planned is None and plan.all_dense
+
+
+def test_measured_batch_policy_generates_end_to_end(capsys):
+    """`generate --sparse --predictors DIR --batch-policy measured` with two prompts: the
+    plan is measured and printed, and both rows generate."""
+    import dejavu_jax as dj
+    from dejavu_jax.eval.bench_decode import random_predictors
+    from dejavu_jax.train.checkpoint import save_predictors
+    config = dj.preset("opt-tiny")
+    with tempfile.TemporaryDirectory() as tmp:
+        save_predictors(tmp, random_predictors(config, 8, jax.random.key(1)),
+                        {"model": "opt-tiny", "config_fingerprint": config.fingerprint()})
+        assert cli.main(["--preset", "opt-tiny", "--sparse", "--predictors", tmp,
+                         "--batch-policy", "measured", "--prompt-ids", "5,9,14",
+                         "--prompt-ids", "8,2", "--max-new-tokens", "3", "--print-ids"]) == 0
+    out, err = capsys.readouterr()
+    assert "batch plan:" in err and "measuring a plan for batch 2" in err
+    assert "[0] generated ids:" in out and "[1] generated ids:" in out
