@@ -159,6 +159,9 @@ def check_options(args) -> None:
     if args.oracle and args.batch_policy in ("shared", "measured"):
         cli.fail(f"--batch-policy {args.batch_policy} is for predicted sets; the oracle "
                  "computes densely and selects per row (use union)")
+    if args.batch_policy == "measured" and (args.devices or args.mesh):
+        cli.fail("--batch-policy measured times a plan on one device; with --devices or "
+                 "--mesh use union or shared")
     set_options = [f for f in SET_OPTIONS if values[f] is not None]
     if args.sparse and args.predictors is None and set_options:
         cli.fail(f"{', '.join(set_options)}: for --predictors and --oracle; a sparsity "
