@@ -74,18 +74,22 @@ def plan_layers(config: ModelConfig, classes, modes) -> tuple[str, ...]:
     return tuple(layers)
 
 
-def chained_ms(step, params, state, tokens, steps: int, repeats: int):
-    """(median ms per step of `repeats` runs of `steps` chained steps, state): one jitted
-    loop with the state donated, each step fed the argmax of the last one's logits; run
-    once first to compile and warm."""
+def chained_loop(step, steps: int):
+    """`(params, state, tokens) -> (state, tokens)`: `steps` decode steps in one
+    `lax.fori_loop`, each fed the argmax of the last one's logits (no host round trip)."""
     def loop(params, state, tokens):
         def body(_, carry):
             state, tok = carry
             logits, state = step(params, state, tok)
             return state, jnp.argmax(logits, -1).astype(tok.dtype)
         return jax.lax.fori_loop(0, steps, body, (state, tokens))
+    return loop
 
-    run = jax.jit(loop, donate_argnums=1)
+
+def chained_ms(step, params, state, tokens, steps: int, repeats: int):
+    """(median ms per step of `repeats` runs of `steps` chained steps, state): one jitted
+    `chained_loop` with the state donated, run once first to compile and warm."""
+    run = jax.jit(chained_loop(step, steps), donate_argnums=1)
     state, _ = run(params, state, tokens)
     jax.block_until_ready(state)
     times = []

@@ -51,7 +51,7 @@ from tqdm.auto import tqdm
 from dejavu_jax import cli
 from dejavu_jax import config as config_lib
 from dejavu_jax import sparse
-from dejavu_jax.batch_plan import held_context
+from dejavu_jax.batch_plan import chained_loop, held_context
 from dejavu_jax.eval import bench_hf
 from dejavu_jax.sparse_variants import (TOP_K_VARIANTS, UNION_HEADS, is_selector_name,
                                         variant_selector, without_kv_recompute)
@@ -278,15 +278,9 @@ def time_loop(step_fn, params, state, tokens, steps: int):
     one jitted `lax.fori_loop`, the state donated: no host round trip between tokens (each
     step feeds the argmax of its logits to the next). Compiled ahead of time, run once to
     warm, then timed once."""
-    def loop(params, state, tokens):
-        def body(_, carry):
-            state, tok = carry
-            logits, state = step_fn(params, state, tok)
-            return state, jnp.argmax(logits, -1).astype(tok.dtype)
-        return jax.lax.fori_loop(0, steps, body, (state, tokens))
-
     t = time.perf_counter()
-    run = jax.jit(loop, donate_argnums=1).lower(params, state, tokens).compile()
+    run = jax.jit(chained_loop(step_fn, steps), donate_argnums=1).lower(
+        params, state, tokens).compile()
     compile_s = time.perf_counter() - t
     state, out = run(params, state, tokens)
     jax.block_until_ready(state)
