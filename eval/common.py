@@ -309,8 +309,10 @@ def is_main_process() -> bool:
 
 
 def save_result(path: str | None, result: dict) -> None:
-    """Write `result` as JSON to `path` (if given) from the main process only."""
+    """Write `result` as JSON to `path` (if given, its folders made) from the main process
+    only."""
     if path and is_main_process():
+        Path(path).parent.mkdir(parents=True, exist_ok=True)
         Path(path).write_text(json.dumps(result, indent=1))
 
 

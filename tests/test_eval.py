@@ -397,3 +397,13 @@ def test_profile_ablation_cli_refuses_a_missing_profile(tmp_path, capsys):
         profile_ablation.main(["--profile", str(tmp_path / "none.json"), "--out",
                                str(tmp_path / "o")])
     assert exit_.value.code == 2 and "no such profile file" in capsys.readouterr().err
+
+
+def test_save_result_makes_the_output_folders(tmp_path):
+    """A result path in folders that do not exist yet is written, not lost after the run."""
+    import json
+
+    from dejavu_jax.eval.common import save_result
+    path = tmp_path / "new" / "deeper" / "result.json"
+    save_result(str(path), {"accuracy": 0.5})
+    assert json.loads(path.read_text()) == {"accuracy": 0.5}
