@@ -148,16 +148,26 @@ def load_task(name_or_path: str, limit: int | None = None) -> list[Item]:
     return items[:limit] if limit else items
 
 
+def leading_special_ids(tok) -> list[int]:
+    """The ids the tokenizer puts before any text by default (Gemma's <bos>; none for
+    most): a model trained with them is scored with them, as lm-eval scores Gemma."""
+    plain = tok("a", add_special_tokens=False)["input_ids"]
+    full = tok("a")["input_ids"]
+    n = len(full) - len(plain)
+    return list(full[:n]) if n > 0 and full[n:] == plain else []
+
+
 def encode_pair(tok, context: str, continuation: str) -> tuple[list[int], list[int]]:
     """(context ids, continuation ids) as lm-eval does: trailing spaces of the context move
-    to the continuation, the whole string is encoded once and split at the context's length."""
+    to the continuation, the whole string is encoded once and split at the context's
+    length; the context starts with the tokenizer's leading special ids (`leading_special_ids`)."""
     n = len(context) - len(context.rstrip())
     if n:
         context, continuation = context[:-n], context[-n:] + continuation
     whole = tok(context + continuation, add_special_tokens=False)["input_ids"]
     n_ctx = len(tok(context, add_special_tokens=False)["input_ids"])
     n_ctx = min(n_ctx, len(whole) - 1)
-    return whole[:n_ctx], whole[n_ctx:]
+    return leading_special_ids(tok) + whole[:n_ctx], whole[n_ctx:]
 
 
 def encode_items(tok, items: list[Item]) -> list[tuple[list[int], list[int]]]:
