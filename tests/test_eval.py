@@ -278,10 +278,15 @@ def test_density_one_gives_the_dense_figures_exactly():
 
 
 class _CharTokenizer:
-    """One token per character (code point), enough for the scoring logic."""
+    """One token per character (code point), enough for the scoring logic; `bos`: an id it
+    puts first by default, as Gemma's tokenizer puts <bos>."""
 
-    def __call__(self, text, add_special_tokens=False):
-        return {"input_ids": [ord(c) for c in text]}
+    def __init__(self, bos=None):
+        self.bos = bos
+
+    def __call__(self, text, add_special_tokens=True):
+        lead = [self.bos] if add_special_tokens and self.bos is not None else []
+        return {"input_ids": lead + [ord(c) for c in text]}
 
 
 def _greedy_ids(config, params, ids, n, allowed=None):
@@ -407,19 +412,6 @@ def test_save_result_makes_the_output_folders(tmp_path):
     path = tmp_path / "new" / "deeper" / "result.json"
     save_result(str(path), {"accuracy": 0.5})
     assert json.loads(path.read_text()) == {"accuracy": 0.5}
-
-
-class _CharTokenizer:
-    """One id per character (its code point), with an optional id it puts first by default,
-    as Gemma's tokenizer puts <bos>."""
-
-    def __init__(self, bos=None):
-        self.bos = bos
-
-    def __call__(self, text, add_special_tokens=True):
-        ids = [ord(c) for c in text]
-        lead = [self.bos] if add_special_tokens and self.bos is not None else []
-        return {"input_ids": lead + ids}
 
 
 def test_task_contexts_start_with_the_tokenizers_leading_ids():
