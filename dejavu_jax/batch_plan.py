@@ -27,8 +27,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from dejavu_jax.config import ModelConfig
-
-LAYER_MODES = ("sparse", "masked", "dense")
+from dejavu_jax.sparse import BATCH_LAYER_MODES as LAYER_MODES
 
 
 @dataclasses.dataclass(frozen=True)
@@ -173,7 +172,7 @@ def measure_batch_plan(config: ModelConfig, scfg, select, params, state, tokens,
     dense_layers = plan_layers(config, [], [])
     dense_ms = timed("all dense", dense_layers)
     chosen = []
-    for i, cls in enumerate(classes):
+    for cls in classes:
         label = f"layers {cls[0]}-{cls[-1]}" if len(cls) > 1 else f"layer {cls[0]}"
         best, best_ms = "dense", dense_ms
         for mode in ("sparse", "masked"):
@@ -182,10 +181,10 @@ def measure_batch_plan(config: ModelConfig, scfg, select, params, state, tokens,
                 best, best_ms = mode, ms
         chosen.append(best)
     layers = plan_layers(config, classes, chosen)
-    if all(m == "dense" for m in chosen):
+    if len(classes) == 1:   # the one class's best trial is the whole plan's
+        ms = best_ms
+    elif all(m == "dense" for m in chosen):
         ms = dense_ms
-    elif len(classes) == 1:
-        ms = min(t for label, t in trials if label.endswith(chosen[0]))
     else:
         ms = timed("combined", layers)
         if ms > dense_ms:

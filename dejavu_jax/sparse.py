@@ -87,7 +87,7 @@ class SparseConfig:
     its run's dense step against x0.73 (eval/results/h200/opt-30b-batch4/); the break-even
     is estimated near 45%.
     batch_layers: a per-layer plan for batches under policy "union" (one mode per layer,
-    `dejavu_jax.batch_plan.LAYER_MODES`: "sparse" runs the union through the kernels at
+    `BATCH_LAYER_MODES`: "sparse" runs the union through the kernels at
     any size, "masked" the union's attention with the masked dense MLP, "dense" the dense
     layer with no selection), as `batch_plan.measure_batch_plan` chooses from measured
     step times; () keeps the size rules above. Batch 1 ignores it.

@@ -537,7 +537,7 @@ def measure_rows(config, params, preds, contexts, mlp_densities, head_densities,
                         plan = None
                         if measured and batch > 1:
                             plan = measure_plan(config, run_cfg, select, (params, sel_params),
-                                                init_kwargs, ctx, tokens, log)
+                                                ctx, batch, log)
                             if plan is None:
                                 continue
                             run_cfg = dataclasses.replace(run_cfg, batch_policy="union",
@@ -574,26 +574,17 @@ def measure_rows(config, params, preds, contexts, mlp_densities, head_densities,
 MEASURED = "measured"  # --batch-policy: `batch_plan.measure_batch_plan` picks each layer's mode
 
 
-def measure_plan(config, scfg, select, engine_params, init_kwargs, context: int, tokens,
-                 log):
-    """The measured per-layer plan for this batch at `context` (on a state of zeros held
-    at that context, made for the measurement and freed), or None where it fails."""
+def measure_plan(config, scfg, select, engine_params, context: int, batch: int, log):
+    """`batch_plan.plan_for` this row's batch and context, or None where it fails."""
     from dejavu_jax import batch_plan
     try:
-        n_classes = len(batch_plan.layer_classes(config, scfg))
-        engine = sparse.sparse_engine(config, scfg, select)
-        state = engine.init_state(int(tokens.shape[0]),
-                                  context + 1 + batch_plan.steps_needed(n_classes, 8, 3),
-                                  BF16, **init_kwargs)
-        plan, state = batch_plan.measure_batch_plan(config, scfg, select, engine_params,
-                                                    held_context(state, context), tokens,
-                                                    log=log)
-        del state
+        plan = batch_plan.plan_for(config, scfg, select, engine_params, batch, context,
+                                   log=log)
         log(plan.summary())
         return plan
     except Exception as e:  # report (OOM, lowering errors) and go on
-        log(f"FAILED batch plan ctx={context} batch={tokens.shape[0]}: "
-            f"{type(e).__name__}: {str(e)[:400]}")
+        log(f"FAILED batch plan ctx={context} batch={batch}: {type(e).__name__}: "
+            f"{str(e)[:400]}")
         return None
 
 
