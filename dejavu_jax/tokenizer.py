@@ -40,3 +40,12 @@ def default_tokenizer_for(config: ModelConfig, model_path: Path | None):
     if config.family == "opt" and has_tokenizer(opt_tokenizer_dir()):
         return load_tokenizer(opt_tokenizer_dir())
     return None
+
+
+def leading_special_ids(tok) -> list[int]:
+    """The ids the tokenizer puts before any text by default (Gemma's <bos>; none for
+    most): a model trained with them is scored with them, as lm-eval scores Gemma."""
+    plain = tok("a", add_special_tokens=False)["input_ids"]
+    full = tok("a")["input_ids"]
+    n = len(full) - len(plain)
+    return list(full[:n]) if n > 0 and full[n:] == plain else []

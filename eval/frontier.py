@@ -65,11 +65,12 @@ class Rows:
             f.write(json.dumps(row) + "\n")
 
 
-def score_row(config, mode, params, selector_params, ids, args) -> dict:
-    """Perplexity, bytes skipped and time of one mode on one text."""
+def score_row(config, mode, params, selector_params, ids, args, lead=()) -> dict:
+    """Perplexity, bytes skipped and time of one mode on one text (`lead`: the ids before
+    every window, `eval.perplexity.score_windows`)."""
     from dejavu_jax.eval.perplexity import perplexity
     r = perplexity(config, mode, params, selector_params, ids, window=args.window,
-                   stride=args.window, batch_tokens=args.batch_tokens)
+                   stride=args.window, batch_tokens=args.batch_tokens, lead=lead)
     return {k: r[k] for k in ("tokens", "nll", "perplexity", "bytes_skipped", "bytes_read",
                               "selector_bytes", "seconds")}
 
@@ -208,6 +209,7 @@ def main(argv: list[str] | None = None) -> int:
     from dejavu_jax.fetch_model import resolve_model
     from dejavu_jax.loading import load_pretrained
     from dejavu_jax.sparsity_profile import load_profile, method_sites
+    from dejavu_jax.tokenizer import leading_special_ids
     from dejavu_jax.train import profile as profile_mod
     from dejavu_jax.train.corpus import default_corpus, resolve_files
     from dejavu_jax.train.thresholds import thresholds_at
@@ -223,6 +225,7 @@ def main(argv: list[str] | None = None) -> int:
     meta = {**provenance.run_meta(), "model": config.name, "command": " ".join(sys.argv)}
     (args.out / "run.json").write_text(json.dumps(meta, indent=1) + "\n")
     texts = test_texts(tok, args)
+    lead = leading_special_ids(tok)
     log = lambda s: print(s, file=sys.stderr, flush=True)  # noqa: E731
 
     def dense_ppl(text):
@@ -234,7 +237,7 @@ def main(argv: list[str] | None = None) -> int:
             if rows.has((kind, method, label, text)):
                 continue
             start = time.perf_counter()
-            r = score_row(config, mode, params, selector_params, ids, args)
+            r = score_row(config, mode, params, selector_params, ids, args, lead)
             rows.add({"kind": kind, "method": method, "label": label, "text": text, **r,
                       **(extra or {})})
             log(f"{kind} {method} {label} {text}: ppl {r['perplexity']:.4f}, skip "

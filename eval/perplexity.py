@@ -25,6 +25,7 @@ import functools
 import math
 import sys
 import time
+from collections.abc import Sequence
 from pathlib import Path
 
 import numpy as np
@@ -33,6 +34,7 @@ from dejavu_jax import cli
 from dejavu_jax.eval import common
 from dejavu_jax.eval.sparse_scoring import EvalMode, token_scores
 from dejavu_jax.paths import data_file, data_root
+from dejavu_jax.tokenizer import leading_special_ids
 
 
 WIKITEXT2 = "eval/wikitext-2/wiki.test.raw"
@@ -93,41 +95,48 @@ def plan_windows(n_tokens: int, window: int, stride: int) -> list[tuple[int, int
 
 def score_windows(config, mode: EvalMode, params, pred_params, ids: np.ndarray,
                   window: int, stride: int, batch_tokens: int = 4096, dense_prefix: int = 1,
-                  show_progress: bool = False, mesh=None, token_nll: bool = False) -> dict:
+                  show_progress: bool = False, mesh=None, token_nll: bool = False,
+                  lead: Sequence[int] = ()) -> dict:
     """Total NLL and token count of `ids` under `mode`, windows batched into one shape.
 
     mesh: params placed on it (`common.load_weights`); rows split over its "data" axis.
     token_nll: also return each scored target's NLL in text order (`token_nll`, float64
     [tokens]: target i + 1 at index i).
+    lead: ids put before every window and never scored (the tokenizer's leading special
+    ids, `tokenizer.leading_special_ids`: Gemma's <bos>); they run dense, as the prompt.
     """
     plans = plan_windows(len(ids), window, stride)
     rows_per_call = common.mesh_rows(max(1, batch_tokens // window), mesh)
     share = mode.shared_rows
     rows_per_call = -(-rows_per_call // share) * share   # whole groups of shared rows
-    length = min(window, len(ids) - 1)
+    lead = [int(i) for i in lead]
+    n_lead = len(lead)
+    length = min(window, len(ids) - 1) + n_lead
     nll, count, greedy, read = 0.0, 0, 0, 0.0
     per_token = np.zeros(len(ids) - 1) if token_nll else None
     batches = [plans[i:i + rows_per_call] for i in range(0, len(plans), rows_per_call)]
     for batch in common.progress(batches, len(batches), f"perplexity ({mode.name})",
                                  not show_progress):
-        inputs = common.pad_rows([ids[b:e] for b, e, _ in batch], length, rows_per_call)
-        targets = common.pad_rows([ids[b + 1:e + 1] for b, e, _ in batch], length,
-                                  rows_per_call)
+        inputs = common.pad_rows([lead + list(ids[b:e]) for b, e, _ in batch], length,
+                                 rows_per_call)
+        targets = common.pad_rows([lead[1:] + list(ids[b if n_lead else b + 1:e + 1])
+                                   for b, e, _ in batch], length, rows_per_call)
         weight = np.zeros((rows_per_call, length), bool)
         mask = np.zeros((rows_per_call, length), np.int32)
         for r, (b, e, first) in enumerate(batch):
-            mask[r, :e - b] = 1
-            weight[r, first - b - 1:e - b] = True  # position i predicts token b + i + 1
+            mask[r, :n_lead + e - b] = 1
+            # position n_lead + i predicts token b + i + 1
+            weight[r, n_lead + first - b - 1:n_lead + e - b] = True
         put = functools.partial(common.put_batch, mesh)
         logp, hit, reads = token_scores(
             config, mode.scfg, params, pred_params, put(inputs), put(mask),
-            put(np.full((rows_per_call,), dense_prefix, np.int32)), put(targets),
+            put(np.full((rows_per_call,), dense_prefix + n_lead, np.int32)), put(targets),
             shards=mode.shards, share=share)
         logp, hit = common.to_host(logp, np.float64), common.to_host(hit)
         nll -= float(logp[weight].sum())
         if per_token is not None:
             for r, (b, e, first) in enumerate(batch):
-                per_token[first - 1:e] = -logp[r, first - b - 1:e - b]
+                per_token[first - 1:e] = -logp[r, n_lead + first - b - 1:n_lead + e - b]
         greedy += int(hit[weight].sum())
         read += float(common.to_host(reads, np.float64)[weight].sum())
         count += int(weight.sum())
@@ -139,17 +148,19 @@ def score_windows(config, mode: EvalMode, params, pred_params, ids: np.ndarray,
 
 def perplexity(config, mode: EvalMode, params, pred_params, ids, window: int = 1024,
                stride: int = 512, batch_tokens: int = 4096, dense_prefix: int = 1,
-               show_progress: bool = False, mesh=None) -> dict:
+               show_progress: bool = False, mesh=None, lead: Sequence[int] = ()) -> dict:
     """Perplexity result dict (tokens, nll, perplexity, timing, settings) for token ids.
 
     mesh: the ("data", "tp") mesh the params are placed on (None: one device).
+    lead: ids before every window, unscored (`score_windows`).
     """
     ids = np.asarray(ids, np.int32)
     start = time.perf_counter()
     result = score_windows(config, mode, params, pred_params, ids, window, stride,
-                           batch_tokens, dense_prefix, show_progress, mesh)
+                           batch_tokens, dense_prefix, show_progress, mesh, lead=lead)
     result.update(seconds=round(time.perf_counter() - start, 2), window=window, stride=stride,
                   dense_prefix=dense_prefix, text_tokens=int(len(ids)),
+                  lead_ids=[int(i) for i in lead],
                   **mode.describe(config))
     if mesh is not None:
         result["mesh"] = dict(mesh.shape)
@@ -212,7 +223,8 @@ def main(argv: list[str] | None = None) -> int:
         cli.fail(f"the text has {len(ids)} token(s); perplexity needs at least 2")
     common.check_ids(ids, config, "the tokenized text")
     result = perplexity(config, mode, params, pred, ids, args.window, args.stride,
-                        args.batch_tokens, args.dense_prefix, not args.no_progress, mesh)
+                        args.batch_tokens, args.dense_prefix, not args.no_progress, mesh,
+                        lead=leading_special_ids(tok))
     result["text"] = args.text or str(wikitext2_path())
     print(f"{result['mode']}: {result['tokens']} tokens, NLL {result['nll']:.4f}, "
           f"perplexity {result['perplexity']:.3f} ({result['seconds']:.0f} s"

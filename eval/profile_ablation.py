@@ -45,8 +45,10 @@ def token_cost_split(dense_nll: np.ndarray, sparse_nll: np.ndarray, worst: int =
 
 
 def ablation_rows(config, params, ids, thresholds: np.ndarray, sites, window: int,
-                  batch_tokens: int, log=print, show_progress: bool = False) -> list[dict]:
-    """Rows: dense, the whole profile, then each site and each layer left dense."""
+                  batch_tokens: int, log=print, show_progress: bool = False,
+                  lead=()) -> list[dict]:
+    """Rows: dense, the whole profile, then each site and each layer left dense (`lead`:
+    the ids before every window, `eval.perplexity.score_windows`)."""
     from dejavu_jax.eval.common import progress
     from dejavu_jax.eval.perplexity import score_windows
     from dejavu_jax.eval.sparse_scoring import make_mode
@@ -65,7 +67,7 @@ def ablation_rows(config, params, ids, thresholds: np.ndarray, sites, window: in
         per_token = kind in ("dense", "profile")
         r = score_windows(config, make_mode(config, "dense") if th is None else mode, params,
                           None if th is None else jnp.asarray(th), ids, window, window,
-                          batch_tokens, token_nll=per_token)
+                          batch_tokens, token_nll=per_token, lead=lead)
         scored[kind] = r
         extra = (token_cost_split(scored["dense"]["token_nll"], r["token_nll"])
                  if kind == "profile" else {})
@@ -129,6 +131,7 @@ def main(argv: list[str] | None = None) -> int:
     from dejavu_jax.fetch_model import resolve_model
     from dejavu_jax.loading import load_pretrained
     from dejavu_jax.sparsity_profile import ProfileError, load_profile
+    from dejavu_jax.tokenizer import leading_special_ids
     source = resolve_model(args.model)
     config, params = load_pretrained(source, dtype=jnp.float32)
     try:
@@ -144,7 +147,8 @@ def main(argv: list[str] | None = None) -> int:
     log = lambda s: print(s, file=sys.stderr, flush=True)  # noqa: E731
     rows = ablation_rows(config, params, ids, np.asarray(prof.threshold_array()),
                          prof.sites, args.window, args.batch_tokens, log,
-                         show_progress=not args.no_progress)
+                         show_progress=not args.no_progress,
+                         lead=leading_special_ids(tok))
     meta = {**provenance.run_meta(), "model": config.name, "profile": str(args.profile),
             "command": " ".join(sys.argv)}
     (args.out / "run.json").write_text(json.dumps(meta, indent=1) + "\n")

@@ -21,6 +21,7 @@ from pathlib import Path
 from dejavu_jax import cli
 from dejavu_jax.eval import common, perplexity as ppl_mod, tasks as tasks_mod
 from dejavu_jax.eval.sparse_scoring import EvalMode, make_mode
+from dejavu_jax.tokenizer import leading_special_ids
 
 
 LABELS = {"dense": "dense", "sparse": "predictors", "oracle": "oracle top-k"}
@@ -233,7 +234,8 @@ def main(argv: list[str] | None = None) -> int:
         rec.pop("mode_name", None)
         if ids is not None:
             r = ppl_mod.perplexity(config, mode, params, pred, ids, args.window, args.stride,
-                                   args.batch_tokens, args.dense_prefix, not args.no_progress)
+                                   args.batch_tokens, args.dense_prefix, not args.no_progress,
+                                   lead=leading_special_ids(tok))
             rec.update(perplexity=r["perplexity"], nll=r["nll"], ppl_tokens=r["tokens"],
                        ppl_seconds=r["seconds"])
         if prepared and (not task_points or key in task_points or name == "dense"):

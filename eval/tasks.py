@@ -37,6 +37,7 @@ from dejavu_jax import cli
 from dejavu_jax.eval import common
 from dejavu_jax.eval.sparse_scoring import EvalMode, token_scores
 from dejavu_jax.paths import data_file, data_root
+from dejavu_jax.tokenizer import leading_special_ids
 
 TASK_FILES = {
     "copa": "copa.jsonl", "piqa": "piqa.jsonl", "openbookqa": "openbook_qa.jsonl",
@@ -146,15 +147,6 @@ def load_task(name_or_path: str, limit: int | None = None) -> list[Item]:
     else:
         items = _jsonl_items(_read_jsonl(path), path)
     return items[:limit] if limit else items
-
-
-def leading_special_ids(tok) -> list[int]:
-    """The ids the tokenizer puts before any text by default (Gemma's <bos>; none for
-    most): a model trained with them is scored with them, as lm-eval scores Gemma."""
-    plain = tok("a", add_special_tokens=False)["input_ids"]
-    full = tok("a")["input_ids"]
-    n = len(full) - len(plain)
-    return list(full[:n]) if n > 0 and full[n:] == plain else []
 
 
 def encode_pair(tok, context: str, continuation: str) -> tuple[list[int], list[int]]:

@@ -42,6 +42,7 @@ def main(argv: list[str] | None = None) -> int:
     from dejavu_jax.eval.sparse_scoring import make_mode
     from dejavu_jax.fetch_model import resolve_model
     from dejavu_jax.loading import load_pretrained
+    from dejavu_jax.tokenizer import leading_special_ids
     from dejavu_jax.train import profile as profile_mod
     from dejavu_jax.train.corpus import default_corpus, resolve_files
     from dejavu_jax.train.thresholds import thresholds_at
@@ -51,6 +52,7 @@ def main(argv: list[str] | None = None) -> int:
     tok = common.load_tokenizer_for(args, config, Path(source))
     ids = np.asarray(tok(load_text(None), add_special_tokens=False)["input_ids"][:args.tokens],
                      np.int32)
+    lead = leading_special_ids(tok)
     windows = profile_mod.text_windows(tok, resolve_files(default_corpus()), 256,
                                        args.calibration_windows, 0, config.bos_token_id)
     args.out.mkdir(parents=True, exist_ok=True)
@@ -62,7 +64,7 @@ def main(argv: list[str] | None = None) -> int:
         quantiles = profile_mod.calibrate(config, p_, windows, (), 4, progress=False)["quantiles"]
         start = time.perf_counter()
         dense = perplexity(config, make_mode(config, "dense"), p_, None, ids, window=1024,
-                           stride=1024)
+                           stride=1024, lead=lead)
         rows = [{"criterion": criterion, "sites": "dense", "level": 0.0,
                  "perplexity": dense["perplexity"], "bytes_skipped": 0.0,
                  "seconds": round(time.perf_counter() - start, 1)}]
@@ -74,7 +76,7 @@ def main(argv: list[str] | None = None) -> int:
                 th = jnp.asarray(thresholds_at(quantiles, lv))
                 start = time.perf_counter()
                 r = perplexity(config, make_mode(config, "threshold", sites=sites), p_, th, ids,
-                               window=1024, stride=1024)
+                               window=1024, stride=1024, lead=lead)
                 rows.append({"criterion": criterion, "sites": "+".join(sites), "level": level,
                              "perplexity": r["perplexity"],
                              "ppl_cost": r["perplexity"] / dense["perplexity"] - 1,

@@ -258,6 +258,28 @@ def test_perplexity_equals_numpy_from_logits():
     np.testing.assert_allclose(each, per_target, rtol=1e-5)
 
 
+def test_perplexity_with_a_lead_scores_each_window_after_it():
+    config, params = _small_llama()
+    rng = np.random.default_rng(2)
+    ids = rng.integers(0, config.vocab_size, 40)
+    lead = [int(rng.integers(0, config.vocab_size))]
+    mode = ss.make_mode(config, "dense")
+    got = ppl_mod.score_windows(config, mode, params, None, ids, 16, 8, batch_tokens=48,
+                                token_nll=True, lead=lead)
+    per_target = np.full(len(ids) - 1, np.nan)
+    for begin, end, first in ppl_mod.plan_windows(len(ids), 16, 8):
+        window = lead + ids[begin:end].tolist()
+        logits = np.asarray(dj.logits(config, params, [window])[0], np.float64)
+        logp = logits - logits.max(-1, keepdims=True)
+        logp -= np.log(np.exp(logp).sum(-1, keepdims=True))
+        for target in range(first, end + 1):  # input position of ids[target - 1]: + 1
+            per_target[target - 1] = -logp[target - begin, ids[target]]
+    assert np.isfinite(per_target).all() and got["tokens"] == len(ids) - 1
+    np.testing.assert_allclose(got["token_nll"], per_target, rtol=1e-5)
+    plain = ppl_mod.score_windows(config, mode, params, None, ids, 16, 8, batch_tokens=48)
+    assert abs(got["total_nll"] - plain["total_nll"]) > 1e-3  # the lead is really there
+
+
 def test_density_one_gives_the_dense_figures_exactly():
     config, params = _small_llama()
     pred = _random_predictors(config, 5)
@@ -418,7 +440,8 @@ def test_task_contexts_start_with_the_tokenizers_leading_ids():
     """A tokenizer that puts a BOS first by default gets it at the head of every context
     (Gemma without its <bos> scored LAMBADA at 0.09 against 0.38 with it); one that puts
     nothing first is encoded as before; the continuation is the same either way."""
-    from dejavu_jax.eval.tasks import encode_pair, leading_special_ids
+    from dejavu_jax.eval.tasks import encode_pair
+    from dejavu_jax.tokenizer import leading_special_ids
     plain, with_bos = _CharTokenizer(), _CharTokenizer(bos=2)
     assert leading_special_ids(plain) == [] and leading_special_ids(with_bos) == [2]
     ctx, cont = encode_pair(plain, "ab ", "cd")
