@@ -149,22 +149,26 @@ def load_task(name_or_path: str, limit: int | None = None) -> list[Item]:
     return items[:limit] if limit else items
 
 
-def encode_pair(tok, context: str, continuation: str) -> tuple[list[int], list[int]]:
+def encode_pair(tok, context: str, continuation: str,
+                lead: list[int] | None = None) -> tuple[list[int], list[int]]:
     """(context ids, continuation ids) as lm-eval does: trailing spaces of the context move
     to the continuation, the whole string is encoded once and split at the context's
-    length; the context starts with the tokenizer's leading special ids (`leading_special_ids`)."""
+    length; the context starts with the tokenizer's leading special ids (`lead`, by default
+    `leading_special_ids(tok)`)."""
     n = len(context) - len(context.rstrip())
     if n:
         context, continuation = context[:-n], context[-n:] + continuation
     whole = tok(context + continuation, add_special_tokens=False)["input_ids"]
     n_ctx = len(tok(context, add_special_tokens=False)["input_ids"])
     n_ctx = min(n_ctx, len(whole) - 1)
-    return leading_special_ids(tok) + whole[:n_ctx], whole[n_ctx:]
+    lead = leading_special_ids(tok) if lead is None else lead
+    return lead + whole[:n_ctx], whole[n_ctx:]
 
 
 def encode_items(tok, items: list[Item]) -> list[tuple[list[int], list[int]]]:
     """Token pairs of every item's pairs, flattened in order."""
-    return [encode_pair(tok, c, x) for item in items for c, x in item.pairs]
+    lead = leading_special_ids(tok)
+    return [encode_pair(tok, c, x, lead) for item in items for c, x in item.pairs]
 
 
 def _bucket(n: int) -> int:
