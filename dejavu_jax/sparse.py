@@ -880,7 +880,7 @@ class PredictorSelector:
 
     def __init__(self, group_size: int, union_capacity=None, method: str = "exact",
                  impl: str | None = None, ride_mlp_launches: bool = True,
-                 row_heads: bool = True):
+                 row_heads: bool = True, batch_kernels: bool = True):
         from dejavu_jax.sparse_variants import TOP_K_VARIANTS
         if method not in SELECT_METHODS + TOP_K_VARIANTS:
             raise ValueError(f"unknown selection method {method!r}; choose from "
@@ -889,6 +889,7 @@ class PredictorSelector:
         self.union_capacity = union_capacity or (None, None)
         self.ride_mlp_launches = ride_mlp_launches
         self.row_heads = row_heads
+        self.batch_kernels = batch_kernels
         self.shared = False   # one set for a whole batch: `shared_batch`
 
     def shared_batch(self) -> "PredictorSelector":
@@ -922,8 +923,27 @@ class PredictorSelector:
             return union_top_k(scores, k, capacity)
         return select_top_k(scores, k, capacity)
 
+    def selects_batch_in_kernels(self, pred_params, batch: int, k_mlp: int) -> bool:
+        """Whether a batch of `batch` rows selects through
+        `kernels.batch_predictor_select` (decode-form predictors, the "local" method, the
+        union of the rows' neurons at its default size short of every neuron, per-row
+        heads)."""
+        from dejavu_jax.train.predictor_model import DecodePredictors
+        return (self.batch_kernels and isinstance(pred_params, DecodePredictors)
+                and 2 <= batch <= 64 and self.method == "local" and not self.shared
+                and self.row_heads and self.union_capacity == (None, None)
+                and k_mlp * batch < pred_params.w2_mlp.shape[-1])
+
     def __call__(self, pred_params, layer, x, k_mlp, k_heads):
         from dejavu_jax.train.predict import predictor_scores
+        if self.selects_batch_in_kernels(pred_params, x.shape[0], k_mlp):
+            from dejavu_jax.kernels.batch_predictor_select import batch_predictor_select
+            from dejavu_jax.train.predictor_model import rms_normalise
+            p = pred_params
+            return batch_predictor_select(
+                rms_normalise(x).astype(p.w1t.dtype), p.w1t, p.b1, p.w2_mlp, p.b2_mlp,
+                p.w2_heads, p.b2_heads, jnp.asarray(layer, jnp.int32), k_mlp, k_heads,
+                activation=p.activation, impl=self.impl)
         mlp, heads = predictor_scores(pred_params, layer, x)   # heads: per query head
         if self.shared and x.shape[0] > 1:
             return (self._top(shared_scores(mlp), k_mlp, None),

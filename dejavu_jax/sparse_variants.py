@@ -14,6 +14,9 @@ measured against (docs/kernels.md, "What was tried"):
                         in launches of their own instead of riding in the MLP's launches
   UNION_HEADS           a --select suffix: a batch selects the union of its rows' heads
                         (every row attends with all of them) instead of per-row heads
+  XLA_BATCH             a --select suffix: a batch scores and selects through XLA (the
+                        layer's predictors sliced out, small fusions) instead of
+                        `kernels.batch_predictor_select`'s three launches
   without_kv_recompute  missing-KV recomputation off (inexact: isolates its cost)
 """
 
@@ -26,15 +29,30 @@ from dejavu_jax import sparse
 TOP_K_VARIANTS = ("threshold", "radix", "chunked", "packed")
 APART = "-apart"
 UNION_HEADS = "-union-heads"
+XLA_BATCH = "-xla-batch"
+SUFFIXES = (APART, UNION_HEADS, XLA_BATCH)
+
+
+def _split_name(name: str) -> tuple[str, set[str]]:
+    """(method, suffixes) of a --select entry."""
+    found = set()
+    while True:
+        for suffix in SUFFIXES:
+            if name.endswith(suffix) and suffix not in found:
+                found.add(suffix)
+                name = name.removesuffix(suffix)
+                break
+        else:
+            return name, found
 
 
 def _method(name: str) -> str:
-    return name.removesuffix(UNION_HEADS).removesuffix(APART)
+    return _split_name(name)[0]
 
 
 def is_selector_name(name: str) -> bool:
     """Whether `name` is a benchmark --select entry: a method of `sparse.SELECT_METHODS` or
-    `TOP_K_VARIANTS`, optionally with the suffix `APART`, then optionally `UNION_HEADS`."""
+    `TOP_K_VARIANTS`, optionally with any of the suffixes `SUFFIXES`, each at most once."""
     return _method(name) in sparse.SELECT_METHODS + TOP_K_VARIANTS
 
 
@@ -59,17 +77,19 @@ def variant_selector(group_size: int, name: str, impl: str | None = None,
     """The predictor selector of a benchmark --select entry (see `is_selector_name`).
 
     The method picks each row's top-k as `sparse.predictor_selector` does for the public
-    ones; the suffix `APART` keeps a split selector out of the MLP's launches, and
-    `UNION_HEADS` gives a batch the union of its rows' heads.
+    ones; the suffix `APART` keeps a split selector out of the MLP's launches,
+    `UNION_HEADS` gives a batch the union of its rows' heads, and `XLA_BATCH` has a batch
+    select through XLA.
     """
     if not is_selector_name(name):
         raise ValueError(f"unknown selection method {name!r}; choose from "
-                         f"{sparse.SELECT_METHODS + TOP_K_VARIANTS} (optionally + {APART!r}, "
-                         f"+ {UNION_HEADS!r})")
-    return sparse.PredictorSelector(group_size, union_capacity, _method(name), impl,
-                                    ride_mlp_launches=not name.removesuffix(
-                                        UNION_HEADS).endswith(APART),
-                                    row_heads=not name.endswith(UNION_HEADS))
+                         f"{sparse.SELECT_METHODS + TOP_K_VARIANTS} (optionally + any of "
+                         f"{SUFFIXES})")
+    method, suffixes = _split_name(name)
+    return sparse.PredictorSelector(group_size, union_capacity, method, impl,
+                                    ride_mlp_launches=APART not in suffixes,
+                                    row_heads=UNION_HEADS not in suffixes,
+                                    batch_kernels=XLA_BATCH not in suffixes)
 
 
 def without_kv_recompute(scfg: sparse.SparseConfig) -> sparse.SparseConfig:

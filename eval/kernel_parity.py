@@ -22,8 +22,9 @@
 4. The fused LayerNorm / RMSNorm (`kernels.layer_norm`, which every decode path uses on
    GPU, the reference runs of check 1 included), with and without its RMS-scaled second
    output, against its reference at model widths.
-5. The split predictor's selection (`kernels.predictor_select`) returns its reference's
-   sets at OPT-13B / 30B predictor sizes.
+5. The split predictor's selection (`kernels.predictor_select`) and a batch's selection
+   (`kernels.batch_predictor_select`: the union of 4 and 16 rows' neurons, each row's
+   heads) return their references' sets at OPT-13B / 30B predictor sizes.
 6. ("split") Batch-1 sparse decode on tiny OPT with the split predictor (local top-k),
    its selection riding in the MLP launches (unrolled layers) and in launches of its own
    (stacked): every set it chose is a top-k of the reference scores of its layer's input
@@ -414,6 +415,7 @@ def norm_rows(impl: str) -> list[dict]:
 
 def predictor_rows(impl: str) -> list[dict]:
     """Whether the split predictor's selection returns its reference's sets."""
+    from dejavu_jax.kernels.batch_predictor_select import batch_predictor_select
     from dejavu_jax.kernels.predictor_select import predictor_select
     rows = []
     rng = np.random.default_rng(8)
@@ -428,6 +430,20 @@ def predictor_rows(impl: str) -> list[dict]:
         got, ref = (predictor_select(*args, jnp.int32(1), k_mlp, k_heads, impl=i)
                     for i in (impl, "reference"))
         rows.append(dict(check="predictor", F=F, H=H, rank=r,
+                         equal=bool(np.array_equal(np.asarray(got[0]), np.asarray(ref[0]))
+                                    and np.array_equal(np.asarray(got[1]), np.asarray(ref[1])))))
+    for B, d, F, H, r, k_mlp, k_heads in ((4, 5120, 20480, 40, 256, 2048, 20),
+                                          (16, 7168, 28672, 56, 256, 2867, 28)):
+        L = 3
+        args = (rng.standard_normal((B, d)), rng.standard_normal((L, 2 * r, d)) * d ** -0.5,
+                rng.standard_normal((L, 2 * r)), rng.standard_normal((L, r, F)) * r ** -0.5,
+                rng.standard_normal((L, F)), rng.standard_normal((L, r, H)) * r ** -0.5,
+                rng.standard_normal((L, H)))
+        args = tuple(jnp.asarray(a, jnp.bfloat16 if i in (0, 1, 3, 5) else jnp.float32)
+                     for i, a in enumerate(args))
+        got, ref = (batch_predictor_select(*args, jnp.int32(1), k_mlp, k_heads, impl=i)
+                    for i in (impl, "reference"))
+        rows.append(dict(check="predictor", batch=B, F=F, H=H, rank=r,
                          equal=bool(np.array_equal(np.asarray(got[0]), np.asarray(ref[0]))
                                     and np.array_equal(np.asarray(got[1]), np.asarray(ref[1])))))
     return rows

@@ -61,27 +61,40 @@ def _union_kernel(s_ref, o_ref, *, B, Bp, n, c, kc, cap, block):
     ok = (rows < B)[:, None] & valid[None, :]
     s = plgpu.load(s_ref.at[rows[:, None], ids[None, :]], mask=ok, other=0.0)
     key = jnp.where(ok, score_keys(s), -1)                       # [Bp, block]
+    plgpu.store(o_ref.at[p, union_slots(rows_chosen(key, kc), valid, cap)], ids)
 
-    def halve(_, bounds):                # per row: count(key >= lo) >= kc > count(>= hi)
+
+def rows_chosen(key: jax.Array, k: int) -> jax.Array:
+    """Each row's k largest keys of ``key [R, block]`` (ties to the lower lane) as a bool
+    mask: a 16-step binary search over key values, run for the R rows at once. Lanes
+    outside a row's scores hold key -1."""
+    R = key.shape[0]
+
+    def halve(_, bounds):                # per row: count(key >= lo) >= k > count(>= hi)
         lo, hi = bounds
         mid = (lo + hi) // 2
-        enough = jnp.sum((key >= mid[:, None]).astype(jnp.int32), axis=1) >= kc
+        enough = jnp.sum((key >= mid[:, None]).astype(jnp.int32), axis=1) >= k
         return jnp.where(enough, mid, lo), jnp.where(enough, hi, mid)
 
     kth, _ = lax.fori_loop(0, KEY_BITS, halve,
-                           (jnp.zeros((Bp,), jnp.int32),
-                            jnp.full((Bp,), 1 << KEY_BITS, jnp.int32)))
+                           (jnp.zeros((R,), jnp.int32),
+                            jnp.full((R,), 1 << KEY_BITS, jnp.int32)))
     above = key > kth[:, None]
     tie = key == kth[:, None]
-    room = kc - jnp.sum(above.astype(jnp.int32), axis=1)
-    chosen = above | (tie & (jnp.cumsum(tie.astype(jnp.int32), axis=1) <= room[:, None]))
+    room = k - jnp.sum(above.astype(jnp.int32), axis=1)
+    return above | (tie & (jnp.cumsum(tie.astype(jnp.int32), axis=1) <= room[:, None]))
+
+
+def union_slots(chosen: jax.Array, valid: jax.Array, cap: int) -> jax.Array:
+    """A distinct output slot per lane of a chunk: the union of the rows' ``chosen [R,
+    block]`` lanes, then the lowest valid non-members up to ``cap`` members in all, get
+    0..cap-1 in lane order; every other lane one of its own after them."""
     member = jnp.max(chosen.astype(jnp.int32), axis=0) > 0      # [block]
     spare = valid & jnp.logical_not(member)
     fill = cap - jnp.sum(member.astype(jnp.int32))
     take = member | (spare & (jnp.cumsum(spare.astype(jnp.int32)) <= fill))
-    slot = jnp.where(take, jnp.cumsum(take.astype(jnp.int32)),
+    return jnp.where(take, jnp.cumsum(take.astype(jnp.int32)),
                      cap + jnp.cumsum(jnp.logical_not(take).astype(jnp.int32))) - 1
-    plgpu.store(o_ref.at[p, slot], ids)
 
 
 @functools.partial(jax.jit, static_argnames=("k", "chunk", "interpret"))

@@ -1,0 +1,219 @@
+"""A batch's predictor selection in three launches, reading the stacked predictors in place.
+
+At batch B > 1 a decode step needs, per layer, the union of the rows' neuron sets (one set
+of MLP rows read for the batch) and each row's own query heads. Scoring through XLA slices
+the layer out of the stacked predictors (a copy of every weight it reads) and runs a chain
+of small fusions per layer. Here:
+
+1. :func:`~.gather_matvec.gather_matvec` multiplies the rows' normalised inputs by the
+   layer's rows of ``w1ᵀ`` (a segment of the stacked ``[L * R, d]`` matrix): fp32
+   partials ``[P, B, R]``;
+2. :func:`~.gather_matvec.gather_matvec_t` multiplies the rows' hidden units (finished in
+   its loader: partials, bias, activation, rounding to the second layer's dtype) by the
+   layer's rows of ``w2_mlp``: neuron score partials ``[S, B, F]``;
+3. one launch of ``C + 1`` programs selects: each of the first C sums its chunk's score
+   partials and bias for every row and writes the union of the rows' local top-k
+   (:func:`~.union_select.union_top_k_local`'s set); the last scores the heads of every row
+   and writes each row's exact top-k (:func:`~.top_k.top_k_indices`' set per row).
+
+Both outputs come back ascending and exactly sized for the kernels that consume them.
+"""
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+from jax.experimental import pallas as pl
+from jax.experimental.pallas import triton as plgpu
+
+from ._common import activation_fn, check_array, next_pow2, resolve_impl
+from .gather_matvec import Segment, batch_pad, gather_matvec, gather_matvec_t, mma
+from .predictor_select import ACTIVATIONS, _rounded
+from .top_k import score_keys, top_k_indices_reference
+from .union_select import (rows_chosen, union_local_shape, union_slots,
+                           union_top_k_local_reference)
+
+
+def batch_scores_reference(x_rms, w1t, b1, w2_mlp, b2_mlp, w2_heads, b2_heads, layer, *,
+                           activation="none"):
+    """(neuron scores [B, F], head scores [B, H]) fp32 of layer `layer` for inputs
+    x_rms [B, d] (x over its RMS, in the predictors' dtype): the products the kernels
+    compute, at full fp32 precision."""
+    hi = jax.lax.Precision.HIGHEST
+    pick = lambda t: jax.lax.dynamic_index_in_dim(t, layer, keepdims=False).astype(jnp.float32)
+    h = jnp.dot(x_rms.astype(jnp.float32), pick(w1t).T, precision=hi) + pick(b1)
+    h = activation_fn(ACTIVATIONS[activation])(h)
+    r_mlp = w2_mlp.shape[1]
+    mlp = jnp.dot(_rounded(h[:, :r_mlp], w2_mlp.dtype), pick(w2_mlp), precision=hi)
+    heads = jnp.dot(_rounded(h[:, r_mlp:], w2_heads.dtype), pick(w2_heads), precision=hi)
+    return mlp + pick(b2_mlp), heads + pick(b2_heads)
+
+
+def batch_predictor_select_reference(x_rms, w1t, b1, w2_mlp, b2_mlp, w2_heads, b2_heads,
+                                     layer, k_mlp: int, k_heads: int, *, activation="none",
+                                     chunk: int = 2048):
+    """jnp reference of :func:`batch_predictor_select` (same sets)."""
+    mlp, heads = batch_scores_reference(x_rms, w1t, b1, w2_mlp, b2_mlp, w2_heads, b2_heads,
+                                        layer, activation=activation)
+    rows = jnp.stack([top_k_indices_reference(h, k_heads) for h in heads])
+    return union_top_k_local_reference(mlp, k_mlp, chunk), rows
+
+
+def _hidden_rows_loader(act_refs, r, valid, rows, *, nds, B, Bp, r_mlp, r_all, activation,
+                        dtype):
+    """gather_matvec_t loader: the rows' neuron-predictor hidden units for logical rows r
+    ([Bp, bk]); the w2 rows are ``layer * r_mlp + r``."""
+    h_ref, b1_ref = act_refs
+    brow = jnp.arange(Bp, dtype=jnp.int32)
+    ok = (brow < B)[:, None] & valid[None, :]
+    h = plgpu.load(h_ref.at[0, brow[:, None], r[None, :]], mask=ok, other=0.0)
+    for s in range(1, nds):
+        h = h + plgpu.load(h_ref.at[s, brow[:, None], r[None, :]], mask=ok, other=0.0)
+    bias = plgpu.load(b1_ref.at[(rows - r) // r_mlp * r_all + r], mask=valid, other=0)
+    a = activation_fn(ACTIVATIONS[activation])(h + bias.astype(jnp.float32)[None, :])
+    return jnp.where(ok, _rounded(a, dtype), 0.0)
+
+
+def _select_body(layer_ref, sp_ref, b2m_ref, h_ref, b1_ref, w2h_ref, b2h_ref, om_ref,
+                 oh_ref, *, B, Bp, n_sp, F, c, kc, cap, C, block, nds, r_mlp, r_heads, rhp,
+                 H, Hp, k_heads, activation, dtype):
+    f32 = jnp.float32
+    p = pl.program_id(0)
+    layer = layer_ref[0]
+    brow = jnp.arange(Bp, dtype=jnp.int32)
+    live = brow < B
+
+    @pl.when(p < C)
+    def _():
+        lane = jnp.arange(block, dtype=jnp.int32)
+        ids = p * c + lane
+        valid = (lane < c) & (ids < F)
+        ok = live[:, None] & valid[None, :]
+        s = plgpu.load(b2m_ref.at[layer * F + ids], mask=valid, other=0).astype(f32)[None, :]
+        for i in range(n_sp):
+            s = s + plgpu.load(sp_ref.at[i, brow[:, None], ids[None, :]], mask=ok, other=0.0)
+        key = jnp.where(ok, score_keys(s), -1)
+        slot = union_slots(rows_chosen(key, kc), valid, cap)
+        plgpu.store(om_ref.at[p * cap + slot], ids, mask=slot < cap)
+
+    @pl.when(p == C)
+    def _():
+        j = jnp.arange(rhp, dtype=jnp.int32)
+        jm = j < r_heads
+        ok = live[:, None] & jm[None, :]
+        col = r_mlp + j
+        h = plgpu.load(h_ref.at[0, brow[:, None], col[None, :]], mask=ok, other=0.0)
+        for s in range(1, nds):
+            h = h + plgpu.load(h_ref.at[s, brow[:, None], col[None, :]], mask=ok, other=0.0)
+        h = h + plgpu.load(b1_ref.at[layer * (r_mlp + r_heads) + col], mask=jm,
+                           other=0).astype(f32)[None, :]
+        a = jnp.where(ok, _rounded(activation_fn(ACTIVATIONS[activation])(h), dtype), 0.0)
+        hc = jnp.arange(Hp, dtype=jnp.int32)
+        hm = hc < H
+        w = plgpu.load(w2h_ref.at[(layer * r_heads + j)[:, None], hc[None, :]],
+                       mask=jm[:, None] & hm[None, :], other=0)
+        scores = mma(a, w) + plgpu.load(b2h_ref.at[layer * H + hc], mask=hm,
+                                        other=0).astype(f32)[None, :]
+        chosen = rows_chosen(jnp.where(live[:, None] & hm[None, :], score_keys(scores), -1),
+                             k_heads)
+        slot = jnp.where(chosen, jnp.cumsum(chosen.astype(jnp.int32), axis=1),
+                         k_heads + jnp.cumsum(jnp.logical_not(chosen).astype(jnp.int32),
+                                              axis=1)) - 1     # distinct lanes, distinct slots
+        plgpu.store(oh_ref.at[brow[:, None], slot], jnp.broadcast_to(hc[None, :], (Bp, Hp)),
+                    mask=live[:, None] & (slot < k_heads))
+
+
+def batch_union_shape(B: int, F: int, k_mlp: int, chunk: int = 2048) -> int:
+    """Neuron ids of :func:`batch_predictor_select`'s union: ``C * cap_c``."""
+    C, _, _, cap = union_local_shape(B, F, k_mlp, chunk)
+    return C * cap
+
+
+@functools.partial(jax.jit, static_argnames=("k_mlp", "k_heads", "activation", "chunk",
+                                             "interpret"))
+def _batch_select_pallas(x_rms, w1t, b1, w2_mlp, b2_mlp, w2_heads, b2_heads, layer, *,
+                         k_mlp, k_heads, activation, chunk, interpret):
+    B, d = x_rms.shape
+    L, R, _ = w1t.shape
+    _, r_mlp, F = w2_mlp.shape
+    r_heads, H = w2_heads.shape[1:]
+    Bp = batch_pad(B)
+    layer_ids = jnp.asarray(layer, jnp.int32).reshape(1)
+    h_parts, = gather_matvec(
+        x_rms.astype(w1t.dtype), [Segment(w1t.reshape(L * R, d), layer_ids, R)],
+        block_rows=16, block_d=min(512, next_pow2(d)), interpret=interpret)
+    loader = functools.partial(_hidden_rows_loader, nds=h_parts.shape[0], B=B, Bp=Bp,
+                               r_mlp=r_mlp, r_all=R, activation=activation, dtype=w2_mlp.dtype)
+    score_parts = gather_matvec_t([h_parts, b1.reshape(-1)], loader,
+                                  w2_mlp.reshape(L * r_mlp, F), layer_ids, B=B,
+                                  rows_per_id=r_mlp, block_rows=16,
+                                  block_d=min(256, next_pow2(F)), row_blocks_per_program=4,
+                                  interpret=interpret)
+    C, c, kc, cap = union_local_shape(B, F, k_mlp, chunk)
+    block = next_pow2(c)
+    body = functools.partial(
+        _select_body, B=B, Bp=Bp, n_sp=score_parts.shape[0], F=F, c=c, kc=kc, cap=cap, C=C,
+        block=block, nds=h_parts.shape[0], r_mlp=r_mlp, r_heads=r_heads,
+        rhp=max(16, next_pow2(r_heads)), H=H, Hp=max(16, next_pow2(H)), k_heads=k_heads,
+        activation=activation, dtype=w2_heads.dtype)
+    return pl.pallas_call(
+        body, grid=(C + 1,),
+        out_shape=(jax.ShapeDtypeStruct((C * cap,), jnp.int32),
+                   jax.ShapeDtypeStruct((B, k_heads), jnp.int32)),
+        compiler_params=plgpu.CompilerParams(
+            num_warps=min(16, max(4, Bp * block // 1024)), num_stages=1),
+        interpret=interpret, name="batch_predictor_select",
+    )(layer_ids, score_parts, b2_mlp.reshape(-1), h_parts, b1.reshape(-1),
+      w2_heads.reshape(L * r_heads, H), b2_heads.reshape(-1))
+
+
+def batch_predictor_select(x_rms, w1t, b1, w2_mlp, b2_mlp, w2_heads, b2_heads, layer,
+                           k_mlp: int, k_heads: int, *, activation: str = "none",
+                           chunk: int = 2048, impl: str | None = None):
+    """(union neuron ids, per-row head ids [B, k_heads]) of a batch from decode-form
+    predictors (``train.predictor_model.DecodePredictors``' arrays).
+
+    Args:
+      x_rms: ``[B, d]``, 2 <= B <= 64: each row's predictor input over its RMS, in the
+        predictors' dtype.
+      w1t ``[L, R, d]``, b1 ``[L, R]`` (R = r_mlp + r_heads), w2_mlp ``[L, r_mlp, F]``,
+        b2_mlp ``[L, F]``, w2_heads ``[L, r_heads, H]``, b2_heads ``[L, H]``.
+      layer: int32 scalar (may be traced), the predicted layer.
+      k_mlp: each row's neurons: the top ``round(k_mlp / C)`` of each of C chunks of about
+        ``chunk`` scores; the union of the rows' sets, padded per chunk with its
+        lowest-index non-members to ``batch_union_shape`` ids, ascending
+        (:func:`~.union_select.union_top_k_local`).
+      k_heads: each row's exact top-k heads (bfloat16-precision keys, ties to the lower
+        id), ascending.
+    """
+    check_array("x_rms", x_rms, ndim=2, floating=True)
+    check_array("w1t", w1t, ndim=3, floating=True)
+    check_array("w2_mlp", w2_mlp, ndim=3, floating=True)
+    B, d = x_rms.shape
+    L, R, _ = w1t.shape
+    r_mlp, F = w2_mlp.shape[1:]
+    check_array("w1t", w1t, shape=(L, R, d))
+    check_array("b1", b1, shape=(L, R), floating=True)
+    check_array("b2_mlp", b2_mlp, shape=(L, F), floating=True)
+    check_array("w2_heads", w2_heads, ndim=3, floating=True)
+    r_heads, H = w2_heads.shape[1:]
+    check_array("w2_heads", w2_heads, shape=(L, R - r_mlp, H))
+    check_array("b2_heads", b2_heads, shape=(L, H), floating=True)
+    if activation not in ACTIVATIONS:
+        raise ValueError(f"unknown predictor activation {activation!r}; known: "
+                         f"{tuple(ACTIVATIONS)}")
+    if not 2 <= B <= 64:
+        raise ValueError(f"batch_predictor_select takes 2..64 rows, got {B}")
+    if not (0 < k_mlp <= F and 0 < k_heads <= H):
+        raise ValueError(f"k_mlp={k_mlp} / k_heads={k_heads} must be in 1..{F} / 1..{H}")
+    if H > 1024:
+        raise ValueError(f"{H} head scores exceed the one-program selection (1024)")
+    impl = resolve_impl(impl)
+    if impl == "reference":
+        return batch_predictor_select_reference(
+            x_rms, w1t, b1, w2_mlp, b2_mlp, w2_heads, b2_heads, layer, int(k_mlp),
+            int(k_heads), activation=activation, chunk=int(chunk))
+    return _batch_select_pallas(x_rms, w1t, b1, w2_mlp, b2_mlp, w2_heads, b2_heads, layer,
+                                k_mlp=int(k_mlp), k_heads=int(k_heads), activation=activation,
+                                chunk=int(chunk), interpret=impl == "interpret")

@@ -1,0 +1,129 @@
+"""A batch's predictor selection in three launches against numpy, and the step that runs it."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from dejavu_jax.kernels.batch_predictor_select import (batch_predictor_select,
+                                                       batch_union_shape)
+
+F32 = jnp.float32
+
+
+def _bf16_keys(scores):
+    """Scores truncated to their upper 16 bits (what the kernels rank by)."""
+    return (np.asarray(scores, np.float32).view(np.int32) & np.int32(-65536)).view(np.float32)
+
+
+def _numpy_sets(x, w1t, b1, w2m, b2m, w2h, b2h, layer, k_mlp, k_heads, act, chunk):
+    """float64 numpy: every row's scores, the union of the rows' local top-k per chunk
+    padded with the chunk's lowest non-members, and each row's top-k heads."""
+    f = lambda a: np.asarray(jnp.asarray(a, F32), np.float64)
+    h = f(x) @ f(w1t)[layer].T + f(b1)[layer]
+    h = np.maximum(h, 0) if act == "relu" else h
+    r_mlp = w2m.shape[1]
+    round_to = lambda a, w: np.asarray(jnp.asarray(a, F32).astype(w.dtype).astype(F32),
+                                       np.float64)
+    mlp = (round_to(h[:, :r_mlp], w2m) @ f(w2m)[layer] + f(b2m)[layer]).astype(np.float32)
+    heads = (round_to(h[:, r_mlp:], w2h) @ f(w2h)[layer] + f(b2h)[layer]).astype(np.float32)
+    B, F = mlp.shape
+    P = -(-F // chunk)
+    c = -(-F // P)
+    kc = max(1, min(round(k_mlp / P), F - (P - 1) * c))
+    cap = min(F - (P - 1) * c, B * kc)
+    keys = _bf16_keys(mlp)
+    neurons = []
+    for p in range(P):
+        lo, hi = p * c, min(p * c + c, F)
+        member = np.zeros(hi - lo, bool)
+        for row in keys[:, lo:hi]:
+            member[np.argsort(-row, kind="stable")[:kc]] = True
+        member[np.nonzero(~member)[0][:cap - member.sum()]] = True
+        neurons += (lo + np.nonzero(member)[0]).tolist()
+    top_heads = np.sort(np.argsort(-_bf16_keys(heads), axis=1, kind="stable")[:, :k_heads], 1)
+    return np.asarray(neurons), top_heads
+
+
+@pytest.mark.parametrize("impl", ["interpret", "reference"])
+@pytest.mark.parametrize("B,d,F,H,r_mlp,r_heads,k_mlp,k_heads,act,chunk",
+                         [(4, 64, 5000, 40, 24, 20, 500, 7, "none", 2048),
+                          (3, 48, 300, 12, 16, 8, 31, 3, "relu", 128),
+                          (16, 32, 700, 5, 8, 4, 20, 5, "none", 256)])
+def test_batch_select_equals_numpy(rng, impl, B, d, F, H, r_mlp, r_heads, k_mlp, k_heads,
+                                   act, chunk):
+    L = 3
+    R = r_mlp + r_heads
+    args = [rng.standard_normal((B, d)), rng.standard_normal((L, R, d)) / np.sqrt(d),
+            rng.standard_normal((L, R)), rng.standard_normal((L, r_mlp, F)),
+            rng.standard_normal((L, F)), rng.standard_normal((L, r_heads, H)),
+            rng.standard_normal((L, H))]
+    args = [jnp.asarray(a, F32) for a in args]
+    if F == 300:  # bf16 weights and inputs, as the benchmark's predictors
+        for i in (0, 1, 3, 5):
+            args[i] = args[i].astype(jnp.bfloat16)
+    for layer in (0, L - 1):
+        neurons, heads = batch_predictor_select(*args, jnp.int32(layer), k_mlp, k_heads,
+                                                activation=act, chunk=chunk, impl=impl)
+        want_n, want_h = _numpy_sets(*args, layer, k_mlp, k_heads, act, chunk)
+        assert neurons.shape == (batch_union_shape(B, F, k_mlp, chunk),)
+        np.testing.assert_array_equal(np.asarray(neurons), want_n)
+        np.testing.assert_array_equal(np.asarray(heads), want_h)
+
+
+def test_batch_select_rejects_bad_inputs():
+    L, R, d, F, H = 2, 8, 16, 32, 6
+    good = dict(x_rms=jnp.zeros((2, d)), w1t=jnp.zeros((L, R, d)), b1=jnp.zeros((L, R)),
+                w2_mlp=jnp.zeros((L, 4, F)), b2_mlp=jnp.zeros((L, F)),
+                w2_heads=jnp.zeros((L, 4, H)), b2_heads=jnp.zeros((L, H)))
+    with pytest.raises(ValueError, match="2..64 rows"):
+        batch_predictor_select(**{**good, "x_rms": jnp.zeros((1, d))}, layer=0, k_mlp=3,
+                               k_heads=2)
+    with pytest.raises(ValueError, match="k_mlp"):
+        batch_predictor_select(**good, layer=0, k_mlp=F + 1, k_heads=2)
+    with pytest.raises(ValueError, match="activation"):
+        batch_predictor_select(**good, layer=0, k_mlp=3, k_heads=2, activation="tanh")
+    with pytest.raises(ValueError, match="w2_heads"):
+        batch_predictor_select(**{**good, "w2_heads": jnp.zeros((L, 5, H))}, layer=0,
+                               k_mlp=3, k_heads=2)
+
+
+def test_a_batch_step_selects_in_the_kernels(monkeypatch):
+    """A batch decode step with decode-form predictors and the "local" method selects
+    through `batch_predictor_select`; its kernels (interpreted) give the sets and logits of
+    its jnp reference."""
+    import dataclasses
+
+    import dejavu_jax as dj
+    from dejavu_jax import sparse
+    from dejavu_jax.eval.bench_decode import random_predictors
+    from dejavu_jax.kernels import batch_predictor_select as module
+    from dejavu_jax.train.predictor_model import decode_predictors
+    from conftest import assert_finite_close
+    config = dj.preset("opt-tiny").replace(n_layers=3)
+    params = dj.init_params(config, jax.random.key(3), F32, std=0.1)
+    preds = decode_predictors(random_predictors(config, 8, jax.random.key(4)))
+    scfg = dataclasses.replace(
+        sparse.sparse_config(config, 0.2, 0.5, dense_layers=1, impl="interpret"),
+        batch_policy="union")
+    k_mlp = scfg.mlp_k[-1]
+    seen = []
+    real = module.batch_predictor_select
+    monkeypatch.setattr(module, "batch_predictor_select",
+                        lambda *a, **kw: seen.append(kw["impl"]) or real(*a, **kw))
+    ids = jnp.asarray([[5, 9, 14, 3], [7, 7, 2, 11], [1, 30, 6, 8]])
+    logits = {}
+    for impl in ("interpret", "reference"):
+        select = sparse.predictor_selector(config.group_size, method="local", impl=impl)
+        assert select.selects_batch_in_kernels(preds, 3, k_mlp)
+        assert not select.selects_batch_in_kernels(preds, 1, k_mlp)
+        eng = sparse.sparse_engine(config, scfg, select)
+        state = eng.init_state(3, 16, F32)
+        out, state = eng.prefill((params, preds), ids, jnp.ones_like(ids), state)
+        seq = []
+        for tok in ([42, 3, 8], [7, 7, 50]):
+            out, state = jax.jit(eng.step)((params, preds), state, jnp.asarray(tok))
+            seq.append(np.asarray(out))
+        logits[impl] = np.stack(seq)
+    assert set(seen) == {"interpret", "reference"}
+    assert_finite_close(logits["interpret"], logits["reference"], atol=1e-5, rtol=1e-5)
