@@ -662,9 +662,10 @@ def _fused_sparse_layer(config, scfg, view, io, layer, x, neurons, heads, step, 
     """One DejaVu layer of a pre-norm model on one device, its residual adds done by the
     out-projection and fc2 launches (`residual=`), which add into the residual rows.
 
-    `lookahead(x, x_rms)` returns the next layer's sets, or a pair (Segment, finish) whose
-    first product rides on the projection launch and whose `finish(partials)` gives the
-    sets, or the `Riders` that select inside the MLP's two launches.
+    `lookahead(x, x_rms, mlp_kernels)` returns the next layer's sets, or a pair (Segment,
+    finish) whose first product rides on the projection launch and whose
+    `finish(partials)` gives the sets, or (only where `mlp_kernels`: this layer's MLP runs
+    through the kernels) the `Riders` that select inside the MLP's two launches.
     x_rms (x over its RMS, in `rms_dtype`) is None unless `rms_dtype` is given. Returns
     (output rows, the layer's input rows, io, next sets). A batch whose set holds every
     query head runs XLA's dense attention; one whose sets hold every neuron too runs
@@ -688,7 +689,7 @@ def _fused_sparse_layer(config, scfg, view, io, layer, x, neurons, heads, step, 
     y, *rest = norm(x, lp.attn_norm_scale, lp.attn_norm_bias, rms_dtype=rms_dtype,
                     ring=ring, ring_row=ring_row)
     rms = rest[0] if rms_dtype is not None else None
-    nxt = lookahead(x, rms)
+    nxt = lookahead(x, rms, not dense_mlp)
     split = isinstance(nxt, tuple) and callable(nxt[1])
     if dense_attention_part or _row_heads_project_densely(config, heads):  # batches only
         io, _ = _with_history_rows(io, layer, rest[-1])  # keep the norm's ring write
@@ -812,21 +813,26 @@ def _fused_segment(config, scfg, params, select, selector_params, x, io, step, i
     """A sparse segment of a pre-norm model on one device (`_fused_sparse_layer`).
     Returns (x, the last layer's input, io)."""
     split = hasattr(select, "splits") and select.splits(selector_params, x.shape[0])
+    ride = (not split and hasattr(select, "rides_batch")
+            and select.rides_batch(selector_params, x.shape[0], k_mlp, scfg.impl))
 
     def sparse_body(carry, layer):
         x, io, (neurons, heads), _ = carry
         nxt = _next_layer(layer, config.n_layers)
 
-        def lookahead(x_in, x_rms):
+        def lookahead(x_in, x_rms, mlp_kernels=False):
             if split:
                 return (select.first_segment(selector_params, nxt, x_rms),
                         lambda parts: select.finish(selector_params, nxt, parts, k_mlp,
                                                     k_heads, scfg.impl))
+            if ride and x_rms is not None and mlp_kernels:
+                return select.batch_riders(selector_params, nxt, x_rms, k_mlp, k_heads,
+                                           scfg.impl)
             return select(selector_params, nxt, x_in, k_mlp, k_heads)
 
         x_next, x_in, io, idx_next = _fused_sparse_layer(
             config, scfg, _layer_view(params, layer), io, layer, x, neurons, heads, step,
-            lookahead, selector_params.w1t.dtype if split else None)
+            lookahead, selector_params.w1t.dtype if split or ride else None)
         return (x_next, io, idx_next, x_in), None
 
     x, io, _, last_input = _layer_loop(sparse_body, (x.astype(F32), io, idx, x.astype(F32)),
@@ -952,6 +958,29 @@ class PredictorSelector:
         if heads.shape[0] > 1 and cap_heads is None and self.row_heads:   # each row its own
             return (self._top(mlp, k_mlp, cap_mlp), row_top_k(heads, k_heads))
         return (self._top(mlp, k_mlp, cap_mlp), self._top(heads, k_heads, cap_heads))
+
+    def rides_batch(self, pred_params, batch: int, k_mlp: int, impl=None) -> bool:
+        """Whether a batch's selection (`selects_batch_in_kernels`) may ride in the sparse
+        MLP's launches (`batch_riders`): on the Pallas paths, with `ride_mlp_launches`."""
+        from dejavu_jax.kernels._common import resolve_impl
+        impl = self.impl if self.impl is not None else impl
+        return (self.ride_mlp_launches and resolve_impl(impl) != "reference"
+                and self.selects_batch_in_kernels(pred_params, batch, k_mlp))
+
+    def batch_riders(self, pred_params, layer, x_rms, k_mlp, k_heads, impl=None) -> Riders:
+        """The `kernels.sparse_mlp.Riders` of a batch's selection from its rows' inputs over
+        their RMS, x_rms [B, d] in the predictors' dtype: the first product runs in a launch
+        of its own, the score product rides in the fc1 launch and the selection in the fc2
+        launch, whose outputs are the sets of calling the selector."""
+        from dejavu_jax.kernels._common import resolve_impl
+        from dejavu_jax.kernels.batch_predictor_select import batch_selection_parts
+        p = pred_params
+        impl = resolve_impl(self.impl if self.impl is not None else impl)
+        score, select_of = batch_selection_parts(
+            x_rms, p.w1t, p.b1, p.w2_mlp, p.b2_mlp, p.w2_heads, p.b2_heads,
+            jnp.asarray(layer, jnp.int32), k_mlp, k_heads, activation=p.activation,
+            interpret=impl == "interpret")
+        return Riders((score,), lambda outs: [select_of(outs[0][0])])
 
     def splits(self, pred_params, batch: int) -> bool:
         """Whether a decode step may run this selector split across the layer."""

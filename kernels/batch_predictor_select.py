@@ -20,6 +20,7 @@ Both outputs come back ascending and exactly sized for the kernels that consume 
 """
 from __future__ import annotations
 
+import dataclasses
 import functools
 
 import jax
@@ -28,7 +29,8 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
 from ._common import activation_fn, check_array, next_pow2, resolve_impl
-from .gather_matvec import Segment, batch_pad, gather_matvec, gather_matvec_t, mma
+from .gather_matvec import Segment, batch_pad, gather_matvec, gather_matvec_t_part, mma
+from .launch import LaunchPart, launch
 from .predictor_select import ACTIVATIONS, _rounded
 from .top_k import score_keys, top_k_indices_reference
 from .union_select import (rows_chosen, union_local_shape, union_slots,
@@ -75,21 +77,20 @@ def _hidden_rows_loader(act_refs, r, valid, rows, *, nds, B, Bp, r_mlp, r_all, a
     return jnp.where(ok, _rounded(a, dtype), 0.0)
 
 
-def _select_body(layer_ref, sp_ref, b2m_ref, h_ref, b1_ref, w2h_ref, b2h_ref, om_ref,
-                 oh_ref, *, B, Bp, n_sp, F, c, kc, cap, C, block, nds, r_mlp, r_heads, rhp,
-                 H, Hp, k_heads, activation, dtype):
+def _select_body(pids, layer_ref, sp_ref, b2m_ref, h_ref, b1_ref, w2h_ref, b2h_ref, om_ref,
+                 oh_ref, *, B, n_sp, F, c, kc, cap, C, block, nds, r_mlp, r_heads, rhp, H, Hp,
+                 k_heads, activation, dtype):
     f32 = jnp.float32
-    p = pl.program_id(0)
+    p = pids[0]
     layer = layer_ref[0]
-    brow = jnp.arange(Bp, dtype=jnp.int32)
-    live = brow < B
 
     @pl.when(p < C)
     def _():
+        brow = jnp.arange(next_pow2(B), dtype=jnp.int32)
         lane = jnp.arange(block, dtype=jnp.int32)
         ids = p * c + lane
         valid = (lane < c) & (ids < F)
-        ok = live[:, None] & valid[None, :]
+        ok = (brow < B)[:, None] & valid[None, :]
         s = plgpu.load(b2m_ref.at[layer * F + ids], mask=valid, other=0).astype(f32)[None, :]
         for i in range(n_sp):
             s = s + plgpu.load(sp_ref.at[i, brow[:, None], ids[None, :]], mask=ok, other=0.0)
@@ -99,6 +100,8 @@ def _select_body(layer_ref, sp_ref, b2m_ref, h_ref, b1_ref, w2h_ref, b2h_ref, om
 
     @pl.when(p == C)
     def _():
+        brow = jnp.arange(batch_pad(B), dtype=jnp.int32)   # >= 16 rows for the product
+        live = brow < B
         j = jnp.arange(rhp, dtype=jnp.int32)
         jm = j < r_heads
         ok = live[:, None] & jm[None, :]
@@ -120,7 +123,8 @@ def _select_body(layer_ref, sp_ref, b2m_ref, h_ref, b1_ref, w2h_ref, b2h_ref, om
         slot = jnp.where(chosen, jnp.cumsum(chosen.astype(jnp.int32), axis=1),
                          k_heads + jnp.cumsum(jnp.logical_not(chosen).astype(jnp.int32),
                                               axis=1)) - 1     # distinct lanes, distinct slots
-        plgpu.store(oh_ref.at[brow[:, None], slot], jnp.broadcast_to(hc[None, :], (Bp, Hp)),
+        plgpu.store(oh_ref.at[brow[:, None], slot],
+                    jnp.broadcast_to(hc[None, :], (brow.shape[0], Hp)),
                     mask=live[:, None] & (slot < k_heads))
 
 
@@ -130,42 +134,119 @@ def batch_union_shape(B: int, F: int, k_mlp: int, chunk: int = 2048) -> int:
     return C * cap
 
 
+def _layer_array(layer) -> jax.Array:
+    return jnp.asarray(layer, jnp.int32).reshape(1)
+
+
+def first_product(x_rms, w1t, layer, *, interpret: bool = False) -> jax.Array:
+    """Step 1 (its own launch): fp32 partials ``[P, B, >= R]`` of ``x_rms @ w1t[layer]ᵀ``."""
+    B, d = x_rms.shape
+    L, R, _ = w1t.shape
+    h_parts, = gather_matvec(x_rms.astype(w1t.dtype),
+                             [Segment(w1t.reshape(L * R, d), _layer_array(layer), R)],
+                             block_rows=16, block_d=min(512, next_pow2(d)),
+                             interpret=interpret)
+    return h_parts
+
+
+def score_part(h_parts, b1, w2_mlp, layer, B: int, *, activation: str = "none"
+               ) -> LaunchPart:
+    """Step 2 as a :class:`~.launch.LaunchPart`: the rows' neuron score partials
+    ``[S, B, F]`` fp32 from the first product's partials."""
+    L, r_mlp, F = w2_mlp.shape
+    loader = functools.partial(_hidden_rows_loader, nds=h_parts.shape[0], B=B,
+                               Bp=batch_pad(B), r_mlp=r_mlp, r_all=b1.shape[1],
+                               activation=activation, dtype=w2_mlp.dtype)
+    part = gather_matvec_t_part([h_parts, b1.reshape(-1)], loader,
+                                w2_mlp.reshape(L * r_mlp, F), _layer_array(layer), B=B,
+                                rows_per_id=r_mlp, block_rows=16,
+                                block_d=min(256, next_pow2(F)), row_blocks_per_program=4)
+    return dataclasses.replace(part, name="batch_predictor_scores")
+
+
+def select_part(score_parts, h_parts, b1, b2_mlp, w2_heads, b2_heads, layer, k_mlp: int,
+                k_heads: int, *, activation: str = "none", chunk: int = 2048) -> LaunchPart:
+    """Step 3 as a :class:`~.launch.LaunchPart` of ``C + 1`` programs; its outputs are the
+    union's neuron ids and the rows' head ids ``[B, k_heads]``."""
+    L, F = b2_mlp.shape
+    r_heads, H = w2_heads.shape[1:]
+    r_mlp = b1.shape[1] - r_heads
+    B = score_parts.shape[1]
+    C, c, kc, cap = union_local_shape(B, F, k_mlp, chunk)
+    body = functools.partial(
+        _select_body, B=B, n_sp=score_parts.shape[0], F=F, c=c, kc=kc, cap=cap, C=C,
+        block=next_pow2(c), nds=h_parts.shape[0], r_mlp=r_mlp, r_heads=r_heads,
+        rhp=max(16, next_pow2(r_heads)), H=H, Hp=max(16, next_pow2(H)), k_heads=k_heads,
+        activation=activation, dtype=w2_heads.dtype)
+    inputs = (_layer_array(layer), score_parts, b2_mlp.reshape(-1), h_parts, b1.reshape(-1),
+              w2_heads.reshape(L * r_heads, H), b2_heads.reshape(-1))
+    out_shape = (jax.ShapeDtypeStruct((C * cap,), jnp.int32),
+                 jax.ShapeDtypeStruct((B, k_heads), jnp.int32))
+    return LaunchPart(body, (C + 1,), inputs, out_shape, name="batch_predictor_select")
+
+
+def select_warps_default(B: int, F: int, k_mlp: int, chunk: int = 2048) -> int:
+    """Warps of a standalone selection launch: by the rows' keys per chunk program."""
+    _, c, _, _ = union_local_shape(B, F, k_mlp, chunk)
+    return min(16, max(4, next_pow2(B) * next_pow2(c) // 1024))
+
+
 @functools.partial(jax.jit, static_argnames=("k_mlp", "k_heads", "activation", "chunk",
                                              "interpret"))
 def _batch_select_pallas(x_rms, w1t, b1, w2_mlp, b2_mlp, w2_heads, b2_heads, layer, *,
                          k_mlp, k_heads, activation, chunk, interpret):
+    B = x_rms.shape[0]
+    h_parts = first_product(x_rms, w1t, layer, interpret=interpret)
+    (score_parts,), = launch([score_part(h_parts, b1, w2_mlp, layer, B,
+                                         activation=activation)], interpret=interpret)
+    select = select_part(score_parts, h_parts, b1, b2_mlp, w2_heads, b2_heads, layer, k_mlp,
+                         k_heads, activation=activation, chunk=chunk)
+    warps = select_warps_default(B, w2_mlp.shape[2], k_mlp, chunk)
+    (ids_mlp, ids_heads), = launch([select], num_warps=warps, num_stages=1,
+                                   interpret=interpret)
+    return ids_mlp, ids_heads
+
+
+def _validate(x_rms, w1t, b1, w2_mlp, b2_mlp, w2_heads, b2_heads, k_mlp, k_heads,
+              activation):
+    check_array("x_rms", x_rms, ndim=2, floating=True)
+    check_array("w1t", w1t, ndim=3, floating=True)
+    check_array("w2_mlp", w2_mlp, ndim=3, floating=True)
     B, d = x_rms.shape
     L, R, _ = w1t.shape
-    _, r_mlp, F = w2_mlp.shape
-    r_heads, H = w2_heads.shape[1:]
-    Bp = batch_pad(B)
-    layer_ids = jnp.asarray(layer, jnp.int32).reshape(1)
-    h_parts, = gather_matvec(
-        x_rms.astype(w1t.dtype), [Segment(w1t.reshape(L * R, d), layer_ids, R)],
-        block_rows=16, block_d=min(512, next_pow2(d)), interpret=interpret)
-    loader = functools.partial(_hidden_rows_loader, nds=h_parts.shape[0], B=B, Bp=Bp,
-                               r_mlp=r_mlp, r_all=R, activation=activation, dtype=w2_mlp.dtype)
-    score_parts = gather_matvec_t([h_parts, b1.reshape(-1)], loader,
-                                  w2_mlp.reshape(L * r_mlp, F), layer_ids, B=B,
-                                  rows_per_id=r_mlp, block_rows=16,
-                                  block_d=min(256, next_pow2(F)), row_blocks_per_program=4,
-                                  interpret=interpret)
-    C, c, kc, cap = union_local_shape(B, F, k_mlp, chunk)
-    block = next_pow2(c)
-    body = functools.partial(
-        _select_body, B=B, Bp=Bp, n_sp=score_parts.shape[0], F=F, c=c, kc=kc, cap=cap, C=C,
-        block=block, nds=h_parts.shape[0], r_mlp=r_mlp, r_heads=r_heads,
-        rhp=max(16, next_pow2(r_heads)), H=H, Hp=max(16, next_pow2(H)), k_heads=k_heads,
-        activation=activation, dtype=w2_heads.dtype)
-    return pl.pallas_call(
-        body, grid=(C + 1,),
-        out_shape=(jax.ShapeDtypeStruct((C * cap,), jnp.int32),
-                   jax.ShapeDtypeStruct((B, k_heads), jnp.int32)),
-        compiler_params=plgpu.CompilerParams(
-            num_warps=min(16, max(4, Bp * block // 1024)), num_stages=1),
-        interpret=interpret, name="batch_predictor_select",
-    )(layer_ids, score_parts, b2_mlp.reshape(-1), h_parts, b1.reshape(-1),
-      w2_heads.reshape(L * r_heads, H), b2_heads.reshape(-1))
+    r_mlp, F = w2_mlp.shape[1:]
+    check_array("w1t", w1t, shape=(L, R, d))
+    check_array("b1", b1, shape=(L, R), floating=True)
+    check_array("b2_mlp", b2_mlp, shape=(L, F), floating=True)
+    check_array("w2_heads", w2_heads, ndim=3, floating=True)
+    H = w2_heads.shape[2]
+    check_array("w2_heads", w2_heads, shape=(L, R - r_mlp, H))
+    check_array("b2_heads", b2_heads, shape=(L, H), floating=True)
+    if activation not in ACTIVATIONS:
+        raise ValueError(f"unknown predictor activation {activation!r}; known: "
+                         f"{tuple(ACTIVATIONS)}")
+    if not 2 <= B <= 64:
+        raise ValueError(f"batch_predictor_select takes 2..64 rows, got {B}")
+    if not (0 < k_mlp <= F and 0 < k_heads <= H):
+        raise ValueError(f"k_mlp={k_mlp} / k_heads={k_heads} must be in 1..{F} / 1..{H}")
+    if H > 1024:
+        raise ValueError(f"{H} head scores exceed the one-program selection (1024)")
+
+
+def batch_selection_parts(x_rms, w1t, b1, w2_mlp, b2_mlp, w2_heads, b2_heads, layer,
+                          k_mlp: int, k_heads: int, *, activation: str = "none",
+                          chunk: int = 2048, interpret: bool = False):
+    """:func:`batch_predictor_select` with steps 2 and 3 as launch parts for other
+    kernels' launches (the sparse MLP's, `kernels.sparse_mlp.Riders`): runs the first
+    product's launch and returns the score product's part and a function of its output
+    (the score partials) giving the selection's part, whose outputs are (union neuron ids,
+    head ids [B, k_heads]). Same arguments and checks as :func:`batch_predictor_select`."""
+    _validate(x_rms, w1t, b1, w2_mlp, b2_mlp, w2_heads, b2_heads, k_mlp, k_heads, activation)
+    h_parts = first_product(x_rms, w1t, layer, interpret=interpret)
+    score = score_part(h_parts, b1, w2_mlp, layer, x_rms.shape[0], activation=activation)
+    return score, lambda score_parts: select_part(
+        score_parts, h_parts, b1, b2_mlp, w2_heads, b2_heads, layer, int(k_mlp),
+        int(k_heads), activation=activation, chunk=chunk)
 
 
 def batch_predictor_select(x_rms, w1t, b1, w2_mlp, b2_mlp, w2_heads, b2_heads, layer,
@@ -187,28 +268,7 @@ def batch_predictor_select(x_rms, w1t, b1, w2_mlp, b2_mlp, w2_heads, b2_heads, l
       k_heads: each row's exact top-k heads (bfloat16-precision keys, ties to the lower
         id), ascending.
     """
-    check_array("x_rms", x_rms, ndim=2, floating=True)
-    check_array("w1t", w1t, ndim=3, floating=True)
-    check_array("w2_mlp", w2_mlp, ndim=3, floating=True)
-    B, d = x_rms.shape
-    L, R, _ = w1t.shape
-    r_mlp, F = w2_mlp.shape[1:]
-    check_array("w1t", w1t, shape=(L, R, d))
-    check_array("b1", b1, shape=(L, R), floating=True)
-    check_array("b2_mlp", b2_mlp, shape=(L, F), floating=True)
-    check_array("w2_heads", w2_heads, ndim=3, floating=True)
-    r_heads, H = w2_heads.shape[1:]
-    check_array("w2_heads", w2_heads, shape=(L, R - r_mlp, H))
-    check_array("b2_heads", b2_heads, shape=(L, H), floating=True)
-    if activation not in ACTIVATIONS:
-        raise ValueError(f"unknown predictor activation {activation!r}; known: "
-                         f"{tuple(ACTIVATIONS)}")
-    if not 2 <= B <= 64:
-        raise ValueError(f"batch_predictor_select takes 2..64 rows, got {B}")
-    if not (0 < k_mlp <= F and 0 < k_heads <= H):
-        raise ValueError(f"k_mlp={k_mlp} / k_heads={k_heads} must be in 1..{F} / 1..{H}")
-    if H > 1024:
-        raise ValueError(f"{H} head scores exceed the one-program selection (1024)")
+    _validate(x_rms, w1t, b1, w2_mlp, b2_mlp, w2_heads, b2_heads, k_mlp, k_heads, activation)
     impl = resolve_impl(impl)
     if impl == "reference":
         return batch_predictor_select_reference(

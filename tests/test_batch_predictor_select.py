@@ -88,35 +88,41 @@ def test_batch_select_rejects_bad_inputs():
                                k_mlp=3, k_heads=2)
 
 
-def test_a_batch_step_selects_in_the_kernels(monkeypatch):
+@pytest.mark.parametrize("ride,mlp", [(True, 0.1), (False, 0.1), (True, 0.2)])
+def test_a_batch_step_selects_in_the_kernels(ride, mlp, monkeypatch):
     """A batch decode step with decode-form predictors and the "local" method selects
-    through `batch_predictor_select`; its kernels (interpreted) give the sets and logits of
-    its jnp reference."""
+    through the batch kernels, riding in the sparse MLP's launches or in launches of their
+    own (always where the union runs the masked dense MLP: 3 rows at 0.2 fill 0.6 of it);
+    the interpreted kernels give the logits of the jnp reference's sets."""
     import dataclasses
 
     import dejavu_jax as dj
     from dejavu_jax import sparse
     from dejavu_jax.eval.bench_decode import random_predictors
     from dejavu_jax.kernels import batch_predictor_select as module
+    from dejavu_jax.sparse_variants import APART, variant_selector
     from dejavu_jax.train.predictor_model import decode_predictors
     from conftest import assert_finite_close
     config = dj.preset("opt-tiny").replace(n_layers=3)
     params = dj.init_params(config, jax.random.key(3), F32, std=0.1)
     preds = decode_predictors(random_predictors(config, 8, jax.random.key(4)))
     scfg = dataclasses.replace(
-        sparse.sparse_config(config, 0.2, 0.5, dense_layers=1, impl="interpret"),
+        sparse.sparse_config(config, mlp, 0.5, dense_layers=1, impl="interpret"),
         batch_policy="union")
     k_mlp = scfg.mlp_k[-1]
     seen = []
-    real = module.batch_predictor_select
-    monkeypatch.setattr(module, "batch_predictor_select",
-                        lambda *a, **kw: seen.append(kw["impl"]) or real(*a, **kw))
+    for name in ("batch_predictor_select", "batch_selection_parts"):
+        real = getattr(module, name)
+        monkeypatch.setattr(module, name, lambda *a, _r=real, _n=name, **kw:
+                            seen.append((_n, kw.get("impl", "interpret"))) or _r(*a, **kw))
     ids = jnp.asarray([[5, 9, 14, 3], [7, 7, 2, 11], [1, 30, 6, 8]])
     logits = {}
     for impl in ("interpret", "reference"):
-        select = sparse.predictor_selector(config.group_size, method="local", impl=impl)
+        select = variant_selector(config.group_size, "local" if ride else "local" + APART,
+                                  impl=impl)
         assert select.selects_batch_in_kernels(preds, 3, k_mlp)
         assert not select.selects_batch_in_kernels(preds, 1, k_mlp)
+        assert select.rides_batch(preds, 3, k_mlp) == (ride and impl == "interpret")
         eng = sparse.sparse_engine(config, scfg, select)
         state = eng.init_state(3, 16, F32)
         out, state = eng.prefill((params, preds), ids, jnp.ones_like(ids), state)
@@ -125,5 +131,7 @@ def test_a_batch_step_selects_in_the_kernels(monkeypatch):
             out, state = jax.jit(eng.step)((params, preds), state, jnp.asarray(tok))
             seq.append(np.asarray(out))
         logits[impl] = np.stack(seq)
-    assert set(seen) == {"interpret", "reference"}
+    assert ("batch_predictor_select", "reference") in seen
+    kernel_path = "batch_selection_parts" if ride and mlp < 0.2 else "batch_predictor_select"
+    assert (kernel_path, "interpret") in seen
     assert_finite_close(logits["interpret"], logits["reference"], atol=1e-5, rtol=1e-5)

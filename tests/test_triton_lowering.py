@@ -133,6 +133,13 @@ def test_norms_top_k_and_predictor_select_lower():
     for B in (4, 16):
         text = lowers(lambda v: union_top_k_local(v, 2867, impl="pallas"), z(B, 28672, dtype=F32))
         assert "union_top_k_local" in text
+    from dejavu_jax.kernels.batch_predictor_select import batch_predictor_select
+    for B in (4, 16):
+        text = lowers(lambda *a: batch_predictor_select(*a, jnp.int32(1), 2867, 28,
+                                                        impl="pallas"),
+                      z(B, 7168), z(2, 512, 7168), z(2, 512, dtype=F32), z(2, 256, 28672),
+                      z(2, 28672, dtype=F32), z(2, 256, 56), z(2, 56, dtype=F32))
+        assert "batch_predictor_select" in text
     L, r, F, H = 2, 256, 28672, 56
     for deferred, warps in ((False, None), (True, 1)):
         lowers(lambda *a: predictor_select(*a, jnp.int32(1), 2867, 28, impl="pallas",
@@ -166,11 +173,14 @@ def test_sparse_decode_step_lowers(preset, batch, split, stacked):
     state = jax.eval_shape(lambda: eng.init_state(batch, 32, BF16, per_layer=not stacked))
     text = lowers(eng.step, (params, preds), state, jnp.zeros((batch,), jnp.int32))
     # the split selection rides in the MLP launches (the launches' names join their parts')
-    assert ("predictor_scores_gather_matvec" in text) == split
-    assert ("predictor_select_gather_matvec_t" in text) == split
+    batch1_launch = lambda name: re.search(rf"(?<!batch_){name}", text) is not None
+    assert batch1_launch("predictor_scores_gather_matvec") == split
+    assert batch1_launch("predictor_select_gather_matvec_t") == split
     assert "layer_norm" in text
-    # a batch: the union of its rows' neurons in one launch; each row its own heads
-    assert ("union_top_k_local" in text) == (batch > 1)
+    # a batch: the union of its rows' neurons and each row's heads, selected in the MLP
+    # launches too (`kernels.batch_predictor_select`)
+    assert ("batch_predictor_scores_gather_matvec" in text) == (batch > 1)
+    assert ("batch_predictor_select_gather_matvec_t" in text) == (batch > 1)
 
 
 @pytest.mark.parametrize("preset", ["opt-tiny", "llama-tiny"])
