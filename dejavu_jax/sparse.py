@@ -934,11 +934,13 @@ class PredictorSelector:
         `kernels.batch_predictor_select` (decode-form predictors, the "local" method, the
         union of the rows' neurons at its default size short of every neuron, per-row
         heads)."""
+        from dejavu_jax.kernels.batch_predictor_select import MAX_HEADS
         from dejavu_jax.train.predictor_model import DecodePredictors
         return (self.batch_kernels and isinstance(pred_params, DecodePredictors)
                 and 2 <= batch <= 64 and self.method == "local" and not self.shared
                 and self.row_heads and self.union_capacity == (None, None)
-                and k_mlp * batch < pred_params.w2_mlp.shape[-1])
+                and k_mlp * batch < pred_params.w2_mlp.shape[-1]
+                and pred_params.w2_heads.shape[-1] <= MAX_HEADS)
 
     def __call__(self, pred_params, layer, x, k_mlp, k_heads):
         from dejavu_jax.train.predict import predictor_scores
@@ -961,11 +963,17 @@ class PredictorSelector:
 
     def rides_batch(self, pred_params, batch: int, k_mlp: int, impl=None) -> bool:
         """Whether a batch's selection (`selects_batch_in_kernels`) may ride in the sparse
-        MLP's launches (`batch_riders`): on the Pallas paths, with `ride_mlp_launches`."""
-        from dejavu_jax.kernels._common import resolve_impl
-        impl = self.impl if self.impl is not None else impl
-        return (self.ride_mlp_launches and resolve_impl(impl) != "reference"
+        MLP's launches (`batch_riders`): with `ride_mlp_launches`, where both the MLP (the
+        step's `impl`) and the selection run on the Pallas paths."""
+        return (self.ride_mlp_launches and self._both_pallas(impl)
                 and self.selects_batch_in_kernels(pred_params, batch, k_mlp))
+
+    def _both_pallas(self, step_impl) -> bool:
+        """Whether the step's kernels (`step_impl`) and this selector's run on the Pallas
+        paths, so that the selection can ride in the MLP's launches."""
+        from dejavu_jax.kernels._common import resolve_impl
+        own = self.impl if self.impl is not None else step_impl
+        return resolve_impl(step_impl) != "reference" and resolve_impl(own) != "reference"
 
     def batch_riders(self, pred_params, layer, x_rms, k_mlp, k_heads, impl=None) -> Riders:
         """The `kernels.sparse_mlp.Riders` of a batch's selection from its rows' inputs over
@@ -998,17 +1006,16 @@ class PredictorSelector:
                        jnp.asarray(layer, jnp.int32).reshape(1), r, x=x_rms)
 
     def finish(self, pred_params, layer, h_parts, k_mlp, k_heads, impl=None):
-        """(neuron ids, query-head ids) from the first product's partials, or on the Pallas
-        paths (the selector's impl, else the step's `impl`) with `ride_mlp_launches` the
-        `kernels.sparse_mlp.Riders` that select inside the MLP's launches: the score
-        product beside fc1, the selection ahead of fc2, whose outputs are those ids."""
-        from dejavu_jax.kernels._common import resolve_impl
+        """(neuron ids, query-head ids) from the first product's partials, or where the
+        step's kernels (`impl`) and the selector's run on the Pallas paths, with
+        `ride_mlp_launches`, the `kernels.sparse_mlp.Riders` that select inside the MLP's
+        launches: the score product beside fc1, the selection ahead of fc2, whose outputs
+        are those ids."""
         from dejavu_jax.kernels.predictor_select import predictor_select, selection_parts
         p = pred_params
         args = (h_parts, p.b1, p.w2_mlp, p.b2_mlp, p.w2_heads, p.b2_heads, layer, k_mlp,
                 k_heads)
-        impl = self.impl if self.impl is not None else impl
-        if self.ride_mlp_launches and resolve_impl(impl) != "reference":
+        if self.ride_mlp_launches and self._both_pallas(impl):
             score, select_of = selection_parts(*args, activation=p.activation)
             return Riders((score,), lambda outs: [select_of(outs[0][0])])
         return predictor_select(*args, activation=p.activation, impl=self.impl)

@@ -33,8 +33,10 @@ from .gather_matvec import Segment, batch_pad, gather_matvec, gather_matvec_t_pa
 from .launch import LaunchPart, launch
 from .predictor_select import ACTIVATIONS, _rounded
 from .top_k import score_keys, top_k_indices_reference
-from .union_select import (rows_chosen, union_local_shape, union_slots,
-                           union_top_k_local_reference)
+
+MAX_HEADS = 1024   # head scores one program selects from
+from .union_select import (last_chunk_cap, rows_chosen, union_local_shape, union_local_size,
+                           union_slots, union_top_k_local_reference)
 
 
 def batch_scores_reference(x_rms, w1t, b1, w2_mlp, b2_mlp, w2_heads, b2_heads, layer, *,
@@ -44,7 +46,8 @@ def batch_scores_reference(x_rms, w1t, b1, w2_mlp, b2_mlp, w2_heads, b2_heads, l
     compute, at full fp32 precision."""
     hi = jax.lax.Precision.HIGHEST
     pick = lambda t: jax.lax.dynamic_index_in_dim(t, layer, keepdims=False).astype(jnp.float32)
-    h = jnp.dot(x_rms.astype(jnp.float32), pick(w1t).T, precision=hi) + pick(b1)
+    x = x_rms.astype(w1t.dtype).astype(jnp.float32)   # the kernels' first product reads it so
+    h = jnp.dot(x, pick(w1t).T, precision=hi) + pick(b1)
     h = activation_fn(ACTIVATIONS[activation])(h)
     r_mlp = w2_mlp.shape[1]
     mlp = jnp.dot(_rounded(h[:, :r_mlp], w2_mlp.dtype), pick(w2_mlp), precision=hi)
@@ -78,8 +81,8 @@ def _hidden_rows_loader(act_refs, r, valid, rows, *, nds, B, Bp, r_mlp, r_all, a
 
 
 def _select_body(pids, layer_ref, sp_ref, b2m_ref, h_ref, b1_ref, w2h_ref, b2h_ref, om_ref,
-                 oh_ref, *, B, n_sp, F, c, kc, cap, C, block, nds, r_mlp, r_heads, rhp, H, Hp,
-                 k_heads, activation, dtype):
+                 oh_ref, *, B, n_sp, F, c, kc, cap, cap_last, C, block, nds, r_mlp, r_heads,
+                 rhp, H, Hp, k_heads, activation, dtype):
     f32 = jnp.float32
     p = pids[0]
     layer = layer_ref[0]
@@ -95,8 +98,9 @@ def _select_body(pids, layer_ref, sp_ref, b2m_ref, h_ref, b1_ref, w2h_ref, b2h_r
         for i in range(n_sp):
             s = s + plgpu.load(sp_ref.at[i, brow[:, None], ids[None, :]], mask=ok, other=0.0)
         key = jnp.where(ok, score_keys(s), -1)
-        slot = union_slots(rows_chosen(key, kc), valid, cap)
-        plgpu.store(om_ref.at[p * cap + slot], ids, mask=slot < cap)
+        cap_p = cap + (cap_last - cap) * (p == C - 1).astype(jnp.int32)
+        slot = union_slots(rows_chosen(key, kc), valid, cap_p)
+        plgpu.store(om_ref.at[p * cap + slot], ids, mask=slot < cap_p)
 
     @pl.when(p == C)
     def _():
@@ -129,9 +133,9 @@ def _select_body(pids, layer_ref, sp_ref, b2m_ref, h_ref, b1_ref, w2h_ref, b2h_r
 
 
 def batch_union_shape(B: int, F: int, k_mlp: int, chunk: int = 2048) -> int:
-    """Neuron ids of :func:`batch_predictor_select`'s union: ``C * cap_c``."""
-    C, _, _, cap = union_local_shape(B, F, k_mlp, chunk)
-    return C * cap
+    """Neuron ids of :func:`batch_predictor_select`'s union
+    (:func:`~.union_select.union_local_size`)."""
+    return union_local_size(B, F, k_mlp, chunk)
 
 
 def _layer_array(layer) -> jax.Array:
@@ -174,13 +178,14 @@ def select_part(score_parts, h_parts, b1, b2_mlp, w2_heads, b2_heads, layer, k_m
     B = score_parts.shape[1]
     C, c, kc, cap = union_local_shape(B, F, k_mlp, chunk)
     body = functools.partial(
-        _select_body, B=B, n_sp=score_parts.shape[0], F=F, c=c, kc=kc, cap=cap, C=C,
+        _select_body, B=B, n_sp=score_parts.shape[0], F=F, c=c, kc=kc, cap=cap,
+        cap_last=last_chunk_cap(B, F, k_mlp, chunk), C=C,
         block=next_pow2(c), nds=h_parts.shape[0], r_mlp=r_mlp, r_heads=r_heads,
         rhp=max(16, next_pow2(r_heads)), H=H, Hp=max(16, next_pow2(H)), k_heads=k_heads,
         activation=activation, dtype=w2_heads.dtype)
     inputs = (_layer_array(layer), score_parts, b2_mlp.reshape(-1), h_parts, b1.reshape(-1),
               w2_heads.reshape(L * r_heads, H), b2_heads.reshape(-1))
-    out_shape = (jax.ShapeDtypeStruct((C * cap,), jnp.int32),
+    out_shape = (jax.ShapeDtypeStruct((union_local_size(B, F, k_mlp, chunk),), jnp.int32),
                  jax.ShapeDtypeStruct((B, k_heads), jnp.int32))
     return LaunchPart(body, (C + 1,), inputs, out_shape, name="batch_predictor_select")
 
@@ -208,7 +213,7 @@ def _batch_select_pallas(x_rms, w1t, b1, w2_mlp, b2_mlp, w2_heads, b2_heads, lay
 
 
 def _validate(x_rms, w1t, b1, w2_mlp, b2_mlp, w2_heads, b2_heads, k_mlp, k_heads,
-              activation):
+              activation, chunk):
     check_array("x_rms", x_rms, ndim=2, floating=True)
     check_array("w1t", w1t, ndim=3, floating=True)
     check_array("w2_mlp", w2_mlp, ndim=3, floating=True)
@@ -229,8 +234,10 @@ def _validate(x_rms, w1t, b1, w2_mlp, b2_mlp, w2_heads, b2_heads, k_mlp, k_heads
         raise ValueError(f"batch_predictor_select takes 2..64 rows, got {B}")
     if not (0 < k_mlp <= F and 0 < k_heads <= H):
         raise ValueError(f"k_mlp={k_mlp} / k_heads={k_heads} must be in 1..{F} / 1..{H}")
-    if H > 1024:
-        raise ValueError(f"{H} head scores exceed the one-program selection (1024)")
+    if not 0 < chunk <= 1 << 15:
+        raise ValueError(f"chunk={chunk} must be in 1..32768")
+    if H > MAX_HEADS:
+        raise ValueError(f"{H} head scores exceed the one-program selection ({MAX_HEADS})")
 
 
 def batch_selection_parts(x_rms, w1t, b1, w2_mlp, b2_mlp, w2_heads, b2_heads, layer,
@@ -241,7 +248,8 @@ def batch_selection_parts(x_rms, w1t, b1, w2_mlp, b2_mlp, w2_heads, b2_heads, la
     product's launch and returns the score product's part and a function of its output
     (the score partials) giving the selection's part, whose outputs are (union neuron ids,
     head ids [B, k_heads]). Same arguments and checks as :func:`batch_predictor_select`."""
-    _validate(x_rms, w1t, b1, w2_mlp, b2_mlp, w2_heads, b2_heads, k_mlp, k_heads, activation)
+    _validate(x_rms, w1t, b1, w2_mlp, b2_mlp, w2_heads, b2_heads, k_mlp, k_heads, activation,
+              chunk)
     h_parts = first_product(x_rms, w1t, layer, interpret=interpret)
     score = score_part(h_parts, b1, w2_mlp, layer, x_rms.shape[0], activation=activation)
     return score, lambda score_parts: select_part(
@@ -268,7 +276,8 @@ def batch_predictor_select(x_rms, w1t, b1, w2_mlp, b2_mlp, w2_heads, b2_heads, l
       k_heads: each row's exact top-k heads (bfloat16-precision keys, ties to the lower
         id), ascending.
     """
-    _validate(x_rms, w1t, b1, w2_mlp, b2_mlp, w2_heads, b2_heads, k_mlp, k_heads, activation)
+    _validate(x_rms, w1t, b1, w2_mlp, b2_mlp, w2_heads, b2_heads, k_mlp, k_heads, activation,
+              chunk)
     impl = resolve_impl(impl)
     if impl == "reference":
         return batch_predictor_select_reference(

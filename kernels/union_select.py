@@ -30,10 +30,24 @@ from .top_k import KEY_BITS, local_top_k_shape, score_keys
 
 
 def union_local_shape(B: int, n: int, k: int, chunk: int) -> tuple[int, int, int, int]:
-    """(chunks P, chunk length c, ids per row per chunk k_c, ids per chunk cap_c)."""
+    """(chunks P, chunk length c, ids per row per chunk k_c, ids per full chunk cap_c =
+    min(c, B * k_c)); the last chunk, of ``n - (P - 1) c`` lanes, writes
+    :func:`last_chunk_cap` ids."""
     P, c, kc = local_top_k_shape(n, k, chunk)
-    last = n - (P - 1) * c
-    return P, c, kc, min(last, B * kc)
+    return P, c, kc, min(c, B * kc)
+
+
+def last_chunk_cap(B: int, n: int, k: int, chunk: int) -> int:
+    """Ids the last chunk writes: min(its lanes, B * k_c)."""
+    P, c, kc, _ = union_local_shape(B, n, k, chunk)
+    return min(n - (P - 1) * c, B * kc)
+
+
+def union_local_size(B: int, n: int, k: int, chunk: int) -> int:
+    """The static size of the union: ``(P - 1) cap_c`` plus the last chunk's ids, about
+    ``min(n, B * k)``."""
+    P, _, _, cap = union_local_shape(B, n, k, chunk)
+    return (P - 1) * cap + last_chunk_cap(B, n, k, chunk)
 
 
 def union_top_k_local_reference(scores: jax.Array, k: int, chunk: int = 2048) -> jax.Array:
@@ -44,15 +58,16 @@ def union_top_k_local_reference(scores: jax.Array, k: int, chunk: int = 2048) ->
     out = []
     for p in range(P):
         lo, hi = p * c, min(p * c + c, n)
+        cap_p = cap if p < P - 1 else last_chunk_cap(B, n, k, chunk)
         top = jnp.argsort(-keys[:, lo:hi], axis=1, stable=True)[:, :kc]
         member = jnp.zeros((hi - lo,), bool).at[top.reshape(-1)].set(True)
-        spare = jnp.cumsum(~member) <= cap - member.sum()
+        spare = jnp.cumsum(~member) <= cap_p - member.sum()
         take = member | (~member & spare)
-        out.append(lo + jnp.nonzero(take, size=cap)[0])
+        out.append(lo + jnp.nonzero(take, size=cap_p)[0])
     return jnp.concatenate(out).astype(jnp.int32)
 
 
-def _union_kernel(s_ref, o_ref, *, B, Bp, n, c, kc, cap, block):
+def _union_kernel(s_ref, o_ref, *, B, Bp, n, c, kc, cap, cap_last, P, block):
     p = pl.program_id(0)
     lane = jnp.arange(block, dtype=jnp.int32)
     ids = p * c + lane
@@ -61,7 +76,8 @@ def _union_kernel(s_ref, o_ref, *, B, Bp, n, c, kc, cap, block):
     ok = (rows < B)[:, None] & valid[None, :]
     s = plgpu.load(s_ref.at[rows[:, None], ids[None, :]], mask=ok, other=0.0)
     key = jnp.where(ok, score_keys(s), -1)                       # [Bp, block]
-    plgpu.store(o_ref.at[p, union_slots(rows_chosen(key, kc), valid, cap)], ids)
+    cap_p = cap + (cap_last - cap) * (p == P - 1).astype(jnp.int32)
+    plgpu.store(o_ref.at[p, union_slots(rows_chosen(key, kc), valid, cap_p)], ids)
 
 
 def rows_chosen(key: jax.Array, k: int) -> jax.Array:
@@ -101,10 +117,12 @@ def union_slots(chosen: jax.Array, valid: jax.Array, cap: int) -> jax.Array:
 def _union_local(scores, *, k: int, chunk: int, interpret: bool):
     B, n = scores.shape
     P, c, kc, cap = union_local_shape(B, n, k, chunk)
+    cap_last = last_chunk_cap(B, n, k, chunk)
     block = next_pow2(c)
     Bp = next_pow2(B)
     out = pl.pallas_call(
-        functools.partial(_union_kernel, B=B, Bp=Bp, n=n, c=c, kc=kc, cap=cap, block=block),
+        functools.partial(_union_kernel, B=B, Bp=Bp, n=n, c=c, kc=kc, cap=cap,
+                          cap_last=cap_last, P=P, block=block),
         grid=(P,),
         out_shape=jax.ShapeDtypeStruct((P, block), jnp.int32),
         compiler_params=plgpu.CompilerParams(
@@ -112,7 +130,7 @@ def _union_local(scores, *, k: int, chunk: int, interpret: bool):
         interpret=interpret,
         name="union_top_k_local",
     )(scores.astype(jnp.float32))
-    return out[:, :cap].reshape(-1)
+    return jnp.concatenate([out[:P - 1, :cap].reshape(-1), out[P - 1, :cap_last]])
 
 
 def union_top_k_local(scores: jax.Array, k: int, *, chunk: int = 2048,
@@ -120,8 +138,9 @@ def union_top_k_local(scores: jax.Array, k: int, *, chunk: int = 2048,
     """Ids (int32, ascending) of a batch's union of local top-k sets, scores ``[B, n]``:
     per chunk of :func:`.top_k.top_k_indices_local`, the union of the rows' ``k_c``
     largest (bfloat16-precision keys, ties to the lower id), padded to ``min(c, B * k_c)``
-    ids with the chunk's lowest-index non-members. One launch; the size is static:
-    ``P * cap_c`` (:func:`union_local_shape`), about ``min(n, B * k)``.
+    ids (the last chunk: min(its lanes, B * k_c)) with the chunk's lowest-index
+    non-members. One launch; the size is static: :func:`union_local_size`, about
+    ``min(n, B * k)``.
     """
     check_array("scores", scores, ndim=2, floating=True)
     B, n = scores.shape

@@ -20,8 +20,11 @@ def _numpy_sets(x, w1t, b1, w2m, b2m, w2h, b2h, layer, k_mlp, k_heads, act, chun
     """float64 numpy: every row's scores, the union of the rows' local top-k per chunk
     padded with the chunk's lowest non-members, and each row's top-k heads."""
     f = lambda a: np.asarray(jnp.asarray(a, F32), np.float64)
-    h = f(x) @ f(w1t)[layer].T + f(b1)[layer]
-    h = np.maximum(h, 0) if act == "relu" else h
+    x = np.asarray(jnp.asarray(x).astype(w1t.dtype).astype(F32), np.float64)  # as the kernel
+    h = x @ f(w1t)[layer].T + f(b1)[layer]
+    h = {"relu": lambda v: np.maximum(v, 0),
+         "gelu": lambda v: np.asarray(jax.nn.gelu(jnp.asarray(v, F32)), np.float64)}.get(
+             act, lambda v: v)(h)
     r_mlp = w2m.shape[1]
     round_to = lambda a, w: np.asarray(jnp.asarray(a, F32).astype(w.dtype).astype(F32),
                                        np.float64)
@@ -31,11 +34,11 @@ def _numpy_sets(x, w1t, b1, w2m, b2m, w2h, b2h, layer, k_mlp, k_heads, act, chun
     P = -(-F // chunk)
     c = -(-F // P)
     kc = max(1, min(round(k_mlp / P), F - (P - 1) * c))
-    cap = min(F - (P - 1) * c, B * kc)
     keys = _bf16_keys(mlp)
     neurons = []
     for p in range(P):
         lo, hi = p * c, min(p * c + c, F)
+        cap = min(hi - lo, B * kc)          # each chunk: min(its lanes, B * k_c) ids
         member = np.zeros(hi - lo, bool)
         for row in keys[:, lo:hi]:
             member[np.argsort(-row, kind="stable")[:kc]] = True
@@ -49,7 +52,8 @@ def _numpy_sets(x, w1t, b1, w2m, b2m, w2h, b2h, layer, k_mlp, k_heads, act, chun
 @pytest.mark.parametrize("B,d,F,H,r_mlp,r_heads,k_mlp,k_heads,act,chunk",
                          [(4, 64, 5000, 40, 24, 20, 500, 7, "none", 2048),
                           (3, 48, 300, 12, 16, 8, 31, 3, "relu", 128),
-                          (16, 32, 700, 5, 8, 4, 20, 5, "none", 256)])
+                          (16, 32, 700, 5, 8, 4, 20, 5, "none", 256),
+                          (5, 600, 1001, 9, 40, 8, 300, 9, "gelu", 256)])
 def test_batch_select_equals_numpy(rng, impl, B, d, F, H, r_mlp, r_heads, k_mlp, k_heads,
                                    act, chunk):
     L = 3
@@ -61,6 +65,9 @@ def test_batch_select_equals_numpy(rng, impl, B, d, F, H, r_mlp, r_heads, k_mlp,
     args = [jnp.asarray(a, F32) for a in args]
     if F == 300:  # bf16 weights and inputs, as the benchmark's predictors
         for i in (0, 1, 3, 5):
+            args[i] = args[i].astype(jnp.bfloat16)
+    if F == 1001:  # bf16 weights, fp32 inputs (rounded to bf16 by the first product)
+        for i in (1, 3, 5):
             args[i] = args[i].astype(jnp.bfloat16)
     for layer in (0, L - 1):
         neurons, heads = batch_predictor_select(*args, jnp.int32(layer), k_mlp, k_heads,
@@ -88,12 +95,12 @@ def test_batch_select_rejects_bad_inputs():
                                k_mlp=3, k_heads=2)
 
 
-@pytest.mark.parametrize("ride,mlp", [(True, 0.1), (False, 0.2)])
+@pytest.mark.parametrize("ride,mlp", [(True, 0.1), (False, 0.1), (True, 0.2)])
 def test_a_batch_step_selects_in_the_kernels(ride, mlp, monkeypatch):
     """A batch decode step with decode-form predictors and the "local" method selects
     through the batch kernels, riding in the sparse MLP's launches or in launches of their
-    own (without riding, or where the union runs the masked dense MLP: 3 rows at 0.2 fill
-    0.6 of it); the interpreted kernels give the logits of the jnp reference's sets."""
+    own (always where the union runs the masked dense MLP: 3 rows at 0.2 fill 0.6 of it);
+    the interpreted kernels give the logits of the jnp reference's sets."""
     import dataclasses
 
     import dejavu_jax as dj
@@ -122,7 +129,7 @@ def test_a_batch_step_selects_in_the_kernels(ride, mlp, monkeypatch):
                                   impl=impl)
         assert select.selects_batch_in_kernels(preds, 3, k_mlp)
         assert not select.selects_batch_in_kernels(preds, 1, k_mlp)
-        assert select.rides_batch(preds, 3, k_mlp) == (ride and impl == "interpret")
+        assert select.rides_batch(preds, 3, k_mlp, scfg.impl) == (ride and impl == "interpret")
         eng = sparse.sparse_engine(config, scfg, select)
         state = eng.init_state(3, 16, F32)
         out, state = eng.prefill((params, preds), ids, jnp.ones_like(ids), state)
@@ -135,3 +142,17 @@ def test_a_batch_step_selects_in_the_kernels(ride, mlp, monkeypatch):
     kernel_path = "batch_selection_parts" if ride and mlp < 0.2 else "batch_predictor_select"
     assert (kernel_path, "interpret") in seen
     assert_finite_close(logits["interpret"], logits["reference"], atol=1e-5, rtol=1e-5)
+
+
+def test_a_selector_on_the_kernels_does_not_ride_a_reference_step():
+    """A selector on the Pallas paths with a step on the jnp references selects in
+    launches of its own (the references' MLP has no launches to ride in)."""
+    import dejavu_jax as dj
+    from dejavu_jax import sparse
+    from dejavu_jax.eval.bench_decode import random_predictors
+    from dejavu_jax.train.predictor_model import decode_predictors
+    config = dj.preset("opt-tiny").replace(n_layers=3)
+    preds = decode_predictors(random_predictors(config, 8, jax.random.key(4)))
+    select = sparse.predictor_selector(config.group_size, method="local", impl="interpret")
+    assert not select.rides_batch(preds, 3, 4, "reference")
+    assert select.rides_batch(preds, 3, 4, "interpret")
