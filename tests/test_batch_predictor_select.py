@@ -7,13 +7,10 @@ import pytest
 
 from dejavu_jax.kernels.batch_predictor_select import (batch_predictor_select,
                                                        batch_union_shape)
+from test_predictor_select import _bf16_keys
+from test_union_select import _numpy_union
 
 F32 = jnp.float32
-
-
-def _bf16_keys(scores):
-    """Scores truncated to their upper 16 bits (what the kernels rank by)."""
-    return (np.asarray(scores, np.float32).view(np.int32) & np.int32(-65536)).view(np.float32)
 
 
 def _numpy_sets(x, w1t, b1, w2m, b2m, w2h, b2h, layer, k_mlp, k_heads, act, chunk):
@@ -30,20 +27,7 @@ def _numpy_sets(x, w1t, b1, w2m, b2m, w2h, b2h, layer, k_mlp, k_heads, act, chun
                                        np.float64)
     mlp = (round_to(h[:, :r_mlp], w2m) @ f(w2m)[layer] + f(b2m)[layer]).astype(np.float32)
     heads = (round_to(h[:, r_mlp:], w2h) @ f(w2h)[layer] + f(b2h)[layer]).astype(np.float32)
-    B, F = mlp.shape
-    P = -(-F // chunk)
-    c = -(-F // P)
-    kc = max(1, min(round(k_mlp / P), F - (P - 1) * c))
-    keys = _bf16_keys(mlp)
-    neurons = []
-    for p in range(P):
-        lo, hi = p * c, min(p * c + c, F)
-        cap = min(hi - lo, B * kc)          # each chunk: min(its lanes, B * k_c) ids
-        member = np.zeros(hi - lo, bool)
-        for row in keys[:, lo:hi]:
-            member[np.argsort(-row, kind="stable")[:kc]] = True
-        member[np.nonzero(~member)[0][:cap - member.sum()]] = True
-        neurons += (lo + np.nonzero(member)[0]).tolist()
+    neurons = _numpy_union(_bf16_keys(mlp), k_mlp, chunk)
     top_heads = np.sort(np.argsort(-_bf16_keys(heads), axis=1, kind="stable")[:, :k_heads], 1)
     return np.asarray(neurons), top_heads
 
