@@ -187,6 +187,11 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--search-tokens", type=cli.positive_int, default=4096)
     p.add_argument("--no-sweep", action="store_true",
                    help="profiles and dense only: no path or oracle points")
+    p.add_argument("--no-profiles", action="store_true",
+                   help="no profile searches: only the sweep's rows (and --profile files)")
+    p.add_argument("--sweep-texts",
+                   help="the texts of the path, oracle and predictor rows, comma-separated "
+                        "(default: every test text)")
     p.add_argument("--oracle", action="store_true", help="oracle MLP top-k rows")
     p.add_argument("--predictors", type=cli.existing_dir, help="trained predictor rows")
     p.add_argument("--profile", type=cli.existing_path, action="append", default=[],
@@ -204,6 +209,9 @@ def percent_label(fraction: float) -> str:
 def main(argv: list[str] | None = None) -> int:
     """Run the CLI; returns the exit status."""
     args = build_parser().parse_args(argv)
+    names = {"wikitext2"} | ({"python"} if args.python else set())
+    if args.sweep_texts and set(args.sweep_texts.split(",")) - names:
+        cli.fail(f"--sweep-texts: the test texts are {', '.join(sorted(names))}")
     from dejavu_jax.eval import common, provenance
     from dejavu_jax.eval.sparse_scoring import make_mode
     from dejavu_jax.fetch_model import resolve_model
@@ -232,8 +240,12 @@ def main(argv: list[str] | None = None) -> int:
         return next(r["perplexity"] for r in rows.rows
                     if r["kind"] == "dense" and r["text"] == text)
 
+    sweep_texts = set(args.sweep_texts.split(",")) if args.sweep_texts else set(texts)
+
     def run(kind, method, label, mode, selector_params, extra=None, profile_path=None):
         for text, ids in texts.items():
+            if kind in ("path", "oracle", "predictors") and text not in sweep_texts:
+                continue
             if rows.has((kind, method, label, text)):
                 continue
             start = time.perf_counter()
@@ -263,11 +275,17 @@ def main(argv: list[str] | None = None) -> int:
         stats = profile_mod.calibrate(config, params, windows[:n_calib], levels, args.rows)
         np.savez(stats_file, **stats)
         log(f"calibrated on {n_calib} windows in {time.perf_counter() - start:.0f} s")
+    if args.oracle and not args.no_sweep:
+        for target in args.skips:
+            density = oracle_density(config, target)
+            run("oracle", "oracle-mlp", percent_label(target),
+                make_mode(config, "oracle", density, 1.0, dense_layers=0), None,
+                {"mlp_density": density})
     for method in methods:
         sites = method_sites(config, method)
         mode = make_mode(config, "threshold", sites=sites)
         searched = {}
-        for budget in args.budgets:
+        for budget in [] if args.no_profiles else args.budgets:
             label = percent_label(budget)
             path = args.out / "profiles" / f"{registry_name(config.name)}-{method}-{label}.json"
             if path.is_file():
@@ -292,12 +310,6 @@ def main(argv: list[str] | None = None) -> int:
         mode = make_mode(config, "threshold", sites=prof.sites)
         run("profile", prof.method, Path(profile_file).stem, mode,
             jnp.asarray(prof.threshold_array()), profile_path=Path(profile_file))
-    if args.oracle and not args.no_sweep:
-        for target in args.skips:
-            density = oracle_density(config, target)
-            run("oracle", "oracle-mlp", percent_label(target),
-                make_mode(config, "oracle", density, 1.0, dense_layers=0), None,
-                {"mlp_density": density})
     if args.predictors:
         pred = common.load_predictor_params(args.predictors, config)
         for target in args.skips:
