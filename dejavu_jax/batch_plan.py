@@ -27,6 +27,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from dejavu_jax.config import ModelConfig
+from dejavu_jax.host_choice import host_chosen
 from dejavu_jax.sparse import BATCH_LAYER_MODES as LAYER_MODES
 
 
@@ -73,13 +74,16 @@ def plan_layers(config: ModelConfig, classes, modes) -> tuple[str, ...]:
     return tuple(layers)
 
 
-def chained_loop(step, steps: int):
+def chained_loop(step, steps: int, choose=None):
     """`(params, state, tokens) -> (state, tokens)`: `steps` decode steps in one
-    `lax.fori_loop`, each fed the argmax of the last one's logits (no host round trip)."""
+    `lax.fori_loop`, each fed the argmax of the last one's logits (no host round trip), or
+    with `choose` the ids it picks on the host from them (`host_choice.host_chosen`)."""
     def loop(params, state, tokens):
         def body(_, carry):
             state, tok = carry
             logits, state = step(params, state, tok)
+            if choose is not None:
+                return state, host_chosen(choose, logits).astype(tok.dtype)
             return state, jnp.argmax(logits, -1).astype(tok.dtype)
         return jax.lax.fori_loop(0, steps, body, (state, tokens))
     return loop

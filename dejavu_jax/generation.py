@@ -6,6 +6,8 @@ with the state donated so the KV cache is updated in place: the tokens of a chun
 produced on the device without a host round trip, and the host streams them and checks
 the stop ids once per chunk. The next chunk is queued before the host reads the current
 one, so host work overlaps the device's; chunk=1 hands the host every token as it is made.
+A host chooser (`choose`) picks every token on the host from inside the device loop
+(`host_choice`).
 """
 
 from __future__ import annotations
@@ -21,6 +23,7 @@ import numpy as np
 
 from dejavu_jax import model
 from dejavu_jax.config import ModelConfig
+from dejavu_jax.host_choice import Chooser, host_chosen, raise_failed_choice
 from dejavu_jax.inputs import check_token_ids
 from dejavu_jax.sampling import SamplingConfig, sample
 
@@ -54,22 +57,26 @@ def dense_engine(config: ModelConfig) -> Engine:
         name="dense")
 
 
-@functools.partial(jax.jit, static_argnums=(0, 5), donate_argnums=(4,))
-def _prefill_and_sample(engine, params, input_ids, mask, state, sampling, key):
+def _pick(logits, key, sampling, choose):
+    return sample(logits, key, sampling) if choose is None else host_chosen(choose, logits)
+
+
+@functools.partial(jax.jit, static_argnums=(0, 5, 7), donate_argnums=(4,))
+def _prefill_and_sample(engine, params, input_ids, mask, state, sampling, key, choose):
     logits, state = engine.prefill(params, input_ids, mask, state)
-    return sample(logits, key, sampling), state
+    return _pick(logits, key, sampling, choose), state
 
 
-@functools.partial(jax.jit, static_argnums=(0, 4, 6), donate_argnums=(2,))
-def _steps_and_sample(engine, params, state, tokens, sampling, key, n):
+@functools.partial(jax.jit, static_argnums=(0, 4, 6, 7), donate_argnums=(2,))
+def _steps_and_sample(engine, params, state, tokens, sampling, key, n, choose):
     """n decode steps on the device: (tokens [n, B], last tokens, state, key). The key is
     split once per step exactly as a per-token loop would, so chunking never changes the
-    sampled tokens."""
+    sampled tokens; `choose` (not None) picks each token on the host instead."""
     def body(carry, _):
         state, tokens, key = carry
         key, sub = jax.random.split(key)
         logits, state = engine.step(params, state, tokens)
-        tokens = sample(logits, sub, sampling)
+        tokens = _pick(logits, sub, sampling, choose)
         return (state, tokens, key), tokens
 
     (state, tokens, key), out = jax.lax.scan(body, (state, tokens, key), None, length=n)
@@ -137,13 +144,17 @@ def generate_tokens(engine: Engine, params, prompts: Sequence[Sequence[int]],
                     max_new_tokens: int = 32, sampling: SamplingConfig = SamplingConfig(),
                     seed: int = 0, stop_ids: Sequence[int] | None = None,
                     on_token: Callable[[np.ndarray], None] | None = None,
-                    cache_dtype=None, chunk: int = 8) -> GenerationResult:
+                    cache_dtype=None, chunk: int = 8,
+                    choose: Chooser | None = None) -> GenerationResult:
     """Generate up to `max_new_tokens` per prompt; rows stop at any of `stop_ids`.
 
     chunk: decode steps per device call (a `lax.scan`; the host sees tokens once per
     chunk). Results do not depend on it; a row's tokens after its stop id are dropped.
     `on_token(tokens [B])` is called once per generated position (-1 for finished rows),
-    for streaming output. Raises ValueError for an empty prompt or an id outside the
+    for streaming output. `choose(logits)` (float32 numpy [B, V] -> int ids [B]) picks
+    every token on the host instead of `sampling`, called from inside the device loop once
+    per token (`host_choice`; pass the same function to reuse the compiled loop); an
+    invalid choice raises. Raises ValueError for an empty prompt or an id outside the
     vocabulary. On a GPU, model weights in the fastest layout (`params.decode_layout`, as
     `generate` passes them) decode fastest.
     """
@@ -183,14 +194,16 @@ def generate_tokens(engine: Engine, params, prompts: Sequence[Sequence[int]],
     t0 = time.perf_counter()
     key, sub = jax.random.split(key)
     tokens, state = _prefill_and_sample(engine, params, jnp.asarray(ids), jnp.asarray(mask),
-                                        state, sampling, sub)
+                                        state, sampling, sub, choose)
     host = np.asarray(tokens)
     prefill_seconds = time.perf_counter() - t0
+    if choose is not None:
+        raise_failed_choice()
     emit(host)
     produced, steps, timed, first_call = 1, 0, 0, 0.0
 
     def launch(state, tokens, key):
-        return _steps_and_sample(engine, params, state, tokens, sampling, key, chunk)
+        return _steps_and_sample(engine, params, state, tokens, sampling, key, chunk, choose)
 
     # One call stays queued behind the one being read, so the device never waits for the
     # host to stream tokens and dispatch; a call queued past a stop is discarded.
@@ -201,6 +214,8 @@ def generate_tokens(engine: Engine, params, prompts: Sequence[Sequence[int]],
         block, tokens, state, key = queued
         queued = launch(state, tokens, key) if steps + chunk < calls * chunk else None
         block = np.asarray(block)
+        if choose is not None:
+            raise_failed_choice(queued)
         first = steps == 0
         if first:
             first_call = time.perf_counter() - t_call

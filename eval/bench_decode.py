@@ -19,7 +19,8 @@ skipped with a log line.
 Every row of ours reports (`measure_engine`): `ms` / `p90_ms`, ms per token with the host
 synchronising after every step; `ms_loop`, ms per token with `--steps` steps chained in one
 jitted `lax.fori_loop` (no host round trip; the difference is launch and sync overhead);
-`prefill_ms`; compile seconds (`compile_s`, split into prefill, step and loop); the device
+with `--host-choice`, `ms_host`: the same loop with every token chosen on the host (the
+logits' argmax, by a callback from the loop: `host_choice`); `prefill_ms`; compile seconds (`compile_s`, split into prefill, step and loop); the device
 peak memory (`peak_bytes`; a process-lifetime peak, null on CPU) and XLA's estimate for the
 step (`step_peak_bytes`); the bytes a step must read (`step_bytes`), and GB/s and tokens/s
 from `ms_loop`. Bandwidth is reported against two references: the device's specified
@@ -58,6 +59,7 @@ from dejavu_jax.sparse_variants import (TOP_K_VARIANTS, UNION_HEADS, is_selector
 from dejavu_jax.eval.bench_hf import cache_len
 from dejavu_jax.eval.parity_gate import add_parity_argument, require_parity
 from dejavu_jax.eval.provenance import run_meta
+from dejavu_jax.host_choice import host_argmax, raise_failed_choice
 from dejavu_jax.params import fuse_qkv, init_params, param_bytes, unstack_layers
 from dejavu_jax.train.predict import default_union_size
 from dejavu_jax.train.predictor_model import Predictor, PredictorParams, decode_predictors
@@ -273,13 +275,14 @@ def time_decode(step, params, state, tokens, warmup: int, steps: int):
     return float(np.median(times)), float(np.percentile(times, 90)), state
 
 
-def time_loop(step_fn, params, state, tokens, steps: int):
+def time_loop(step_fn, params, state, tokens, steps: int, choose=None):
     """(seconds per step, compile seconds, state) with `steps` decode steps chained inside
     one jitted `lax.fori_loop`, the state donated: no host round trip between tokens (each
-    step feeds the argmax of its logits to the next). Compiled ahead of time, run once to
-    warm, then timed once."""
+    step feeds the argmax of its logits to the next), or with `choose` each token picked on
+    the host by a callback from the loop (`host_choice`). Compiled ahead of time, run once
+    to warm, then timed once."""
     t = time.perf_counter()
-    run = jax.jit(chained_loop(step_fn, steps), donate_argnums=1).lower(
+    run = jax.jit(chained_loop(step_fn, steps, choose), donate_argnums=1).lower(
         params, state, tokens).compile()
     compile_s = time.perf_counter() - t
     state, out = run(params, state, tokens)
@@ -287,7 +290,9 @@ def time_loop(step_fn, params, state, tokens, steps: int):
     t = time.perf_counter()
     state, out = run(params, state, tokens)
     jax.block_until_ready((state, out))
-    return (time.perf_counter() - t) / steps, compile_s, state
+    seconds = (time.perf_counter() - t) / steps
+    raise_failed_choice()
+    return seconds, compile_s, state
 
 
 def device_peak_bytes() -> int | None:
@@ -333,7 +338,7 @@ def prefill_key(engine, params, prompt, mask, state):
 def measure_engine(engine, params, prompt, mask, tokens, max_len: int, warmup: int,
                    steps: int, init_kwargs: dict, prefill_reps: int = 3,
                    prefill_cache: dict | None = None, loop_only: bool = False,
-                   context: int | None = None) -> dict:
+                   context: int | None = None, host_choice: bool = False) -> dict:
     """Timings of one engine at one (context, batch).
 
     Prefill, step and device loop are compiled ahead of time, and each compile is timed
@@ -348,6 +353,8 @@ def measure_engine(engine, params, prompt, mask, tokens, max_len: int, warmup: i
     reused one reports `compile_prefill_s` 0 and `prefill_cached` True. loop_only: skip
     the host-synchronised step (its compile and timing; `ms`, `p90_ms` are None), for grids.
     context: a context longer than the prompt, held after the prefill (`held_context`).
+    host_choice: also ms_host, the device loop with each token picked on the host by a
+    callback (`host_choice.host_argmax`): a serving loop that chooses on the host.
     """
     batch = prompt.shape[0]
 
@@ -392,6 +399,9 @@ def measure_engine(engine, params, prompt, mask, tokens, max_len: int, warmup: i
     per_step, res["compile_loop_s"], state = time_loop(engine.step, params, state, tokens,
                                                        steps)
     res["ms_loop"] = per_step * 1e3
+    if host_choice:
+        per_step, _, state = time_loop(engine.step, params, state, tokens, steps, host_argmax)
+        res["ms_host"] = per_step * 1e3
     res["compile_s"] = res["compile_prefill_s"] + res["compile_step_s"] + res["compile_loop_s"]
     res["peak_bytes"] = device_peak_bytes()
     del state
@@ -441,7 +451,7 @@ def measure_rows(config, params, preds, contexts, mlp_densities, head_densities,
                  make_row, kv_recompute_off=False, loop_only=False,
                  dense_qkv="fused", kernel_configs=None, generate_tokens=0,
                  dense_engine_for_dense_batches=False,
-                 prefill_tokens: int | None = None) -> list[dict]:
+                 prefill_tokens: int | None = None, host_choice=False) -> list[dict]:
     """The rows of one model for every context and batch: the `dense` engine, then for each
     density pair the sparse rows (`sparse_row_kinds`) built by `sparse_engine(scfg,
     select)`; precomputed sets come from `fixed_sets(scfg, batch)` (at heads 0.5, first
@@ -460,7 +470,8 @@ def measure_rows(config, params, preds, contexts, mlp_densities, head_densities,
     `dense` engine on its fused weights instead, as `generate` runs such a batch (its
     indices label ends in "(dense engine)"). prefill_tokens: prefill only that many prompt
     tokens and hold the rest of the context (`held_context`: the step reads the same
-    bytes), where a whole prompt's prefill would not fit beside a long cache."""
+    bytes), where a whole prompt's prefill would not fit beside a long cache. host_choice:
+    also time the loop with host-chosen tokens (`measure_engine`)."""
     rows = []
     prefill_cache = {}
     for ctx in contexts:
@@ -476,7 +487,8 @@ def measure_rows(config, params, preds, contexts, mlp_densities, head_densities,
                 try:
                     res = measure_engine(engine, engine_params, prompt, mask, tokens, max_len,
                                          warmup, steps, init_kwargs, prefill_reps,
-                                         prefill_cache, loop_only, context=ctx)
+                                         prefill_cache, loop_only, context=ctx,
+                                         host_choice=host_choice)
                     if generate_tokens and ("dense" in what or "predictor" in what):
                         res.update(time_generate(engine, engine_params, prompt,
                                                  generate_tokens))
@@ -630,7 +642,7 @@ def run_model(name, contexts, mlp_densities, head_densities, batches, rank, dens
               warmup, steps, bar, log, layout="unrolled", select_methods=("exact",),
               kv_recompute_off=False, modes=("dense", "sparse"), prefill_reps=3,
               loop_only=False, dense_qkv="fused", kernel_configs=None, generate_tokens=0,
-              prefill_tokens=None):
+              prefill_tokens=None, host_choice=False):
     """All rows for one model preset, with the layers stacked (scan) or unrolled: for every
     context and batch, dense (ours) and the sparse rows (`sparse_row_kinds`)."""
     from dejavu_jax.generation import dense_engine
@@ -654,7 +666,8 @@ def run_model(name, contexts, mlp_densities, head_densities, batches, rank, dens
         make_row=lambda r: dict(model=name, layout=layout, **r),
         kv_recompute_off=kv_recompute_off, loop_only=loop_only, dense_qkv=dense_qkv,
         kernel_configs=kernel_configs, generate_tokens=generate_tokens,
-        dense_engine_for_dense_batches=True, prefill_tokens=prefill_tokens)
+        dense_engine_for_dense_batches=True, prefill_tokens=prefill_tokens,
+        host_choice=host_choice)
     del params
     return rows
 
@@ -777,7 +790,7 @@ def bandwidth_cells(gbs: float | None, r: dict, meta: dict) -> tuple[str, str]:
 def markdown(rows, meta: dict) -> str:
     """A markdown table of the rows (see `add_speedups` for the speedup columns)."""
     cols = ("model", "layers", "mode", "ctx", "batch", "mlp", "heads", "indices",
-            "ms (synced)", "ms_loop", "generate ms", "stream ms", "p90", "tokens/s", "GB read",
+            "ms (synced)", "ms_loop", "ms host-chosen", "generate ms", "stream ms", "p90", "tokens/s", "GB read",
             "GB/s", "% spec", "% best measured", "prefill ms", "compile s", "peak GB",
             "vs dense (synced / loop)", "vs hf-eager", "vs hf-compiled")
 
@@ -789,7 +802,8 @@ def markdown(rows, meta: dict) -> str:
         peak = r.get("peak_bytes")
         return (r["model"], r.get("layout", "stacked"), r["mode"], r["context"], r["batch"],
                 f"{r['mlp']:.2f}", f"{r['heads']:.2f}", r["indices"], _f(r.get("ms"), ".3f"),
-                _f(r.get("ms_loop"), ".3f"), _f(r.get("generate_ms"), ".3f"),
+                _f(r.get("ms_loop"), ".3f"), _f(r.get("ms_host"), ".3f"),
+                _f(r.get("generate_ms"), ".3f"),
                 _f(r.get("stream_ms"), ".3f"),
                 _f(r.get("p90_ms"), ".3f"),
                 _f(r.get("tokens_per_s"), ".0f"), _f(r.get("bytes") and r["bytes"] / 1e9, ".2f"),
@@ -851,6 +865,9 @@ def main(argv=None) -> int:
     p.add_argument("--warmup", type=cli.non_negative_int, default=3)
     p.add_argument("--steps", type=cli.positive_int, default=20)
     p.add_argument("--prefill-reps", type=cli.positive_int, default=3)
+    p.add_argument("--host-choice", action="store_true",
+                   help="also ms_host: the device loop with every token chosen on the host "
+                        "by a callback")
     p.add_argument("--loop-only", action="store_true",
                    help="time only the device-chained steps (skips the host-synchronised "
                         "step's compile and timing; ms and p90 are left empty): for grids")
@@ -1032,7 +1049,8 @@ def main(argv=None) -> int:
                               args.dense_layers, args.warmup, args.steps, bar, log, layout,
                               tuple(split(args.select, str)), args.diagnose_kv_recompute,
                               ours, args.prefill_reps, args.loop_only, args.dense_qkv,
-                              kernel_configs, args.generate_tokens, args.prefill_tokens)
+                              kernel_configs, args.generate_tokens, args.prefill_tokens,
+                              args.host_choice)
             measured.clear()
         write()
     bar.close()
