@@ -11,6 +11,10 @@ The dense engine on random bf16 weights, context 128, batch 1. Rows, ms per toke
                    state (donated) and the token plus one: the cost of handing the
                    arguments over and syncing, no model
   sync_floor       a jitted function of the token alone, synced: one dispatch and one wait
+  host_chosen      the chained loop with every token chosen on the host by a callback from
+                   the loop (`host_choice`: the logits' argmax)
+  callback_floor   per iteration of a jitted loop that only makes a host callback of a
+                   token; callback_logits, the same with one row of logits (V float32)
 Each with the per-layer buffers `generate` decodes with (`params.decode_layout`) and, with
 `--stacked`, the stacked layers too: under `lax.scan` (`stacked`), and unrolled, each
 layer taking static slices of the stacked arrays (`stacked-unrolled`: as few arrays to
@@ -30,6 +34,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from dejavu_jax import cli
+from dejavu_jax.host_choice import host_argmax
 
 BF16 = jnp.bfloat16
 
@@ -73,6 +78,22 @@ def unrolled_layers():
         model.scan_layers = original
 
 
+def callback_seconds(logits, steps: int) -> float:
+    """Seconds per iteration of a jitted loop of `steps` host callbacks that choose a token
+    from `logits` (each iteration's input depends on the last one's choice)."""
+    from dejavu_jax.host_choice import host_argmax, host_chosen
+
+    def loop(x):
+        def body(_, carry):
+            return carry + host_chosen(host_argmax, carry)[:, None].astype(carry.dtype)
+        return jax.lax.fori_loop(0, steps, body, x)
+    run = jax.jit(loop)
+    jax.block_until_ready(run(logits))
+    t = time.perf_counter()
+    jax.block_until_ready(run(logits))
+    return (time.perf_counter() - t) / steps
+
+
 def measure(config, params, per_layer: bool, steps: int, warmup: int) -> dict:
     """The rows of the module doc for one params layout: {name: ms}."""
     from dejavu_jax.eval.bench_decode import time_loop
@@ -106,6 +127,12 @@ def measure(config, params, per_layer: bool, steps: int, warmup: int) -> dict:
     rows["sync_floor"] = _per_step(lambda: floor(tokens), steps, warmup, True)
     per, _, holder["state"] = time_loop(engine.step, params, holder["state"], tokens, steps)
     rows["chained"] = per
+    per, _, holder["state"] = time_loop(engine.step, params, holder["state"], tokens, steps,
+                                        host_argmax)
+    rows["host_chosen"] = per
+    rows["callback_floor"] = callback_seconds(jnp.zeros((1, 1), jnp.float32), steps)
+    rows["callback_logits"] = callback_seconds(jnp.zeros((1, config.vocab_size), jnp.float32),
+                                               steps)
     return {k: round(v * 1e3, 4) for k, v in rows.items()}
 
 
