@@ -34,6 +34,8 @@ from flax import struct
 from dejavu_jax import kernels, ops
 from dejavu_jax.config import ModelConfig
 from dejavu_jax.inputs import check_step_tokens
+from dejavu_jax.kernels._common import next_pow2
+from dejavu_jax.kernels.gather_matvec import gather_matvec_part
 from dejavu_jax.kernels.sparse_mlp import Riders
 from dejavu_jax.model import (DecodeState, cache_layer, decode_layer, dense_attention, embed,
                               head_output_norms, layer_valid, set_cache_layer, unembed)
@@ -663,9 +665,10 @@ def _fused_sparse_layer(config, scfg, view, io, layer, x, neurons, heads, step, 
     out-projection and fc2 launches (`residual=`), which add into the residual rows.
 
     `lookahead(x, x_rms, mlp_kernels)` returns the next layer's sets, or a pair (Segment,
-    finish) whose first product rides on the projection launch and whose
-    `finish(partials)` gives the sets, or (only where `mlp_kernels`: this layer's MLP runs
-    through the kernels) the `Riders` that select inside the MLP's two launches.
+    finish) whose first product rides in the attention's q/k/v projection launch (where
+    the attention projects densely, in the MLP norm's launch) and whose
+    `finish(partials)` gives the sets or, only where `mlp_kernels` (this layer's MLP runs
+    through the kernels), the `Riders` that select inside the MLP's two launches.
     x_rms (x over its RMS, in `rms_dtype`) is None unless `rms_dtype` is given. Returns
     (output rows, the layer's input rows, io, next sets). A batch whose set holds every
     query head runs XLA's dense attention; one whose sets hold every neuron too runs
@@ -689,9 +692,10 @@ def _fused_sparse_layer(config, scfg, view, io, layer, x, neurons, heads, step, 
     y, *rest = norm(x, lp.attn_norm_scale, lp.attn_norm_bias, rms_dtype=rms_dtype,
                     ring=ring, ring_row=ring_row)
     rms = rest[0] if rms_dtype is not None else None
+    dense_projection = dense_attention_part or _row_heads_project_densely(config, heads)
     nxt = lookahead(x, rms, not dense_mlp)
     split = isinstance(nxt, tuple) and callable(nxt[1])
-    if dense_attention_part or _row_heads_project_densely(config, heads):  # batches only
+    if dense_projection:  # batches only
         io, _ = _with_history_rows(io, layer, rest[-1])  # keep the norm's ring write
         if dense_attention_part:
             out, io = _dense_batch_attention(config, view, io, layer, y, step)
@@ -702,9 +706,16 @@ def _fused_sparse_layer(config, scfg, view, io, layer, x, neurons, heads, step, 
         h, io, *extra_parts = _sparse_attention(
             config, scfg, view, io, layer, y, heads, step, residual=x,
             extra_segments=(nxt[0],) if split else (), history_rows=rest[-1])
-    if split:
-        nxt = nxt[1](extra_parts[0][0])
-    y = norm(h, lp.mlp_norm_scale, lp.mlp_norm_bias)
+    if split and dense_projection:  # no projection launch: it rides in the MLP norm's
+        seg = nxt[0]
+        first = gather_matvec_part(seg.x, [seg], block_rows=16,
+                                   block_d=min(512, next_pow2(seg.x.shape[1])))
+        y, ((parts,),) = norm(h, lp.mlp_norm_scale, lp.mlp_norm_bias, riders=[first])
+        nxt = nxt[1](parts)
+    else:
+        if split:
+            nxt = nxt[1](extra_parts[0][0])
+        y = norm(h, lp.mlp_norm_scale, lp.mlp_norm_bias)
     if not isinstance(nxt, Riders):
         out = _sparse_mlp(config, scfg, view, y, neurons, residual=h, dense=dense_mlp)
         return out, x, io, nxt
@@ -826,8 +837,9 @@ def _fused_segment(config, scfg, params, select, selector_params, x, io, step, i
                         lambda parts: select.finish(selector_params, nxt, parts, k_mlp,
                                                     k_heads, scfg.impl))
             if ride and x_rms is not None and mlp_kernels:
-                return select.batch_riders(selector_params, nxt, x_rms, k_mlp, k_heads,
-                                           scfg.impl)
+                return (select.first_segment(selector_params, nxt, x_rms),
+                        lambda parts: select.batch_riders(selector_params, nxt, parts,
+                                                                k_mlp, k_heads))
             return select(selector_params, nxt, x_in, k_mlp, k_heads)
 
         x_next, x_in, io, idx_next = _fused_sparse_layer(
@@ -975,19 +987,16 @@ class PredictorSelector:
         own = self.impl if self.impl is not None else step_impl
         return resolve_impl(step_impl) != "reference" and resolve_impl(own) != "reference"
 
-    def batch_riders(self, pred_params, layer, x_rms, k_mlp, k_heads, impl=None) -> Riders:
-        """The `kernels.sparse_mlp.Riders` of a batch's selection from its rows' inputs over
-        their RMS, x_rms [B, d] in the predictors' dtype: the first product runs in a launch
-        of its own, the score product rides in the fc1 launch and the selection in the fc2
-        launch, whose outputs are the sets of calling the selector."""
-        from dejavu_jax.kernels._common import resolve_impl
-        from dejavu_jax.kernels.batch_predictor_select import batch_selection_parts
+    def batch_riders(self, pred_params, layer, h_parts, k_mlp, k_heads) -> Riders:
+        """The `kernels.sparse_mlp.Riders` of a batch's selection from the first product's
+        partials [P, B, >= R] (`first_segment`, riding in another launch): the score
+        product rides in the fc1 launch and the selection in the fc2 launch, whose outputs
+        are the sets of calling the selector."""
+        from dejavu_jax.kernels.batch_predictor_select import batch_selection_parts_after
         p = pred_params
-        impl = resolve_impl(self.impl if self.impl is not None else impl)
-        score, select_of = batch_selection_parts(
-            x_rms, p.w1t, p.b1, p.w2_mlp, p.b2_mlp, p.w2_heads, p.b2_heads,
-            jnp.asarray(layer, jnp.int32), k_mlp, k_heads, activation=p.activation,
-            interpret=impl == "interpret")
+        score, select_of = batch_selection_parts_after(
+            h_parts, p.b1, p.w2_mlp, p.b2_mlp, p.w2_heads, p.b2_heads,
+            jnp.asarray(layer, jnp.int32), k_mlp, k_heads, activation=p.activation)
         return Riders((score,), lambda outs: [select_of(outs[0][0])])
 
     def splits(self, pred_params, batch: int) -> bool:
@@ -999,7 +1008,7 @@ class PredictorSelector:
 
     def first_segment(self, pred_params, layer, x_rms):
         """The first product as a `kernels.gather_matvec.Segment` of layer `layer`'s rows,
-        on inputs x_rms [1, d] (x over its RMS, in the predictors' dtype)."""
+        on inputs x_rms [B, d] (x over its RMS, in the predictors' dtype)."""
         from dejavu_jax.kernels.gather_matvec import Segment
         L, r, d = pred_params.w1t.shape
         return Segment(pred_params.w1t.reshape(L * r, d),

@@ -30,6 +30,10 @@
    (stacked): every set it chose is a top-k of the reference scores of its layer's input
    (up to bfloat16 key ties), and the reference step replaying those sets gives its
    logits and K cache.
+   ("batch-select") A 3-row decode on tiny OPT with the union policy and the local
+   method, its selection riding in the step's launches (the first product in the MLP
+   norm's or the q/k/v projection's, the rest in the MLP's): the reference step replaying
+   the sets it chose gives its logits and K cache.
 
 7. ("threshold") Activation-sparse decode (`kernels.threshold_matvec` on input-major
    weights, thresholds dropping about 40% of every site) on tiny Llama (the up projection
@@ -99,7 +103,7 @@ def _decode(config, scfg, params, sets, steps: int, per_layer: bool,
 
 def _run_decode(config, eng, step, params, sets, steps, per_layer, batch, per_step_params):
     """The decode loop of `_decode`."""
-    ids = jnp.asarray([[5, 9, 14, 3, 7], [8, 2, 4, 11, 6]])[:batch]
+    ids = jnp.asarray([[5, 9, 14, 3, 7], [8, 2, 4, 11, 6], [1, 30, 6, 8, 12]])[:batch]
     state = eng.init_state(batch, 64, jnp.float32, per_layer=per_layer)
     logits, state = _prefill(config)(params, ids, jnp.ones_like(ids), state)
     tokens = np.random.default_rng(1).integers(3, config.vocab_size, (steps, batch))
@@ -304,6 +308,69 @@ def split_rows(impl: str, steps: int, variants=None) -> list[dict]:
                              k_cache=float(np.abs(got[1] - replay[1]).max()),
                              selection_slack=slack,
                              sets_equal=f"{equal}/{steps * (config.n_layers - scfg.dense_layers)}",
+                             logits_vs_reference_path=float(np.abs(got[0] - ref[0]).max())))
+    return rows
+
+
+def _batch_step_sets(log: list, n_layers: int):
+    """The recorded layers of a batch's steps as, per step, ([L, Km] union neuron ids,
+    [L, B, Kh] each row's heads) int32 sets; dense layers' rows are zeros."""
+    out = []
+    for t in range(len(log) // n_layers):
+        rows = log[t * n_layers:(t + 1) * n_layers]
+        first = next(r for r in rows if len(r) > 2)
+        neurons = np.zeros((n_layers,) + first[2].shape, np.int32)
+        heads = np.zeros((n_layers,) + first[3].shape, np.int32)
+        for row in rows:
+            if len(row) > 2:
+                neurons[int(row[0])], heads[int(row[0])] = row[2], row[3]
+        out.append((neurons, heads))
+    return out
+
+
+# rows' heads whose union is every head (the first product of the selection rides in the
+# MLP norm's launch) and fewer (in the q/k/v projection's launch)
+BATCH_SELECT_HEADS = (0.5, 0.25)
+
+
+def batch_select_rows(impl: str, steps: int) -> list[dict]:
+    """("batch-select") A 3-row sparse decode on tiny OPT (unrolled layers) with decode-form
+    predictors, the union policy and the local method, the selection riding in the
+    step's other launches (`sparse.PredictorSelector.batch_riders`): the reference step
+    replaying the sets the kernel path chose gives its logits and K cache. The sets
+    themselves are checked against their reference by check 5 ("predictor"); reported,
+    not checked: how many equal the reference path's and the logits' difference from it.
+    """
+    from dejavu_jax.eval.bench_decode import random_predictors
+    from dejavu_jax.train.predictor_model import decode_predictors
+    config = config_lib.preset("opt-tiny")
+    params = init_params(config, jax.random.key(0), jnp.float32, std=0.1)
+    preds = decode_predictors(random_predictors(config, 16, jax.random.key(1)))
+    rows = []
+    with jax.default_matmul_precision("highest"):
+        for heads in BATCH_SELECT_HEADS:
+            scfg = dataclasses.replace(sparse.sparse_config(config, 0.1, heads, dense_layers=1,
+                                                            kv_window=4), batch_policy="union")
+            ref_scfg = dataclasses.replace(scfg, impl="reference")
+            select = variant_selector(1, "local", impl=impl)
+            rides = select.rides_batch(preds, 3, scfg.mlp_k[-1], impl)
+            log: list = []
+            got = _decode(config, dataclasses.replace(scfg, impl=impl), unstack_layers(params),
+                          preds, steps, True, select, batch=3, log=log)
+            got_sets = _batch_step_sets(log, config.n_layers)
+            replay = _decode(config, ref_scfg, params, got_sets, steps, False,
+                             _replay_selector, batch=3, per_step_params=True)
+            ref_log: list = []
+            ref = _decode(config, ref_scfg, params, preds, steps, False,
+                          variant_selector(1, "local", impl="reference"), batch=3, log=ref_log)
+            equal = sum(int(np.array_equal(a, b)) for a, b in zip(
+                (x for pair in got_sets for x in pair),
+                (x for pair in _batch_step_sets(ref_log, config.n_layers) for x in pair)))
+            rows.append(dict(check="batch-select", preset="opt-tiny", batch=3, heads=heads,
+                             rides=bool(rides), steps=steps,
+                             logits=float(np.abs(got[0] - replay[0]).max()),
+                             k_cache=float(np.abs(got[1] - replay[1]).max()),
+                             sets_equal=f"{equal}/{2 * steps}",
                              logits_vs_reference_path=float(np.abs(got[0] - ref[0]).max())))
     return rows
 
@@ -522,10 +589,13 @@ def row_passes(r: dict, tol: float) -> bool:
         return max(r["out"], r["k_cache"], r["v_cache"]) <= tol
     if r["check"] == "split":
         return max(r["logits"], r["k_cache"]) <= tol and r["selection_slack"] <= TIE_SLACK
+    if r["check"] == "batch-select":
+        return max(r["logits"], r["k_cache"]) <= tol and r["rides"]
     return max(r["logits"], r["k_cache"]) <= tol
 
 
-CHECKS = ("norm", "window", "decode", "split", "top-k", "predictor", "threshold")
+CHECKS = ("norm", "window", "decode", "split", "batch-select", "top-k", "predictor",
+          "threshold")
 
 
 def check_parts(impl: str, steps: int) -> list[tuple[str, object]]:
@@ -535,6 +605,7 @@ def check_parts(impl: str, steps: int) -> list[tuple[str, object]]:
               for case in DECODE_CASES],  # the longest parts first
             ("window", functools.partial(window_rows, impl)),
             ("split", functools.partial(split_rows, impl, steps)),
+            ("batch-select", functools.partial(batch_select_rows, impl, steps)),
             ("top-k", functools.partial(top_k_rows, impl)),
             ("predictor", functools.partial(predictor_rows, impl)),
             ("norm", functools.partial(norm_rows, impl)),

@@ -247,11 +247,27 @@ def batch_selection_parts(x_rms, w1t, b1, w2_mlp, b2_mlp, w2_heads, b2_heads, la
     kernels' launches (the sparse MLP's, `kernels.sparse_mlp.Riders`): runs the first
     product's launch and returns the score product's part and a function of its output
     (the score partials) giving the selection's part, whose outputs are (union neuron ids,
-    head ids [B, k_heads]). Same arguments and checks as :func:`batch_predictor_select`."""
+    head ids [B, k_heads]). Same arguments and checks as :func:`batch_predictor_select`;
+    :func:`batch_selection_parts_after` takes the first product from another launch."""
     _validate(x_rms, w1t, b1, w2_mlp, b2_mlp, w2_heads, b2_heads, k_mlp, k_heads, activation,
               chunk)
     h_parts = first_product(x_rms, w1t, layer, interpret=interpret)
-    score = score_part(h_parts, b1, w2_mlp, layer, x_rms.shape[0], activation=activation)
+    return batch_selection_parts_after(h_parts, b1, w2_mlp, b2_mlp, w2_heads, b2_heads, layer,
+                                       k_mlp, k_heads, activation=activation, chunk=chunk)
+
+
+def batch_selection_parts_after(h_parts, b1, w2_mlp, b2_mlp, w2_heads, b2_heads, layer,
+                                k_mlp: int, k_heads: int, *, activation: str = "none",
+                                chunk: int = 2048):
+    """:func:`batch_selection_parts` from the first product's fp32 partials ``[P, B, >= R]``
+    (:func:`first_product`, or the same product in another launch)."""
+    B = h_parts.shape[1]
+    if not 2 <= B <= 64:
+        raise ValueError(f"batch selection takes 2..64 rows, got {B}")
+    if h_parts.ndim != 3 or h_parts.shape[2] < b1.shape[1]:
+        raise ValueError(f"first product partials {h_parts.shape} must be [P, B, >= "
+                         f"{b1.shape[1]}]")
+    score = score_part(h_parts, b1, w2_mlp, layer, B, activation=activation)
     return score, lambda score_parts: select_part(
         score_parts, h_parts, b1, b2_mlp, w2_heads, b2_heads, layer, int(k_mlp),
         int(k_heads), activation=activation, chunk=chunk)

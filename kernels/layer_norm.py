@@ -17,10 +17,10 @@ import functools
 
 import jax
 import jax.numpy as jnp
-from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
 from ._common import check_array, check_bias, next_pow2, resolve_impl
+from .launch import LaunchPart, launch
 
 MAX_WIDTH = 1 << 15
 RMS_EPS = 1e-6  # the predictors' x / rms(x) (`train.predictor_model.rms_normalise`)
@@ -52,8 +52,8 @@ def layer_norm_reference(x, scale, bias, eps: float, out_dtype=None, rms_dtype=N
     return outs[0] if len(outs) == 1 else outs
 
 
-def _norm_kernel(x_ref, s_ref, *refs, d: int, block: int, eps: float, has_bias: bool,
-                 with_rms: bool, with_ring: bool):
+def _norm_body(pids, x_ref, s_ref, *refs, d: int, block: int, eps: float, has_bias: bool,
+               with_rms: bool, with_ring: bool):
     it = iter(refs)
     b_ref = next(it) if has_bias else None
     if with_ring:
@@ -61,7 +61,7 @@ def _norm_kernel(x_ref, s_ref, *refs, d: int, block: int, eps: float, has_bias: 
     o_ref = next(it)
     rms_ref = next(it) if with_rms else None
     ring_ref = next(it) if with_ring else None
-    r = pl.program_id(0)
+    r = pids[0]
     cols = jnp.arange(block, dtype=jnp.int32)
     m = cols < d
     x = plgpu.load(x_ref.at[r, cols], mask=m, other=0).astype(jnp.float32)
@@ -86,6 +86,12 @@ def _norm_kernel(x_ref, s_ref, *refs, d: int, block: int, eps: float, has_bias: 
 def _norm_jit(x, scale, bias, ring, ring_row, *, eps, out_dtype, rms_dtype, impl):
     if impl == "reference":
         return layer_norm_reference(x, scale, bias, eps, out_dtype, rms_dtype, ring, ring_row)
+    return _norm_pallas(x, scale, bias, ring, ring_row, eps=eps, out_dtype=out_dtype,
+                        rms_dtype=rms_dtype, interpret=impl == "interpret")
+
+
+def _norm_pallas(x, scale, bias, ring, ring_row, *, eps, out_dtype, rms_dtype, interpret,
+                 riders=()):
     lead, d = x.shape[:-1], x.shape[-1]
     rows = x.reshape(-1, d)
     block = next_pow2(d)
@@ -98,24 +104,20 @@ def _norm_jit(x, scale, bias, ring, ring_row, *, eps, out_dtype, rms_dtype, impl
         args += [jnp.asarray(ring_row, jnp.int32).reshape(1), ring]
         aliases = {len(args) - 1: len(shapes)}
         shapes.append(jax.ShapeDtypeStruct(ring.shape, ring.dtype))
-    outs = pl.pallas_call(
-        functools.partial(_norm_kernel, d=d, block=block, eps=eps, has_bias=bias is not None,
+    part = LaunchPart(
+        functools.partial(_norm_body, d=d, block=block, eps=eps, has_bias=bias is not None,
                           with_rms=rms_dtype is not None, with_ring=ring is not None),
-        grid=(rows.shape[0],),
-        out_shape=tuple(shapes),
-        input_output_aliases=aliases,
-        compiler_params=plgpu.CompilerParams(num_warps=min(16, max(4, block // 1024)),
-                                             num_stages=1),
-        interpret=impl == "interpret",
-        name="layer_norm",
-    )(*args)
+        (rows.shape[0],), tuple(args), tuple(shapes), aliases, name="layer_norm")
+    *rider_outs, outs = launch(list(riders) + [part], num_warps=min(16, max(4, block // 1024)),
+                               num_stages=1, interpret=interpret)
     n_rows_out = 1 + (rms_dtype is not None)
     outs = tuple(o.reshape(*lead, d) for o in outs[:n_rows_out]) + tuple(outs[n_rows_out:])
-    return outs[0] if len(outs) == 1 else outs
+    outs = outs[0] if len(outs) == 1 else outs
+    return (outs, rider_outs) if riders else outs
 
 
 def layer_norm(x, scale, bias, eps: float, *, out_dtype=None, rms_dtype=None,
-               ring=None, ring_row=None, impl: str | None = None):
+               ring=None, ring_row=None, impl: str | None = None, riders=()):
     """Normed rows of ``x [..., d]``: LayerNorm (``bias [d]`` given) or RMSNorm (None),
     times ``scale [d]``; fp32 math, the result in ``out_dtype`` (default fp32).
 
@@ -130,6 +132,11 @@ def layer_norm(x, scale, bias, eps: float, *, out_dtype=None, rms_dtype=None,
     One Pallas launch with one program per row (on GPU); meant for decode steps, where a
     handful of rows make XLA's three-launch norm a launch-bound cost. Rows wider than
     ``MAX_WIDTH``, which the kernel cannot hold in registers, take the jnp reference.
+
+    ``riders``: other kernels' :class:`~.launch.LaunchPart` s run in the same launch
+    (Pallas paths; the call is then not jitted on its own, and rows wider than
+    ``MAX_WIDTH`` run them in a launch of their own); returns ``(the result above, the
+    riders' outputs: one tuple per part)``.
     """
     check_array("x", x, floating=True)
     if x.ndim < 1:
@@ -149,7 +156,19 @@ def layer_norm(x, scale, bias, eps: float, *, out_dtype=None, rms_dtype=None,
             raise ValueError("a ring needs ring_row")
         check_array("ring_row", jnp.asarray(ring_row), shape=())
     impl = resolve_impl(impl)
+    riders = list(riders)
+    if riders and impl == "reference":
+        raise ValueError("launch riders need a Pallas path (impl 'pallas' or 'interpret')")
     if d > MAX_WIDTH:
+        if riders:
+            return (_norm_jit(x, scale, bias, ring, None if ring is None else ring_row,
+                              eps=float(eps), out_dtype=out_dtype, rms_dtype=rms_dtype,
+                              impl="reference"),
+                    launch(riders, interpret=impl == "interpret"))
         impl = "reference"
+    if riders:
+        return _norm_pallas(x, scale, bias, ring, None if ring is None else ring_row,
+                            eps=float(eps), out_dtype=out_dtype, rms_dtype=rms_dtype,
+                            interpret=impl == "interpret", riders=riders)
     return _norm_jit(x, scale, bias, ring, None if ring is None else ring_row, eps=float(eps),
                      out_dtype=out_dtype, rms_dtype=rms_dtype, impl=impl)

@@ -79,12 +79,15 @@ def test_batch_select_rejects_bad_inputs():
                                k_mlp=3, k_heads=2)
 
 
-@pytest.mark.parametrize("ride,mlp", [(True, 0.1), (False, 0.1), (True, 0.2)])
-def test_a_batch_step_selects_in_the_kernels(ride, mlp, monkeypatch):
+@pytest.mark.parametrize("ride,mlp,heads", [(True, 0.1, 0.5), (True, 0.1, 0.25),
+                                            (False, 0.1, 0.5), (True, 0.2, 0.5)])
+def test_a_batch_step_selects_in_the_kernels(ride, mlp, heads, monkeypatch):
     """A batch decode step with decode-form predictors and the "local" method selects
-    through the batch kernels, riding in the sparse MLP's launches or in launches of their
-    own (always where the union runs the masked dense MLP: 3 rows at 0.2 fill 0.6 of it);
-    the interpreted kernels give the logits of the jnp reference's sets."""
+    through the batch kernels, riding in other launches (the first product in the q/k/v
+    projection's, or where the rows' heads project densely, 3 rows at heads 0.5, in the
+    MLP norm's; the rest in the sparse MLP's) or in launches of their own (always where
+    the union runs the masked dense MLP: 3 rows at 0.2 fill 0.6 of it); the interpreted
+    kernels give the logits of the jnp reference's sets."""
     import dataclasses
 
     import dejavu_jax as dj
@@ -98,14 +101,17 @@ def test_a_batch_step_selects_in_the_kernels(ride, mlp, monkeypatch):
     params = dj.init_params(config, jax.random.key(3), F32, std=0.1)
     preds = decode_predictors(random_predictors(config, 8, jax.random.key(4)))
     scfg = dataclasses.replace(
-        sparse.sparse_config(config, mlp, 0.5, dense_layers=1, impl="interpret"),
+        sparse.sparse_config(config, mlp, heads, dense_layers=1, impl="interpret"),
         batch_policy="union")
     k_mlp = scfg.mlp_k[-1]
     seen = []
-    for name in ("batch_predictor_select", "batch_selection_parts"):
+    for name in ("batch_predictor_select", "batch_selection_parts_after"):
         real = getattr(module, name)
         monkeypatch.setattr(module, name, lambda *a, _r=real, _n=name, **kw:
                             seen.append((_n, kw.get("impl", "interpret"))) or _r(*a, **kw))
+    real_part = sparse.gather_matvec_part
+    monkeypatch.setattr(sparse, "gather_matvec_part", lambda *a, **kw:
+                        seen.append(("in the norm launch", "interpret")) or real_part(*a, **kw))
     ids = jnp.asarray([[5, 9, 14, 3], [7, 7, 2, 11], [1, 30, 6, 8]])
     logits = {}
     for impl in ("interpret", "reference"):
@@ -123,8 +129,11 @@ def test_a_batch_step_selects_in_the_kernels(ride, mlp, monkeypatch):
             seq.append(np.asarray(out))
         logits[impl] = np.stack(seq)
     assert ("batch_predictor_select", "reference") in seen
-    kernel_path = "batch_selection_parts" if ride and mlp < 0.2 else "batch_predictor_select"
+    riding = ride and mlp < 0.2
+    kernel_path = "batch_selection_parts_after" if riding else "batch_predictor_select"
     assert (kernel_path, "interpret") in seen
+    in_norm = riding and 3 * scfg.head_k[-1] >= config.n_heads
+    assert (("in the norm launch", "interpret") in seen) == in_norm
     assert_finite_close(logits["interpret"], logits["reference"], atol=1e-5, rtol=1e-5)
 
 

@@ -99,3 +99,26 @@ def test_the_gate_reports_no_rows_for_code_that_fails_parity(monkeypatch, tmp_pa
     with pytest.raises(SystemExit, match="no benchmark rows"):
         parity_gate.require_parity(None, tmp_path / "out", log=lambda *_: None)
     assert len(runs) == 2
+
+
+@pytest.mark.parametrize("moved", [0.0, 1e-2])
+def test_batch_select_check_replays_the_chosen_sets(monkeypatch, tmp_path, moved):
+    """The batch check passes on the riding path and fails once the MLP norm's launch
+    that carries the selection's first product returns other rows."""
+    import json
+
+    from dejavu_jax import sparse
+    real = sparse.kernels.layer_norm
+
+    def norm(*a, riders=(), **kw):
+        out = real(*a, riders=riders, **kw)
+        return (out[0] + moved, out[1]) if riders else out
+
+    monkeypatch.setattr(sparse.kernels, "layer_norm", norm)
+    monkeypatch.setattr(kernel_parity, "BATCH_SELECT_HEADS", (0.5,))
+    code = kernel_parity.main(["--impl", "interpret", "--checks", "batch-select", "--steps",
+                               "1", "--out", str(tmp_path)])
+    (row,) = json.loads((tmp_path / "kernel_parity.json").read_text())["rows"]
+    assert row["rides"]
+    assert code == (1 if moved else 0)
+    assert (row["logits"] > 1e-3) == bool(moved)

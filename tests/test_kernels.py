@@ -659,6 +659,31 @@ def test_layer_norm_rejects_bad_shapes():
         layer_norm(jnp.ones((2, 8)), jnp.ones(8), jnp.ones(9), 1e-5)
 
 
+@pytest.mark.parametrize("B,d", [(3, 100), (1, 64)])
+def test_layer_norm_runs_riders_in_its_launch(rng, B, d):
+    """Another kernel's launch part (a gathered product on its own input) rides in the
+    norm's launch: both results equal numpy; the jnp path refuses riders."""
+    from dejavu_jax.kernels import layer_norm
+    from dejavu_jax.kernels.gather_matvec import Segment, gather_matvec_part
+    x = rng.standard_normal((B, d)) * 2 + 0.5
+    scale, bias = rng.standard_normal(d), rng.standard_normal(d)
+    w, u = rng.standard_normal((48, d)), rng.standard_normal((B, d))
+    ids = np.array([2, 0], np.int32)          # rows 32..47 and 0..15 of w, 16 per id
+    part = gather_matvec_part(jnp.asarray(u, F32), [Segment(jnp.asarray(w, F32),
+                                                            jnp.asarray(ids), 16)],
+                              block_rows=16, block_d=32)
+    y, ((parts,),) = layer_norm(jnp.asarray(x, F32), jnp.asarray(scale, F32),
+                                jnp.asarray(bias, F32), 1e-5, impl="interpret", riders=[part])
+    np.testing.assert_allclose(np.asarray(y, np.float64), _np_norm(x, scale, bias),
+                               rtol=1e-5, atol=1e-5)
+    want = u @ np.concatenate([w[32:48], w[0:16]]).T
+    got = np.asarray(parts, np.float64).sum(0)[:, :32]
+    np.testing.assert_allclose(got, want, rtol=1e-4, atol=1e-4)
+    with pytest.raises(ValueError, match="Pallas"):
+        layer_norm(jnp.asarray(x, F32), jnp.asarray(scale, F32), None, 1e-5,
+                   impl="reference", riders=[part])
+
+
 @pytest.mark.parametrize("B,d,rms_norm,out", [(1, 7168 // 64, False, F32), (2, 100, True, F32),
                                               (3, 64, False, jnp.bfloat16), (1, 576, True, F32)])
 def test_layer_norm_rms_output_equals_numpy(rng, B, d, rms_norm, out):

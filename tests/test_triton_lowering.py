@@ -181,6 +181,9 @@ def test_sparse_decode_step_lowers(preset, batch, split, stacked):
     # launches too (`kernels.batch_predictor_select`)
     assert ("batch_predictor_scores_gather_matvec" in text) == (batch > 1)
     assert ("batch_predictor_select_gather_matvec_t" in text) == (batch > 1)
+    # whose first product rides in the MLP norm's launch (2 rows of 2 heads each: every
+    # head, so the projection is XLA's)
+    assert ("gather_matvec_layer_norm" in text) == (batch > 1)
 
 
 @pytest.mark.parametrize("preset", ["opt-tiny", "llama-tiny"])
