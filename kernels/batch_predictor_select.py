@@ -240,27 +240,14 @@ def _validate(x_rms, w1t, b1, w2_mlp, b2_mlp, w2_heads, b2_heads, k_mlp, k_heads
         raise ValueError(f"{H} head scores exceed the one-program selection ({MAX_HEADS})")
 
 
-def batch_selection_parts(x_rms, w1t, b1, w2_mlp, b2_mlp, w2_heads, b2_heads, layer,
-                          k_mlp: int, k_heads: int, *, activation: str = "none",
-                          chunk: int = 2048, interpret: bool = False):
-    """:func:`batch_predictor_select` with steps 2 and 3 as launch parts for other
-    kernels' launches (the sparse MLP's, `kernels.sparse_mlp.Riders`): runs the first
-    product's launch and returns the score product's part and a function of its output
-    (the score partials) giving the selection's part, whose outputs are (union neuron ids,
-    head ids [B, k_heads]). Same arguments and checks as :func:`batch_predictor_select`;
-    :func:`batch_selection_parts_after` takes the first product from another launch."""
-    _validate(x_rms, w1t, b1, w2_mlp, b2_mlp, w2_heads, b2_heads, k_mlp, k_heads, activation,
-              chunk)
-    h_parts = first_product(x_rms, w1t, layer, interpret=interpret)
-    return batch_selection_parts_after(h_parts, b1, w2_mlp, b2_mlp, w2_heads, b2_heads, layer,
-                                       k_mlp, k_heads, activation=activation, chunk=chunk)
-
-
 def batch_selection_parts_after(h_parts, b1, w2_mlp, b2_mlp, w2_heads, b2_heads, layer,
                                 k_mlp: int, k_heads: int, *, activation: str = "none",
                                 chunk: int = 2048):
-    """:func:`batch_selection_parts` from the first product's fp32 partials ``[P, B, >= R]``
-    (:func:`first_product`, or the same product in another launch)."""
+    """:func:`batch_predictor_select`'s steps 2 and 3 as launch parts for other kernels'
+    launches (the sparse MLP's, `kernels.sparse_mlp.Riders`), from the first product's fp32
+    partials ``[P, B, >= R]`` (:func:`first_product`, or the same product riding in another
+    launch): the score product's part, and a function of its output (the score partials)
+    giving the selection's part, whose outputs are (union neuron ids, head ids [B, k_heads])."""
     B = h_parts.shape[1]
     if not 2 <= B <= 64:
         raise ValueError(f"batch selection takes 2..64 rows, got {B}")
