@@ -34,8 +34,7 @@ from flax import struct
 from dejavu_jax import kernels, ops
 from dejavu_jax.config import ModelConfig
 from dejavu_jax.inputs import check_step_tokens
-from dejavu_jax.kernels._common import next_pow2
-from dejavu_jax.kernels.gather_matvec import gather_matvec_part
+from dejavu_jax.kernels.batch_predictor_select import first_product_part
 from dejavu_jax.kernels.sparse_mlp import Riders
 from dejavu_jax.model import (DecodeState, cache_layer, decode_layer, dense_attention, embed,
                               head_output_norms, layer_valid, set_cache_layer, unembed)
@@ -707,10 +706,8 @@ def _fused_sparse_layer(config, scfg, view, io, layer, x, neurons, heads, step, 
             config, scfg, view, io, layer, y, heads, step, residual=x,
             extra_segments=(nxt[0],) if split else (), history_rows=rest[-1])
     if split and dense_projection:  # no projection launch: it rides in the MLP norm's
-        seg = nxt[0]
-        first = gather_matvec_part(seg.x, [seg], block_rows=16,
-                                   block_d=min(512, next_pow2(seg.x.shape[1])))
-        y, ((parts,),) = norm(h, lp.mlp_norm_scale, lp.mlp_norm_bias, riders=[first])
+        y, ((parts,),) = norm(h, lp.mlp_norm_scale, lp.mlp_norm_bias,
+                              riders=[first_product_part(nxt[0])])
         nxt = nxt[1](parts)
     else:
         if split:

@@ -29,7 +29,7 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
 from ._common import activation_fn, check_array, next_pow2, resolve_impl
-from .gather_matvec import Segment, batch_pad, gather_matvec, gather_matvec_t_part, mma
+from .gather_matvec import Segment, batch_pad, gather_matvec_part, gather_matvec_t_part, mma
 from .launch import LaunchPart, launch
 from .predictor_select import ACTIVATIONS, _rounded
 from .top_k import score_keys, top_k_indices_reference
@@ -142,14 +142,20 @@ def _layer_array(layer) -> jax.Array:
     return jnp.asarray(layer, jnp.int32).reshape(1)
 
 
+def first_product_part(segment: Segment) -> LaunchPart:
+    """Step 1 as a :class:`~.launch.LaunchPart`: the segment's own inputs ``segment.x``
+    times its rows (one layer's rows of the stacked ``w1ᵀ``); its one output is the fp32
+    partials ``[P, B, >= R]``. It runs alone (:func:`first_product`) or rides in another
+    launch of the step."""
+    return gather_matvec_part(segment.x, [segment], block_rows=16,
+                              block_d=min(512, next_pow2(segment.x.shape[1])))
+
+
 def first_product(x_rms, w1t, layer, *, interpret: bool = False) -> jax.Array:
     """Step 1 (its own launch): fp32 partials ``[P, B, >= R]`` of ``x_rms @ w1t[layer]ᵀ``."""
-    B, d = x_rms.shape
-    L, R, _ = w1t.shape
-    h_parts, = gather_matvec(x_rms.astype(w1t.dtype),
-                             [Segment(w1t.reshape(L * R, d), _layer_array(layer), R)],
-                             block_rows=16, block_d=min(512, next_pow2(d)),
-                             interpret=interpret)
+    L, R, d = w1t.shape
+    seg = Segment(w1t.reshape(L * R, d), _layer_array(layer), R, x=x_rms.astype(w1t.dtype))
+    (h_parts,), = launch([first_product_part(seg)], interpret=interpret)
     return h_parts
 
 

@@ -109,8 +109,8 @@ def test_a_batch_step_selects_in_the_kernels(ride, mlp, heads, monkeypatch):
         real = getattr(module, name)
         monkeypatch.setattr(module, name, lambda *a, _r=real, _n=name, **kw:
                             seen.append((_n, kw.get("impl", "interpret"))) or _r(*a, **kw))
-    real_part = sparse.gather_matvec_part
-    monkeypatch.setattr(sparse, "gather_matvec_part", lambda *a, **kw:
+    real_part = sparse.first_product_part
+    monkeypatch.setattr(sparse, "first_product_part", lambda *a, **kw:
                         seen.append(("in the norm launch", "interpret")) or real_part(*a, **kw))
     ids = jnp.asarray([[5, 9, 14, 3], [7, 7, 2, 11], [1, 30, 6, 8]])
     logits = {}
