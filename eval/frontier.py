@@ -150,6 +150,8 @@ def table(rows: list[dict]) -> str:
         dense = next(r for r in rows if r["text"] == text and r["kind"] == "dense")
         for method in sorted({r["method"] for r in rows if r["kind"] != "dense"}):
             mine = [r for r in rows if r["text"] == text and r["method"] == method]
+            if not mine:
+                continue
             cost = lambda r: r["perplexity"] / dense["perplexity"] - 1  # noqa: E731
             best = []
             for budget in (0.01, 0.03):

@@ -448,3 +448,27 @@ def test_task_contexts_start_with_the_tokenizers_leading_ids():
     assert ctx == [97, 98] and cont == [32, 99, 100]
     ctx_b, cont_b = encode_pair(with_bos, "ab ", "cd")
     assert ctx_b == [2, 97, 98] and cont_b == cont
+
+
+def test_frontier_table_picks_the_largest_skip_within_each_budget():
+    from dejavu_jax.eval.frontier import table
+
+    def row(kind, method, label, text, ppl, skip):
+        return dict(kind=kind, method=method, label=label, text=text, perplexity=ppl,
+                    bytes_skipped=skip)
+    rows = [row("dense", "dense", "dense", "wiki", 10.0, 0.0),
+            row("dense", "dense", "dense", "py", 4.0, 0.0),
+            row("path", "teal", "20%", "wiki", 10.05, 0.2),    # +0.5%
+            row("path", "teal", "30%", "wiki", 10.2, 0.3),     # +2%
+            row("path", "teal", "40%", "wiki", 10.5, 0.4),     # +5%
+            row("profile", "teal", "1%", "wiki", 10.08, 0.25),
+            row("oracle", "oracle-mlp", "40%", "wiki", 10.09, 0.4)]
+    lines = table(rows).splitlines()
+    body = {tuple(c.strip() for c in line.strip("|").split("|")[:2]): line
+            for line in lines[2:]}
+    # a method with no row on a text gets no line for it
+    assert set(body) == {("wiki", "teal"), ("wiki", "oracle-mlp")}
+    cells = [c.strip() for c in body["wiki", "teal"].strip("|").split("|")]
+    assert cells[2:] == ["20.0%", "30.0%", "1%: 25.0%, +0.80%"]
+    cells = [c.strip() for c in body["wiki", "oracle-mlp"].strip("|").split("|")]
+    assert cells[2:] == ["40.0%", "40.0%", "–"]
