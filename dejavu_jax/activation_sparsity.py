@@ -51,6 +51,14 @@ def sparse_input(x: jax.Array, threshold) -> jax.Array:
     return jnp.where(jnp.abs(x) > threshold, x, jnp.zeros((), x.dtype))
 
 
+def gate_magnitude(lp, gate: jax.Array) -> jax.Array:
+    """What the gate site compares with its threshold: |act(gate)| [..., F], times the
+    layer's per-neuron `gate_weight` when a profile set one (E|up_i| · ‖down_i‖, so that
+    a neuron ranks by its expected contribution, not by its gate alone)."""
+    mag = jnp.abs(gate)
+    return mag if lp.gate_weight is None else mag * lp.gate_weight.astype(mag.dtype)
+
+
 def _at(thresholds: jax.Array, site: int, channel_axes: int = 1) -> jax.Array:
     """One site's thresholds [...] with `channel_axes` trailing axes to broadcast."""
     return thresholds[(..., site) + (None,) * channel_axes]
@@ -73,7 +81,7 @@ def mlp(config: ModelConfig, lp, y: jax.Array, thresholds: jax.Array):
     gate = ops.gate_projection(lp, y)
     if gate is not None:
         gate = ops.activation(config.activation, gate)
-        neurons = jnp.abs(gate) > _at(thresholds, GATE)
+        neurons = gate_magnitude(lp, gate) > _at(thresholds, GATE)
         hidden = jnp.where(neurons, gate * up, 0.0)
     else:
         hidden = ops.activation(config.activation, up)

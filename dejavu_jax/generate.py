@@ -453,6 +453,8 @@ def main(argv: list[str] | None = None) -> int:
                      else default_tokenizer_for(config, model_path))
         prompts = prompts_for(args, config, tokenizer)
         params = load_params(args, config, model_path, mesh)
+        if scfg is not None and scfg.threshold_sites and mesh is None:
+            params = profile_settings(args, config)[2].weighted_params(params)
         engine, engine_params = build_engine(args, config, params, scfg, predictors, mesh,
                                              batch=len(prompts))
         plan = None

@@ -14,6 +14,8 @@ Layouts (L layers, H query heads, Hk KV heads, hd head dim, d hidden, F ffn):
   q_norm_scale, k_norm_scale: [L, hd]   per-head RMSNorm weights (`config.qk_norm`)
   post_attn_norm_scale, post_mlp_norm_scale: [L, d]   sublayer output norms
                                                       (`config.post_norms`)
+  gate_weight: [L, F]     a sparsity profile's per-neuron factors of the gate site's
+                          ranking (`activation_sparsity.gate_magnitude`); None: |act(gate)|
 Absent parts (biases of Llama, OPT's projections, a tied LM head) are None.
 Norm scales are the factors the norms multiply by: Gemma's checkpoints store w for a
 factor of 1 + w, and the loaders add the 1.
@@ -61,6 +63,7 @@ class LayerParams:
     k_norm_scale: jax.Array | None = None
     post_attn_norm_scale: jax.Array | None = None
     post_mlp_norm_scale: jax.Array | None = None
+    gate_weight: jax.Array | None = None
 
 
 @struct.dataclass

@@ -50,6 +50,7 @@ LAYER_AXES = {
     "w_gate_t": ("hidden", "mlp"), "w_in_t": ("hidden", "mlp"),
     "q_norm_scale": ("head_dim",), "k_norm_scale": ("head_dim",),
     "post_attn_norm_scale": ("hidden",), "post_mlp_norm_scale": ("hidden",),
+    "gate_weight": ("mlp",),
 }
 TOP_AXES = {
     "embed": ("vocab", "embed_dim"), "lm_head": ("vocab", "embed_dim"),

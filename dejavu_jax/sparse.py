@@ -538,7 +538,7 @@ def _threshold_layer_kernels(config, scfg, lp, io: _LayerIO, layer, x, step, t):
     if lp.w_gate_t is not None:
         gate = ops.activation(config.activation,
                               threshold_matvec(ym, lp.w_gate_t, t[act.GATE_UP], impl=impl))
-        neurons = jnp.abs(gate) > t[act.GATE]
+        neurons = act.gate_magnitude(lp, gate) > t[act.GATE]
         if lp.w_in_t is None:  # the gate site's layout: whole rows of the kept neurons
             up = ops.add_bias(row_masked_matvec(act.sparse_input(ym, t[act.GATE_UP]),
                                                 lp.w_in, neurons, impl=impl), lp.b_in)

@@ -1,8 +1,10 @@
 """Sparsity profiles: a model's calibrated activation thresholds with their measured cost.
 
-A profile is a small JSON file (a few KB): the model it was made for (name and config
-fingerprint), the method (which threshold sites), each layer's level (fraction of a site's
-channels dropped on calibration text) and threshold, and what the search measured.
+A profile is a small JSON file: the model it was made for (name and config fingerprint),
+the method (which threshold sites), each layer's level (fraction of a site's channels
+dropped on calibration text) and threshold, what the search measured, and with the gate
+site the per-neuron weights of its ranking (float16, 2 bytes a neuron: 90 KB for
+SmolLM2-135M, 500 KB for Qwen2.5-1.5B; `activation_sparsity.gate_magnitude`).
 `train.profile` makes them; `generate --sparse` and the evaluation CLIs read them.
 Profiles for the fetchable models ship in `dejavu_jax/shipped_profiles/`; profiles made
 here go to `$DEJAVU_CACHE/profiles/` unless written elsewhere.
@@ -10,6 +12,7 @@ here go to `$DEJAVU_CACHE/profiles/` unless written elsewhere.
 
 from __future__ import annotations
 
+import base64
 import dataclasses
 import json
 from pathlib import Path
@@ -51,10 +54,30 @@ class SparsityProfile:
     thresholds: list[list[float]]
     measured: dict = dataclasses.field(default_factory=dict)
     calibration: dict = dataclasses.field(default_factory=dict)
+    gate_weights: list[str] | None = None  # per layer, base64 of float16 [F]
 
     def threshold_array(self) -> np.ndarray:
         """The thresholds as the engine's selector params: float32 [L, len(SITES)]."""
         return np.asarray(self.thresholds, np.float32)
+
+    def gate_weight_array(self) -> np.ndarray | None:
+        """The gate site's per-neuron weights, float32 [L, F], or None (|act(gate)| alone)."""
+        if self.gate_weights is None:
+            return None
+        return np.stack([np.frombuffer(base64.b64decode(row), "<f2")
+                         for row in self.gate_weights]).astype(np.float32)
+
+    def weighted_params(self, params):
+        """`params` with this profile's gate weights in their layers (none: removed), the
+        form the threshold decode and scorer run a profile with."""
+        import jax.numpy as jnp
+        w = self.gate_weight_array()
+        if isinstance(params.layers, tuple):  # per-layer params (`params.unstack_layers`)
+            return params.replace(layers=tuple(
+                lp.replace(gate_weight=None if w is None else jnp.asarray(w[i]))
+                for i, lp in enumerate(params.layers)))
+        return params.replace(layers=params.layers.replace(
+            gate_weight=None if w is None else jnp.asarray(w)))
 
     def check(self, config: ModelConfig) -> None:
         """ProfileError unless the profile fits `config` (fingerprint and layer count)."""
@@ -65,6 +88,15 @@ class SparsityProfile:
         if np.shape(self.thresholds) != (config.n_layers, len(SITES)):
             raise ProfileError(f"profile thresholds have shape {np.shape(self.thresholds)}, "
                                f"expected ({config.n_layers}, {len(SITES)})")
+        try:
+            w = self.gate_weight_array()
+        except (ValueError, TypeError) as e:
+            raise ProfileError(f"profile gate weights are malformed: {e}") from None
+        if w is not None and (w.shape != (config.n_layers, config.ffn)
+                              or not np.all(np.isfinite(w)) or np.any(w <= 0)):
+            raise ProfileError(f"profile gate weights have shape {w.shape} or values that "
+                               f"are not positive, expected ({config.n_layers}, {config.ffn})"
+                               " positive weights")
 
     def summary(self) -> str:
         """One line: method, what the search measured (perplexity cost and bytes skipped)."""
@@ -91,6 +123,14 @@ class SparsityProfile:
         tmp.write_text(json.dumps(dataclasses.asdict(self), indent=1) + "\n")
         tmp.replace(path)
         return path
+
+
+def encode_gate_weights(weights) -> list[str] | None:
+    """Gate weights [L, F] as the profile stores them (None stays None)."""
+    if weights is None:
+        return None
+    w = np.asarray(weights, np.float32).astype("<f2")
+    return [base64.b64encode(row.tobytes()).decode("ascii") for row in w]
 
 
 def load_profile(path: str | Path, config: ModelConfig | None = None) -> SparsityProfile:

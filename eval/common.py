@@ -245,6 +245,15 @@ def threshold_mode(args, config, shards: int = 1) -> tuple[EvalMode, object]:
     return mode, jnp.asarray(profile.threshold_array())
 
 
+def mode_params(mode: EvalMode, params):
+    """`params` as `mode` scores them: with a threshold mode's profile (`mode.source`)
+    its gate weights in their layers (`SparsityProfile.weighted_params`)."""
+    from dejavu_jax.sparsity_profile import load_profile
+    if mode.name != "threshold" or mode.source is None:
+        return params
+    return load_profile(mode.source).weighted_params(params)
+
+
 def bytes_summary(config, mode: EvalMode, selector_params, read: float) -> dict:
     """The decoder weight bytes of a scored token: `read`, the mean fraction of the layers'
     matmul weights read (`sparse_scoring.read_fraction`), plus for the sparse mode the

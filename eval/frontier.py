@@ -244,14 +244,16 @@ def main(argv: list[str] | None = None) -> int:
 
     sweep_texts = set(args.sweep_texts.split(",")) if args.sweep_texts else set(texts)
 
-    def run(kind, method, label, mode, selector_params, extra=None, profile_path=None):
+    def run(kind, method, label, mode, selector_params, extra=None, profile_path=None,
+            model_params=None):
         for text, ids in texts.items():
             if kind in ("path", "oracle", "predictors") and text not in sweep_texts:
                 continue
             if rows.has((kind, method, label, text)):
                 continue
             start = time.perf_counter()
-            r = score_row(config, mode, params, selector_params, ids, args, lead)
+            r = score_row(config, mode, params if model_params is None else model_params,
+                          selector_params, ids, args, lead)
             rows.add({"kind": kind, "method": method, "label": label, "text": text, **r,
                       **(extra or {})})
             log(f"{kind} {method} {label} {text}: ppl {r['perplexity']:.4f}, skip "
@@ -270,12 +272,21 @@ def main(argv: list[str] | None = None) -> int:
                                        config.bos_token_id)
     stats_file = args.out / "calibration.npz"
     levels = profile_mod.DEFAULT_LEVELS
+    # the gate site's weights come from the same windows and are kept with the stats
     if stats_file.is_file():
         stats = dict(np.load(stats_file))
+        weights = stats.pop("gate_weights", None)
+        weighted = params if weights is None else params.replace(
+            layers=params.layers.replace(gate_weight=jnp.asarray(weights)))
     else:
         start = time.perf_counter()
-        stats = profile_mod.calibrate(config, params, windows[:n_calib], levels, args.rows)
-        np.savez(stats_file, **stats)
+        weighted = profile_mod.with_gate_weights(
+            config, params, windows[:n_calib], args.rows,
+            ("gate",) if any("gate" in method_sites(config, m) for m in methods) else ())
+        stats = profile_mod.calibrate(config, weighted, windows[:n_calib], levels, args.rows)
+        extra = ({} if weighted.layers.gate_weight is None
+                 else {"gate_weights": np.asarray(weighted.layers.gate_weight)})
+        np.savez(stats_file, **stats, **extra)
         log(f"calibrated on {n_calib} windows in {time.perf_counter() - start:.0f} s")
     if args.oracle and not args.no_sweep:
         for target in args.skips:
@@ -294,24 +305,27 @@ def main(argv: list[str] | None = None) -> int:
                 prof = load_profile(path, config)
             else:
                 prof = profile_mod.make_profile(
-                    config, params, windows[:n_calib], windows[n_calib:], method, budget,
+                    config, weighted, windows[:n_calib], windows[n_calib:], method, budget,
                     levels, args.rows, log=log, stats=stats, measured=searched)
                 prof.calibration.update(corpus=[str(f) for f in files], seed=0,
                                         source=str(source))
                 prof.save(path)
             run("profile", method, label, mode, jnp.asarray(prof.threshold_array()),
                 {"search_ppl_cost": prof.measured.get("ppl_cost"),
-                 "search_bytes_skipped": prof.measured.get("bytes_skipped")}, path)
+                 "search_bytes_skipped": prof.measured.get("bytes_skipped")}, path,
+                prof.weighted_params(params))
         if args.no_sweep:
             continue
         for target, lv, predicted in path_points(config, sites, stats, levels, args.skips):
             th = jnp.asarray(thresholds_at(stats["quantiles"], lv))
-            run("path", method, percent_label(target), mode, th, {"predicted_skip": predicted})
+            run("path", method, percent_label(target), mode, th, {"predicted_skip": predicted},
+                model_params=weighted)
     for profile_file in args.profile:
         prof = load_profile(profile_file, config)
         mode = make_mode(config, "threshold", sites=prof.sites)
         run("profile", prof.method, Path(profile_file).stem, mode,
-            jnp.asarray(prof.threshold_array()), profile_path=Path(profile_file))
+            jnp.asarray(prof.threshold_array()), profile_path=Path(profile_file),
+            model_params=prof.weighted_params(params))
     if args.predictors:
         pred = common.load_predictor_params(args.predictors, config)
         for target in args.skips:

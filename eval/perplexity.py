@@ -216,6 +216,7 @@ def main(argv: list[str] | None = None) -> int:
     mesh = common.mesh_from_args(args)  # None: one device
     mode, pred = common.mode_from_args(args, common.model_config(args), mesh)
     config, params, tok = common.load_model(args, mesh)
+    params = common.mode_params(mode, params)
     ids = tok(text, add_special_tokens=False)["input_ids"]
     if args.max_tokens:
         ids = ids[:args.max_tokens]

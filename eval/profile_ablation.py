@@ -145,7 +145,8 @@ def main(argv: list[str] | None = None) -> int:
     common.check_ids(ids, config, "text")
     args.out.mkdir(parents=True, exist_ok=True)
     log = lambda s: print(s, file=sys.stderr, flush=True)  # noqa: E731
-    rows = ablation_rows(config, params, ids, np.asarray(prof.threshold_array()),
+    rows = ablation_rows(config, prof.weighted_params(params), ids,
+                         np.asarray(prof.threshold_array()),
                          prof.sites, args.window, args.batch_tokens, log,
                          show_progress=not args.no_progress,
                          lead=leading_special_ids(tok))

@@ -325,6 +325,7 @@ def main(argv: list[str] | None = None) -> int:
     mesh = common.mesh_from_args(args)  # None: one device
     mode, pred = common.mode_from_args(args, common.model_config(args), mesh)
     config, params, tok = common.load_model(args, mesh)
+    params = common.mode_params(mode, params)
     prepared = {name: (its, encode_items(tok, its)) for name, its in items.items()}
     for name, (_, requests) in prepared.items():
         common.check_ids([t for ctx, cont in requests for t in ctx + cont], config,

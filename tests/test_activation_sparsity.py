@@ -2,6 +2,7 @@
 numpy, the decode step against the scorer for every family, the bytes a token reads,
 calibration against numpy, the allocation search, and profiles."""
 
+import dataclasses
 import functools
 import math
 from pathlib import Path
@@ -14,10 +15,11 @@ from conftest import assert_finite_close
 
 import dejavu_jax as dj
 from dejavu_jax import activation_sparsity as act
-from dejavu_jax import sparse
+from dejavu_jax import ops, sparse
+from dejavu_jax.params import unstack_layers
 from dejavu_jax.eval import sparse_scoring as ss
-from dejavu_jax.sparsity_profile import (ProfileError, SparsityProfile, load_profile,
-                                         method_sites)
+from dejavu_jax.sparsity_profile import (ProfileError, SparsityProfile, encode_gate_weights,
+                                         load_profile, method_sites)
 from dejavu_jax.train import allocate
 from dejavu_jax.train.thresholds import QUANTILES, calibration_stats, thresholds_at
 
@@ -49,11 +51,16 @@ def _thresholds(config, params, ids, level=0.4):
     return thresholds_at(np.asarray(stats["quantiles"]), levels)
 
 
-def test_mlp_masks_equal_numpy(rng):
+@pytest.mark.parametrize("weighted", [False, True])
+def test_mlp_masks_equal_numpy(rng, weighted):
     """The thresholded gated MLP against numpy: gate_up drops input channels, the gate site
-    drops neurons (their up and down rows), the down site drops small activations."""
+    drops neurons (their up and down rows) by |act(gate)|, or by |act(gate)| times the
+    layer's gate weights, the down site drops small activations."""
     config, params = _model("llama-tiny")
     lp = jax.tree.map(lambda w: w[1], params.layers)
+    gw = rng.uniform(0.1, 3.0, config.ffn).astype(np.float32) if weighted else np.ones(config.ffn)
+    if weighted:
+        lp = lp.replace(gate_weight=jnp.asarray(gw))
     y = rng.standard_normal((5, config.hidden)).astype(np.float32)
     w_in, w_gate, w_out = (np.asarray(w, np.float64) for w in (lp.w_in, lp.w_gate, lp.w_out_t))
     t = np.zeros(5, np.float32)  # thresholds at quantiles of the data, set site by site
@@ -61,13 +68,15 @@ def test_mlp_masks_equal_numpy(rng):
     ys = np.where(np.abs(y) > t[2], y, 0.0)
     g = ys @ w_gate.T
     g = g / (1 + np.exp(-g))
-    t[3] = np.quantile(np.abs(g), 0.4)
-    neurons = np.abs(g) > t[3]
+    t[3] = np.quantile(np.abs(g) * gw, 0.4)
+    neurons = np.abs(g) * gw > t[3]
     h = np.where(neurons, g * (ys @ w_in.T), 0.0)
     t[4] = np.quantile(np.abs(h[neurons]), 0.3)
     h = np.where(np.abs(h) > t[4], h, 0.0)
     out, kept = act.mlp(config, lp, jnp.asarray(y), jnp.asarray(t))
     assert 0.3 < neurons.mean() < 0.8 and 0.3 < (ys != 0).mean() < 0.8
+    if weighted:  # the weights change which neurons pass
+        assert (neurons != (np.abs(g) > np.quantile(np.abs(g), 0.4))).any()
     assert_finite_close(np.asarray(out), h @ w_out, rtol=1e-5, atol=1e-6)
     want = np.stack([(ys != 0).mean(-1), neurons.mean(-1), (h != 0).mean(-1)], -1)
     assert_finite_close(np.asarray(kept), want, rtol=1e-6)
@@ -101,15 +110,25 @@ def _decode_rows(config, params, scfg, thresholds, ids, prefixes):
     return rows
 
 
-@pytest.mark.parametrize("name", ["opt-tiny", "llama-tiny", "qwen2", "gemma3"])
-def test_scorer_equals_threshold_decode(name):
+def _gate_weighted(config, params, ids):
+    """params with gate weights measured on `ids` (`train.thresholds.gate_weights`)."""
+    from dejavu_jax.train.thresholds import gate_weights
+    w = gate_weights(config, params, np.asarray(ids), rows=2)
+    return params.replace(layers=params.layers.replace(gate_weight=jnp.asarray(w)))
+
+
+@pytest.mark.parametrize("name,weighted", [("opt-tiny", False), ("llama-tiny", False),
+                                           ("qwen2", True), ("gemma3", True)])
+def test_scorer_equals_threshold_decode(name, weighted):
     """Threshold mode at about 40% of every site: the scorer's logits for three rows with
     their own dense prefixes (one [3, T] window) equal each row's token-by-token decode at
     every position from prefix - 1 on, and differ from the dense model's. Gemma's rows run
-    past its 6-token window."""
+    past its 6-token window. Qwen2 and Gemma rank the gate by gate weights."""
     config, params = _model(name)
     T, prefixes = 10, (1, 3, 2)
     ids = np.random.default_rng(5).integers(3, config.vocab_size, (3, T)).astype(np.int32)
+    if weighted:
+        params = _gate_weighted(config, params, ids)
     thresholds = jnp.asarray(_thresholds(config, params, jnp.asarray(ids)))
     scfg = sparse.threshold_config(config, _sites(config))
     want = _decode_rows(config, params, scfg, thresholds, ids, prefixes)
@@ -185,6 +204,30 @@ def test_calibration_quantiles_and_errors_equal_numpy():
     assert np.all(np.asarray(stats["nll_second"]) >= 0)
 
 
+def test_gate_weights_and_their_quantiles_equal_numpy():
+    """Gate weights: E|up_i| over positions 1..T-1 of the dense model times the norm of
+    the down row, mean 1 per layer; the calibration's gate quantiles are then those of
+    |act(gate)| times the weights."""
+    config, params = _model("llama-tiny")
+    ids = jnp.asarray(np.random.default_rng(4).integers(3, 500, (3, 12)), jnp.int32)
+    weighted = _gate_weighted(config, params, ids)
+    _, _, recs = dj.model.sequence_forward(config, params, ids, records=True)
+    layer = 2
+    lp = jax.tree.map(lambda w: w[layer], params.layers)
+    y = np.asarray(ops.norm(recs["mlp_in"][layer], lp.mlp_norm_scale, None,
+                               config.norm_eps), np.float64)[:, 1:].reshape(-1, config.hidden)
+    up = np.abs(y @ np.asarray(lp.w_in, np.float64).T).mean(0)
+    want = up * np.linalg.norm(np.asarray(lp.w_out_t, np.float64), axis=-1)
+    got = np.asarray(weighted.layers.gate_weight[layer])
+    assert_finite_close(got, want / want.mean(), rtol=1e-4)
+    assert np.std(got) > 0.05  # neurons differ: the ranking changes
+    stats = calibration_stats(config, weighted, ids, jnp.ones_like(ids), (0.5,))
+    g = y @ np.asarray(lp.w_gate, np.float64).T
+    mag = np.abs(g / (1 + np.exp(-g))) * got
+    assert_finite_close(np.asarray(stats["quantiles"][layer, act.GATE]),
+                        np.quantile(mag, QUANTILES), rtol=1e-3, atol=1e-6)
+
+
 def test_allocation_maximises_price_times_bytes_minus_cost(rng):
     levels = (0.25, 0.5, 0.75)
     costs = np.maximum.accumulate(
@@ -217,6 +260,35 @@ def test_search_keeps_the_sparsest_point_within_budget():
     assert allocate.search(path[1:], measure, budget_nll=0.0)[0] == -1
 
 
+def test_refined_search_finds_the_sparsest_allocation_of_a_fine_path(rng):
+    """Between two neighbours of the coarse path (geometric prices) lie allocations that
+    skip more within the budget; the refined search finds the sparsest one that a
+    2,000-price path (exhaustively measured) holds."""
+    levels = (0.1, 0.2, 0.3, 0.4, 0.5, 0.6, 0.7, 0.8, 0.9)
+    costs = np.maximum.accumulate(np.concatenate(
+        [np.zeros((8, 5, 1)), rng.uniform(0, 1, (8, 5, 9)) ** 3], -1), -1)
+    unit_bytes = np.asarray([4.0, 1.0, 2.0, 3.0, 3.0])
+    total = unit_bytes.sum() * 8
+
+    def measure(lv):  # the cost the allocation predicts, and its skipped bytes
+        idx = np.rint(lv * 10).astype(int)
+        cost = np.take_along_axis(costs, idx[..., None], -1).sum()
+        return float(cost), float((lv * unit_bytes).sum() / total)
+
+    budget = 0.3 * costs[..., -1].sum()
+    fine = allocate.allocation_path(costs, levels, unit_bytes, points=2000)
+    within = [measure(lv)[1] for _, lv in fine if measure(lv)[0] <= budget]
+    coarse = allocate.allocation_path(costs, levels, unit_bytes)
+    coarse_best = coarse[allocate.search(coarse, measure, budget)[0]][1]
+    best, points = allocate.refined_search(costs, levels, unit_bytes, measure, budget,
+                                           refinements=8)
+    assert measure(best[1])[0] <= budget
+    assert measure(best[1])[1] == pytest.approx(max(within))
+    assert measure(best[1])[1] > measure(coarse_best)[1]
+    assert [p.price for p in points] == sorted(p.price for p in points)
+    assert allocate.refined_search(costs, levels, unit_bytes, measure, -1.0)[0] is None
+
+
 def test_profile_round_trip_and_checks(tmp_path):
     config, _ = _model("llama-tiny")
     L = config.n_layers
@@ -236,6 +308,27 @@ def test_profile_round_trip_and_checks(tmp_path):
         method_sites(dj.preset("opt-tiny"), "cats")
 
 
+def test_profile_gate_weights_round_trip_and_reach_the_params(tmp_path):
+    config, params = _model("llama-tiny")
+    L, F = config.n_layers, config.ffn
+    w = np.random.default_rng(3).uniform(0.01, 5.0, (L, F)).astype(np.float32)
+    profile = SparsityProfile(config.name, config.fingerprint(), "cats", ("gate",),
+                              [[0.5] * 5] * L, [[0.1] * 5] * L,
+                              gate_weights=encode_gate_weights(w))
+    loaded = load_profile(profile.save(tmp_path / "p.json"), config)
+    assert_finite_close(loaded.gate_weight_array(), w, rtol=1e-3)  # float16
+    got = loaded.weighted_params(params).layers.gate_weight
+    assert_finite_close(np.asarray(got), w, rtol=1e-3)
+    unstacked = loaded.weighted_params(unstack_layers(params))
+    assert_finite_close(np.asarray(unstacked.layers[1].gate_weight), w[1], rtol=1e-3)
+    plain = dataclasses.replace(loaded, gate_weights=None)
+    assert plain.weighted_params(loaded.weighted_params(params)).layers.gate_weight is None
+    for bad in (encode_gate_weights(w[:, :-1]), encode_gate_weights(-w), ["@@"] * L):
+        dataclasses.replace(loaded, gate_weights=bad).save(tmp_path / "bad.json")
+        with pytest.raises(ProfileError, match="gate weights"):
+            load_profile(tmp_path / "bad.json", config)
+
+
 def test_threshold_config_rejects_bad_sites():
     with pytest.raises(ValueError, match="unknown activation sites"):
         sparse.threshold_config(dj.preset("llama-tiny"), ("qkv", "mlp"))
@@ -246,12 +339,15 @@ def test_threshold_config_rejects_bad_sites():
 def test_profile_search_runs_end_to_end_on_a_tiny_model():
     """make_profile on random windows: the chosen point's measured cost is within the
     budget and its thresholds are those of its levels."""
-    from dejavu_jax.train.profile import make_profile
+    from dejavu_jax.train.profile import make_profile, with_gate_weights
     config, params = _model("llama-tiny")
     windows = np.random.default_rng(6).integers(3, 500, (8, 16)).astype(np.int32)
-    profile = make_profile(config, params, windows[:4], windows[4:], "teal+cats", 0.05,
+    weighted = with_gate_weights(config, params, windows[:4], 4, ("gate",))
+    profile = make_profile(config, weighted, windows[:4], windows[4:], "teal+cats", 0.05,
                            levels=(0.3, 0.6), rows=4, progress=False, log=lambda s: None)
     assert profile.measured["ppl_cost"] <= 0.05 + 1e-9
+    assert_finite_close(profile.gate_weight_array(), np.asarray(weighted.layers.gate_weight),
+                        rtol=1e-3)
     assert math.isclose(profile.measured["ppl_cost"], math.expm1(profile.measured["nll_cost"]))
     assert np.shape(profile.thresholds) == (config.n_layers, 5)
     assert (np.asarray(profile.thresholds) > 0).sum() == (np.asarray(profile.levels) > 0).sum()
@@ -266,9 +362,11 @@ def test_threshold_kernels_decode_like_the_reference(name, up_rows, unrolled):
     input-major weights (the up projection by neuron rows under the gate site, or by input
     channels) equals the jnp computation on the usual weights, step by step; per-layer
     buffers and stacked weights."""
-    from dejavu_jax.params import input_major, unstack_layers
+    from dejavu_jax.params import input_major
     config, params = _model(name)
     ids = np.random.default_rng(8).integers(3, config.vocab_size, (1, 8)).astype(np.int32)
+    if config.gated_mlp:  # the gate ranked by gate weights
+        params = _gate_weighted(config, params, ids)
     thresholds = jnp.asarray(_thresholds(config, params, jnp.asarray(ids)))
     sites = _sites(config) if up_rows else tuple(s for s in _sites(config) if s != "gate")
     moved = input_major(params, up_rows=up_rows)

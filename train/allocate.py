@@ -56,10 +56,11 @@ def allocation(costs: np.ndarray, levels, unit_bytes: np.ndarray, price: float,
 
 
 def allocation_path(costs: np.ndarray, levels, unit_bytes: np.ndarray,
-                    min_level: np.ndarray | None = None, points: int = 48):
+                    min_level: np.ndarray | None = None, points: int = 48, prices=None):
     """[(price, levels [L, len(SITES)])] from the first price that drops anything (beyond
     `min_level`) to the one that drops every unit to its highest level, prices spaced
-    geometrically; repeated allocations are left out."""
+    geometrically (or at the given `prices`, ascending); repeated allocations are left
+    out."""
     grid = np.concatenate([[0.0], np.asarray(levels, np.float64)])
     step = (unit_bytes[None, :, None] * grid[None, None, 1:])
     ratio = costs[..., 1:] / np.maximum(step, 1e-30)
@@ -69,8 +70,10 @@ def allocation_path(costs: np.ndarray, levels, unit_bytes: np.ndarray,
     positive = ratio[useful & (ratio > 0)]
     lo = positive.min() * 0.5 if positive.size else 1e-12
     hi = ratio[useful].max() * 4 if useful.any() else 1.0
+    if prices is None:
+        prices = np.geomspace(lo, max(hi, lo * 10), points)
     out, seen = [], set()
-    for price in np.geomspace(lo, max(hi, lo * 10), points):
+    for price in prices:
         lv = allocation(costs, levels, unit_bytes, price, min_level)
         key = lv.tobytes()
         if key not in seen and lv.any():
@@ -125,3 +128,32 @@ def search(path: list, measure, budget_nll: float, progress=None) -> tuple[int, 
         else:
             hi = mid
     return lo, [measured[i] for i in sorted(measured)]
+
+
+def refined_search(costs: np.ndarray, levels, unit_bytes: np.ndarray, measure,
+                   budget_nll: float, min_level: np.ndarray | None = None, progress=None,
+                   refinements: int = 3, points: int = 12):
+    """`search` along the allocation path, then `refinements` times again along a finer
+    path between the sparsest allocation within the budget and the next one, which the
+    path's geometric prices can leave far apart (a few percent of the bytes). Returns
+    ((price, levels) of the sparsest allocation within the budget, or None; every point
+    measured)."""
+    path = allocation_path(costs, levels, unit_bytes, min_level)
+    best, found = search(path, measure, budget_nll, progress)
+    for _ in range(refinements):
+        if not path or best + 1 >= len(path):
+            break
+        low = path[best][0] if best >= 0 else path[0][0] / 4
+        prices = np.geomspace(low, path[best + 1][0], points + 2)[1:-1]
+        ends = {path[i][1].tobytes() for i in (best, best + 1) if i >= 0}
+        finer = [p for p in allocation_path(costs, levels, unit_bytes, min_level,
+                                            prices=prices) if p[1].tobytes() not in ends]
+        if not finer:
+            break
+        sub_best, more = search(finer, measure, budget_nll, progress)
+        found += more
+        head = [path[best]] if best >= 0 else []
+        path = head + finer + [path[best + 1]]
+        best = sub_best + len(head) if sub_best >= 0 else len(head) - 1
+    found.sort(key=lambda p: p.price)
+    return (path[best] if best >= 0 else None), found

@@ -28,7 +28,8 @@ import numpy as np
 
 from dejavu_jax import cli
 from dejavu_jax.models_registry import registry_name
-from dejavu_jax.sparsity_profile import METHODS, SparsityProfile, method_sites
+from dejavu_jax.sparsity_profile import (METHODS, SparsityProfile, encode_gate_weights,
+                                         method_sites)
 
 DEFAULT_LEVELS = (0.1, 0.2, 0.3, 0.4, 0.5, 0.6, 0.7, 0.8, 0.9)
 
@@ -87,6 +88,16 @@ def calibrate(config, params, windows: np.ndarray, levels, rows: int, progress=T
     return merge_stats(parts, weights)
 
 
+def with_gate_weights(config, params, windows: np.ndarray, rows: int, sites):
+    """`params` with the gate site's per-neuron weights (`train.thresholds.gate_weights`
+    on the calibration windows) when `sites` hold the gate site, else unchanged."""
+    if "gate" not in sites:
+        return params
+    from dejavu_jax.train.thresholds import gate_weights
+    w = gate_weights(config, params, windows, rows)
+    return params.replace(layers=params.layers.replace(gate_weight=jnp.asarray(w)))
+
+
 def make_profile(config, params, calib: np.ndarray, search_windows: np.ndarray, method: str,
                  budget: float, levels=DEFAULT_LEVELS, rows: int = 4, progress=True,
                  log=print, stats: dict | None = None, measured: dict | None = None,
@@ -97,7 +108,8 @@ def make_profile(config, params, calib: np.ndarray, search_windows: np.ndarray, 
     0.01 = 1%). Each further round (`rounds`) calibrates again around the point chosen,
     where its layers' errors compound, and searches on from it. `measured`: a dict that
     keeps the search's measurements between calls for the same model, windows and method
-    (profiles at several budgets)."""
+    (profiles at several budgets). The gate site ranks neurons with `params`' gate
+    weights (`with_gate_weights`), which the profile stores."""
     from dejavu_jax.sparse import threshold_config
     from dejavu_jax.train import allocate
     from dejavu_jax.train.thresholds import thresholds_at
@@ -138,16 +150,15 @@ def make_profile(config, params, calib: np.ndarray, search_windows: np.ndarray, 
         def thresholds_of(lv, q=round_stats["quantiles"], base=chosen, base_t=chosen_t):
             return np.where(lv > base, thresholds_at(q, lv), base_t).astype(np.float32)
 
-        path = allocate.allocation_path(allocate.unit_costs(round_stats), levels, unit_bytes,
-                                        min_level=chosen)
-        log(f"round {r + 1}: searching {len(path)} allocations for the sparsest within "
+        log(f"round {r + 1}: searching the allocation path for the sparsest within "
             f"{budget:.1%} perplexity cost ({search_windows.size} search tokens)")
-        best, found = allocate.search(
-            path, lambda lv: measure(thresholds_of(lv)), math.log1p(budget), report)
+        best, found = allocate.refined_search(
+            allocate.unit_costs(round_stats), levels, unit_bytes,
+            lambda lv: measure(thresholds_of(lv)), math.log1p(budget), chosen, report)
         points += found
-        if best < 0 or np.array_equal(path[best][1], chosen):
+        if best is None or np.array_equal(best[1], chosen):
             break
-        chosen, chosen_t = path[best][1], thresholds_of(path[best][1])
+        chosen, chosen_t = best[1], thresholds_of(best[1])
         chosen_point = next(p for p in found if p.levels is chosen)
     summary = {"text": "search windows of the calibration corpus", "dense_nll": dense_nll,
                "search_tokens": int(search_windows[:, 1:].size), "budget": budget,
@@ -166,7 +177,9 @@ def make_profile(config, params, calib: np.ndarray, search_windows: np.ndarray, 
         model=config.name, fingerprint=config.fingerprint(), method=method, sites=sites,
         levels=np.asarray(chosen, float).round(4).tolist(),
         thresholds=np.asarray(chosen_t, float).tolist(), measured=summary,
-        calibration=calibration)
+        calibration=calibration,
+        gate_weights=encode_gate_weights(params.layers.gate_weight) if "gate" in sites
+        else None)
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -244,6 +257,8 @@ def main(argv: list[str] | None = None) -> int:
     except (CorpusError, ValueError) as e:
         cli.fail(str(e))
     log = lambda s: print(s, file=sys.stderr)  # noqa: E731
+    params = with_gate_weights(config, params, windows[:n_calib], args.rows,
+                               method_sites(config, method))
     profile = make_profile(config, params, windows[:n_calib], windows[n_calib:], method,
                            args.budget, rows=args.rows, progress=not args.no_progress, log=log,
                            rounds=args.rounds)

@@ -172,8 +172,9 @@ def calibration_stats(config: ModelConfig, params: ModelParams, ids: jax.Array,
         gate = ops.gate_projection(lp, ys)
         if gate is not None:
             gate = ops.activation(config.activation, gate)
-            hidden = jnp.where(jnp.abs(gate) > t0[act.GATE], gate * up, 0.0)
-            q_rows[act.GATE] = magnitude_quantiles(gate)
+            gate_mag = act.gate_magnitude(lp, gate)
+            hidden = jnp.where(gate_mag > t0[act.GATE], gate * up, 0.0)
+            q_rows[act.GATE] = magnitude_quantiles(gate_mag)
         else:
             hidden = ops.activation(config.activation, up)
             q_rows[act.GATE] = jnp.zeros(len(QUANTILES), F32)
@@ -184,7 +185,7 @@ def calibration_stats(config: ModelConfig, params: ModelParams, ids: jax.Array,
 
         def mlp_at(site, t):
             if site in (act.GATE, act.DOWN) and linear:  # minus the rows that are dropped
-                by = gate if site == act.GATE else hidden
+                by = gate_mag if site == act.GATE else hidden
                 dropped = jnp.where(jnp.abs(by) > t, 0.0, hidden)
                 return base_mlp - jnp.einsum("...f,fd->...d", dropped, lp.w_out_t.astype(F32))
             return mlp(raised(site, t))
@@ -227,3 +228,55 @@ def merge_stats(parts: list[dict], weights: list[float]) -> dict:
     w = np.asarray(weights, np.float64) / np.sum(weights)
     return {k: sum(wi * np.asarray(p[k], np.float64) for wi, p in zip(w, parts))
             for k in parts[0]}
+
+
+@functools.partial(jax.jit, static_argnames=("config",))
+def up_magnitude_sums(config: ModelConfig, params: ModelParams, ids: jax.Array,
+                      mask: jax.Array) -> tuple[jax.Array, jax.Array]:
+    """(sum of |up_i| [L, F] over the valid positions of the windows [B, T], their count),
+    the model running dense: the up projection's magnitudes the gate site's weights need."""
+    B, T = ids.shape
+    positions = positions_from_mask(mask)
+    valid = (mask.astype(bool) & (jnp.arange(T) >= 1)[None]).astype(F32)
+
+    def layer(x, inputs):
+        lp, index = inputs
+        sums = []
+
+        def attn(y):
+            return sequence_attention(config, lp, y, positions, mask, index)[0]
+
+        def mlp(y):
+            up = ops.add_bias(ops.up_projection(lp, y), lp.b_in)
+            sums.append(jnp.einsum("bt,btf->f", valid, jnp.abs(up.astype(F32))))
+            return ops.mlp_output(lp, ops.mlp_hidden(config, lp, y))
+
+        h = ops.residual(config, x, attn, lp.attn_norm_scale, lp.attn_norm_bias,
+                         lp.post_attn_norm_scale)
+        out = ops.residual(config, h, mlp, lp.mlp_norm_scale, lp.mlp_norm_bias,
+                           lp.post_mlp_norm_scale)
+        return out, sums[0]
+
+    x = embed(config, params, ids, positions)
+    index = jnp.arange(config.n_layers, dtype=jnp.int32)
+    _, sums = jax.lax.scan(layer, x, (params.layers, index))
+    return sums, jnp.sum(valid)
+
+
+def gate_weights(config: ModelConfig, params: ModelParams, windows: np.ndarray,
+                 rows: int = 4) -> np.ndarray:
+    """The gate site's per-neuron weights [L, F] (float32): E|up_i| on the windows [n, T]
+    (dense) times the norm of neuron i's down-projection row, scaled to a mean of 1 in each
+    layer and kept within [1e-4, 1e4] of it (a profile stores them as float16).
+    |act(gate_i)| times this estimates neuron i's contribution to the MLP output."""
+    if not config.gated_mlp:
+        raise ValueError(f"gate weights need a gated MLP; {config.name} has none")
+    total, count = 0.0, 0.0
+    for i in range(0, len(windows), rows):
+        batch = jnp.asarray(windows[i:i + rows])
+        s, n = up_magnitude_sums(config, params, batch, jnp.ones_like(batch))
+        total, count = total + np.asarray(s, np.float64), count + float(n)
+    down = np.linalg.norm(np.asarray(params.layers.w_out_t, np.float32), axis=-1)
+    w = total / max(count, 1.0) * down
+    w = w / np.maximum(w.mean(-1, keepdims=True), 1e-30)
+    return np.clip(w, 1e-4, 1e4).astype(np.float32)
