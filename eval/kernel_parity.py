@@ -537,6 +537,10 @@ def _threshold_decode_rows(impl: str, steps: int, cases) -> list[dict]:
     for name, up_rows in cases:
         config = gemma3_tiny() if name == "gemma3-tiny" else config_lib.preset(name)
         params = init_params(config, jax.random.key(0), jnp.float32, std=0.1)
+        if up_rows:  # the gate site ranks neurons by |act(gate)| times gate weights
+            weights = jax.random.uniform(jax.random.key(4), (config.n_layers, config.ffn),
+                                         jnp.float32, 0.2, 3.0)
+            params = params.replace(layers=params.layers.replace(gate_weight=weights))
         ids = jax.random.randint(jax.random.key(3), (1, 32), 3, config.vocab_size)
         q = calibration_stats(config, params, ids, jnp.ones_like(ids), ())["quantiles"]
         levels = np.full((config.n_layers, 5), 0.4)
@@ -551,7 +555,7 @@ def _threshold_decode_rows(impl: str, steps: int, cases) -> list[dict]:
         got = _decode(config, sparse.threshold_config(config, sites, impl=impl), moved,
                       thresholds, steps, True, sparse.no_selector, batch=1)
         rows.append(dict(check="threshold", model=name, sites=list(sites),
-                         logits=float(np.abs(got[0] - ref[0]).max()),
+                         gate_weights=up_rows, logits=float(np.abs(got[0] - ref[0]).max()),
                          k_cache=float(np.abs(got[1] - ref[1]).max())))
     return rows
 

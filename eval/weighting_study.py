@@ -1,13 +1,16 @@
-"""Does ranking channels by |x_i| · ||W[:, i]|| (WINA's criterion, `channel_weighting`)
-keep quality better than |x_i| alone (TEAL's)?
+"""Does a weighted ranking keep quality better than magnitudes alone?
 
     python -m dejavu_jax.eval.weighting_study --model smollm2-135m --out DIR
+    python -m dejavu_jax.eval.weighting_study --gate --model smollm2-135m --out DIR
 
-For both criteria: the same calibration windows of the corpus give each site's magnitude
-quantiles, then every layer drops the same fraction of a site's channels (`--levels`),
-one site at a time and the four TEAL sites together; perplexity on the same WikiText-2
-test tokens. Uniform levels measure the criterion itself, apart from any per-layer
-allocation. Rows go to OUT/weighting.jsonl.
+Input sites: channels by |x_i| · ||W[:, i]|| (WINA's criterion, `channel_weighting`)
+against |x_i| (TEAL's), one site at a time and the four TEAL sites together. `--gate`:
+the gate site's neurons by |act(gate_i)| times the gate weights (E|up_i| · ||down_i||,
+`train.thresholds.gate_weights`) against |act(gate_i)| (CATS'). For both criteria the
+same calibration windows of the corpus give each site's magnitude quantiles, then every
+layer drops the same fraction of a site's channels (`--levels`); perplexity on the same
+WikiText-2 test tokens. Uniform levels measure the criterion itself, apart from any
+per-layer allocation. Rows go to OUT/weighting.jsonl.
 """
 
 from __future__ import annotations
@@ -33,6 +36,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--tokens", type=cli.positive_int, default=8192)
     p.add_argument("--levels", type=cli.fractions, default=[0.3, 0.5])
     p.add_argument("--calibration-windows", type=cli.positive_int, default=16)
+    p.add_argument("--gate", action="store_true",
+                   help="the gate site, by gate weights (a gated MLP's model)")
     p.add_argument("--out", type=Path, required=True)
     args = p.parse_args(argv)
     from dejavu_jax.activation_sparsity import SITES
@@ -59,8 +64,16 @@ def main(argv: list[str] | None = None) -> int:
     meta = {**provenance.run_meta(), "model": config.name, "command": " ".join(sys.argv)}
     (args.out / "run.json").write_text(json.dumps(meta, indent=1) + "\n")
     out = open(args.out / "weighting.jsonl", "a")
-    site_sets = [TEAL] + [(s,) for s in TEAL]
-    for criterion, p_ in (("magnitude", params), ("weight-norm", weight_informed(config, params))):
+    if args.gate:
+        if not config.gated_mlp:
+            cli.fail(f"--gate: {config.name} has no gated MLP")
+        site_sets = [("gate",)]
+        criteria = (("magnitude", params), ("gate-weights", profile_mod.with_gate_weights(
+            config, params, windows, 4, ("gate",))))
+    else:
+        site_sets = [TEAL] + [(s,) for s in TEAL]
+        criteria = (("magnitude", params), ("weight-norm", weight_informed(config, params)))
+    for criterion, p_ in criteria:
         quantiles = profile_mod.calibrate(config, p_, windows, (), 4, progress=False)["quantiles"]
         start = time.perf_counter()
         dense = perplexity(config, make_mode(config, "dense"), p_, None, ids, window=1024,
