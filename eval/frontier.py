@@ -187,6 +187,8 @@ def build_parser() -> argparse.ArgumentParser:
                         "files in the calibration text (coder models)")
     p.add_argument("--calibration-tokens", type=cli.positive_int, default=2048)
     p.add_argument("--search-tokens", type=cli.positive_int, default=4096)
+    p.add_argument("--rounds", type=cli.positive_int, default=2,
+                   help="calibration and search rounds of each profile (train.profile's)")
     p.add_argument("--no-sweep", action="store_true",
                    help="profiles and dense only: no path or oracle points")
     p.add_argument("--no-profiles", action="store_true",
@@ -306,7 +308,8 @@ def main(argv: list[str] | None = None) -> int:
             else:
                 prof = profile_mod.make_profile(
                     config, weighted, windows[:n_calib], windows[n_calib:], method, budget,
-                    levels, args.rows, log=log, stats=stats, measured=searched)
+                    levels, args.rows, log=log, stats=stats, measured=searched,
+                    rounds=args.rounds)
                 prof.calibration.update(corpus=[str(f) for f in files], seed=0,
                                         source=str(source))
                 prof.save(path)
