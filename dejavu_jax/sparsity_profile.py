@@ -3,8 +3,8 @@
 A profile is a small JSON file: the model it was made for (name and config fingerprint),
 the method (which threshold sites), each layer's level (fraction of a site's channels
 dropped on calibration text) and threshold, what the search measured, and with the gate
-site the per-neuron weights of its ranking (float16, 2 bytes a neuron: 90 KB for
-SmolLM2-135M, 500 KB for Qwen2.5-1.5B; `activation_sparsity.gate_magnitude`).
+site the per-neuron weights of its ranking (float16 in base64: about 120 KB for
+SmolLM2-135M, 670 KB for Qwen2.5-1.5B; `activation_sparsity.gate_magnitude`).
 `train.profile` makes them; `generate --sparse` and the evaluation CLIs read them.
 Profiles for the fetchable models ship in `dejavu_jax/shipped_profiles/`; profiles made
 here go to `$DEJAVU_CACHE/profiles/` unless written elsewhere.

@@ -248,7 +248,8 @@ def main(argv: list[str] | None = None) -> int:
     n_calib, n_search = windows_for(args.calibration_tokens), windows_for(args.search_tokens)
     print(f"profile {method} for {config.name}: {n_calib} calibration and {n_search} search "
           f"windows of {args.window} tokens; about {_estimate(config, n_calib, n_search, args)}"
-          f" on this machine's CPU; writes one JSON file of a few KB", file=sys.stderr)
+          f" on this machine's CPU; writes one JSON file of {_size(config, method)}",
+          file=sys.stderr)
     _, params = load_pretrained(source, dtype=jnp.float32)
     tok = common.load_tokenizer_for(args, config, Path(source))
     try:
@@ -269,6 +270,13 @@ def main(argv: list[str] | None = None) -> int:
     print(profile.summary(), file=sys.stderr)
     print(out)
     return 0
+
+
+def _size(config, method: str) -> str:
+    """The profile file's rough size: a few KB, plus the gate weights (float16 in base64)."""
+    if "gate" not in METHODS[method]:
+        return "a few KB"
+    return f"about {round(config.n_layers * config.ffn * 8 / 3 / 1e3)} KB"
 
 
 def _estimate(config, n_calib: int, n_search: int, args) -> str:
