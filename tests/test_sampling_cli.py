@@ -202,3 +202,47 @@ def test_measured_batch_policy_generates_end_to_end(capsys):
     out, err = capsys.readouterr()
     assert "batch plan:" in err and "measuring a plan for batch 2" in err
     assert "[0] generated ids:" in out and "[1] generated ids:" in out
+
+
+def test_cli_decodes_with_a_profiles_gate_weights(tmp_path, capsys, monkeypatch):
+    """--sparse --profile FILE with gate weights: generate puts the profile's weights in the
+    params it decodes with, and its ids equal the threshold engine's on the same weighted
+    params; a profile whose gate weights do not fit the model is one `error:` line."""
+    import dejavu_jax as dj
+    from dejavu_jax import sparse
+    from dejavu_jax.sparsity_profile import SparsityProfile, encode_gate_weights
+    applied = []
+    weighted_params = SparsityProfile.weighted_params
+
+    def spy(self, params):
+        out = weighted_params(self, params)
+        applied.append(np.asarray(out.layers.gate_weight))
+        return out
+
+    monkeypatch.setattr(SparsityProfile, "weighted_params", spy)
+    config = dj.preset("llama-tiny")
+    L, F = config.n_layers, config.ffn
+    weights = np.random.default_rng(0).uniform(0.05, 20.0, (L, F)).astype(np.float32)
+    thresholds = np.tile([[0.0, 0.0, 0.0, 0.05, 0.0]], (L, 1))
+    profile = SparsityProfile(config.name, config.fingerprint(), "cats", ("gate",),
+                              [[0.0, 0.0, 0.0, 0.5, 0.0]] * L, thresholds.tolist(),
+                              gate_weights=encode_gate_weights(weights))
+    path = profile.save(tmp_path / "p.json")
+    args = ["--preset", "llama-tiny", "--sparse", "--profile", str(path), "--print-ids",
+            "--prompt-ids", "2,17,40,9", "--max-new-tokens", "5", "--dtype", "float32"]
+    assert cli.main(args) == 0
+    assert len(applied) == 1
+    np.testing.assert_allclose(applied[0], weights, rtol=1e-3)  # float16 in the file
+    got = capsys.readouterr().out.split("generated ids: ")[1].split()[0]
+    params = dj.init_params(config, jax.random.key(0), jnp.float32)
+    weighted = profile.weighted_params(params)
+    engine = sparse.sparse_engine(config, sparse.threshold_config(config, ("gate",)),
+                                  sparse.no_selector)
+    want = dj.generate_tokens(engine, (weighted, jnp.asarray(thresholds, jnp.float32)),
+                              [[2, 17, 40, 9]], max_new_tokens=5, stop_ids=[]).tokens[0]
+    assert got == ",".join(map(str, want))
+    bad = dataclasses.replace(profile, gate_weights=encode_gate_weights(weights[:, :-1]))
+    bad.save(tmp_path / "bad.json")
+    with pytest.raises(SystemExit) as e:
+        cli.main(args[:4] + [str(tmp_path / "bad.json")] + args[5:])
+    assert e.value.code == 2 and "gate weights" in capsys.readouterr().err
