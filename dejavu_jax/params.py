@@ -266,6 +266,17 @@ def input_major(params: ModelParams, up_rows: bool = False,
     return params.replace(layers=tuple(moved(lp) for lp in params.layers))
 
 
+def with_gate_weights(params: ModelParams, weights) -> ModelParams:
+    """`params` with the gate site's per-neuron weights [L, F] in their layers (stacked or
+    per layer); None removes them."""
+    w = None if weights is None else jnp.asarray(weights)
+    if isinstance(params.layers, tuple):
+        return params.replace(layers=tuple(
+            lp.replace(gate_weight=None if w is None else w[i])
+            for i, lp in enumerate(params.layers)))
+    return params.replace(layers=params.layers.replace(gate_weight=w))
+
+
 def is_input_major(params: ModelParams) -> bool:
     """Whether `input_major` has moved these params' weights."""
     layers = params.layers if isinstance(params.layers, tuple) else (params.layers,)

@@ -70,14 +70,8 @@ class SparsityProfile:
     def weighted_params(self, params):
         """`params` with this profile's gate weights in their layers (none: removed), the
         form the threshold decode and scorer run a profile with."""
-        import jax.numpy as jnp
-        w = self.gate_weight_array()
-        if isinstance(params.layers, tuple):  # per-layer params (`params.unstack_layers`)
-            return params.replace(layers=tuple(
-                lp.replace(gate_weight=None if w is None else jnp.asarray(w[i]))
-                for i, lp in enumerate(params.layers)))
-        return params.replace(layers=params.layers.replace(
-            gate_weight=None if w is None else jnp.asarray(w)))
+        from dejavu_jax.params import with_gate_weights
+        return with_gate_weights(params, self.gate_weight_array())
 
     def check(self, config: ModelConfig) -> None:
         """ProfileError unless the profile fits `config` (fingerprint and layer count)."""

@@ -220,6 +220,7 @@ def main(argv: list[str] | None = None) -> int:
     from dejavu_jax.eval.sparse_scoring import make_mode
     from dejavu_jax.fetch_model import resolve_model
     from dejavu_jax.loading import load_pretrained
+    from dejavu_jax.params import with_gate_weights
     from dejavu_jax.sparsity_profile import load_profile, method_sites
     from dejavu_jax.tokenizer import leading_special_ids
     from dejavu_jax.train import profile as profile_mod
@@ -278,11 +279,10 @@ def main(argv: list[str] | None = None) -> int:
     if stats_file.is_file():
         stats = dict(np.load(stats_file))
         weights = stats.pop("gate_weights", None)
-        weighted = params if weights is None else params.replace(
-            layers=params.layers.replace(gate_weight=jnp.asarray(weights)))
+        weighted = with_gate_weights(params, weights)
     else:
         start = time.perf_counter()
-        weighted = profile_mod.with_gate_weights(
+        weighted = profile_mod.gate_weighted(
             config, params, windows[:n_calib], args.rows,
             ("gate",) if any("gate" in method_sites(config, m) for m in methods) else ())
         stats = profile_mod.calibrate(config, weighted, windows[:n_calib], levels, args.rows)

@@ -531,7 +531,7 @@ def threshold_rows(impl: str, steps: int, cases=None, kernels: bool = True) -> l
 
 
 def _threshold_decode_rows(impl: str, steps: int, cases) -> list[dict]:
-    from dejavu_jax.params import input_major
+    from dejavu_jax.params import input_major, with_gate_weights
     from dejavu_jax.train.thresholds import calibration_stats, thresholds_at
     rows = []
     for name, up_rows in cases:
@@ -540,7 +540,7 @@ def _threshold_decode_rows(impl: str, steps: int, cases) -> list[dict]:
         if up_rows:  # the gate site ranks neurons by |act(gate)| times gate weights
             weights = jax.random.uniform(jax.random.key(4), (config.n_layers, config.ffn),
                                          jnp.float32, 0.2, 3.0)
-            params = params.replace(layers=params.layers.replace(gate_weight=weights))
+            params = with_gate_weights(params, weights)
         ids = jax.random.randint(jax.random.key(3), (1, 32), 3, config.vocab_size)
         q = calibration_stats(config, params, ids, jnp.ones_like(ids), ())["quantiles"]
         levels = np.full((config.n_layers, 5), 0.4)

@@ -68,7 +68,7 @@ def main(argv: list[str] | None = None) -> int:
         if not config.gated_mlp:
             cli.fail(f"--gate: {config.name} has no gated MLP")
         site_sets = [("gate",)]
-        criteria = (("magnitude", params), ("gate-weights", profile_mod.with_gate_weights(
+        criteria = (("magnitude", params), ("gate-weights", profile_mod.gate_weighted(
             config, params, windows, 4, ("gate",))))
     else:
         site_sets = [TEAL] + [(s,) for s in TEAL]

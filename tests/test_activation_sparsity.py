@@ -112,9 +112,8 @@ def _decode_rows(config, params, scfg, thresholds, ids, prefixes):
 
 def _gate_weighted(config, params, ids):
     """params with gate weights measured on `ids` (`train.thresholds.gate_weights`)."""
-    from dejavu_jax.train.thresholds import gate_weights
-    w = gate_weights(config, params, np.asarray(ids), rows=2)
-    return params.replace(layers=params.layers.replace(gate_weight=jnp.asarray(w)))
+    from dejavu_jax.train.profile import gate_weighted
+    return gate_weighted(config, params, np.asarray(ids), 2, ("gate",))
 
 
 @pytest.mark.parametrize("name,weighted", [("opt-tiny", False), ("llama-tiny", False),
@@ -339,10 +338,10 @@ def test_threshold_config_rejects_bad_sites():
 def test_profile_search_runs_end_to_end_on_a_tiny_model():
     """make_profile on random windows: the chosen point's measured cost is within the
     budget and its thresholds are those of its levels."""
-    from dejavu_jax.train.profile import make_profile, with_gate_weights
+    from dejavu_jax.train.profile import gate_weighted, make_profile
     config, params = _model("llama-tiny")
     windows = np.random.default_rng(6).integers(3, 500, (8, 16)).astype(np.int32)
-    weighted = with_gate_weights(config, params, windows[:4], 4, ("gate",))
+    weighted = gate_weighted(config, params, windows[:4], 4, ("gate",))
     profile = make_profile(config, weighted, windows[:4], windows[4:], "teal+cats", 0.05,
                            levels=(0.3, 0.6), rows=4, progress=False, log=lambda s: None)
     assert profile.measured["ppl_cost"] <= 0.05 + 1e-9

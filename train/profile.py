@@ -88,14 +88,14 @@ def calibrate(config, params, windows: np.ndarray, levels, rows: int, progress=T
     return merge_stats(parts, weights)
 
 
-def with_gate_weights(config, params, windows: np.ndarray, rows: int, sites):
+def gate_weighted(config, params, windows: np.ndarray, rows: int, sites):
     """`params` with the gate site's per-neuron weights (`train.thresholds.gate_weights`
     on the calibration windows) when `sites` hold the gate site, else unchanged."""
     if "gate" not in sites:
         return params
+    from dejavu_jax.params import with_gate_weights
     from dejavu_jax.train.thresholds import gate_weights
-    w = gate_weights(config, params, windows, rows)
-    return params.replace(layers=params.layers.replace(gate_weight=jnp.asarray(w)))
+    return with_gate_weights(params, gate_weights(config, params, windows, rows))
 
 
 def make_profile(config, params, calib: np.ndarray, search_windows: np.ndarray, method: str,
@@ -109,7 +109,7 @@ def make_profile(config, params, calib: np.ndarray, search_windows: np.ndarray, 
     where its layers' errors compound, and searches on from it. `measured`: a dict that
     keeps the search's measurements between calls for the same model, windows and method
     (profiles at several budgets). The gate site ranks neurons with `params`' gate
-    weights (`with_gate_weights`), which the profile stores."""
+    weights (`gate_weighted`), which the profile stores."""
     from dejavu_jax.sparse import threshold_config
     from dejavu_jax.train import allocate
     from dejavu_jax.train.thresholds import thresholds_at
@@ -258,7 +258,7 @@ def main(argv: list[str] | None = None) -> int:
     except (CorpusError, ValueError) as e:
         cli.fail(str(e))
     log = lambda s: print(s, file=sys.stderr)  # noqa: E731
-    params = with_gate_weights(config, params, windows[:n_calib], args.rows,
+    params = gate_weighted(config, params, windows[:n_calib], args.rows,
                                method_sites(config, method))
     profile = make_profile(config, params, windows[:n_calib], windows[n_calib:], method,
                            args.budget, rows=args.rows, progress=not args.no_progress, log=log,

@@ -249,7 +249,8 @@ def up_magnitude_sums(config: ModelConfig, params: ModelParams, ids: jax.Array,
         def mlp(y):
             up = ops.add_bias(ops.up_projection(lp, y), lp.b_in)
             sums.append(jnp.einsum("bt,btf->f", valid, jnp.abs(up.astype(F32))))
-            return ops.mlp_output(lp, ops.mlp_hidden(config, lp, y))
+            gate = ops.activation(config.activation, ops.gate_projection(lp, y))
+            return ops.mlp_output(lp, gate * up)
 
         h = ops.residual(config, x, attn, lp.attn_norm_scale, lp.attn_norm_bias,
                          lp.post_attn_norm_scale)
