@@ -326,15 +326,19 @@ WINDOW_CASES = [  # B, d, H, n_kv, hd, S, W, pos, Kh, extra, rope, biases
 ]
 
 
-@pytest.mark.parametrize("B,d,H,n_kv,hd,S,W,pos,Kh,extra,rope,biases", WINDOW_CASES)
-@pytest.mark.parametrize("impl,ring_shift,split,bitmap", [("interpret", 0, False, False),
-                                                         ("interpret", 3, False, False),
-                                                         ("interpret", 1, True, False),
-                                                         ("reference", 0, False, False),
-                                                         ("reference", 2, True, False),
-                                                         ("interpret", 0, False, True),
-                                                         ("interpret", 1, True, True),
-                                                         ("reference", 2, True, True)])
+WINDOW_VARIANTS = [  # impl, ring_shift, split, bitmap
+    ("interpret", 0, False, False), ("interpret", 3, False, False),
+    ("interpret", 1, True, False), ("reference", 0, False, False),
+    ("reference", 2, True, False), ("interpret", 0, False, True),
+    ("interpret", 1, True, True), ("reference", 2, True, True)]
+# each variant on two cases, each case under four variants (interpreted and reference, one
+# with sequence splits, one with a written-entries bitmap): a cover of the cross product
+WINDOW_GRID = [v + c for i, v in enumerate(WINDOW_VARIANTS)
+               for c in (WINDOW_CASES[i % 4], WINDOW_CASES[(i + 2) % 4])]
+
+
+@pytest.mark.parametrize("impl,ring_shift,split,bitmap,B,d,H,n_kv,hd,S,W,pos,Kh,extra,rope,"
+                         "biases", WINDOW_GRID)
 def test_window_recompute_writes_needed_entries_then_attends(rng, impl, ring_shift, split,
                                                              bitmap, B, d, H, n_kv, hd, S, W,
                                                              pos, Kh, extra, rope, biases):
