@@ -119,3 +119,56 @@ def test_checked_ids():
     assert checked_ids([1, 2], 2, 4).dtype == np.int32
     with pytest.raises(ValueError, match="outside"):
         checked_ids([1, 4], 2, 4)
+
+
+class TopThird:
+    """Shown the top candidates: picks each row's third and records what it was shown."""
+
+    def __init__(self):
+        self.seen = []
+
+    def __call__(self, logits, ids):
+        self.seen.append((logits.copy(), ids.copy()))
+        return ids[:, 2]
+
+
+@pytest.mark.parametrize("chunk", [1, 3])
+def test_top_candidates_are_each_steps_k_best_and_their_choice_is_decoded(chunk):
+    config, params = _model()
+    n_new, k = 6, 5
+    choose = TopThird()
+    got = generate_tokens(dense_engine(config), params, PROMPTS, n_new, stop_ids=[],
+                          chunk=chunk, choose=dj.TopCandidates(choose, k))
+    ids, mask = left_pad(PROMPTS)
+    state = model.init_state(config, 2, 64, jnp.float32)
+    logits, state = model.prefill(config, params, jnp.asarray(ids), jnp.asarray(mask), state)
+    want = []
+    for step in range(n_new):
+        host = np.asarray(logits, np.float32)
+        order = np.argsort(-host, axis=-1, kind="stable")[:, :k]
+        shown_logits, shown_ids = choose.seen[step]
+        assert shown_ids.shape == (2, k) and shown_ids.dtype == np.int32
+        np.testing.assert_array_equal(shown_ids, order)
+        assert_finite_close(shown_logits, np.take_along_axis(host, order, -1),
+                            atol=1e-5 * np.abs(host).max())
+        tok = order[:, 2].astype(np.int32)
+        want.append(tok)
+        logits, state = model.decode_step(config, params, state, jnp.asarray(tok))
+    assert got.tokens == np.stack(want, 1).tolist()
+
+
+def test_first_candidate_is_greedy_and_bad_candidate_choices_raise():
+    from dejavu_jax.host_choice import first_candidate
+    config, params = _model()
+    engine = dense_engine(config)
+    greedy = generate_tokens(engine, params, PROMPTS, 5, stop_ids=[])
+    top = generate_tokens(engine, params, PROMPTS, 5, stop_ids=[],
+                          choose=dj.TopCandidates(first_candidate, 3))
+    assert top.tokens == greedy.tokens
+    with pytest.raises(ValueError, match="outside the vocabulary"):
+        generate_tokens(engine, params, PROMPTS, 4, stop_ids=[],
+                        choose=dj.TopCandidates(lambda v, i: i[:, 0] + config.vocab_size, 3))
+    for k in (0, config.vocab_size + 1):
+        with pytest.raises(ValueError, match="TopCandidates.k"):
+            generate_tokens(engine, params, PROMPTS, 4, stop_ids=[],
+                            choose=dj.TopCandidates(first_candidate, k))
