@@ -19,7 +19,6 @@ if all(_os.path.isfile(_os.path.join(_root, sub, "__init__.py"))
 
 from dejavu_jax.config import PRESETS, ModelConfig, from_hf_config, preset
 from dejavu_jax.generation import Engine, GenerationResult, dense_engine, generate_tokens
-from dejavu_jax.host_choice import TopCandidates
 from dejavu_jax.loading import load_pretrained
 from dejavu_jax.model import DecodeState, decode_step, init_state, logits, prefill
 from dejavu_jax.params import LayerParams, ModelParams, decode_layout, init_params
@@ -29,5 +28,6 @@ __all__ = [
     "PRESETS", "ModelConfig", "from_hf_config", "preset", "Engine", "GenerationResult",
     "dense_engine", "generate_tokens", "load_pretrained", "DecodeState", "decode_step",
     "init_state", "logits", "prefill", "LayerParams", "ModelParams", "decode_layout",
-    "init_params", "SamplingConfig", "TopCandidates",
+    "init_params",
+    "SamplingConfig",
 ]

@@ -152,8 +152,7 @@ def generate_tokens(engine: Engine, params, prompts: Sequence[Sequence[int]],
     chunk). Results do not depend on it; a row's tokens after its stop id are dropped.
     `on_token(tokens [B])` is called once per generated position (-1 for finished rows),
     for streaming output. `choose(logits)` (float32 numpy [B, V] -> int ids [B]) picks
-    every token on the host instead of `sampling` (`host_choice.TopCandidates` shows it
-    each row's k best only, a cheaper copy), called from inside the device loop once
+    every token on the host instead of `sampling`, called from inside the device loop once
     per token (`host_choice`; pass the same function to reuse the compiled loop); an
     invalid choice raises. Raises ValueError for an empty prompt or an id outside the
     vocabulary. On a GPU, model weights in the fastest layout (`params.decode_layout`, as

@@ -10,30 +10,14 @@ ids: only the logits and the ids cross per token.
 
 from __future__ import annotations
 
-import dataclasses
-from typing import Callable, Union
+from typing import Callable
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 from jax.experimental import io_callback
 
-
-
-@dataclasses.dataclass(frozen=True)
-class TopCandidates:
-    """A host chooser shown each row's k most likely tokens instead of every logit:
-    `choose(logits [B, k] float32, ids [B, k] int32) -> ids [B]`, the candidates in
-    descending order of logit (ties to the lower id), found on the device. Only 8k bytes a
-    row cross to the host instead of 4V, which is most of a host choice's cost on a large
-    vocabulary; a sampler restricted to the top k (top-k, or top-p whose nucleus lies
-    inside them) needs no more. The chosen ids may be any in the vocabulary."""
-
-    choose: Callable[[np.ndarray, np.ndarray], np.ndarray]
-    k: int = 64
-
-
-Chooser = Union[Callable[[np.ndarray], np.ndarray], TopCandidates]
+Chooser = Callable[[np.ndarray], np.ndarray]
 
 
 def checked_ids(ids, batch: int, vocab: int) -> np.ndarray:
@@ -53,28 +37,21 @@ _failures: list[Exception] = []
 
 def host_chosen(choose: Chooser, logits: jax.Array) -> jax.Array:
     """int32 [B]: `choose(logits)` run on the host, where logits is a float32 numpy array
-    [B, V] of this step (a `TopCandidates` chooser: only its k best); callable inside jit and `lax.scan` (each call waits for its step's
+    [B, V] of this step; callable inside jit and `lax.scan` (each call waits for its step's
     logits, and the next step for its ids). A chooser that raises or returns an invalid
     choice (wrong shape, not integers, an id outside [0, V)) does not stop the device
     program: the step gets ids 0 and the error waits for `raise_failed_choice`."""
     batch, vocab = logits.shape
 
-    def call(*host_arrays):
+    def call(host_logits):
         try:
-            return checked_ids(pick(*(np.asarray(a) for a in host_arrays)), batch, vocab)
+            return checked_ids(choose(np.asarray(host_logits)), batch, vocab)
         except Exception as e:  # reported on the host by raise_failed_choice
             _failures.append(e)
             return np.zeros(batch, np.int32)
 
-    logits = logits.astype(jnp.float32)
-    if isinstance(choose, TopCandidates):
-        if not 1 <= choose.k <= vocab:
-            raise ValueError(f"TopCandidates.k must be in [1, {vocab}] (the vocabulary), "
-                             f"got {choose.k}")
-        pick, shown = choose.choose, jax.lax.top_k(logits, choose.k)
-    else:
-        pick, shown = choose, (logits,)
-    return io_callback(call, jax.ShapeDtypeStruct((batch,), jnp.int32), *shown)
+    return io_callback(call, jax.ShapeDtypeStruct((batch,), jnp.int32),
+                       logits.astype(jnp.float32))
 
 
 def raise_failed_choice(pending=None) -> None:
@@ -93,8 +70,3 @@ def raise_failed_choice(pending=None) -> None:
 def host_argmax(logits: np.ndarray) -> np.ndarray:
     """The greedy choice made on the host: each row's argmax (the benchmarks' chooser)."""
     return logits.argmax(-1)
-
-
-def first_candidate(logits: np.ndarray, ids: np.ndarray) -> np.ndarray:
-    """The greedy choice from `TopCandidates`: each row's first candidate."""
-    return ids[:, 0]

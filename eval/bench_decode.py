@@ -20,8 +20,7 @@ Every row of ours reports (`measure_engine`): `ms` / `p90_ms`, ms per token with
 synchronising after every step; `ms_loop`, ms per token with `--steps` steps chained in one
 jitted `lax.fori_loop` (no host round trip; the difference is launch and sync overhead);
 with `--host-choice`, `ms_host`: the same loop with every token chosen on the host (the
-logits' argmax, by a callback from the loop: `host_choice`), and `ms_host_top` with the
-host shown each row's 64 best candidates only (`host_choice.TopCandidates`); `prefill_ms`; compile seconds (`compile_s`, split into prefill, step and loop); the device
+logits' argmax, by a callback from the loop: `host_choice`); `prefill_ms`; compile seconds (`compile_s`, split into prefill, step and loop); the device
 peak memory (`peak_bytes`; a process-lifetime peak, null on CPU) and XLA's estimate for the
 step (`step_peak_bytes`); the bytes a step must read (`step_bytes`), and GB/s and tokens/s
 from `ms_loop`. Bandwidth is reported against two references: the device's specified
@@ -60,15 +59,13 @@ from dejavu_jax.sparse_variants import (TOP_K_VARIANTS, UNION_HEADS, is_selector
 from dejavu_jax.eval.bench_hf import cache_len
 from dejavu_jax.eval.parity_gate import add_parity_argument, require_parity
 from dejavu_jax.eval.provenance import run_meta
-from dejavu_jax.host_choice import (TopCandidates, first_candidate, host_argmax,
-                                    raise_failed_choice)
+from dejavu_jax.host_choice import host_argmax, raise_failed_choice
 from dejavu_jax.params import fuse_qkv, init_params, param_bytes, unstack_layers
 from dejavu_jax.train.predict import default_union_size
 from dejavu_jax.train.predictor_model import Predictor, PredictorParams, decode_predictors
 
 BF16 = jnp.bfloat16
 MODES = ("dense", "sparse") + bench_hf.HF_MODES
-HOST_CANDIDATES = 64  # the candidates a host chooser is shown in the `ms_host_top` row
 
 
 @functools.partial(jax.jit, static_argnums=(0, 1))
@@ -405,9 +402,6 @@ def measure_engine(engine, params, prompt, mask, tokens, max_len: int, warmup: i
     if host_choice:
         per_step, _, state = time_loop(engine.step, params, state, tokens, steps, host_argmax)
         res["ms_host"] = per_step * 1e3
-        per_step, _, state = time_loop(engine.step, params, state, tokens, steps,
-                                       TopCandidates(first_candidate, HOST_CANDIDATES))
-        res["ms_host_top"] = per_step * 1e3
     res["compile_s"] = res["compile_prefill_s"] + res["compile_step_s"] + res["compile_loop_s"]
     res["peak_bytes"] = device_peak_bytes()
     del state

@@ -13,8 +13,6 @@ The dense engine on random bf16 weights, context 128, batch 1. Rows, ms per toke
   sync_floor       a jitted function of the token alone, synced: one dispatch and one wait
   host_chosen      the chained loop with every token chosen on the host by a callback from
                    the loop (`host_choice`: the logits' argmax)
-  host_chosen_top  the same, the host shown each row's 64 best candidates
-                   (`host_choice.TopCandidates`), not the whole row of logits
   callback_floor   per iteration of a jitted loop that only makes a host callback of a
                    token; callback_logits, the same with one row of logits (V float32)
 Each with the per-layer buffers `generate` decodes with (`params.decode_layout`) and, with
@@ -98,8 +96,7 @@ def callback_seconds(logits, steps: int) -> float:
 
 def measure(config, params, per_layer: bool, steps: int, warmup: int) -> dict:
     """The rows of the module doc for one params layout: {name: ms}."""
-    from dejavu_jax.eval.bench_decode import HOST_CANDIDATES, time_loop
-    from dejavu_jax.host_choice import TopCandidates, first_candidate
+    from dejavu_jax.eval.bench_decode import time_loop
     from dejavu_jax.eval.bench_hf import cache_len
     from dejavu_jax.generation import dense_engine
     engine = dense_engine(config)
@@ -133,9 +130,6 @@ def measure(config, params, per_layer: bool, steps: int, warmup: int) -> dict:
     per, _, holder["state"] = time_loop(engine.step, params, holder["state"], tokens, steps,
                                         host_argmax)
     rows["host_chosen"] = per
-    per, _, holder["state"] = time_loop(engine.step, params, holder["state"], tokens, steps,
-                                        TopCandidates(first_candidate, HOST_CANDIDATES))
-    rows["host_chosen_top"] = per
     rows["callback_floor"] = callback_seconds(jnp.zeros((1, 1), jnp.float32), steps)
     rows["callback_logits"] = callback_seconds(jnp.zeros((1, config.vocab_size), jnp.float32),
                                                steps)
