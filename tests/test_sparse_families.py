@@ -46,7 +46,8 @@ def test_density_one_equals_dense_every_step(name, prompts):
     for i, (dense_logits, sparse_logits) in enumerate(steps):
         assert_finite_close(sparse_logits, dense_logits, atol=2e-6 * scale,
                             err_msg=f"step {i}")
-    if name == "gemma3":  # the window matters: without it the last step is far off
+    if name == "gemma3" and len(prompts) > 1:
+        # the window matters (checked once, on the batch): without it the last step is off
         no_window = config.replace(sliding_layers=(), sliding_window=None)
         far = _run_both(no_window, params, _full_sparse(no_window, kv_window=4,
                                                         batch_policy="kernels"),
