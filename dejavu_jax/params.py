@@ -28,7 +28,6 @@ import functools
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 from flax import struct
 
 from dejavu_jax.config import ModelConfig
@@ -130,13 +129,13 @@ def model_shapes(config: ModelConfig) -> dict[str, tuple[int, ...] | None]:
     }
 
 
-@functools.partial(jax.jit, static_argnames=("shape", "dtype"))
-def _random_leaf(key: jax.Array, shape: tuple[int, ...], dtype, scale: jax.Array,
-                 norm_scale: jax.Array) -> jax.Array:
-    """normal(0, scale) of `shape`, or 1 + normal(0, 0.1) for a norm scale (norm_scale
-    true), as `dtype`; one compile per shape and dtype, shared by every config and std."""
+@functools.partial(jax.jit, static_argnames=("shape", "dtype", "scale", "norm_scale"))
+def _random_leaf(key: jax.Array, shape: tuple[int, ...], dtype, scale: float,
+                 norm_scale: bool) -> jax.Array:
+    """normal(0, scale) of `shape`, or 1 + normal(0, 0.1) for a norm scale, as `dtype`; one
+    compile per shape, dtype and scale, shared by every config."""
     x = jax.random.normal(key, shape)
-    return jnp.where(norm_scale, 1.0 + 0.1 * x, scale * x).astype(dtype)
+    return ((1.0 + 0.1 * x) if norm_scale else (scale * x)).astype(dtype)
 
 
 def init_params(config: ModelConfig, key: jax.Array, dtype=jnp.bfloat16,
@@ -155,8 +154,8 @@ def init_params(config: ModelConfig, key: jax.Array, dtype=jnp.bfloat16,
         scale = std if len(shape) >= 2 and "norm" not in name else 0.1 * std
         if name in ("b_in",):
             scale = std
-        out[name] = _random_leaf(keys[name], shape, jnp.dtype(dtype), np.float32(scale),
-                                 np.bool_("norm_scale" in name))
+        out[name] = _random_leaf(keys[name], shape, jnp.dtype(dtype), float(scale),
+                                 "norm_scale" in name)
     layers = LayerParams(**{k: out.pop(k) for k in layer_shapes(config).keys()})
     return ModelParams(layers=layers, **out)
 
