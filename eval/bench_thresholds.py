@@ -117,41 +117,50 @@ def time_kernels(log, shapes=((3584, 18944), (4096, 14336), (1536, 8960)),
                              gbs=read / us / 1e3, vs_dense=dense_us / us))
             log(json.dumps(rows[-2]))
             log(json.dumps(rows[-1]))
-    return rows + time_threshold_variants(log, timed, shapes)
+    return rows + time_threshold_variants(log, timed, shapes[1:])
 
 
-# (block_rows, row_blocks, block_n, num_warps) of the input-sparse GEMV
-THRESHOLD_VARIANTS = ((16, 4, 512, 4), (16, 8, 512, 4), (32, 4, 512, 4), (16, 4, 256, 4),
-                      (16, 2, 256, 4), (16, 4, 1024, 8))
+# (block_rows, row_blocks, block_n, num_warps, num_stages) of the input-sparse GEMV
+THRESHOLD_VARIANTS = ((16, 4, 512, 4, 2), (16, 4, 512, 4, 3), (16, 8, 512, 4, 3),
+                      (16, 8, 512, 4, 4), (16, 16, 512, 4, 3), (16, 16, 256, 4, 4),
+                      (32, 8, 256, 4, 3), (8, 16, 512, 4, 3), (16, 8, 1024, 8, 3),
+                      (32, 16, 512, 8, 3), (16, 32, 256, 4, 4))
 
 
 def time_threshold_variants(log, timed, shapes, sparsities=(0.0, 0.5)) -> list[dict]:
-    """µs of the input-sparse GEMV's block-size variants, batch 1, on both of
-    an MLP's shapes: into the residual (the down projection, K = F) and as partials (the
-    up projection, K = d)."""
+    """µs of the input-sparse GEMV's block-size variants, batch 1, on both of an MLP's
+    shapes: into the residual (the down projection, K = F; atomic adds, and as partials
+    summed after for comparison) and as partials (the up projection, K = d)."""
     from dejavu_jax.kernels.threshold_matvec import threshold_matvec
     rows = []
     for d, F in shapes:
-        for K, N, residual in ((F, d, True), (d, F, False)):
+        for K, N, mode in ((F, d, "residual"), (F, d, "partials"), (d, F, "partials")):
             key = jax.random.key(K)
             x = jax.random.normal(key, (1, K), BF16)
             w_t = jax.random.normal(key, (K, N), BF16) * 0.02
-            r = jnp.zeros((1, N), jnp.float32) if residual else None
+            r = jnp.zeros((1, N), jnp.float32)
             for s in sparsities:
                 t = float(np.quantile(np.abs(np.asarray(x, np.float32)), s)) if s else 0.0
-                for bk, kb, bn, warps in THRESHOLD_VARIANTS:
+                for bk, kb, bn, warps, stages in THRESHOLD_VARIANTS:
                     fn = functools.partial(threshold_matvec, block_rows=bk, row_blocks=kb,
                                            block_n=min(bn, N), num_warps=warps,
-                                           impl="pallas")
+                                           num_stages=stages, impl="pallas")
+                    if mode == "residual":
+                        def call(a, b, res, fn=fn, t=t):
+                            return fn(a, b, t, residual=res)
+                    else:
+                        def call(a, b, res, fn=fn, t=t):
+                            return res + fn(a, b, t)
                     try:
-                        us = timed(lambda a, b, res: fn(a, b, t, residual=res), x, w_t, r)
+                        us = timed(call, x, w_t, r)
                     except Exception as e:  # a variant Triton rejects: report, go on
-                        log(f"variant {bk},{kb},{bn},{warps} failed: "
+                        log(f"variant {bk},{kb},{bn},{warps},{stages} failed: "
                             f"{type(e).__name__}: {str(e)[:200]}")
                         continue
                     rows.append(dict(kernel="threshold_matvec-variant", K=K, N=N,
-                                     residual=residual, sparsity=s, block_rows=bk,
-                                     row_blocks=kb, block_n=bn, num_warps=warps, us=us,
+                                     residual=mode == "residual", mode=mode, sparsity=s,
+                                     block_rows=bk, row_blocks=kb, block_n=bn,
+                                     num_warps=warps, num_stages=stages, us=us,
                                      gbs=K * N * 2 * (1 - s) / us / 1e3))
                     log(json.dumps(rows[-1]))
     return rows

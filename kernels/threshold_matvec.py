@@ -110,14 +110,15 @@ def threshold_matvec_part(x, w_t, threshold, *, residual=None, bias=None, block_
 
 
 def threshold_matvec(x, w_t, threshold, *, residual=None, bias=None, block_rows=16,
-                     block_n=512, row_blocks=4, num_warps=4, impl=None):
+                     block_n=512, row_blocks=4, num_warps=4, num_stages=2, impl=None):
     """``(x masked to |x| > threshold) @ w_t`` (+ bias, + residual) as fp32 ``[B, N]``,
     reading only the rows of ``w_t [K, N]`` that some row of ``x [B, K]`` keeps.
 
     threshold: a scalar (array); residual: fp32 ``[B, N]``, updated in place when the
     caller donates it (the chunks add into it atomically, so the low bits of the fp32 sums
     vary between runs). block_rows (a power of two) rows per block, row_blocks blocks per
-    program, block_n (a power of two) columns per program.
+    program, block_n (a power of two) columns per program; num_stages: Triton's software
+    pipelining depth of the loop over the blocks (from 5 blocks on).
     """
     check_array("x", x, ndim=2, floating=True)
     check_array("w_t", w_t, ndim=2, floating=True)
@@ -137,7 +138,8 @@ def threshold_matvec(x, w_t, threshold, *, residual=None, bias=None, block_rows=
     part = threshold_matvec_part(x, w_t, threshold, residual=residual, bias=bias,
                                  block_rows=block_rows, block_n=block_n,
                                  row_blocks=row_blocks)
-    (out,), = launch([part], num_warps=num_warps, interpret=impl == "interpret")
+    (out,), = launch([part], num_warps=num_warps, num_stages=num_stages,
+                     interpret=impl == "interpret")
     if residual is not None:
         return out
     out = jnp.sum(out, axis=0)

@@ -17,10 +17,12 @@ def _numpy_threshold(x, w_t, t, residual=None, bias=None):
     return out if residual is None else residual + out
 
 
-@pytest.mark.parametrize("B,K,N,residual", [(1, 200, 300, False), (3, 200, 300, False),
-                                            (1, 96, 640, True), (2, 96, 640, True)])
-def test_threshold_matvec_equals_numpy(rng, B, K, N, residual):
-    """K and N not multiples of the blocks; about 60% of the channels dropped per row."""
+@pytest.mark.parametrize("B,K,N,residual,row_blocks", [
+    (1, 200, 300, False, 2), (3, 200, 300, False, 2), (1, 96, 640, True, 2),
+    (2, 96, 640, True, 2), (1, 300, 200, True, 8), (2, 300, 200, False, 8)])
+def test_threshold_matvec_equals_numpy(rng, B, K, N, residual, row_blocks):
+    """K and N not multiples of the blocks; about 60% of the channels dropped per row;
+    row_blocks 8 takes the kernel's loop over blocks (up to 4 are unrolled)."""
     x = rng.standard_normal((B, K)).astype(np.float32)
     w_t = rng.standard_normal((K, N)).astype(np.float32)
     t = float(np.quantile(np.abs(x), 0.6))
@@ -29,7 +31,8 @@ def test_threshold_matvec_equals_numpy(rng, B, K, N, residual):
     got = threshold_matvec(jnp.asarray(x), jnp.asarray(w_t), jnp.float32(t),
                            residual=None if res is None else jnp.asarray(res),
                            bias=None if bias is None else jnp.asarray(bias),
-                           block_rows=16, block_n=128, row_blocks=2, impl="interpret")
+                           block_rows=16, block_n=128, row_blocks=row_blocks,
+                           impl="interpret")
     assert_finite_close(np.asarray(got), _numpy_threshold(x, w_t, t, res, bias), rtol=1e-5,
                         atol=1e-4)
     ref = threshold_matvec(jnp.asarray(x), jnp.asarray(w_t), jnp.float32(t),
