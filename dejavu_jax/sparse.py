@@ -515,7 +515,8 @@ def _threshold_layer_kernels(config, scfg, lp, io: _LayerIO, layer, x, step, t):
     activations; the out-projection and fc2 add into the residual rows in their launches
     unless a post-norm comes between."""
     from dejavu_jax import activation_sparsity as act
-    from dejavu_jax.kernels.threshold_matvec import row_masked_matvec, threshold_matvec
+    from dejavu_jax.kernels.threshold_matvec import (row_masked_matvec, threshold_matvec,
+                                                     threshold_matvecs)
     from dejavu_jax.model import cache_layer, cached_attention, write_kv
     impl, eps = scfg.impl, config.norm_eps
     B = x.shape[0]
@@ -533,11 +534,16 @@ def _threshold_layer_kernels(config, scfg, lp, io: _LayerIO, layer, x, step, t):
         out = threshold_matvec(heads, lp.wo_t, t[act.O], bias=lp.bo, impl=impl)
         h = x + ops.norm(out, lp.post_attn_norm_scale, None, eps)
     ym = ops.norm_input(h, lp.mlp_norm_scale, lp.mlp_norm_bias, eps)
-    if lp.w_in_t is not None:
+    if lp.w_in_t is not None and lp.w_gate_t is not None:
+        gate, up = threshold_matvecs(ym, [lp.w_gate_t, lp.w_in_t], t[act.GATE_UP], impl=impl)
+        gate = ops.activation(config.activation, gate)
+        up = ops.add_bias(up, lp.b_in)
+    elif lp.w_in_t is not None:
         up = ops.add_bias(threshold_matvec(ym, lp.w_in_t, t[act.GATE_UP], impl=impl), lp.b_in)
-    if lp.w_gate_t is not None:
+    elif lp.w_gate_t is not None:
         gate = ops.activation(config.activation,
                               threshold_matvec(ym, lp.w_gate_t, t[act.GATE_UP], impl=impl))
+    if lp.w_gate_t is not None:
         neurons = act.gate_magnitude(lp, gate) > t[act.GATE]
         if lp.w_in_t is None:  # the gate site's layout: whole rows of the kept neurons
             up = ops.add_bias(row_masked_matvec(act.sparse_input(ym, t[act.GATE_UP]),

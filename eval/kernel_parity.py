@@ -517,8 +517,10 @@ def predictor_rows(impl: str) -> list[dict]:
     return rows
 
 
-# (model, whether the up projection keeps its neuron rows: the gate site reads them)
-THRESHOLD_CASES = (("llama-tiny", True), ("opt-tiny", False), ("gemma3-tiny", True))
+# (model, whether the up projection keeps its neuron rows: the gate site reads them; a
+# gated model without them runs TEAL's sites, its gate and up in one launch)
+THRESHOLD_CASES = (("llama-tiny", True), ("llama-tiny", False), ("opt-tiny", False),
+                   ("gemma3-tiny", True))
 
 
 def threshold_rows(impl: str, steps: int, cases=None, kernels: bool = True) -> list[dict]:
@@ -561,7 +563,8 @@ def _threshold_decode_rows(impl: str, steps: int, cases) -> list[dict]:
 
 
 def _threshold_kernel_rows(impl: str) -> list[dict]:
-    from dejavu_jax.kernels.threshold_matvec import row_masked_matvec, threshold_matvec
+    from dejavu_jax.kernels.threshold_matvec import (row_masked_matvec, threshold_matvec,
+                                                     threshold_matvecs)
     rng = np.random.default_rng(9)
     rows = []
     for B, K, N in ((1, 1536, 8960), (3, 8960, 1536), (1, 2048, 2560)):
@@ -581,6 +584,12 @@ def _threshold_kernel_rows(impl: str) -> list[dict]:
                     for i in (impl, "reference"))
         rows.append(dict(check="threshold", kernel="row_masked_matvec", B=B, F=K, d=N,
                          logits=float(jnp.abs(got - ref).max()), k_cache=0.0))
+        w2 = jnp.asarray(rng.standard_normal((K, 2 * N)) * K ** -0.5, jnp.float32)
+        got, ref = (jax.jit(functools.partial(threshold_matvecs, impl=i))(x, [w, w2], t)
+                    for i in (impl, "reference"))
+        rows.append(dict(check="threshold", kernel="threshold_matvecs", B=B, K=K, N=N,
+                         logits=max(float(jnp.abs(g - r).max()) for g, r in zip(got, ref)),
+                         k_cache=0.0))
     return rows
 
 

@@ -355,11 +355,12 @@ def test_profile_search_runs_end_to_end_on_a_tiny_model():
 # Qwen2's biases and Gemma 3's post-norms through these kernels: kernel_parity's
 # threshold check (gemma3-tiny) and the scorer tests above (the reference path)
 @pytest.mark.parametrize("name,up_rows,unrolled", [("llama-tiny", True, True),
+                                                   ("llama-tiny", False, True),
                                                    ("opt-tiny", False, False)])
 def test_threshold_kernels_decode_like_the_reference(name, up_rows, unrolled):
     """Teacher-forced threshold decoding through the Pallas kernels (interpreted) on
     input-major weights (the up projection by neuron rows under the gate site, or by input
-    channels) equals the jnp computation on the usual weights, step by step; per-layer
+    channels: a gated MLP's gate and up then share one launch) equals the jnp computation on the usual weights, step by step; per-layer
     buffers and stacked weights."""
     from dejavu_jax.params import input_major
     config, params = _model(name)

@@ -6,7 +6,8 @@ import numpy as np
 import pytest
 from conftest import assert_finite_close
 
-from dejavu_jax.kernels.threshold_matvec import row_masked_matvec, threshold_matvec
+from dejavu_jax.kernels.threshold_matvec import (row_masked_matvec, threshold_matvec,
+                                                 threshold_matvecs)
 
 
 def _numpy_threshold(x, w_t, t, residual=None, bias=None):
@@ -40,6 +41,19 @@ def test_threshold_matvec_equals_numpy(rng, B, K, N, residual, row_blocks):
                            bias=None if bias is None else jnp.asarray(bias),
                            impl="reference")
     assert_finite_close(np.asarray(got), np.asarray(ref), rtol=1e-5, atol=1e-4)
+
+
+@pytest.mark.parametrize("B", [1, 2])
+def test_threshold_matvecs_equal_numpy(rng, B):
+    """Two matrices of one masked input in one launch, each against numpy."""
+    x = rng.standard_normal((B, 150)).astype(np.float32)
+    ws = [rng.standard_normal((150, n)).astype(np.float32) for n in (200, 330)]
+    t = float(np.quantile(np.abs(x), 0.5))
+    got = threshold_matvecs(jnp.asarray(x), [jnp.asarray(w) for w in ws], jnp.float32(t),
+                            block_rows=16, block_n=128, row_blocks=8, impl="interpret")
+    assert len(got) == 2
+    for g, w in zip(got, ws):
+        assert_finite_close(np.asarray(g), _numpy_threshold(x, w, t), rtol=1e-5, atol=1e-4)
 
 
 def test_threshold_matvec_skips_the_rows_it_drops(rng):
