@@ -81,7 +81,7 @@ def _threshold_body(pids, x_ref, t_ref, w_ref, *rest, B, Bp, K, N, bk, bn, kbloc
 
 
 def threshold_matvec_part(x, w_t, threshold, *, residual=None, bias=None, block_rows=16,
-                          block_n=512, row_blocks=8) -> LaunchPart:
+                          block_n=512, row_blocks=4) -> LaunchPart:
     """:func:`threshold_matvec`'s kernel as a :class:`~.launch.LaunchPart`: outputs fp32
     partials ``[n_chunks, B, N]``, or ``[B, N]`` (residual, bias and the product) with
     ``residual``."""
@@ -110,7 +110,7 @@ def threshold_matvec_part(x, w_t, threshold, *, residual=None, bias=None, block_
 
 
 def threshold_matvec(x, w_t, threshold, *, residual=None, bias=None, block_rows=16,
-                     block_n=512, row_blocks=8, num_warps=4, num_stages=4, impl=None):
+                     block_n=512, row_blocks=4, num_warps=4, num_stages=2, impl=None):
     """``(x masked to |x| > threshold) @ w_t`` (+ bias, + residual) as fp32 ``[B, N]``,
     reading only the rows of ``w_t [K, N]`` that some row of ``x [B, K]`` keeps.
 
@@ -146,8 +146,8 @@ def threshold_matvec(x, w_t, threshold, *, residual=None, bias=None, block_rows=
     return out if bias is None else out + bias.astype(F32)
 
 
-def threshold_matvecs(x, w_ts, threshold, *, block_rows=16, block_n=512, row_blocks=8,
-                      num_warps=4, num_stages=4, impl=None) -> list:
+def threshold_matvecs(x, w_ts, threshold, *, block_rows=16, block_n=512, row_blocks=4,
+                      num_warps=4, num_stages=2, impl=None) -> list:
     """:func:`threshold_matvec` of one masked ``x`` by several matrices (a gated MLP's gate
     and up projections) in one launch: fp32 ``[B, N_i]`` per ``w_ts[i] [K, N_i]``."""
     check_array("x", x, ndim=2, floating=True)
