@@ -213,3 +213,30 @@ def test_threshold_kernels_lower(B):
            z(B, F), z(F, d), z(B, d, dtype=F32), z(d))
     lowers(lambda x, w, k: row_masked_matvec(x, w, k, impl="pallas"), z(B, d), z(F, d),
            jnp.zeros((F,), bool))
+
+
+@pytest.mark.parametrize("up_rows", [False, True])
+def test_threshold_decode_step_lowers(up_rows):
+    """The threshold decode step of a gated model on input-major weights: with TEAL's
+    sites the gate and up projections share one launch, under the gate site the up
+    projection reads neuron rows; q/k/v, the out-projection and the down projection one
+    input-sparse launch each, in every layer."""
+    from dejavu_jax.params import input_major, unstack_layers
+    config = dj.preset("llama-tiny")
+    params = unstack_layers(input_major(dj.init_params(config, jax.random.key(0), BF16),
+                                        up_rows=up_rows))
+    sites = ("qkv", "o", "gate_up", "gate", "down") if up_rows else ("qkv", "o", "gate_up",
+                                                                       "down")
+    scfg = sparse.threshold_config(config, sites, impl="pallas")
+    eng = sparse.sparse_engine(config, scfg, sparse.no_selector)
+    thresholds = jnp.full((config.n_layers, 5), 0.1, F32)
+    state = jax.eval_shape(lambda: eng.init_state(1, 32, BF16, per_layer=True))
+    text = lowers(eng.step, (params, thresholds), state, jnp.zeros((1,), jnp.int32))
+    launches = triton_launch_sites(text)
+    L = config.n_layers
+    if up_rows:
+        assert launches.get("threshold_matvec") == 4 * L
+        assert launches.get("row_masked_matvec") == L
+    else:
+        assert launches.get("threshold_matvec") == 3 * L
+        assert launches.get("threshold_matvec_threshold_matvec") == L
