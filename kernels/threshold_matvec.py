@@ -109,6 +109,16 @@ def threshold_matvec_part(x, w_t, threshold, *, residual=None, bias=None, block_
                       name="threshold_matvec")
 
 
+def _check_inputs(x, w_ts, block_rows, block_n):
+    check_array("x", x, ndim=2, floating=True)
+    for w_t in w_ts:
+        check_array("w_t", w_t, ndim=2, floating=True)
+        if w_t.shape[0] != x.shape[1]:
+            raise ValueError(f"w_t has {w_t.shape[0]} rows, x {x.shape[1]} channels")
+    if not (is_pow2(block_rows) and is_pow2(block_n)):
+        raise ValueError(f"block_rows={block_rows} and block_n={block_n} must be powers of 2")
+
+
 def threshold_matvec(x, w_t, threshold, *, residual=None, bias=None, block_rows=16,
                      block_n=512, row_blocks=4, num_warps=4, num_stages=2, impl=None):
     """``(x masked to |x| > threshold) @ w_t`` (+ bias, + residual) as fp32 ``[B, N]``,
@@ -120,12 +130,7 @@ def threshold_matvec(x, w_t, threshold, *, residual=None, bias=None, block_rows=
     program, block_n (a power of two) columns per program; num_stages: Triton's software
     pipelining depth of the loop over the blocks (from 5 blocks on).
     """
-    check_array("x", x, ndim=2, floating=True)
-    check_array("w_t", w_t, ndim=2, floating=True)
-    if w_t.shape[0] != x.shape[1]:
-        raise ValueError(f"w_t has {w_t.shape[0]} rows, x {x.shape[1]} channels")
-    if not (is_pow2(block_rows) and is_pow2(block_n)):
-        raise ValueError(f"block_rows={block_rows} and block_n={block_n} must be powers of 2")
+    _check_inputs(x, [w_t], block_rows, block_n)
     if residual is not None and (residual.shape != (x.shape[0], w_t.shape[1])
                                  or residual.dtype != F32):
         raise ValueError(f"residual must be fp32 {(x.shape[0], w_t.shape[1])}, got "
@@ -150,13 +155,7 @@ def threshold_matvecs(x, w_ts, threshold, *, block_rows=16, block_n=512, row_blo
                       num_warps=4, num_stages=2, impl=None) -> list:
     """:func:`threshold_matvec` of one masked ``x`` by several matrices (a gated MLP's gate
     and up projections) in one launch: fp32 ``[B, N_i]`` per ``w_ts[i] [K, N_i]``."""
-    check_array("x", x, ndim=2, floating=True)
-    for w_t in w_ts:
-        check_array("w_t", w_t, ndim=2, floating=True)
-        if w_t.shape[0] != x.shape[1]:
-            raise ValueError(f"w_t has {w_t.shape[0]} rows, x {x.shape[1]} channels")
-    if not (is_pow2(block_rows) and is_pow2(block_n)):
-        raise ValueError(f"block_rows={block_rows} and block_n={block_n} must be powers of 2")
+    _check_inputs(x, w_ts, block_rows, block_n)
     impl = resolve_impl(impl)
     if impl == "reference":
         return [threshold_matvec_reference(x, w_t, threshold) for w_t in w_ts]

@@ -360,8 +360,8 @@ def test_profile_search_runs_end_to_end_on_a_tiny_model():
 def test_threshold_kernels_decode_like_the_reference(name, up_rows, unrolled):
     """Teacher-forced threshold decoding through the Pallas kernels (interpreted) on
     input-major weights (the up projection by neuron rows under the gate site, or by input
-    channels: a gated MLP's gate and up then share one launch) equals the jnp computation on the usual weights, step by step; per-layer
-    buffers and stacked weights."""
+    channels: a gated MLP's gate and up then share one launch) equals the jnp computation
+    on the usual weights, step by step; per-layer buffers and stacked weights."""
     from dejavu_jax.params import input_major
     config, params = _model(name)
     ids = np.random.default_rng(8).integers(3, config.vocab_size, (1, 8)).astype(np.int32)

@@ -225,8 +225,7 @@ def test_threshold_decode_step_lowers(up_rows):
     config = dj.preset("llama-tiny")
     params = unstack_layers(input_major(dj.init_params(config, jax.random.key(0), BF16),
                                         up_rows=up_rows))
-    sites = ("qkv", "o", "gate_up", "gate", "down") if up_rows else ("qkv", "o", "gate_up",
-                                                                       "down")
+    sites = ("qkv", "o", "gate_up", "down") + (("gate",) if up_rows else ())
     scfg = sparse.threshold_config(config, sites, impl="pallas")
     eng = sparse.sparse_engine(config, scfg, sparse.no_selector)
     thresholds = jnp.full((config.n_layers, 5), 0.1, F32)
