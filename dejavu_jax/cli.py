@@ -83,6 +83,18 @@ def presets(text: str) -> list[str]:
     return names
 
 
+def choice_list(choices):
+    """An argparse type: a comma list of names from `choices`."""
+    def parse(text: str) -> tuple[str, ...]:
+        names = tuple(t.strip() for t in text.split(",") if t.strip())
+        unknown = [n for n in names if n not in choices]
+        if unknown or not names:
+            raise argparse.ArgumentTypeError(f"unknown {unknown or text!r}; choose from "
+                                             f"{', '.join(choices)}")
+        return names
+    return parse
+
+
 def fractions(text: str) -> list[float]:
     """An argparse type: one fraction, a comma list of them, or @FILE with one per line."""
     if text.startswith("@"):

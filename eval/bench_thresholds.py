@@ -16,7 +16,7 @@ on input-major weights (`kernels.threshold_matvec`), and with --hf the Hugging F
 modes (`eval.bench_hf`). ms per token with the host synchronising each step (`ms`) and
 with the steps chained on the device (`ms_loop`); the decoder bytes each step skips are
 measured by the scorer on a random window at the same thresholds. `--kernels` adds the
-kernels alone against XLA's dense GEMV at MLP shapes. The run opens with
+kernels alone at MLP shapes against XLA's dense ones (`time_kernels`). The run opens with
 `eval.kernel_parity` on the GPU.
 """
 
@@ -76,13 +76,13 @@ def measured_skip(config, params, scfg, thresholds, tokens: int = 64) -> float:
     return 1.0 - float(np.asarray(read_fraction(config, scfg, sets))[0, 1:].mean())
 
 
-def time_kernels(log, shapes=((3584, 18944), (4096, 14336), (1536, 8960)),
-                 sparsities=(0.0, 0.4, 0.5, 0.6), reps: int = 50) -> list[dict]:
-    """µs and GB/s of the input-sparse GEMV and the row-masked GEMV at MLP shapes (d, F)
-    against XLA's dense GEMV of the same matrix, chained `reps` times in one jit."""
-    from dejavu_jax.kernels.threshold_matvec import row_masked_matvec, threshold_matvec
-    rows = []
+MLP_SHAPES = ((3584, 18944), (4096, 14336), (1536, 8960))  # (d, F): qwen2.5-7b, llama3-8b, 1.5b
+KERNEL_GROUPS = ("gemv", "gemv-variants", "gate-mlp")
 
+
+def chain_timer(reps: int = 50):
+    """``timed(fn, *args)``: µs per call of ``fn`` chained `reps` times in one jit, the
+    median of five chains (one chain is about a millisecond)."""
     def timed(fn, *args):
         def chain(*a):
             def body(_, acc):
@@ -91,12 +91,34 @@ def time_kernels(log, shapes=((3584, 18944), (4096, 14336), (1536, 8960)),
         run = jax.jit(chain)
         jax.block_until_ready(run(*args))
         times = []
-        for _ in range(5):  # one chain is about a millisecond: the median of five
+        for _ in range(5):
             t = time.perf_counter()
             jax.block_until_ready(run(*args))
             times.append(time.perf_counter() - t)
         return float(np.median(times)) / reps * 1e6
+    return timed
 
+
+def time_kernels(log, groups=KERNEL_GROUPS, shapes=MLP_SHAPES) -> list[dict]:
+    """The kernels alone at MLP shapes (d, F), by group: ``gemv`` (the input-sparse and
+    row-masked GEMVs against XLA's dense GEMV of the same matrix), ``gemv-variants`` (the
+    input-sparse GEMV's block sizes), ``gate-mlp`` (the gate site's up and down)."""
+    timed = chain_timer()
+    rows = []
+    if "gemv" in groups:
+        rows += time_gemvs(log, timed, shapes)
+    if "gemv-variants" in groups:
+        rows += time_threshold_variants(log, timed, shapes)
+    if "gate-mlp" in groups:
+        rows += time_gate_mlp(log, timed, shapes)
+    return rows
+
+
+def time_gemvs(log, timed, shapes, sparsities=(0.0, 0.4, 0.5, 0.6)) -> list[dict]:
+    """µs and GB/s of the input-sparse GEMV and the row-masked GEMV against XLA's dense
+    GEMV of the same matrix."""
+    from dejavu_jax.kernels.threshold_matvec import row_masked_matvec, threshold_matvec
+    rows = []
     for d, F in shapes:
         key = jax.random.key(d)
         x = jax.random.normal(key, (1, F), BF16)
@@ -120,7 +142,62 @@ def time_kernels(log, shapes=((3584, 18944), (4096, 14336), (1536, 8960)),
                              gbs=read / us / 1e3, vs_dense=dense_us / us))
             log(json.dumps(rows[-2]))
             log(json.dumps(rows[-1]))
-    return rows + time_threshold_variants(log, timed, shapes)
+    return rows
+
+
+# (block_rows, block_d, num_warps) of the gate-masked MLP
+GATE_MLP_VARIANTS = ((32, 256, 4), (16, 256, 4), (16, 512, 4), (64, 128, 4), (32, 128, 4),
+                     (64, 256, 8), (32, 512, 8))
+
+
+def time_gate_mlp(log, timed, shapes, kept=(1.0, 0.5, 0.3)) -> list[dict]:
+    """µs of a gated MLP's up and down projections under the gate site, batch 1, for a
+    fraction `kept` of the neurons: XLA's dense pair, the two launches (row-masked up,
+    input-sparse down into the residual) and the one-launch gate-masked MLP's variants.
+    GB/s on the up and down rows of the kept neurons."""
+    from dejavu_jax.kernels.gate_masked_mlp import gate_masked_mlp
+    from dejavu_jax.kernels.threshold_matvec import row_masked_matvec, threshold_matvec
+    rows = []
+    for d, F in shapes:
+        key = jax.random.key(F)
+        y = jax.random.normal(key, (1, d), BF16)
+        w_up = jax.random.normal(key, (F, d), BF16) * 0.02
+        w_down_t = jax.random.normal(jax.random.key(1), (F, d), BF16) * 0.02
+        r = jnp.zeros((1, d), jnp.float32)
+        gate = jax.random.normal(jax.random.key(2), (1, F), jnp.float32)
+
+        def dense(a, wu, wd, res, g):
+            up = jnp.dot(a, wu.T, preferred_element_type=jnp.float32)
+            return res + jnp.dot((g * up).astype(BF16), wd, preferred_element_type=jnp.float32)
+        dense_us = timed(dense, y, w_up, w_down_t, r, gate)
+        rows.append(dict(kernel="xla-dense-up-down", d=d, F=F, kept=1.0, us=dense_us,
+                         gbs=2 * F * d * 2 / dense_us / 1e3))
+        log(json.dumps(rows[-1]))
+        for k in kept:
+            keep = jax.random.uniform(jax.random.key(3), (1, F)) < k
+            gate_kept = jnp.where(keep, gate, 0.0)
+            read = 2 * F * d * 2 * k
+
+            def two_launches(a, wu, wd, res, g):
+                up = row_masked_matvec(a, wu, g[0] != 0, impl="pallas")
+                return threshold_matvec(g * up, wd, 0.0, residual=res, impl="pallas")
+            variants = [("two-launches", two_launches, {})]
+            for bk, bd, warps in GATE_MLP_VARIANTS:
+                fn = functools.partial(gate_masked_mlp, block_rows=bk, block_d=bd,
+                                       num_warps=warps, impl="pallas")
+                variants.append(("gate_masked_mlp",
+                                 lambda a, wu, wd, res, g, fn=fn: fn(a, g, wu, wd, 0.0, res),
+                                 dict(block_rows=bk, block_d=bd, num_warps=warps)))
+            for name, call, opts in variants:
+                try:
+                    us = timed(call, y, w_up, w_down_t, r, gate_kept)
+                except Exception as e:  # a variant Triton rejects: report, go on
+                    log(f"{name} {opts} failed: {type(e).__name__}: {str(e)[:200]}")
+                    continue
+                rows.append(dict(kernel=name, d=d, F=F, kept=k, **opts, us=us,
+                                 gbs=read / us / 1e3, vs_dense=dense_us / us))
+                log(json.dumps(rows[-1]))
+    return rows
 
 
 # (block_rows, row_blocks, block_n, num_warps, num_stages) of the input-sparse GEMV
@@ -255,7 +332,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--steps", type=cli.positive_int, default=20)
     p.add_argument("--hf", default="", help="HF modes to time too: hf-eager,hf-compiled")
     p.add_argument("--hf-python", default=sys.executable)
-    p.add_argument("--kernels", action="store_true", help="also time the kernels alone")
+    p.add_argument("--kernels", type=cli.choice_list(KERNEL_GROUPS), default=(),
+                   help=f"also time the kernels alone: a comma list of {', '.join(KERNEL_GROUPS)}")
     p.add_argument("--no-models", action="store_true", help="the kernels only")
     p.add_argument("--out", type=Path, required=True)
     add_parity_argument(p)
@@ -292,7 +370,7 @@ def main(argv: list[str] | None = None) -> int:
         (args.out / "bench_thresholds.json").write_text(json.dumps(result, indent=1))
 
     if args.kernels:
-        result["kernels"] = time_kernels(log)
+        result["kernels"] = time_kernels(log, args.kernels)
         save()
     rows = [dict(r, mode=r["mode"], levels="-", skipped=0.0) for r in (hf or {}).get("rows", [])]
     for name in [] if args.no_models else models:
