@@ -512,13 +512,11 @@ def _threshold_layer_kernels(config, scfg, lp, io: _LayerIO, layer, x, step, t):
     and the out-projection, the gate (and without the gate site the up projection) read
     the kept input channels' rows of their input-major weights, the up projection under
     the gate site the rows of the neurons that pass it, fc2 the rows of nonzero
-    activations (at batch 1 under the gate site, the up and down projections in one
-    launch); the out-projection and fc2 add into the residual rows in their launches
+    activations; the out-projection and fc2 add into the residual rows in their launches
     unless a post-norm comes between."""
     from dejavu_jax import activation_sparsity as act
     from dejavu_jax.kernels.threshold_matvec import (row_masked_matvec, threshold_matvec,
                                                      threshold_matvecs)
-    from dejavu_jax.kernels.gate_masked_mlp import gate_masked_mlp
     from dejavu_jax.model import cache_layer, cached_attention, write_kv
     impl, eps = scfg.impl, config.norm_eps
     B = x.shape[0]
@@ -547,15 +545,6 @@ def _threshold_layer_kernels(config, scfg, lp, io: _LayerIO, layer, x, step, t):
                               threshold_matvec(ym, lp.w_gate_t, t[act.GATE_UP], impl=impl))
     if lp.w_gate_t is not None:
         neurons = act.gate_magnitude(lp, gate) > t[act.GATE]
-        if lp.w_in_t is None and B == 1:  # the gate site: up and down in one launch
-            post = lp.post_mlp_norm_scale is not None
-            out = gate_masked_mlp(act.sparse_input(ym, t[act.GATE_UP]),
-                                  jnp.where(neurons, gate, 0.0), lp.w_in, lp.w_out_t,
-                                  t[act.DOWN], jnp.zeros_like(h) if post else h,
-                                  b_up=lp.b_in, b_down=lp.b_out, impl=impl)
-            if post:
-                out = h + ops.norm(out, lp.post_mlp_norm_scale, None, eps)
-            return out, _all_written(config, io.replace(k=k_all, v=v_all), layer, step)
         if lp.w_in_t is None:  # the gate site's layout: whole rows of the kept neurons
             up = ops.add_bias(row_masked_matvec(act.sparse_input(ym, t[act.GATE_UP]),
                                                 lp.w_in, neurons, impl=impl), lp.b_in)

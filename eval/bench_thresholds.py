@@ -77,7 +77,7 @@ def measured_skip(config, params, scfg, thresholds, tokens: int = 64) -> float:
 
 
 MLP_SHAPES = ((3584, 18944), (4096, 14336), (1536, 8960))  # (d, F): qwen2.5-7b, llama3-8b, 1.5b
-KERNEL_GROUPS = ("gemv", "gemv-variants", "gate-mlp")
+KERNEL_GROUPS = ("gemv", "gemv-variants")
 
 
 def chain_timer(reps: int = 50):
@@ -102,15 +102,13 @@ def chain_timer(reps: int = 50):
 def time_kernels(log, groups=KERNEL_GROUPS, shapes=MLP_SHAPES) -> list[dict]:
     """The kernels alone at MLP shapes (d, F), by group: ``gemv`` (the input-sparse and
     row-masked GEMVs against XLA's dense GEMV of the same matrix), ``gemv-variants`` (the
-    input-sparse GEMV's block sizes), ``gate-mlp`` (the gate site's up and down)."""
+    input-sparse GEMV's block sizes)."""
     timed = chain_timer()
     rows = []
     if "gemv" in groups:
         rows += time_gemvs(log, timed, shapes)
     if "gemv-variants" in groups:
         rows += time_threshold_variants(log, timed, shapes)
-    if "gate-mlp" in groups:
-        rows += time_gate_mlp(log, timed, shapes)
     return rows
 
 
@@ -142,61 +140,6 @@ def time_gemvs(log, timed, shapes, sparsities=(0.0, 0.4, 0.5, 0.6)) -> list[dict
                              gbs=read / us / 1e3, vs_dense=dense_us / us))
             log(json.dumps(rows[-2]))
             log(json.dumps(rows[-1]))
-    return rows
-
-
-# (block_rows, block_d, num_warps) of the gate-masked MLP
-GATE_MLP_VARIANTS = ((32, 256, 4), (16, 256, 4), (16, 512, 4), (64, 128, 4), (32, 128, 4),
-                     (64, 256, 8), (32, 512, 8))
-
-
-def time_gate_mlp(log, timed, shapes, kept=(1.0, 0.5, 0.3)) -> list[dict]:
-    """µs of a gated MLP's up and down projections under the gate site, batch 1, for a
-    fraction `kept` of the neurons: XLA's dense pair, the two launches (row-masked up,
-    input-sparse down into the residual) and the one-launch gate-masked MLP's variants.
-    GB/s on the up and down rows of the kept neurons."""
-    from dejavu_jax.kernels.gate_masked_mlp import gate_masked_mlp
-    from dejavu_jax.kernels.threshold_matvec import row_masked_matvec, threshold_matvec
-    rows = []
-    for d, F in shapes:
-        key = jax.random.key(F)
-        y = jax.random.normal(key, (1, d), BF16)
-        w_up = jax.random.normal(key, (F, d), BF16) * 0.02
-        w_down_t = jax.random.normal(jax.random.key(1), (F, d), BF16) * 0.02
-        r = jnp.zeros((1, d), jnp.float32)
-        gate = jax.random.normal(jax.random.key(2), (1, F), jnp.float32)
-
-        def dense(a, wu, wd, res, g):
-            up = jnp.dot(a, wu.T, preferred_element_type=jnp.float32)
-            return res + jnp.dot((g * up).astype(BF16), wd, preferred_element_type=jnp.float32)
-        dense_us = timed(dense, y, w_up, w_down_t, r, gate)
-        rows.append(dict(kernel="xla-dense-up-down", d=d, F=F, kept=1.0, us=dense_us,
-                         gbs=2 * F * d * 2 / dense_us / 1e3))
-        log(json.dumps(rows[-1]))
-        for k in kept:
-            keep = jax.random.uniform(jax.random.key(3), (1, F)) < k
-            gate_kept = jnp.where(keep, gate, 0.0)
-            read = 2 * F * d * 2 * k
-
-            def two_launches(a, wu, wd, res, g):
-                up = row_masked_matvec(a, wu, g[0] != 0, impl="pallas")
-                return threshold_matvec(g * up, wd, 0.0, residual=res, impl="pallas")
-            variants = [("two-launches", two_launches, {})]
-            for bk, bd, warps in GATE_MLP_VARIANTS:
-                fn = functools.partial(gate_masked_mlp, block_rows=bk, block_d=bd,
-                                       num_warps=warps, impl="pallas")
-                variants.append(("gate_masked_mlp",
-                                 lambda a, wu, wd, res, g, fn=fn: fn(a, g, wu, wd, 0.0, res),
-                                 dict(block_rows=bk, block_d=bd, num_warps=warps)))
-            for name, call, opts in variants:
-                try:
-                    us = timed(call, y, w_up, w_down_t, r, gate_kept)
-                except Exception as e:  # a variant Triton rejects: report, go on
-                    log(f"{name} {opts} failed: {type(e).__name__}: {str(e)[:200]}")
-                    continue
-                rows.append(dict(kernel=name, d=d, F=F, kept=k, **opts, us=us,
-                                 gbs=read / us / 1e3, vs_dense=dense_us / us))
-                log(json.dumps(rows[-1]))
     return rows
 
 

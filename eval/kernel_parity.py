@@ -563,7 +563,6 @@ def _threshold_decode_rows(impl: str, steps: int, cases) -> list[dict]:
 
 
 def _threshold_kernel_rows(impl: str) -> list[dict]:
-    from dejavu_jax.kernels.gate_masked_mlp import gate_masked_mlp
     from dejavu_jax.kernels.threshold_matvec import (row_masked_matvec, threshold_matvec,
                                                      threshold_matvecs)
     rng = np.random.default_rng(9)
@@ -591,16 +590,6 @@ def _threshold_kernel_rows(impl: str) -> list[dict]:
         rows.append(dict(check="threshold", kernel="threshold_matvecs", B=B, K=K, N=N,
                          logits=max(float(jnp.abs(g - r).max()) for g, r in zip(got, ref)),
                          k_cache=0.0))
-        if B == 1:  # K neurons of width N
-            gate = jnp.asarray(rng.standard_normal((1, K)), jnp.float32)
-            gate_kept = jnp.where(keep[None], gate, 0.0)
-            w_down_t = jnp.asarray(rng.standard_normal((K, N)) * K ** -0.5, jnp.float32)
-            b_up = jnp.asarray(rng.standard_normal(K), jnp.float32)
-            res = jnp.asarray(rng.standard_normal((1, N)), jnp.float32)
-            got, ref = (jax.jit(functools.partial(gate_masked_mlp, b_up=b_up, impl=i))(
-                xr, gate_kept, w, w_down_t, 0.3, res) for i in (impl, "reference"))
-            rows.append(dict(check="threshold", kernel="gate_masked_mlp", B=B, F=K, d=N,
-                             logits=float(jnp.abs(got - ref).max()), k_cache=0.0))
     return rows
 
 

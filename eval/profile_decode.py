@@ -12,7 +12,9 @@ For every mode it reports
   for sparse modes also one middle layer's launches in order (`layer_sequence`).
 
 Random bf16 weights of a preset's shapes, unrolled layers with per-layer cache buffers
-unless `--layout stacked`.
+unless `--layout stacked`. Modes: dense, DejaVu's sparse step (`sparse-fixed`,
+`sparse-predictor[-METHOD]`) and activation sparsity (`threshold:SPEC`, SPEC as in
+`eval.bench_thresholds`: `uniform:0.5`, a profile file).
 """
 
 from __future__ import annotations
@@ -87,6 +89,15 @@ def layer_sequence(ordered: list, anchor: str) -> list:
     return [(name[:80], round(us, 2)) for name, us in ordered[hits[j]: hits[j + 1]]]
 
 
+def once_per_layer(per_token, n_layers: int, preferred: str) -> str:
+    """`preferred` if it runs in the step, else the first kernel (by device time) launched
+    once per layer: the anchor of `layer_sequence`."""
+    names = [name for name, _, _ in per_token]
+    if preferred in names:
+        return preferred
+    return next((name for name, c, _ in per_token if round(c) == n_layers), preferred)
+
+
 def category(name: str) -> str:
     """A coarse kernel class from its name (for the per-token breakdown)."""
     n = name.lower()
@@ -141,11 +152,32 @@ def mode_engine(config, mode: str, mlp: float, heads: float, dense_layers: int, 
     raise ValueError(f"unknown mode {mode!r}")
 
 
+def threshold_run(config, params, spec: str, unrolled: bool):
+    """(engine, its params) of threshold decoding at a level spec (`eval.bench_thresholds`:
+    ``uniform:S[:METHOD]`` or a profile file), thresholds calibrated on the stacked
+    `params`' own activations, weights moved input-major."""
+    from dejavu_jax.eval.bench_thresholds import spec_levels, thresholds_for
+    from dejavu_jax.params import input_major
+    levels, sites = spec_levels(config, spec)
+    thresholds = thresholds_for(config, params, levels)
+    moved = input_major(params, up_rows="gate" in sites)
+    engine = sparse.sparse_engine(config, sparse.threshold_config(config, sites),
+                                  sparse.no_selector)
+    return engine, (unstack_layers(moved) if unrolled else moved, thresholds)
+
+
 def modes_list(text: str) -> list[str]:
-    """An argparse type: a comma list of the modes `mode_engine` knows."""
+    """An argparse type: a comma list of the modes `mode_engine` knows and
+    ``threshold:SPEC`` (`threshold_run`)."""
     from dejavu_jax.sparse_variants import is_selector_name
     modes = [m for m in text.split(",") if m]
     for m in modes:
+        if m.startswith("threshold:"):
+            spec = m.removeprefix("threshold:")
+            if not (spec.startswith("uniform:") or Path(spec).is_file()):
+                raise argparse.ArgumentTypeError(f"{m}: {spec} is neither uniform:S[:METHOD] "
+                                                 "nor a profile file")
+            continue
         method = m.removeprefix("sparse-predictor").lstrip("-") or "exact"
         known = (m in ("dense", "sparse-fixed", "sparse-fixed-no-kv-recompute")
                  or (m.startswith("sparse-predictor") and is_selector_name(method)))
@@ -156,16 +188,18 @@ def modes_list(text: str) -> list[str]:
     return modes
 
 
-def profile_mode(config, params, mode, args, out: Path, log) -> dict:
-    """Timings and kernel summary of one mode."""
+def profile_mode(config, params, mode, args, out: Path, log, prepared=None) -> dict:
+    """Timings and kernel summary of one mode (prepared: its (engine, params), for the
+    threshold modes)."""
     B, ctx = args.batch, args.context
     max_len = ctx + 4 * args.steps + 64
     unrolled = args.layout == "unrolled"
     prompt = jax.random.randint(jax.random.key(2), (B, ctx), 3, config.vocab_size)
     mask = jnp.ones_like(prompt)
     tokens = jnp.full((B,), 42, jnp.int32)
-    eng = mode_engine(config, mode, args.mlp, args.heads, args.dense_layers, args.rank,
-                      per_layer=unrolled, batch=B, batch_policy=args.batch_policy)
+    eng = prepared or mode_engine(config, mode, args.mlp, args.heads, args.dense_layers,
+                                  args.rank, per_layer=unrolled, batch=B,
+                                  batch_policy=args.batch_policy)
     if eng is None:
         step_fn = lambda p, s, t: model.decode_step_fn(config, p, s, t)  # noqa: E731
         run_params = params if args.dense_qkv == "separate" else fuse_qkv(params)
@@ -175,7 +209,7 @@ def profile_mode(config, params, mode, args, out: Path, log) -> dict:
             return model.prefill(config, params, prompt, mask, st)[1]
     else:
         eng, extra = eng
-        step_fn, run_params = eng.step, (params, extra)
+        step_fn, run_params = eng.step, extra if prepared else (params, extra)
 
         def fresh():
             st = eng.init_state(B, max_len, BF16, per_layer=unrolled)
@@ -192,7 +226,7 @@ def profile_mode(config, params, mode, args, out: Path, log) -> dict:
             f.write(step.lower(run_params, state, tokens).compile().as_text())
     _, state = time_steps(step, run_params, state, tokens, 3)
     synced, state = time_steps(step, run_params, state, tokens, args.steps)
-    trace_dir = out / f"trace_{mode}"
+    trace_dir = out / f"trace_{mode.replace('/', '_').replace(':', '_')}"
     with jax.profiler.trace(str(trace_dir), create_perfetto_trace=True):
         _, state = time_steps(step, run_params, state, tokens, args.trace_steps)
     del state
@@ -215,8 +249,8 @@ def profile_mode(config, params, mode, args, out: Path, log) -> dict:
                top_kernels=[dict(name=nm[:120], launches=c, us=us) for nm, c, us in per_token[:60]],
                processes=summary["processes"],
                # sparse layers only: their attention launch happens once per layer
-               layer_sequence=(layer_sequence(summary["ordered"],
-                                              "head_sparse_decode_attention")
+               layer_sequence=(layer_sequence(summary["ordered"], once_per_layer(
+                                   per_token, config.n_layers, "head_sparse_decode_attention"))
                                if mode != "dense" else []))
     log(json.dumps(row))
     return row
@@ -260,8 +294,11 @@ def main(argv=None) -> int:
     out.mkdir(parents=True, exist_ok=True)
     parity = require_parity(args.parity, out)
     params = init_params(config, jax.random.key(0), BF16)
-    if args.layout == "unrolled":
-        params = unstack_layers(params, free_stacked=True)
+    unrolled = args.layout == "unrolled"
+    prepared = {m: threshold_run(config, params, m.removeprefix("threshold:"), unrolled)
+                for m in args.modes if m.startswith("threshold:")}
+    if unrolled:
+        params = unstack_layers(params, free_stacked=not prepared)
     rows = []
 
     def log(msg):
@@ -269,7 +306,8 @@ def main(argv=None) -> int:
 
     for mode in args.modes:
         try:
-            rows.append(profile_mode(config, params, mode, args, out, log))
+            rows.append(profile_mode(config, params, mode, args, out, log,
+                                     prepared.get(mode)))
         except Exception as e:  # report and go on with the other modes
             log(f"FAILED {mode}: {type(e).__name__}: {str(e)[:600]}")
     meta = dict(device=str(jax.devices()[0].device_kind), jax=jax.__version__,

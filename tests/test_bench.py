@@ -432,3 +432,21 @@ def test_time_generate_reports_chunked_and_streamed_rates():
     assert res["generate_new_tokens"] == 20 and res["generate_chunk"] == 8
     for key in ("generate_ms", "stream_ms"):
         assert math.isfinite(res[key]) and res[key] > 0
+
+
+def test_profile_decode_takes_threshold_modes(tmp_path, capsys):
+    """profile_decode profiles activation sparsity at a level spec next to dense; a bad spec
+    is a one-line error; the layer anchor is a kernel launched once per layer."""
+    from dejavu_jax.eval import profile_decode
+    with pytest.raises(SystemExit):
+        profile_decode.main(["--model", "llama-tiny", "--modes", "threshold:nope.json",
+                             "--out", str(tmp_path)])
+    assert "neither uniform" in capsys.readouterr().err
+    profile_decode.main(["--model", "llama-tiny", "--modes", "threshold:uniform:0.5",
+                         "--steps", "2", "--trace-steps", "1", "--out", str(tmp_path)])
+    (row,) = json.loads((tmp_path / "profile.json").read_text())["rows"]
+    assert row["mode"] == "threshold:uniform:0.5"
+    assert 0 < row["ms_device_loop"] < 1e4 and 0 < row["ms_synced"] < 1e4
+    per_token = [("gemv", 8.0, 50.0), ("qkv", 4.0, 20.0), ("o", 4.0, 10.0)]
+    assert profile_decode.once_per_layer(per_token, 4, "attention") == "qkv"
+    assert profile_decode.once_per_layer(per_token, 4, "o") == "o"

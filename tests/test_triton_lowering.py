@@ -213,20 +213,14 @@ def test_threshold_kernels_lower(B):
            z(B, F), z(F, d), z(B, d, dtype=F32), z(d))
     lowers(lambda x, w, k: row_masked_matvec(x, w, k, impl="pallas"), z(B, d), z(F, d),
            jnp.zeros((F,), bool))
-    if B == 1:
-        from dejavu_jax.kernels.gate_masked_mlp import gate_masked_mlp
-        lowers(lambda x, g, wu, wd, r, bu: gate_masked_mlp(x, g, wu, wd, t, r, b_up=bu,
-                                                           impl="pallas"),
-               z(B, d), z(B, F, dtype=F32), z(F, d), z(F, d), z(B, d, dtype=F32), z(F))
 
 
 @pytest.mark.parametrize("up_rows", [False, True])
 def test_threshold_decode_step_lowers(up_rows):
     """The threshold decode step of a gated model on input-major weights: with TEAL's
-    sites the gate and up projections share one launch and the down projection has its
-    own, under the gate site the gate has its own and the up and down projections read
-    neuron rows in one; q/k/v and the out-projection one input-sparse launch each, in
-    every layer."""
+    sites the gate and up projections share one launch, under the gate site the up
+    projection reads neuron rows; q/k/v, the out-projection and the down projection one
+    input-sparse launch each, in every layer."""
     from dejavu_jax.params import input_major, unstack_layers
     config = dj.preset("llama-tiny")
     params = unstack_layers(input_major(dj.init_params(config, jax.random.key(0), BF16),
@@ -240,9 +234,8 @@ def test_threshold_decode_step_lowers(up_rows):
     launches = triton_launch_sites(text)
     L = config.n_layers
     if up_rows:
-        assert launches.get("threshold_matvec") == 3 * L
-        assert launches.get("gate_masked_mlp") == L
-        assert "row_masked_matvec" not in launches
+        assert launches.get("threshold_matvec") == 4 * L
+        assert launches.get("row_masked_matvec") == L
     else:
         assert launches.get("threshold_matvec") == 3 * L
         assert launches.get("threshold_matvec_threshold_matvec") == L
