@@ -475,19 +475,20 @@ def _dense_layer(config, view, io: _LayerIO, layer, x, step, oracle_k=None, redu
     return x, _all_written(config, io.replace(k=k, v=v), layer, step)
 
 
-def _threshold_layer(config, scfg, view, io: _LayerIO, layer, x, step, thresholds,
-                     reduce=None):
-    """A layer under activation thresholds [len(SITES)] (`activation_sparsity`): every
-    head computes, from the kept input channels, so every K/V entry is written. On the
-    Pallas paths with input-major weights (`params.input_major`) the kernels of
-    `kernels.threshold_matvec` read only the kept channels' rows; elsewhere the jnp
-    computation masks the activations (the same result)."""
+def _threshold_layer(config, scfg, view, io: _LayerIO, layer, x, step, table, reduce=None):
+    """A layer under its row of the activation thresholds `table` [L, len(SITES)]
+    (`activation_sparsity`): every head computes, from the kept input channels, so every
+    K/V entry is written. On the Pallas paths with input-major weights
+    (`params.input_major`) the kernels of `kernels.threshold_matvec` read only the kept
+    channels' rows; elsewhere the jnp computation masks the activations (the same
+    result)."""
     from dejavu_jax import activation_sparsity
     from dejavu_jax.kernels._common import resolve_impl
     lp = view.lp
     if (lp.wqkv_t is not None and resolve_impl(scfg.impl) != "reference"
             and reduce is None and config.pre_norm):
-        return _threshold_layer_kernels(config, scfg, lp, io, layer, x, step, thresholds)
+        return _threshold_layer_kernels(config, scfg, lp, io, layer, x, step, table)
+    thresholds = table[layer]
     mask_input, mask_heads = activation_sparsity.attention_hooks(thresholds)
     box = {}
 
@@ -507,42 +508,52 @@ def _threshold_layer(config, scfg, view, io: _LayerIO, layer, x, step, threshold
     return x, _all_written(config, box["io"], layer, step)
 
 
-def _threshold_layer_kernels(config, scfg, lp, io: _LayerIO, layer, x, step, t):
+def _threshold_layer_kernels(config, scfg, lp, io: _LayerIO, layer, x, step, table):
     """`_threshold_layer` of a pre-norm model through the activation-sparse kernels: q/k/v
     and the out-projection, the gate (and without the gate site the up projection) read
     the kept input channels' rows of their input-major weights, the up projection under
     the gate site the rows of the neurons that pass it, fc2 the rows of nonzero
     activations; the out-projection and fc2 add into the residual rows in their launches
-    unless a post-norm comes between."""
+    unless a post-norm comes between. With the layers unrolled the kernels read their
+    thresholds from the table in place (a slice of it would be a copy per launch)."""
     from dejavu_jax import activation_sparsity as act
     from dejavu_jax.kernels.threshold_matvec import (row_masked_matvec, threshold_matvec,
                                                      threshold_matvecs)
     from dejavu_jax.model import cache_layer, cached_attention, write_kv
     impl, eps = scfg.impl, config.norm_eps
     B = x.shape[0]
+    t = table[layer]
+    if isinstance(layer, int):
+        def at(site):
+            return dict(threshold=table, threshold_index=int(layer) * table.shape[1] + site)
+    else:
+        def at(site):
+            return dict(threshold=t[site])
     x = x.astype(F32)
     y = ops.norm_input(x, lp.attn_norm_scale, lp.attn_norm_bias, eps)
-    qkv = threshold_matvec(y, lp.wqkv_t, t[act.QKV], impl=impl)
+    qkv = threshold_matvec(y, lp.wqkv_t, **at(act.QKV), impl=impl)
     q, k, v = ops.finish_qkv(config, lp, qkv, step["positions"], layer)
     k_all = write_kv(io.k, layer, step["slot"], k)
     v_all = write_kv(io.v, layer, step["slot"], v)
     heads = cached_attention(config, q, cache_layer(k_all, layer), cache_layer(v_all, layer),
                              layer_valid(config, layer, step)).reshape(B, -1)
     if lp.post_attn_norm_scale is None:
-        h = threshold_matvec(heads, lp.wo_t, t[act.O], residual=x, bias=lp.bo, impl=impl)
+        h = threshold_matvec(heads, lp.wo_t, **at(act.O), residual=x, bias=lp.bo, impl=impl)
     else:
-        out = threshold_matvec(heads, lp.wo_t, t[act.O], bias=lp.bo, impl=impl)
+        out = threshold_matvec(heads, lp.wo_t, **at(act.O), bias=lp.bo, impl=impl)
         h = x + ops.norm(out, lp.post_attn_norm_scale, None, eps)
     ym = ops.norm_input(h, lp.mlp_norm_scale, lp.mlp_norm_bias, eps)
     if lp.w_in_t is not None and lp.w_gate_t is not None:
-        gate, up = threshold_matvecs(ym, [lp.w_gate_t, lp.w_in_t], t[act.GATE_UP], impl=impl)
+        gate, up = threshold_matvecs(ym, [lp.w_gate_t, lp.w_in_t], **at(act.GATE_UP),
+                                     impl=impl)
         gate = ops.activation(config.activation, gate)
         up = ops.add_bias(up, lp.b_in)
     elif lp.w_in_t is not None:
-        up = ops.add_bias(threshold_matvec(ym, lp.w_in_t, t[act.GATE_UP], impl=impl), lp.b_in)
+        up = ops.add_bias(threshold_matvec(ym, lp.w_in_t, **at(act.GATE_UP), impl=impl),
+                          lp.b_in)
     elif lp.w_gate_t is not None:
         gate = ops.activation(config.activation,
-                              threshold_matvec(ym, lp.w_gate_t, t[act.GATE_UP], impl=impl))
+                              threshold_matvec(ym, lp.w_gate_t, **at(act.GATE_UP), impl=impl))
     if lp.w_gate_t is not None:
         neurons = act.gate_magnitude(lp, gate) > t[act.GATE]
         if lp.w_in_t is None:  # the gate site's layout: whole rows of the kept neurons
@@ -552,10 +563,11 @@ def _threshold_layer_kernels(config, scfg, lp, io: _LayerIO, layer, x, step, t):
     else:
         hidden = ops.activation(config.activation, up)
     if lp.post_mlp_norm_scale is None:
-        out = threshold_matvec(hidden, lp.w_out_t, t[act.DOWN], residual=h, bias=lp.b_out,
+        out = threshold_matvec(hidden, lp.w_out_t, **at(act.DOWN), residual=h, bias=lp.b_out,
                                impl=impl)
     else:
-        mlp_out = threshold_matvec(hidden, lp.w_out_t, t[act.DOWN], bias=lp.b_out, impl=impl)
+        mlp_out = threshold_matvec(hidden, lp.w_out_t, **at(act.DOWN), bias=lp.b_out,
+                                   impl=impl)
         out = h + ops.norm(mlp_out, lp.post_mlp_norm_scale, None, eps)
     return out, _all_written(config, io.replace(k=k_all, v=v_all), layer, step)
 
@@ -782,7 +794,7 @@ def sparse_layers(config: ModelConfig, scfg: SparseConfig, params: ModelParams,
             def threshold_body(carry, layer):
                 x, io, _ = carry
                 x_next, io = _threshold_layer(config, scfg, _layer_view(params, layer), io,
-                                              layer, x, step, selector_params[layer], reduce)
+                                              layer, x, step, selector_params, reduce)
                 return (x_next, io, x), None
 
             x, io, prev_input = _layer_loop(threshold_body, (x, io, prev_input), start, stop,

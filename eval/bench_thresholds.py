@@ -77,7 +77,7 @@ def measured_skip(config, params, scfg, thresholds, tokens: int = 64) -> float:
 
 
 MLP_SHAPES = ((3584, 18944), (4096, 14336), (1536, 8960))  # (d, F): qwen2.5-7b, llama3-8b, 1.5b
-KERNEL_GROUPS = ("gemv", "gemv-variants")
+KERNEL_GROUPS = ("gemv", "gemv-variants", "projections")
 
 
 def chain_timer(reps: int = 50):
@@ -102,13 +102,16 @@ def chain_timer(reps: int = 50):
 def time_kernels(log, groups=KERNEL_GROUPS, shapes=MLP_SHAPES) -> list[dict]:
     """The kernels alone at MLP shapes (d, F), by group: ``gemv`` (the input-sparse and
     row-masked GEMVs against XLA's dense GEMV of the same matrix), ``gemv-variants`` (the
-    input-sparse GEMV's block sizes)."""
+    input-sparse GEMV's block sizes), ``projections`` (the attention projections of
+    small and large models by blocks per program)."""
     timed = chain_timer()
     rows = []
     if "gemv" in groups:
         rows += time_gemvs(log, timed, shapes)
     if "gemv-variants" in groups:
         rows += time_threshold_variants(log, timed, shapes)
+    if "projections" in groups:
+        rows += time_projections(log, timed)
     return rows
 
 
@@ -140,6 +143,47 @@ def time_gemvs(log, timed, shapes, sparsities=(0.0, 0.4, 0.5, 0.6)) -> list[dict
                              gbs=read / us / 1e3, vs_dense=dense_us / us))
             log(json.dumps(rows[-2]))
             log(json.dumps(rows[-1]))
+    return rows
+
+
+# (K, N, into the residual) of q/k/v and the out-projection: qwen2.5-1.5b, qwen2.5-0.5b,
+# smollm2-135m, llama3-8b
+PROJECTIONS = ((1536, 2048, False), (1536, 1536, True), (896, 1152, False), (896, 896, True),
+               (576, 960, False), (576, 576, True), (4096, 6144, False), (4096, 4096, True))
+
+
+def time_projections(log, timed, sparsities=(0.0, 0.5), row_blocks=(None, 1, 2, 4)) -> list[dict]:
+    """µs of the input-sparse GEMV at attention projections' shapes, batch 1, by blocks
+    per program (None: the kernel's own choice), against XLA's dense GEMV (into the
+    residual, like the out-projection, or as partials summed after, like q/k/v)."""
+    from dejavu_jax.kernels.threshold_matvec import auto_row_blocks, threshold_matvec
+    rows = []
+    for K, N, residual in PROJECTIONS:
+        key = jax.random.key(K + N)
+        x = jax.random.normal(key, (1, K), BF16)
+        w_t = jax.random.normal(key, (K, N), BF16) * 0.02
+        r = jnp.zeros((1, N), jnp.float32)
+        dense_us = timed(lambda a, b, res: res + jnp.dot(a, b, preferred_element_type=jnp.float32),
+                         x, w_t, r)
+        rows.append(dict(kernel="xla-dense-gemv", K=K, N=N, residual=residual, sparsity=0.0,
+                         us=dense_us, gbs=K * N * 2 / dense_us / 1e3))
+        log(json.dumps(rows[-1]))
+        for s in sparsities:
+            t = float(np.quantile(np.abs(np.asarray(x, np.float32)), s)) if s else 0.0
+            for rb in row_blocks:
+                fn = functools.partial(threshold_matvec, row_blocks=rb, impl="pallas")
+                if residual:
+                    def call(a, b, res, fn=fn, t=t):
+                        return fn(a, b, t, residual=res)
+                else:
+                    def call(a, b, res, fn=fn, t=t):
+                        return res + fn(a, b, t)
+                us = timed(call, x, w_t, r)
+                rows.append(dict(kernel="threshold_matvec", K=K, N=N, residual=residual,
+                                 sparsity=s, row_blocks=rb or auto_row_blocks(K, N, 16, 512),
+                                 auto=rb is None, us=us, gbs=K * N * 2 * (1 - s) / us / 1e3,
+                                 vs_dense=dense_us / us))
+                log(json.dumps(rows[-1]))
     return rows
 
 

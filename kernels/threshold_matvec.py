@@ -25,7 +25,7 @@ import jax.numpy as jnp
 from jax import lax
 from jax.experimental.pallas import triton as plgpu
 
-from ._common import cdiv, check_array, is_pow2, resolve_impl
+from ._common import cdiv, check_array, is_pow2, resolve_impl, sm_count
 from .gather_matvec import accumulate_blocks, batch_pad, mma, write_split_k
 from .launch import LaunchPart, launch
 
@@ -42,7 +42,7 @@ def threshold_matvec_reference(x, w_t, threshold, *, residual=None, bias=None):
 
 
 def _threshold_body(pids, x_ref, t_ref, w_ref, *rest, B, Bp, K, N, bk, bn, kblocks,
-                    accumulate, has_bias):
+                    accumulate, has_bias, t_index):
     if accumulate:
         b_ref = rest[1] if has_bias else None
         o_ref = rest[-1]
@@ -54,7 +54,7 @@ def _threshold_body(pids, x_ref, t_ref, w_ref, *rest, B, Bp, K, N, bk, bn, kbloc
     bmask = brow < B
     cols = j * bn + jnp.arange(bn, dtype=jnp.int32)
     cm = cols < N
-    t = t_ref[0].astype(F32)
+    t = t_ref[t_index].astype(F32)
 
     def block(s, acc):
         r = (i * kblocks + s) * bk + kk
@@ -80,8 +80,17 @@ def _threshold_body(pids, x_ref, t_ref, w_ref, *rest, B, Bp, K, N, bk, bn, kbloc
                   accumulate=accumulate, has_bias=has_bias)
 
 
+def auto_row_blocks(K: int, N: int, block_rows: int, block_n: int) -> int:
+    """Blocks per program: 4, or fewer where a matrix is too small to give every
+    streaming multiprocessor two programs (an attention projection of a small model)."""
+    for blocks in (4, 2):
+        if cdiv(K, block_rows * blocks) * cdiv(N, block_n) >= 2 * sm_count():
+            return blocks
+    return 1
+
+
 def threshold_matvec_part(x, w_t, threshold, *, residual=None, bias=None, block_rows=16,
-                          block_n=512, row_blocks=4) -> LaunchPart:
+                          block_n=512, row_blocks=None, threshold_index=0) -> LaunchPart:
     """:func:`threshold_matvec`'s kernel as a :class:`~.launch.LaunchPart`: outputs fp32
     partials ``[n_chunks, B, N]``, or ``[B, N]`` (residual, bias and the product) with
     ``residual``."""
@@ -89,13 +98,15 @@ def threshold_matvec_part(x, w_t, threshold, *, residual=None, bias=None, block_
     N = w_t.shape[1]
     Bp = batch_pad(B)
     bk = block_rows if Bp == 1 else max(16, block_rows)
+    if row_blocks is None:
+        row_blocks = auto_row_blocks(K, N, bk, block_n)
     kblocks = max(1, min(row_blocks, cdiv(K, bk)))
     nkc, ndb = cdiv(K, bk * kblocks), cdiv(N, block_n)
     accumulate = residual is not None
     body = functools.partial(_threshold_body, B=B, Bp=Bp, K=K, N=N, bk=bk, bn=block_n,
                              kblocks=kblocks, accumulate=accumulate,
-                             has_bias=bias is not None)
-    args = [x, jnp.asarray(threshold, F32).reshape(1), w_t]
+                             has_bias=bias is not None, t_index=threshold_index)
+    args = [x, _threshold_table(threshold, threshold_index), w_t]
     if accumulate:
         if block_n > N:
             raise ValueError(f"block_n={block_n} must not exceed N={N} with a residual")
@@ -109,6 +120,16 @@ def threshold_matvec_part(x, w_t, threshold, *, residual=None, bias=None, block_
                       name="threshold_matvec")
 
 
+def _threshold_table(threshold, index: int):
+    """The threshold as the kernel reads it: flat fp32, element `index` used. A table
+    (every layer's thresholds) passes whole, so that no slice of it is copied per launch."""
+    table = jnp.asarray(threshold, F32).reshape(-1)
+    if not 0 <= index < table.shape[0]:
+        raise ValueError(f"threshold_index={index} is outside a threshold of "
+                         f"{table.shape[0]} values")
+    return table
+
+
 def _check_inputs(x, w_ts, block_rows, block_n):
     check_array("x", x, ndim=2, floating=True)
     for w_t in w_ts:
@@ -120,15 +141,18 @@ def _check_inputs(x, w_ts, block_rows, block_n):
 
 
 def threshold_matvec(x, w_t, threshold, *, residual=None, bias=None, block_rows=16,
-                     block_n=512, row_blocks=4, num_warps=4, num_stages=2, impl=None):
+                     block_n=512, row_blocks=None, num_warps=4, num_stages=2,
+                     threshold_index=0, impl=None):
     """``(x masked to |x| > threshold) @ w_t`` (+ bias, + residual) as fp32 ``[B, N]``,
     reading only the rows of ``w_t [K, N]`` that some row of ``x [B, K]`` keeps.
 
-    threshold: a scalar (array); residual: fp32 ``[B, N]``, updated in place when the
-    caller donates it (the chunks add into it atomically, so the low bits of the fp32 sums
-    vary between runs). block_rows (a power of two) rows per block, row_blocks blocks per
-    program, block_n (a power of two) columns per program; num_stages: Triton's software
-    pipelining depth of the loop over the blocks (from 5 blocks on).
+    threshold: a scalar, or an array of which the flat element ``threshold_index`` is
+    used (a table of every layer's thresholds, read in place); residual: fp32 ``[B, N]``,
+    updated in place when the caller donates it (the chunks add into it atomically, so the
+    low bits of the fp32 sums vary between runs). block_rows (a power of two) rows per
+    block, row_blocks blocks per program (None: `auto_row_blocks`), block_n (a power of
+    two) columns per program; num_stages: Triton's software pipelining depth of the loop
+    over the blocks (from 5 blocks on).
     """
     _check_inputs(x, [w_t], block_rows, block_n)
     if residual is not None and (residual.shape != (x.shape[0], w_t.shape[1])
@@ -137,12 +161,13 @@ def threshold_matvec(x, w_t, threshold, *, residual=None, bias=None, block_rows=
                          f"{residual.dtype} {tuple(residual.shape)}")
     impl = resolve_impl(impl)
     if impl == "reference":
-        return threshold_matvec_reference(x, w_t, threshold, residual=residual, bias=bias)
+        return threshold_matvec_reference(x, w_t, _threshold_table(
+            threshold, threshold_index)[threshold_index], residual=residual, bias=bias)
     block_n = min(block_n, 1 << (w_t.shape[1].bit_length() - 1)) if residual is not None \
         else block_n
     part = threshold_matvec_part(x, w_t, threshold, residual=residual, bias=bias,
                                  block_rows=block_rows, block_n=block_n,
-                                 row_blocks=row_blocks)
+                                 row_blocks=row_blocks, threshold_index=threshold_index)
     (out,), = launch([part], num_warps=num_warps, num_stages=num_stages,
                      interpret=impl == "interpret")
     if residual is not None:
@@ -151,16 +176,18 @@ def threshold_matvec(x, w_t, threshold, *, residual=None, bias=None, block_rows=
     return out if bias is None else out + bias.astype(F32)
 
 
-def threshold_matvecs(x, w_ts, threshold, *, block_rows=16, block_n=512, row_blocks=4,
-                      num_warps=4, num_stages=2, impl=None) -> list:
+def threshold_matvecs(x, w_ts, threshold, *, block_rows=16, block_n=512, row_blocks=None,
+                      num_warps=4, num_stages=2, threshold_index=0, impl=None) -> list:
     """:func:`threshold_matvec` of one masked ``x`` by several matrices (a gated MLP's gate
     and up projections) in one launch: fp32 ``[B, N_i]`` per ``w_ts[i] [K, N_i]``."""
     _check_inputs(x, w_ts, block_rows, block_n)
     impl = resolve_impl(impl)
     if impl == "reference":
-        return [threshold_matvec_reference(x, w_t, threshold) for w_t in w_ts]
+        t = _threshold_table(threshold, threshold_index)[threshold_index]
+        return [threshold_matvec_reference(x, w_t, t) for w_t in w_ts]
     parts = [threshold_matvec_part(x, w_t, threshold, block_rows=block_rows,
-                                   block_n=block_n, row_blocks=row_blocks) for w_t in w_ts]
+                                   block_n=block_n, row_blocks=row_blocks,
+                                   threshold_index=threshold_index) for w_t in w_ts]
     outs = launch(parts, num_warps=num_warps, num_stages=num_stages,
                   interpret=impl == "interpret")
     return [jnp.sum(out, axis=0) for (out,) in outs]

@@ -6,8 +6,8 @@ import numpy as np
 import pytest
 from conftest import assert_finite_close
 
-from dejavu_jax.kernels.threshold_matvec import (row_masked_matvec, threshold_matvec,
-                                                 threshold_matvecs)
+from dejavu_jax.kernels.threshold_matvec import (auto_row_blocks, row_masked_matvec,
+                                                 threshold_matvec, threshold_matvecs)
 
 
 def _numpy_threshold(x, w_t, t, residual=None, bias=None):
@@ -90,3 +90,35 @@ def test_bad_shapes_are_errors():
         threshold_matvec(x, w, 0.1, impl="interpret")
     with pytest.raises(ValueError, match="keep must be"):
         row_masked_matvec(jnp.zeros((1, 4)), w, jnp.zeros(5, bool), impl="interpret")
+
+
+@pytest.mark.parametrize("impl", ["interpret", "reference"])
+def test_a_threshold_table_is_read_at_its_index(rng, impl):
+    """A [L, sites] table with threshold_index picks one entry, as that scalar would."""
+    x = rng.standard_normal((1, 96)).astype(np.float32)
+    w_t = rng.standard_normal((96, 160)).astype(np.float32)
+    table = rng.uniform(0.1, 1.5, (3, 5)).astype(np.float32)
+    for layer, site in ((0, 0), (1, 3), (2, 4)):
+        t = float(table[layer, site])
+        got = threshold_matvec(jnp.asarray(x), jnp.asarray(w_t), jnp.asarray(table),
+                               threshold_index=layer * 5 + site, block_rows=16, block_n=64,
+                               impl=impl)
+        assert_finite_close(np.asarray(got), _numpy_threshold(x, w_t, t), rtol=1e-5, atol=1e-4)
+        gate, up = threshold_matvecs(jnp.asarray(x), [jnp.asarray(w_t), jnp.asarray(w_t[:, :90])],
+                                     jnp.asarray(table), threshold_index=layer * 5 + site,
+                                     block_rows=16, block_n=64, impl=impl)
+        assert_finite_close(np.asarray(up), _numpy_threshold(x, w_t[:, :90], t), rtol=1e-5,
+                            atol=1e-4)
+    with pytest.raises(ValueError, match="threshold_index=15"):
+        threshold_matvec(jnp.asarray(x), jnp.asarray(w_t), jnp.asarray(table),
+                         threshold_index=15, impl=impl)
+
+
+def test_small_matrices_take_fewer_blocks_per_program():
+    """Four blocks a program where that leaves two programs per multiprocessor (132 on the
+    H200 and off the GPU), fewer for an attention projection of a small model."""
+    assert auto_row_blocks(8960, 1536, 16, 512) == 4     # qwen2.5-1.5b down: 140 x 3
+    assert auto_row_blocks(4096, 4096, 16, 512) == 4     # llama3-8b o: 64 x 8
+    assert auto_row_blocks(4864, 896, 16, 512) == 2      # qwen2.5-0.5b down: 152 x 2
+    assert auto_row_blocks(1536, 2048, 16, 512) == 1     # qwen2.5-1.5b q/k/v: 96 x 4
+    assert auto_row_blocks(1536, 1536, 16, 512) == 1     # qwen2.5-1.5b o: 96 x 3

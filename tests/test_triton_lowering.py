@@ -233,6 +233,11 @@ def test_threshold_decode_step_lowers(up_rows):
     text = lowers(eng.step, (params, thresholds), state, jnp.zeros((1,), jnp.int32))
     launches = triton_launch_sites(text)
     L = config.n_layers
+    # every input-sparse launch reads the whole threshold table, never a slice of it
+    calls = [line for line in text.splitlines()
+             if "@__gpu$xla.gpu.triton" in line and 'name = "threshold_matvec' in line]
+    assert calls and all(f"tensor<{L * 5}xf32>" in line and "tensor<1xf32>" not in line
+                         for line in calls)
     if up_rows:
         assert launches.get("threshold_matvec") == 4 * L
         assert launches.get("row_masked_matvec") == L
