@@ -221,12 +221,13 @@ def profile_mode(config, params, mode, args, out: Path, log, prepared=None) -> d
     _, state = step(run_params, state, tokens)
     jax.block_until_ready(state)
     compile_s = time.perf_counter() - t
+    safe_mode = mode.replace("/", "_").replace(":", "_")
     if args.hlo:  # the optimised HLO names the fusions the trace lists
-        with gzip.open(out / f"hlo_{mode}.txt.gz", "wt") as f:
+        with gzip.open(out / f"hlo_{safe_mode}.txt.gz", "wt") as f:
             f.write(step.lower(run_params, state, tokens).compile().as_text())
     _, state = time_steps(step, run_params, state, tokens, 3)
     synced, state = time_steps(step, run_params, state, tokens, args.steps)
-    trace_dir = out / f"trace_{mode.replace('/', '_').replace(':', '_')}"
+    trace_dir = out / f"trace_{safe_mode}"
     with jax.profiler.trace(str(trace_dir), create_perfetto_trace=True):
         _, state = time_steps(step, run_params, state, tokens, args.trace_steps)
     del state
