@@ -122,10 +122,10 @@ def test_a_batch_step_selects_in_the_kernels(ride, mlp, heads, monkeypatch):
         assert select.rides_batch(preds, 3, k_mlp, scfg.impl) == (ride and impl == "interpret")
         eng = sparse.sparse_engine(config, scfg, select)
         state = eng.init_state(3, 16, F32)
-        out, state = jax.jit(eng.prefill)((params, preds), ids, jnp.ones_like(ids), state)
-        seq, step = [], jax.jit(eng.step)
+        out, state = eng.prefill((params, preds), ids, jnp.ones_like(ids), state)
+        seq = []
         for tok in ([42, 3, 8], [7, 7, 50]):
-            out, state = step((params, preds), state, jnp.asarray(tok))
+            out, state = jax.jit(eng.step)((params, preds), state, jnp.asarray(tok))
             seq.append(np.asarray(out))
         logits[impl] = np.stack(seq)
     assert ("batch_predictor_select", "reference") in seen
