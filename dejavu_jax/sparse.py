@@ -562,25 +562,14 @@ def _threshold_layer_kernels(config, scfg, lp, io: _LayerIO, layer, x, step, tab
         hidden = jnp.where(neurons, gate * up, 0.0)
     else:
         hidden = ops.activation(config.activation, up)
-    if lp.post_mlp_norm_scale is None and _adds_into_residual(lp.w_out_t):
+    if lp.post_mlp_norm_scale is None:
         out = threshold_matvec(hidden, lp.w_out_t, **at(act.DOWN), residual=h, bias=lp.b_out,
                                impl=impl)
-    elif lp.post_mlp_norm_scale is None:
-        out = h + threshold_matvec(hidden, lp.w_out_t, **at(act.DOWN), bias=lp.b_out,
-                                   impl=impl)
     else:
         mlp_out = threshold_matvec(hidden, lp.w_out_t, **at(act.DOWN), bias=lp.b_out,
                                    impl=impl)
         out = h + ops.norm(mlp_out, lp.post_mlp_norm_scale, None, eps)
     return out, _all_written(config, io.replace(k=k_all, v=v_all), layer, step)
-
-
-def _adds_into_residual(w_t) -> bool:
-    """Whether an input-sparse GEMV into the residual adds its split-k chunks there
-    atomically (one launch) rather than as fp32 partials that XLA sums with the residual:
-    a matrix of at least twice as many input channels as outputs (a down projection) has
-    so many chunks per output that its atomic adds cost more than the sum."""
-    return w_t.shape[0] < 2 * w_t.shape[1]
 
 
 def _all_written(config, io: _LayerIO, layer, step) -> _LayerIO:
