@@ -259,6 +259,32 @@ def test_search_keeps_the_sparsest_point_within_budget():
     assert allocate.search(path[1:], measure, budget_nll=0.0)[0] == -1
 
 
+def test_search_margin_holds_cost_plus_standard_errors_to_the_budget():
+    """With a margin, an allocation is within the budget when its cost plus that many
+    standard errors is: the search stops earlier on the path, at the point numpy's rule
+    picks."""
+    path = [(float(i), np.full((1, 5), i / 10)) for i in range(10)]
+    se = 0.02
+
+    def measure(lv):
+        return lv[0, 0] ** 2, lv[0, 0], se
+
+    for margin in (0.0, 1.0, 3.0):
+        expect = max(i for i in range(10) if (i / 10) ** 2 + margin * se <= 0.3)
+        best, points = allocate.search(path, measure, budget_nll=0.3, margin=margin)
+        assert best == expect and all(p.nll_se == se for p in points)
+    assert allocate.search(path, measure, 0.3, margin=1.0)[0] == 5
+    assert allocate.search(path, measure, 0.3, margin=3.0)[0] == 4
+
+
+def test_paired_standard_error_equals_numpy(rng):
+    from dejavu_jax.train.profile import paired_standard_error
+    d = rng.standard_normal(37) * 0.01 + 0.003
+    assert paired_standard_error(d) == pytest.approx(np.std(d, ddof=1) / np.sqrt(37),
+                                                     rel=1e-12)
+    assert paired_standard_error(d[:1]) == 0.0
+
+
 def test_refined_search_finds_the_sparsest_allocation_of_a_fine_path(rng):
     """Between two neighbours of the coarse path (geometric prices) lie allocations that
     skip more within the budget; the refined search finds the sparsest one that a
@@ -344,7 +370,9 @@ def test_profile_search_runs_end_to_end_on_a_tiny_model():
     weighted = gate_weighted(config, params, windows[:4], 4, ("gate",))
     profile = make_profile(config, weighted, windows[:4], windows[4:], "teal+cats", 0.05,
                            levels=(0.3, 0.6), rows=4, progress=False, log=lambda s: None)
-    assert profile.measured["ppl_cost"] <= 0.05 + 1e-9
+    m = profile.measured
+    assert m["ppl_cost"] <= 0.05 + 1e-9 and m["margin_se"] == 1.0
+    assert m["nll_cost"] + m["nll_se"] <= math.log1p(0.05) + 1e-9 and m["nll_se"] > 0
     assert_finite_close(profile.gate_weight_array(), np.asarray(weighted.layers.gate_weight),
                         rtol=1e-3)
     assert math.isclose(profile.measured["ppl_cost"], math.expm1(profile.measured["nll_cost"]))

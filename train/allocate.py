@@ -103,19 +103,24 @@ class SearchPoint:
     levels: np.ndarray
     nll_cost: float
     bytes_skipped: float
+    nll_se: float = 0.0
+
+    def within(self, budget_nll: float, margin: float) -> bool:
+        """Whether the cost, plus `margin` standard errors, is within the budget."""
+        return self.nll_cost + margin * self.nll_se <= budget_nll
 
 
-def search(path: list, measure, budget_nll: float, progress=None) -> tuple[int, list]:
+def search(path: list, measure, budget_nll: float, progress=None,
+           margin: float = 0.0) -> tuple[int, list]:
     """The index in `path` of the sparsest allocation whose measured NLL cost (`measure`
-    (levels) -> (NLL cost per token, bytes skipped)) is at most `budget_nll`, by bisection
-    over the path (the cost grows along it), and every point measured; -1 when even the
-    first point is over the budget."""
+    (levels) -> (NLL cost per token, bytes skipped[, the cost's standard error])) plus
+    `margin` standard errors is at most `budget_nll`, by bisection over the path (the cost
+    grows along it), and every point measured; -1 when even the first point is over."""
     measured: dict[int, SearchPoint] = {}
 
     def at(i):
         if i not in measured:
-            cost, skipped = measure(path[i][1])
-            measured[i] = SearchPoint(path[i][0], path[i][1], cost, skipped)
+            measured[i] = SearchPoint(path[i][0], path[i][1], *measure(path[i][1]))
             if progress is not None:
                 progress(measured[i])
         return measured[i]
@@ -123,7 +128,7 @@ def search(path: list, measure, budget_nll: float, progress=None) -> tuple[int, 
     lo, hi = -1, len(path)  # invariant: lo within the budget (or -1), hi over it
     while hi - lo > 1:
         mid = (lo + hi) // 2
-        if at(mid).nll_cost <= budget_nll:
+        if at(mid).within(budget_nll, margin):
             lo = mid
         else:
             hi = mid
@@ -132,14 +137,14 @@ def search(path: list, measure, budget_nll: float, progress=None) -> tuple[int, 
 
 def refined_search(costs: np.ndarray, levels, unit_bytes: np.ndarray, measure,
                    budget_nll: float, min_level: np.ndarray | None = None, progress=None,
-                   refinements: int = 3, points: int = 12):
+                   refinements: int = 3, points: int = 12, margin: float = 0.0):
     """`search` along the allocation path, then `refinements` times again along a finer
     path between the sparsest allocation within the budget and the next one, which the
     path's geometric prices can leave far apart (a few percent of the bytes). Returns
     ((price, levels) of the sparsest allocation within the budget, or None; every point
     measured)."""
     path = allocation_path(costs, levels, unit_bytes, min_level)
-    best, found = search(path, measure, budget_nll, progress)
+    best, found = search(path, measure, budget_nll, progress, margin)
     for _ in range(refinements):
         if not path or best + 1 >= len(path):
             break
@@ -150,7 +155,7 @@ def refined_search(costs: np.ndarray, levels, unit_bytes: np.ndarray, measure,
                                             prices=prices) if p[1].tobytes() not in ends]
         if not finer:
             break
-        sub_best, more = search(finer, measure, budget_nll, progress)
+        sub_best, more = search(finer, measure, budget_nll, progress, margin)
         found += more
         head = [path[best]] if best >= 0 else []
         path = head + finer + [path[best + 1]]

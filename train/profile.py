@@ -48,11 +48,25 @@ def text_windows(tokenizer, files, window: int, count: int, seed: int,
                      f"{count} needed")
 
 
-def score(config, scfg, params, thresholds, windows: np.ndarray, rows: int):
+# standard errors of the search text's cost added before comparing it with the budget
+SEARCH_MARGIN = 1.0
+
+
+def paired_standard_error(differences: np.ndarray) -> float:
+    """The standard error of the mean of per-window NLL differences (sparse less dense
+    on the same windows): how far the search text's cost may sit from the cost on other
+    text of its kind; 0 with fewer than two windows."""
+    d = np.asarray(differences, np.float64)
+    return float(d.std(ddof=1) / math.sqrt(d.size)) if d.size > 1 else 0.0
+
+
+def score(config, scfg, params, thresholds, windows: np.ndarray, rows: int,
+          per_window: bool = False):
     """(mean next-token NLL, mean fraction of decoder matmul bytes read) of the windows
-    under thresholds [L, len(SITES)] (scfg: a threshold SparseConfig)."""
+    under thresholds [L, len(SITES)] (scfg: a threshold SparseConfig); with `per_window`,
+    each window's mean NLL [n_windows] too."""
     from dejavu_jax.eval.sparse_scoring import token_scores
-    nll, read, n = 0.0, 0.0, 0
+    nll, read, n, window_nll = 0.0, 0.0, 0, []
     for i in range(0, len(windows), rows):
         batch = windows[i:i + rows]
         pad = rows - len(batch)
@@ -66,6 +80,9 @@ def score(config, scfg, params, thresholds, windows: np.ndarray, rows: int):
         nll -= float(logp.sum())
         read += float(reads.sum())
         n += logp.size
+        window_nll.append(-logp.mean(axis=1))
+    if per_window:
+        return nll / n, read / n, np.concatenate(window_nll)
     return nll / n, read / n
 
 
@@ -101,15 +118,16 @@ def gate_weighted(config, params, windows: np.ndarray, rows: int, sites):
 def make_profile(config, params, calib: np.ndarray, search_windows: np.ndarray, method: str,
                  budget: float, levels=DEFAULT_LEVELS, rows: int = 4, progress=True,
                  log=print, stats: dict | None = None, measured: dict | None = None,
-                 rounds: int = 2) -> SparsityProfile:
+                 rounds: int = 2, margin: float = SEARCH_MARGIN) -> SparsityProfile:
     """The profile of `method` for the model: thresholds calibrated on `calib` windows
     (or the dense `calibrate` stats given), per-layer levels on the allocation path, the
     sparsest whose perplexity cost on `search_windows` is at most `budget` (a fraction,
     0.01 = 1%). Each further round (`rounds`) calibrates again around the point chosen,
     where its layers' errors compound, and searches on from it. `measured`: a dict that
     keeps the search's measurements between calls for the same model, windows and method
-    (profiles at several budgets). The gate site ranks neurons with `params`' gate
-    weights (`gate_weighted`), which the profile stores."""
+    (profiles at several budgets). An allocation is within the budget when its cost plus
+    `margin` standard errors of it (`paired_standard_error`) is. The gate site ranks
+    neurons with `params`' gate weights (`gate_weighted`), which the profile stores."""
     from dejavu_jax.sparse import threshold_config
     from dejavu_jax.train import allocate
     from dejavu_jax.train.thresholds import thresholds_at
@@ -123,20 +141,25 @@ def make_profile(config, params, calib: np.ndarray, search_windows: np.ndarray, 
     scfg = threshold_config(config, sites)
     zero = np.zeros((config.n_layers, len(unit_bytes)), np.float32)
     if "dense" not in measured:
-        measured["dense"] = score(config, scfg, params, zero, search_windows, rows)[0]
-    dense_nll = measured["dense"]
+        nll, _, windows = score(config, scfg, params, zero, search_windows, rows, True)
+        measured["dense"], measured["dense windows"] = nll, windows
+    dense_nll, dense_windows = measured["dense"], measured["dense windows"]
 
     def measure(thresholds):
+        """(NLL cost, bytes skipped, the cost's standard error over the search windows)."""
         key = np.asarray(thresholds, np.float32).tobytes()
         if key not in measured:
-            nll, read = score(config, scfg, params, thresholds, search_windows, rows)
-            measured[key] = (nll - dense_nll, 1.0 - read)
+            nll, read, windows = score(config, scfg, params, thresholds, search_windows,
+                                       rows, True)
+            measured[key] = (nll - dense_nll, 1.0 - read,
+                             paired_standard_error(windows - dense_windows))
         return measured[key]
 
     def report(point):
         log(f"  price {point.price:.3g}: predicted skip "
             f"{allocate.predicted_skip(config, sites, point.levels):.1%}, measured skip "
-            f"{point.bytes_skipped:.1%}, perplexity cost {math.expm1(point.nll_cost):+.2%}")
+            f"{point.bytes_skipped:.1%}, perplexity cost {math.expm1(point.nll_cost):+.2%} "
+            f"± {point.nll_se:.2%}")
 
     chosen, chosen_t, chosen_point, points = zero, zero, None, []
     round_stats = stats
@@ -154,7 +177,8 @@ def make_profile(config, params, calib: np.ndarray, search_windows: np.ndarray, 
             f"{budget:.1%} perplexity cost ({search_windows.size} search tokens)")
         best, found = allocate.refined_search(
             allocate.unit_costs(round_stats), levels, unit_bytes,
-            lambda lv: measure(thresholds_of(lv)), math.log1p(budget), chosen, report)
+            lambda lv: measure(thresholds_of(lv)), math.log1p(budget), chosen, report,
+            margin=margin)
         points += found
         if best is None or np.array_equal(best[1], chosen):
             break
@@ -163,10 +187,12 @@ def make_profile(config, params, calib: np.ndarray, search_windows: np.ndarray, 
     summary = {"text": "search windows of the calibration corpus", "dense_nll": dense_nll,
                "search_tokens": int(search_windows[:, 1:].size), "budget": budget,
                "rounds": rounds,
+               "margin_se": margin,
                "nll_cost": chosen_point.nll_cost if chosen_point else 0.0,
+               "nll_se": chosen_point.nll_se if chosen_point else 0.0,
                "ppl_cost": math.expm1(chosen_point.nll_cost) if chosen_point else 0.0,
                "bytes_skipped": chosen_point.bytes_skipped if chosen_point else 0.0,
-               "points": [{"price": p.price, "nll_cost": p.nll_cost,
+               "points": [{"price": p.price, "nll_cost": p.nll_cost, "nll_se": p.nll_se,
                            "bytes_skipped": p.bytes_skipped,
                            "predicted_skip": allocate.predicted_skip(config, sites, p.levels)}
                           for p in points]}
@@ -195,7 +221,8 @@ def build_parser() -> argparse.ArgumentParser:
                    help="threshold sites: teal (q/k/v, o, gate/up and down inputs), cats "
                         "(the gate), teal+cats (all; default for gated MLPs, else teal)")
     p.add_argument("--budget", type=cli.fraction, default=0.01,
-                   help="largest perplexity cost on the search text (default 0.01 = 1%%)")
+                   help="largest perplexity cost on the search text, one standard error of it "
+                        "included (default 0.01 = 1%%)")
     p.add_argument("--calibration-tokens", type=cli.positive_int, default=2048)
     p.add_argument("--search-tokens", type=cli.positive_int, default=4096)
     p.add_argument("--window", type=cli.positive_int, default=256)
