@@ -60,11 +60,10 @@ def paired_standard_error(differences: np.ndarray) -> float:
     return float(d.std(ddof=1) / math.sqrt(d.size)) if d.size > 1 else 0.0
 
 
-def score(config, scfg, params, thresholds, windows: np.ndarray, rows: int,
-          per_window: bool = False):
-    """(mean next-token NLL, mean fraction of decoder matmul bytes read) of the windows
-    under thresholds [L, len(SITES)] (scfg: a threshold SparseConfig); with `per_window`,
-    each window's mean NLL [n_windows] too."""
+def score(config, scfg, params, thresholds, windows: np.ndarray, rows: int):
+    """(mean next-token NLL, mean fraction of decoder matmul bytes read, each window's mean
+    NLL [n_windows]) of the windows under thresholds [L, len(SITES)] (scfg: a threshold
+    SparseConfig)."""
     from dejavu_jax.eval.sparse_scoring import token_scores
     nll, read, n, window_nll = 0.0, 0.0, 0, []
     for i in range(0, len(windows), rows):
@@ -81,9 +80,7 @@ def score(config, scfg, params, thresholds, windows: np.ndarray, rows: int,
         read += float(reads.sum())
         n += logp.size
         window_nll.append(-logp.mean(axis=1))
-    if per_window:
-        return nll / n, read / n, np.concatenate(window_nll)
-    return nll / n, read / n
+    return nll / n, read / n, np.concatenate(window_nll)
 
 
 def calibrate(config, params, windows: np.ndarray, levels, rows: int, progress=True,
@@ -141,7 +138,7 @@ def make_profile(config, params, calib: np.ndarray, search_windows: np.ndarray, 
     scfg = threshold_config(config, sites)
     zero = np.zeros((config.n_layers, len(unit_bytes)), np.float32)
     if "dense" not in measured:
-        nll, _, windows = score(config, scfg, params, zero, search_windows, rows, True)
+        nll, _, windows = score(config, scfg, params, zero, search_windows, rows)
         measured["dense"], measured["dense windows"] = nll, windows
     dense_nll, dense_windows = measured["dense"], measured["dense windows"]
 
@@ -150,7 +147,7 @@ def make_profile(config, params, calib: np.ndarray, search_windows: np.ndarray, 
         key = np.asarray(thresholds, np.float32).tobytes()
         if key not in measured:
             nll, read, windows = score(config, scfg, params, thresholds, search_windows,
-                                       rows, True)
+                                       rows)
             measured[key] = (nll - dense_nll, 1.0 - read,
                              paired_standard_error(windows - dense_windows))
         return measured[key]
