@@ -125,9 +125,11 @@ def _renorm(y, x_dtype):
     return y.astype(x_dtype)
 
 
-def bench_mlp_point(W, d, B, density, *, which, config=None, seed=0):
+def bench_mlp_point(W, d, B, density, *, which, config=None, seed=0, residual=False):
     """Time one MLP variant: which in {"sparse", "gather", "dense"}; `density` is the
-    fraction of the F = 4d neurons read; returns dict."""
+    fraction of the F = 4d neurons read; returns dict. residual (sparse): the output is
+    added into fp32 residual rows in the launch, as a decode step does (half the input,
+    so that the chain still contracts)."""
     F = 4 * d
     K = max(1, round(F * density))
     x0 = _rand(jax.random.PRNGKey(seed + 7), (B, d), jnp.bfloat16, 1.0)
@@ -152,13 +154,14 @@ def bench_mlp_point(W, d, B, density, *, which, config=None, seed=0):
         sets = disjoint_sets(F, K, seed=seed)
 
         def step(x, W, idx):
+            res = 0.5 * x.astype(jnp.float32) if residual else None
             y = sparse_mlp_pallas(x, W["w1"], W["b1"], W["w2t"], W["b2"], idx, config=config,
-                                  interpret=INTERPRET)
+                                  interpret=INTERPRET, residual=res)
             return _renorm(y, x.dtype)
     need = 2 * K * d * 2
     t, _ = chain_time(step, x0, W, sets, est_s=need / 3e12 + 8e-6)
     return dict(kind="mlp", which=which, d=d, F=F, B=B, density=density, K=K,
-                bytes=need, time_us=t * 1e6, gbps=need / t / 1e9,
+                residual=bool(residual), bytes=need, time_us=t * 1e6, gbps=need / t / 1e9,
                 config=None if config is None else dataclasses.asdict(config))
 
 

@@ -7,8 +7,8 @@
   launch once the window's inputs make it a tensor-core product).
 * ``attn-config``: the same windowed attention (batch 1) at ``--context`` and 1024 for
   ``AttnConfig`` variants (``--attn-variants``), and ``mlp-config``: XLA's dense MLP, then
-  the sparse MLP, both for ``--batch`` rows, for ``MLPConfig`` variants
-  (``--mlp-variants``); a variant is ``field=value[,field=value]``, variants are
+  the sparse MLP into fp32 residual rows (as the decode step runs it), both for ``--batch``
+  rows, for ``MLPConfig`` variants (``--mlp-variants``) at ``--mlp-densities``; a variant is ``field=value[,field=value]``, variants are
   separated by ``/`` and ``base`` is the default config.
 * ``out-proj``: the batch-1 out-projection of the selected heads into the residual, by the
   column-gather kernel the attention uses (3-D group-view loads, as the attention picks
@@ -222,6 +222,8 @@ def main(argv=None):
     p.add_argument("--parts", default="attn-window,top-k")
     p.add_argument("--attn-variants", default="base/seq_splits=1")
     p.add_argument("--mlp-variants", default="base/num_stages=3")
+    p.add_argument("--mlp-densities", type=lambda v: [float(x) for x in v.split(",")],
+                   default=None, help="the mlp-config part's densities (default --mlp)")
     p.add_argument("--batch", type=int, default=1, help="rows of the mlp-config part (others: 1)")
     p.add_argument("--predictor-variants", default="4x512/2x512/1x512/1x256",
                    help="split predictor score product: ROW_BLOCKSxBLOCK_D[d][wN] ('d': deferred "
@@ -265,8 +267,10 @@ def main(argv=None):
         log({**bench.bench_mlp_point(W, d, args.batch, 1.0, which="dense"),
              "part": "mlp-config", "variant": "xla-dense"})
         for name, cfg in parse_variants(args.mlp_variants, MLPConfig):
-            row = bench.bench_mlp_point(W, d, args.batch, args.mlp, which="sparse", config=cfg)
-            log({**row, "part": "mlp-config", "variant": name})
+            for density in args.mlp_densities or [args.mlp]:
+                row = bench.bench_mlp_point(W, d, args.batch, density, which="sparse",
+                                            config=cfg, residual=True)
+                log({**row, "part": "mlp-config", "variant": name})
         del W
     if "out-proj" in parts:
         for item in args.out_variants.split("/"):
