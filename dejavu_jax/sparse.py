@@ -24,7 +24,6 @@ row reads and writes only its own heads' cache entries.
 from __future__ import annotations
 
 import dataclasses
-import functools
 import math
 from typing import Callable, Sequence
 
@@ -731,29 +730,12 @@ def _fused_sparse_layer(config, scfg, view, io, layer, x, neurons, heads, step, 
     else:
         if split:
             nxt = nxt[1](extra_parts[0][0])
-        if isinstance(nxt, Riders) and nxt.fc1 and _fused_mlp(scfg, h):
-            # the one-launch MLP has no first launch for the score product: the norm's
-            y, score_outs = norm(h, lp.mlp_norm_scale, lp.mlp_norm_bias, riders=nxt.fc1)
-            nxt = Riders((), functools.partial(_select_from, nxt.fc2_of, score_outs))
-        else:
-            y = norm(h, lp.mlp_norm_scale, lp.mlp_norm_bias)
+        y = norm(h, lp.mlp_norm_scale, lp.mlp_norm_bias)
     if not isinstance(nxt, Riders):
         out = _sparse_mlp(config, scfg, view, y, neurons, residual=h, dense=dense_mlp)
         return out, x, io, nxt
     out, (nxt,) = _sparse_mlp(config, scfg, view, y, neurons, residual=h, riders=nxt)
     return out, x, io, nxt
-
-
-def _fused_mlp(scfg, rows: jax.Array) -> bool:
-    """Whether the MLP of these rows runs as one launch (`kernels.MLPConfig.fused_block_rows`,
-    batch 1)."""
-    return bool(scfg.mlp_config is not None and scfg.mlp_config.fused_block_rows
-                and rows.shape[0] == 1)
-
-
-def _select_from(fc2_of, score_outs, _no_fc1_outs):
-    """The selection riders of a `Riders` whose score product ran in an earlier launch."""
-    return fc2_of(score_outs)
 
 
 def _reduced(reduce, out: jax.Array) -> jax.Array:

@@ -64,7 +64,6 @@ import numpy as np
 from dejavu_jax import config as config_lib
 from dejavu_jax import sparse
 from dejavu_jax.eval.bench_decode import random_sets
-from dejavu_jax.kernels import MLPConfig
 from dejavu_jax.params import init_params, unstack_layers
 from dejavu_jax.sparse_variants import APART, variant_selector
 
@@ -140,11 +139,9 @@ def gemma3_tiny():
 
 
 # (config, (MLP density, head density) pairs, layouts); density 1 runs the dense branches;
-# layout "rows": stacked, each batch row with its own heads; "fused": unrolled, batch 1,
-# the one-launch MLP (`kernels.MLPConfig.fused_block_rows`)
-DECODE_CASES = (("opt-tiny", ((1.0, 1.0), (0.3, 0.5)), ("unrolled", "stacked", "rows",
-                                                      "fused")),
-                ("llama-tiny", ((0.3, 0.5),), ("unrolled", "stacked", "rows", "fused")),
+# layout "rows": stacked, each batch row with its own heads
+DECODE_CASES = (("opt-tiny", ((1.0, 1.0), (0.3, 0.5)), ("unrolled", "stacked", "rows")),
+                ("llama-tiny", ((0.3, 0.5),), ("unrolled", "stacked", "rows")),
                 ("gemma3-tiny", ((0.3, 0.5),), ("unrolled",)))
 
 
@@ -162,23 +159,16 @@ def _decode_rows(impl: str, steps: int, cases) -> list[dict]:
             ref = _decode(config, dataclasses.replace(scfg, impl="reference"), params, sets,
                           steps, False)
             for layout in layouts:
-                if layout in ("rows", "fused") and heads == 1.0:
+                if layout == "rows" and heads == 1.0:
                     continue
-                per_layer = layout in ("unrolled", "fused")
-                p = unstack_layers(params) if per_layer else params
-                layout_sets, want, batch, layout_scfg = sets, ref, 2, scfg
+                p = unstack_layers(params) if layout == "unrolled" else params
+                layout_sets, want = sets, ref
                 if layout == "rows":
                     layout_sets = random_sets(config, scfg, seed=3, row_heads=2)
                     want = _decode(config, dataclasses.replace(scfg, impl="reference"),
                                    params, layout_sets, steps, False)
-                if layout == "fused":
-                    batch = 1
-                    layout_scfg = dataclasses.replace(
-                        scfg, mlp_config=MLPConfig(fused_block_rows=8))
-                    want = _decode(config, dataclasses.replace(scfg, impl="reference"),
-                                   params, sets, steps, False, batch=1)
-                got = _decode(config, dataclasses.replace(layout_scfg, impl=impl), p,
-                              layout_sets, steps, per_layer, batch=batch)
+                got = _decode(config, dataclasses.replace(scfg, impl=impl), p, layout_sets,
+                              steps, layout == "unrolled")
                 rows.append(dict(check="decode", preset=preset, mlp=mlp, heads=heads,
                                  layout=layout, steps=steps,
                                  logits=float(np.abs(got[0] - want[0]).max()),
@@ -259,14 +249,13 @@ def _per_step_sets(log: list, n_layers: int):
 
 # the GPU's layout with the selection riding in the MLP launches, and the stacked scan with
 # launches of its own (a layout does not change which sets are chosen)
-SPLIT_VARIANTS = ((True, "unrolled"), (False, "stacked"), ("fused", "unrolled"))
+SPLIT_VARIANTS = ((True, "unrolled"), (False, "stacked"))
 
 
 def split_rows(impl: str, steps: int, variants=None) -> list[dict]:
     """The decode step with the split predictor (batch 1, local top-k; its selection riding
     in the MLP launches or in launches of its own) against the reference step, for each
-    (ride_mlp_launches, layout) of `variants` (default `SPLIT_VARIANTS`; ride "fused":
-    the one-launch MLP, the selection riding in it and the scores in the MLP norm's).
+    (ride_mlp_launches, layout) of `variants` (default `SPLIT_VARIANTS`).
 
     Sets chosen from scores that two implementations round differently can differ where
     two scores share or straddle a bfloat16 key (the predictors' hidden units are rounded
@@ -297,10 +286,9 @@ def split_rows(impl: str, steps: int, variants=None) -> list[dict]:
         for ride, layout in variants or SPLIT_VARIANTS:
             p = unstack_layers(params) if layout == "unrolled" else params
             select = variant_selector(1, "local" if ride else "local" + APART, impl=impl)
-            mlp_config = MLPConfig(fused_block_rows=8) if ride == "fused" else None
             log: list = []
-            got = _decode(config, dataclasses.replace(scfg, impl=impl, mlp_config=mlp_config),
-                          p, preds, steps, layout == "unrolled", select, batch=1, log=log)
+            got = _decode(config, dataclasses.replace(scfg, impl=impl), p, preds, steps,
+                          layout == "unrolled", select, batch=1, log=log)
             got_sets = _per_step_sets(log, config.n_layers)
             replay = _decode(config, ref_scfg, params, [s for s, _ in got_sets], steps,
                              False, _replay_selector, batch=1, per_step_params=True)

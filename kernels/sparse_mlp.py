@@ -10,10 +10,6 @@ batch).  Two Pallas launches plus one tiny XLA reduction:
    bias, activation, gate product), then split-k over the selected fc2ᵀ rows;
 3. XLA: sum the split-k partials, add b2, cast to ``x.dtype`` -- or, given a ``residual``,
    nothing: the fc2 launch adds its chunks and b2 into the residual rows.
-
-At batch 1 with a residual, ``MLPConfig.fused_block_rows`` runs the pair as one launch
-instead (:func:`fused_mlp_part`): each program finishes its block of neurons' hidden units
-over the whole width, then adds their fc2ᵀ rows' products into the residual.
 """
 from __future__ import annotations
 
@@ -24,13 +20,12 @@ from typing import Callable
 import jax
 import jax.numpy as jnp
 from jax import lax
-from jax.experimental.pallas import triton as plgpu
 
 from ._common import (activation_fn, balanced_chunks, cdiv, check_array, check_bias,
                       check_indices, resolve_impl, sm_count)
 from .gather_matvec import (Segment, batch_pad, gather_matvec_part, gather_matvec_t_part,
-                            partials_loader, write_split_k)
-from .launch import LaunchPart, launch
+                            partials_loader)
+from .launch import launch
 
 
 
@@ -47,8 +42,6 @@ class MLPConfig:
     num_stages: int = 2
     target_programs: int | None = None  # fc2 programs to aim for (None: 8 per SM)
     fc2_masked_atomics: bool = True  # a batch's rows added by one masked atomic
-    fused_block_rows: int = 0  # batch 1 with a residual: neurons per program of one fused
-    fused_block_d: int = 512   # launch (0: the two-launch pair); columns per load there
 
     def resolve(self, K: int, d: int, B: int) -> "MLPConfig":
         """Fill the automatic fields for ``K`` selected rows, width ``d`` and batch ``B``."""
@@ -110,78 +103,6 @@ def sparse_mlp_reference(x, w1, b1, w2t, b2, idx, *, activation="relu", w_gate=N
     return out.astype(x.dtype)
 
 
-def _fused_mlp_body(pids, x_ref, ids_ref, w1_ref, *refs, K, d, bk, bd, nchunks, gated,
-                    has_b1, has_b2, activation):
-    it = iter(refs)
-    wg_ref = next(it) if gated else None
-    b1_ref = next(it) if has_b1 else None
-    w2_ref = next(it)
-    next(it)                                    # the residual, aliased to the output
-    b2_ref = next(it) if has_b2 else None
-    o_ref = next(it)
-    (i,) = pids
-    f32 = jnp.float32
-    r = i * bk + jnp.arange(bk, dtype=jnp.int32)
-    valid = r < K
-    rows = plgpu.load(ids_ref.at[r], mask=valid, other=0)
-
-    def columns(c):
-        cols = c * bd + jnp.arange(bd, dtype=jnp.int32)
-        return cols, cols < d
-
-    def tile(ref, cols, cm):
-        return plgpu.load(ref.at[rows[:, None], cols[None, :]],
-                          mask=valid[:, None] & cm[None, :], other=0).astype(f32)
-
-    def fc1(c, accs):
-        cols, cm = columns(c)
-        xv = plgpu.load(x_ref.at[0, cols], mask=cm, other=0).astype(f32)[None, :]
-        out = (accs[0] + jnp.sum(tile(w1_ref, cols, cm) * xv, axis=1),)
-        if gated:
-            out += (accs[1] + jnp.sum(tile(wg_ref, cols, cm) * xv, axis=1),)
-        return out
-
-    zeros = jnp.zeros((bk,), f32)
-    accs = lax.fori_loop(0, nchunks, fc1, (zeros, zeros) if gated else (zeros,))
-    h = accs[0]
-    if has_b1:
-        h = h + plgpu.load(b1_ref.at[rows], mask=valid, other=0).astype(f32)
-    act = activation_fn(activation)
-    a = jnp.where(valid, act(accs[1]) * h if gated else act(h), 0.0)
-
-    def fc2(c, carry):
-        cols, cm = columns(c)
-        write_split_k(jnp.sum(a[:, None] * tile(w2_ref, cols, cm), axis=0), o_ref, b2_ref,
-                      i, cols, d, B=1, Bp=1, accumulate=True, has_bias=has_b2)
-        return carry
-
-    lax.fori_loop(0, nchunks, fc2, 0)
-
-
-def fused_mlp_part(x, w1, b1, w2t, b2, idx, residual, *, activation="relu", w_gate=None,
-                   block_rows=8, block_d=512) -> LaunchPart:
-    """The batch-1 sparse MLP as one launch part: ``residual + act(x W1[idx]ᵀ + b1[idx])
-    W2ᵀ[idx] + b2`` (fp32 ``[1, d]``, the residual updated in place). A program per
-    ``block_rows`` selected neurons reads their fc1 (and gate) rows over the whole width,
-    then their fc2ᵀ rows, adding its products into the residual atomically (b2 once)."""
-    B, d = x.shape
-    if B != 1:
-        raise ValueError(f"the fused MLP runs one row, got {B}")
-    bd = min(block_d, max(16, _pow2_floor(d)))
-    K = int(idx.shape[0])
-    body = functools.partial(_fused_mlp_body, K=K, d=d, bk=block_rows, bd=bd,
-                             nchunks=cdiv(d, bd), gated=w_gate is not None,
-                             has_b1=b1 is not None, has_b2=b2 is not None,
-                             activation=activation)
-    args = [x, idx.astype(jnp.int32), w1] + ([w_gate] if w_gate is not None else []) \
-        + ([b1] if b1 is not None else []) + [w2t]
-    aliases = {len(args): 0}
-    args += [residual] + ([b2] if b2 is not None else [])
-    return LaunchPart(body, (cdiv(K, block_rows),), tuple(args),
-                      (jax.ShapeDtypeStruct((1, d), jnp.float32),), aliases,
-                      name="fused_sparse_mlp")
-
-
 @dataclasses.dataclass(frozen=True)
 class Riders:
     """Other kernels' :class:`~.launch.LaunchPart` s that run inside the sparse MLP's two
@@ -202,22 +123,6 @@ def sparse_mlp_pallas(x, w1, b1, w2t, b2, idx, *, activation="relu", w_gate=None
     cfg = (config or MLPConfig()).resolve(K, d, B)
     fc1_riders = riders.fc1 if riders is not None else ()
     idx = idx.astype(jnp.int32)
-    if cfg.fused_block_rows and B == 1 and residual is not None:
-        fused = fused_mlp_part(x, w1, b1, w2t, b2, idx, residual, activation=activation,
-                               w_gate=w_gate, block_rows=cfg.fused_block_rows,
-                               block_d=cfg.fused_block_d)
-        if riders is None:
-            (out,), = launch([fused], num_warps=cfg.num_warps, num_stages=cfg.num_stages,
-                             interpret=interpret)
-            return out
-        # the score product cannot share the launch whose selection reads it
-        rider_outs = launch(list(fc1_riders), num_warps=cfg.num_warps,
-                            num_stages=cfg.num_stages, interpret=interpret) \
-            if fc1_riders else []
-        *rider_outs, (out,) = launch([*riders.fc2_of(rider_outs), fused],
-                                     num_warps=cfg.num_warps, num_stages=cfg.num_stages,
-                                     interpret=interpret)
-        return out, rider_outs
     segs = [Segment(w1, idx)] + ([Segment(w_gate, idx)] if w_gate is not None else [])
     fc1 = gather_matvec_part(x, segs, block_rows=cfg.fc1_block_rows, block_d=cfg.fc1_block_d,
                              d_chunks=cfg.fc1_d_chunks)

@@ -786,35 +786,6 @@ def test_residual_outputs_add_into_the_rows(rng, impl, B):
         head_sparse_attention(x, *w, kc, vc, jnp.int32(5), hidx, residual=res[:, :8], impl=impl)
 
 
-
-@pytest.mark.parametrize("d,F,K,gated,biases,act,block_rows,block_d", [
-    (100, 64, 13, False, True, "relu", 8, 32),     # ragged width and neuron blocks
-    (96, 80, 33, True, False, "silu", 16, 64),
-    (64, 40, 7, True, True, "gelu", 8, 512)])     # one block wider than the row
-def test_fused_mlp_equals_numpy(rng, d, F, K, gated, biases, act, block_rows, block_d):
-    """The one-launch batch-1 MLP (`MLPConfig.fused_block_rows`) adds the same output into
-    the residual row as numpy's dense math over the selected neurons."""
-    f = lambda *s: jnp.asarray(rng.standard_normal(s), F32)  # noqa: E731
-    x, res, w1, w2t = f(1, d), f(1, d), f(F, d) * 0.3, f(F, d) * 0.3
-    wg = f(F, d) * 0.3 if gated else None
-    b1, b2 = (f(F), f(d)) if biases else (None, None)
-    idx = np.sort(rng.choice(F, K, replace=False))
-    xn = np.asarray(x, np.float64)
-    up = xn @ np.asarray(w1, np.float64)[idx].T + (np.asarray(b1)[idx] if biases else 0)
-    if gated:
-        g = xn @ np.asarray(wg, np.float64)[idx].T
-        hidden = (g / (1 + np.exp(-g)) if act == "silu"
-                  else 0.5 * g * (1 + np.tanh(np.sqrt(2 / np.pi) * (g + 0.044715 * g ** 3)))) * up
-    else:
-        hidden = np.maximum(up, 0)
-    want = np.asarray(res) + hidden @ np.asarray(w2t, np.float64)[idx] \
-        + (np.asarray(b2) if biases else 0)
-    cfg = MLPConfig(fused_block_rows=block_rows, fused_block_d=block_d)
-    got = sparse_mlp(x, w1, b1, w2t, b2, jnp.asarray(idx, jnp.int32), activation=act,
-                     w_gate=wg, residual=res, impl="interpret", config=cfg)
-    assert got.dtype == F32 and np.isfinite(np.asarray(got)).all()
-    np.testing.assert_allclose(np.asarray(got), want, rtol=1e-4, atol=1e-4 * np.abs(want).max())
-
 def test_balanced_chunks_split_evenly():
     from dejavu_jax.kernels._common import balanced_chunks
     for n in range(1, 40):

@@ -1,7 +1,6 @@
 """The split predictor: its kernels against numpy, and the decode step that runs it."""
 
 import collections
-import dataclasses
 
 import jax
 import jax.numpy as jnp
@@ -12,7 +11,7 @@ from conftest import assert_finite_close
 import dejavu_jax as dj
 from dejavu_jax import sparse
 from dejavu_jax.kernels.predictor_select import predictor_select
-from dejavu_jax.kernels.sparse_mlp import MLPConfig, Riders
+from dejavu_jax.kernels.sparse_mlp import Riders
 from dejavu_jax.sparse_variants import APART, variant_selector
 
 F32 = jnp.float32
@@ -87,17 +86,15 @@ def test_predictor_select_rejects_bad_inputs():
         predictor_select(**{**good, "b1": jnp.zeros((L, r))}, layer=0, k_mlp=3, k_heads=2)
 
 
-@pytest.mark.parametrize("impl,dtype,ride,preset,fused", [
-    ("interpret", F32, True, "opt-tiny", False), ("interpret", F32, False, "opt-tiny", False),
-    ("reference", jnp.bfloat16, True, "opt-tiny", False),
-    ("interpret", F32, True, "llama-tiny", False), ("interpret", F32, True, "opt-tiny", True)])
-def test_split_predictor_step_equals_the_called_selector(impl, dtype, ride, preset, fused,
+@pytest.mark.parametrize("impl,dtype,ride,preset", [
+    ("interpret", F32, True, "opt-tiny"), ("interpret", F32, False, "opt-tiny"),
+    ("reference", jnp.bfloat16, True, "opt-tiny"), ("interpret", F32, True, "llama-tiny")])
+def test_split_predictor_step_equals_the_called_selector(impl, dtype, ride, preset,
                                                          monkeypatch):
     """The decode step that splits the predictor across the layer (first product in the
     projection launch, selection after attention: in launches of its own, or riding in
-    the MLP's launches, or with the one-launch MLP in the MLP norm's and the MLP's launch)
-    picks the sets that calling the selector on the layer's input picks, and gives the
-    same logits."""
+    the MLP's launches) picks the sets that calling the selector on the layer's input
+    picks, and gives the same logits."""
     from dejavu_jax.eval.bench_decode import random_predictors
     from dejavu_jax.train.predictor_model import decode_predictors
     config = dj.preset(preset).replace(n_layers=3)
@@ -107,8 +104,6 @@ def test_split_predictor_step_equals_the_called_selector(impl, dtype, ride, pres
     preds = jax.tree.map(lambda a: a.astype(dtype) if a.dtype == jnp.bfloat16 else a,
                          decode_predictors(random_predictors(config, 8, jax.random.key(4))))
     scfg = sparse.sparse_config(config, 0.25, 0.5, dense_layers=1, impl=impl)
-    if fused:
-        scfg = dataclasses.replace(scfg, mlp_config=MLPConfig(fused_block_rows=8))
     split = variant_selector(config.group_size, "local" if ride else "local" + APART,
                              impl=impl)
     assert split.splits(preds, 1) and not split.splits(preds, 2)

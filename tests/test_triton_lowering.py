@@ -62,18 +62,6 @@ def test_sparse_mlp_lowers(B, gated, residual):
     assert text.count("gather_matvec") >= 2
 
 
-@pytest.mark.parametrize("gated", [False, True])
-def test_fused_mlp_lowers(gated):
-    d, F, K = 576, 1536, 200
-    cfg = kernels.MLPConfig(fused_block_rows=8)
-    args = [z(1, d), z(F, d), z(F), z(F, d), z(d), jnp.arange(K, dtype=jnp.int32),
-            z(F, d) if gated else None, z(1, d, dtype=F32)]
-    text = lowers(lambda *a: kernels.sparse_mlp(*a[:6], w_gate=a[6], residual=a[7],
-                                                activation="silu" if gated else "relu",
-                                                impl="pallas", config=cfg), *args)
-    assert set(triton_launch_sites(text)) == {"fused_sparse_mlp"}
-
-
 @pytest.mark.parametrize("B,n_kv,rope,window,residual,masked", [
     (1, 8, False, True, True, False),
     (2, 4, True, True, True, True),       # a query-head mask (GQA)
@@ -196,29 +184,6 @@ def test_sparse_decode_step_lowers(preset, batch, split, stacked):
     # whose first product rides in the MLP norm's launch (2 rows of 2 heads each: every
     # head, so the projection is XLA's)
     assert ("gather_matvec_layer_norm" in text) == (batch > 1)
-
-
-def test_fused_mlp_decode_step_lowers():
-    """With the one-launch MLP, each sparse layer of a batch-1 step has its predictor
-    scores ride in the MLP norm's launch and its selection in the fused MLP's, and no fc1
-    or fc2 launch is left."""
-    from dejavu_jax.eval.bench_decode import random_predictors
-    from dejavu_jax.params import unstack_layers
-    from dejavu_jax.train.predictor_model import decode_predictors
-    config = dj.preset("opt-tiny")
-    params = unstack_layers(dj.init_params(config, jax.random.key(0), BF16))
-    scfg = dataclasses.replace(sparse.sparse_config(config, 0.25, 0.5, dense_layers=1,
-                                                    impl="pallas"),
-                               mlp_config=kernels.MLPConfig(fused_block_rows=8))
-    preds = decode_predictors(random_predictors(config, 16, jax.random.key(1)))
-    eng = sparse.sparse_engine(config, scfg, sparse.predictor_selector(
-        config.group_size, method="local", impl="pallas"))
-    state = jax.eval_shape(lambda: eng.init_state(1, 32, BF16, per_layer=True))
-    text = lowers(eng.step, (params, preds), state, jnp.zeros((1,), jnp.int32))
-    launches = {k: v for k, v in triton_launch_sites(text).items() if v}
-    sparse_layers = config.n_layers - 1
-    assert launches == {"predictor_scores_layer_norm": sparse_layers,
-                        "predictor_select_fused_sparse_mlp": sparse_layers}
 
 
 @pytest.mark.parametrize("preset", ["opt-tiny", "llama-tiny"])
