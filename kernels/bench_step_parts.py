@@ -8,8 +8,9 @@
 * ``attn-config``: the same windowed attention (batch 1) at ``--context`` and 1024 for
   ``AttnConfig`` variants (``--attn-variants``), and ``mlp-config``: XLA's dense MLP, then
   the sparse MLP into fp32 residual rows (as the decode step runs it), both for ``--batch``
-  rows, for ``MLPConfig`` variants (``--mlp-variants``) at ``--mlp-densities``; a variant is ``field=value[,field=value]``, variants are
-  separated by ``/`` and ``base`` is the default config.
+  rows, for ``MLPConfig`` variants (``--mlp-variants``) at ``--mlp-densities``; a variant
+  is ``field=value[,field=value]``, variants are separated by ``/`` and ``base`` is the
+  default config.
 * ``out-proj``: the batch-1 out-projection of the selected heads into the residual, by the
   column-gather kernel the attention uses (3-D group-view loads, as the attention picks
   them) and by the row-gather kernel with split-k atomics it used before, for block, warp

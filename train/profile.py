@@ -139,8 +139,8 @@ def make_profile(config, params, calib: np.ndarray, search_windows: np.ndarray, 
     zero = np.zeros((config.n_layers, len(unit_bytes)), np.float32)
     if "dense" not in measured:
         nll, _, windows = score(config, scfg, params, zero, search_windows, rows)
-        measured["dense"], measured["dense windows"] = nll, windows
-    dense_nll, dense_windows = measured["dense"], measured["dense windows"]
+        measured["dense"] = (nll, windows)
+    dense_nll, dense_windows = measured["dense"]
 
     def measure(thresholds):
         """(NLL cost, bytes skipped, the cost's standard error over the search windows)."""
