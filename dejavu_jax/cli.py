@@ -57,10 +57,18 @@ def non_negative_int(text: str) -> int:
 
 
 def non_negative_float(text: str) -> float:
-    """An argparse type: a number >= 0."""
+    """An argparse type: a finite number >= 0."""
     value = _number(text, float, "a number >= 0")
-    if not value >= 0:  # also NaN
-        raise argparse.ArgumentTypeError(f"must be >= 0, got {text}")
+    if not 0 <= value < float("inf"):  # also NaN
+        raise argparse.ArgumentTypeError(f"must be finite and >= 0, got {text}")
+    return value
+
+
+def seed(text: str) -> int:
+    """An argparse type: a random seed, an integer in [0, 2**63)."""
+    value = non_negative_int(text)
+    if value >= 1 << 63:
+        raise argparse.ArgumentTypeError(f"must be below 2**63, got {value}")
     return value
 
 

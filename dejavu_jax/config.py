@@ -77,6 +77,7 @@ class ModelConfig:
     rope_local_theta: float | None = None
     rope_linear_factor: float = 1.0
     final_logit_softcap: float | None = None
+    extra_eos_token_ids: tuple[int, ...] = ()   # further ids that end a sequence
 
     def __post_init__(self):
         if self.family not in FAMILIES:
@@ -88,6 +89,8 @@ class ModelConfig:
             raise ValueError(f"unsupported activation {self.activation!r}; "
                              f"supported: {ACTIVATIONS}")
         object.__setattr__(self, "sliding_layers", tuple(bool(s) for s in self.sliding_layers))
+        object.__setattr__(self, "extra_eos_token_ids",
+                           tuple(int(i) for i in self.extra_eos_token_ids))
         if self.sliding_layers and len(self.sliding_layers) != self.n_layers:
             raise ValueError(f"sliding_layers has {len(self.sliding_layers)} flags for "
                              f"{self.n_layers} layers")
@@ -132,14 +135,40 @@ class ModelConfig:
         """Whether the embedding width differs from the residual width."""
         return self.embed_dim != self.hidden
 
+    @property
+    def stop_token_ids(self) -> list[int]:
+        """Every id that ends a sequence: the eos id and the config's further ones."""
+        first = [] if self.eos_token_id is None else [self.eos_token_id]
+        return first + [i for i in self.extra_eos_token_ids if i not in first]
+
     def fingerprint(self) -> str:
-        """A short stable hash of the config, for manifests of derived artifacts."""
-        blob = json.dumps(dataclasses.asdict(self), sort_keys=True).encode()
-        return hashlib.sha256(blob).hexdigest()[:16]
+        """A short stable hash of what the model computes (not its name, which is the
+        checkpoint's folder or file name, nor its special token ids), for manifests of
+        derived artifacts: a copied or renamed checkpoint keeps its profiles and
+        predictors."""
+        fields = dataclasses.asdict(self)
+        for key in _NOT_FINGERPRINTED:
+            fields.pop(key)
+        return _hash(fields)
+
+    def fits_fingerprint(self, fingerprint: str | None) -> bool:
+        """Whether an artifact's stored fingerprint is this config's: `fingerprint()`, or
+        the whole-config hash (name and token ids included) that older artifacts hold."""
+        fields = dataclasses.asdict(self)
+        fields.pop("extra_eos_token_ids")
+        return fingerprint in (self.fingerprint(), _hash(fields))
 
     def replace(self, **changes: Any) -> "ModelConfig":
         """A copy with some fields changed."""
         return dataclasses.replace(self, **changes)
+
+
+_NOT_FINGERPRINTED = ("name", "bos_token_id", "eos_token_id", "pad_token_id",
+                      "extra_eos_token_ids")
+
+
+def _hash(fields: dict) -> str:
+    return hashlib.sha256(json.dumps(fields, sort_keys=True).encode()).hexdigest()[:16]
 
 
 def from_hf_config(hf: dict, name: str = "custom") -> ModelConfig:
@@ -176,7 +205,8 @@ def _rope(params: dict | None, legacy_theta, legacy_scaling, default_theta: floa
 
 def _sliding_layers(hf: dict, n_layers: int, pattern: int | None = None) -> tuple[bool, ...]:
     """Per-layer sliding flags from `layer_types`; else every layer but each `pattern`-th
-    (Gemma 3); else Qwen2's `use_sliding_window` (layers from `max_window_layers` on)."""
+    (Gemma 3); else Qwen2's `use_sliding_window` (layers from `max_window_layers` on); else
+    every layer of a Mistral with a `sliding_window`."""
     types = hf.get("layer_types")
     if types:
         unknown = set(types) - {"sliding_attention", "full_attention"}
@@ -188,12 +218,19 @@ def _sliding_layers(hf: dict, n_layers: int, pattern: int | None = None) -> tupl
     if hf.get("use_sliding_window") and hf.get("sliding_window"):
         start = hf.get("max_window_layers", 0)
         return tuple(i >= start for i in range(n_layers))
+    if hf.get("model_type") == "mistral" and hf.get("sliding_window"):
+        return (True,) * n_layers
     return ()
 
 
 def _first(value):
     """The first id of a list of ids (config eos lists), or the value itself."""
     return value[0] if isinstance(value, list) else value
+
+
+def _rest(value) -> tuple[int, ...]:
+    """The ids after the first of a list of ids (config eos lists)."""
+    return tuple(value[1:]) if isinstance(value, list) else ()
 
 
 def _opt_from_hf(hf: dict, name: str) -> ModelConfig:
@@ -225,7 +262,8 @@ def _opt_from_hf(hf: dict, name: str) -> ModelConfig:
         mlp_bias=hf.get("enable_bias", True),
         tie_embeddings=hf.get("tie_word_embeddings", True),
         bos_token_id=hf.get("bos_token_id", 2),
-        eos_token_id=hf.get("eos_token_id", 2),
+        eos_token_id=_first(hf.get("eos_token_id", 2)),
+        extra_eos_token_ids=_rest(hf.get("eos_token_id", 2)),
         pad_token_id=hf.get("pad_token_id", 1),
         name=name,
     )
@@ -241,6 +279,9 @@ def _llama_from_hf(hf: dict, name: str) -> ModelConfig:
     theta, factor = _rope(hf.get("rope_parameters"), hf.get("rope_theta"),
                           hf.get("rope_scaling"), 10000.0, name)
     qwen2 = hf["model_type"] == "qwen2"
+    if hf.get("mlp_bias"):
+        raise ValueError(f"mlp_bias (biases on the gate, up and down projections) is not "
+                         f"supported (model {name!r})")
     n_layers = hf["num_hidden_layers"]
     sliding = _sliding_layers(hf, n_layers)
     return ModelConfig(
@@ -261,7 +302,7 @@ def _llama_from_hf(hf: dict, name: str) -> ModelConfig:
         gated_mlp=True,
         attention_bias=True if qwen2 else hf.get("attention_bias", False),
         attention_out_bias=False if qwen2 else None,
-        mlp_bias=hf.get("mlp_bias", False),
+        mlp_bias=False,
         rope_theta=theta,
         rope_linear_factor=factor,
         sliding_window=hf.get("sliding_window") if any(sliding) else None,
@@ -269,6 +310,7 @@ def _llama_from_hf(hf: dict, name: str) -> ModelConfig:
         tie_embeddings=hf.get("tie_word_embeddings", False),
         bos_token_id=hf.get("bos_token_id"),
         eos_token_id=_first(hf.get("eos_token_id")),
+        extra_eos_token_ids=_rest(hf.get("eos_token_id")),
         pad_token_id=hf.get("pad_token_id"),
         name=name,
     )
@@ -326,6 +368,7 @@ def _gemma3_from_hf(hf: dict, name: str) -> ModelConfig:
         tie_embeddings=hf.get("tie_word_embeddings", True),
         bos_token_id=hf.get("bos_token_id", 2),
         eos_token_id=_first(hf.get("eos_token_id", 1)),
+        extra_eos_token_ids=_rest(hf.get("eos_token_id", 1)),
         pad_token_id=hf.get("pad_token_id", 0),
         name=name,
     )

@@ -90,7 +90,7 @@ def build_parser() -> argparse.ArgumentParser:
     dec.add_argument("--top-p", type=cli.fraction,
                      help="sample from the fewest tokens whose probabilities add up to P "
                           f"(with --temperature; default {DEFAULT_TOP_P})")
-    dec.add_argument("--seed", type=int, default=0,
+    dec.add_argument("--seed", type=cli.seed, default=0,
                      help="sampling seed, and the random weights of --preset (default 0)")
     dec.add_argument("--print-ids", action="store_true",
                      help="also print the generated token ids (always done without a "

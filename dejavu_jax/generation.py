@@ -133,10 +133,11 @@ def cache_length(config: ModelConfig, prompt_len: int, max_new_tokens: int,
                  bucket: int = 64) -> int:
     """KV cache slots for a run, rounded up to `bucket` so nearby lengths share compiles."""
     needed = prompt_len + max_new_tokens
-    if config.family == "opt" and needed > config.max_positions:
+    if needed > config.max_positions:
+        what = "learned positions" if config.family == "opt" else "positions of context"
         raise ValueError(
             f"prompt ({prompt_len}) + max_new_tokens ({max_new_tokens}) = {needed} exceeds "
-            f"the model's {config.max_positions} learned positions")
+            f"the model's {config.max_positions} {what}")
     return -(-needed // bucket) * bucket
 
 
@@ -168,7 +169,7 @@ def generate_tokens(engine: Engine, params, prompts: Sequence[Sequence[int]],
     for row, p in enumerate(prompts):
         check_token_ids(p, config.vocab_size, f"prompt {row}", "[time]")
     if stop_ids is None:
-        stop_ids = [] if config.eos_token_id is None else [config.eos_token_id]
+        stop_ids = config.stop_token_ids
     ids, mask = left_pad(prompts, config.pad_token_id or 0)
     B, T = ids.shape
     dtype = cache_dtype or jax.tree.leaves(params)[0].dtype

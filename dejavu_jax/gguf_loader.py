@@ -136,6 +136,14 @@ def gguf_metadata(path, skip_arrays=True) -> dict:
     return out
 
 
+def _end_ids(reader):
+    """The eos id, or a list of it and the file's end-of-turn / end-of-message ids where
+    they differ from it (as a HF config's eos list)."""
+    ids = [_get(reader, f"tokenizer.ggml.{k}_token_id") for k in ("eos", "eot", "eom")]
+    ids = [i for n, i in enumerate(ids) if i is not None and i not in ids[:n]]
+    return ids[0] if len(ids) == 1 else (ids or None)
+
+
 def _get(reader, key, default=None, required=False, path=None):
     field = reader.fields.get(key)
     if field is None:
@@ -262,7 +270,7 @@ def _hf_config(reader, path) -> dict:
         "max_position_embeddings": int(meta("context_length", 2048)),
         "tie_word_embeddings": "output.weight" not in names,
         "bos_token_id": _get(reader, "tokenizer.ggml.bos_token_id"),
-        "eos_token_id": _get(reader, "tokenizer.ggml.eos_token_id"),
+        "eos_token_id": _end_ids(reader),
         "pad_token_id": _get(reader, "tokenizer.ggml.padding_token_id"),
     }
     if arch == "gemma3":
@@ -288,7 +296,8 @@ def _hf_config(reader, path) -> dict:
         config.update({
             "hidden_act": "silu",
             "attention_bias": any(n.endswith("attn_q.bias") for n in names),
-            "mlp_bias": any(n.endswith("ffn_up.bias") for n in names),
+            "mlp_bias": any(n.endswith(("ffn_gate.bias", "ffn_up.bias", "ffn_down.bias"))
+                           for n in names),
         })
     return config
 

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 from pathlib import Path
 from typing import Callable
 
@@ -157,7 +158,10 @@ def params_from_tensors(config: ModelConfig, source: TensorSource, dtype=jnp.flo
     origin = next(iter(source.keys()), None)
     origin_file = source.file_of(origin) if origin else "<empty checkpoint>"
 
+    used = set()
+
     def fetch(canon: str, transform: Transform, want: tuple[int, ...]) -> np.ndarray:
+        used.add(canon)
         key = names.get(canon)
         if key is None:
             raise CheckpointError(f"{origin_file}: missing tensor {canon!r} for "
@@ -195,7 +199,28 @@ def params_from_tensors(config: ModelConfig, source: TensorSource, dtype=jnp.flo
         layers[name] = jax.device_put(stacked)
         del stacked
     bar.close()
+    _refuse_unused_layer_tensors(config, names, used, origin_file)
     return ModelParams(layers=LayerParams(**layers), **top)
+
+
+# per-layer tensors a checkpoint may hold that the math does not read
+_IGNORED_LAYER_SUFFIXES = ("rotary_emb.inv_freq",)
+
+
+def _refuse_unused_layer_tensors(config: ModelConfig, names: dict[str, str], used: set[str],
+                                 origin_file: str) -> None:
+    """Raise CheckpointError when the checkpoint's decoder layers hold tensors the config
+    gives no place (a bias or norm this model definition lacks): loading without them would
+    give other logits than the checkpoint's own model."""
+    pattern = re.compile(re.escape(LAYER_PREFIX[config.family]).replace(r"\{i\}", r"\d+"))
+    unused = sorted(c for c in names if pattern.match(c) and c not in used
+                    and not c.endswith(_IGNORED_LAYER_SUFFIXES))
+    if unused:
+        shown = ", ".join(repr(names[c]) for c in unused[:3])
+        raise CheckpointError(
+            f"{origin_file}: {len(unused)} layer tensors that a {config.family} model with "
+            f"this config does not use ({shown}{', ...' if len(unused) > 3 else ''}): "
+            "the checkpoint holds parts this model definition lacks")
 
 
 def hub_id(path_or_id: str | os.PathLike) -> str | None:
@@ -245,7 +270,24 @@ def _hf_directory_config(location: Path) -> ModelConfig:
         raise CheckpointError(f"{config_path}: invalid JSON ({e})") from None
     if not isinstance(hf_config, dict):
         raise CheckpointError(f"{config_path}: not a JSON object")
-    return _config_from(hf_config, location.name, config_path)
+    config = _config_from(hf_config, location.name, config_path)
+    return _with_generation_end_ids(config, location / "generation_config.json")
+
+
+def _with_generation_end_ids(config: ModelConfig, path: Path) -> ModelConfig:
+    """`config` with the end-of-sequence ids of the checkpoint's generation_config.json
+    (instruct models list their end-of-turn id there) among its stop ids."""
+    try:
+        ids = json.loads(path.read_text()).get("eos_token_id")
+    except (OSError, ValueError, AttributeError):
+        return config
+    ids = ids if isinstance(ids, list) else [ids]
+    extra = [i for i in ids if isinstance(i, int) and i not in config.stop_token_ids]
+    if not extra:
+        return config
+    if config.eos_token_id is None:
+        return config.replace(eos_token_id=extra[0], extra_eos_token_ids=tuple(extra[1:]))
+    return config.replace(extra_eos_token_ids=config.extra_eos_token_ids + tuple(extra))
 
 
 def _config_from(hf_config: dict, name: str, origin: Path) -> ModelConfig:

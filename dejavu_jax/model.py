@@ -156,15 +156,25 @@ def _logits(config, params, input_ids, attention_mask):
     return unembed(config, params, hidden)
 
 
+def check_positions(config: ModelConfig, length: int) -> None:
+    """ValueError when a sequence of `length` tokens passes an OPT model's learned
+    positions (past them its position embedding does not exist)."""
+    if config.family == "opt" and length > config.max_positions:
+        raise ValueError(f"{length} tokens exceed the model's {config.max_positions} "
+                         "learned positions")
+
+
 def logits(config: ModelConfig, params: ModelParams, input_ids,
            attention_mask=None) -> jax.Array:
     """Full-sequence float32 logits [B, T, V] for token ids [B, T] (mask: 1 = real token).
 
     Raises ValueError for ids outside [0, vocab_size) (checked when concrete: traced ids
-    must be in range), non-integer ids, or a mask not shaped like the ids.
+    must be in range), non-integer ids, a mask not shaped like the ids, or more tokens
+    than OPT's learned positions.
     """
     check_token_ids(input_ids, config.vocab_size)
     input_ids = jnp.asarray(input_ids, jnp.int32)
+    check_positions(config, input_ids.shape[-1])
     if attention_mask is None:
         attention_mask = jnp.ones_like(input_ids)
     check_mask(attention_mask, input_ids.shape)

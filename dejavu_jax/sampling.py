@@ -17,8 +17,8 @@ class SamplingConfig:
     top_p: float = 1.0
 
     def __post_init__(self):
-        if self.temperature < 0:
-            raise ValueError(f"temperature must be >= 0, got {self.temperature}")
+        if not 0 <= self.temperature < float("inf"):
+            raise ValueError(f"temperature must be finite and >= 0, got {self.temperature}")
         if self.top_k < 0:
             raise ValueError(f"top_k must be >= 0, got {self.top_k}")
         if not 0.0 < self.top_p <= 1.0:
@@ -34,7 +34,9 @@ def sample(logits: jax.Array, key: jax.Array, cfg: SamplingConfig) -> jax.Array:
     """Pick one token per row from fp32 logits [B, V]; returns int32 [B]."""
     if cfg.greedy:
         return jnp.argmax(logits, axis=-1).astype(jnp.int32)
-    logits = logits.astype(jnp.float32) / cfg.temperature
+    logits = logits.astype(jnp.float32)
+    # the best logit at 0 before scaling: a tiny temperature gives -inf, never inf - inf
+    logits = (logits - logits.max(axis=-1, keepdims=True)) / cfg.temperature
     if cfg.top_k:
         kth = jax.lax.top_k(logits, min(cfg.top_k, logits.shape[-1]))[0][..., -1:]
         logits = jnp.where(logits < kth, -jnp.inf, logits)

@@ -459,16 +459,19 @@ def _sparse_mlp(config, scfg, view, y, neurons, residual=None, riders=None, dens
 
 
 def _dense_layer(config, view, io: _LayerIO, layer, x, step, oracle_k=None, reduce=None):
-    """A dense layer on the decode path (also the oracle: dense, then top-k masking)."""
-    from dejavu_jax.train.predict import select_top_k
+    """A dense layer on the decode path (also the oracle: dense, then each row's own top-k
+    masking)."""
+    def row_top_k_mask(scores, k):  # [B, n] -> 0/1 [B, n]: each row's k largest
+        chosen = jax.lax.top_k(scores, k)[1]
+        rows = jnp.arange(scores.shape[0])[:, None]
+        return jnp.zeros(scores.shape, bool).at[rows, chosen].set(True)
+
     def mask_heads(lp, heads):  # the query heads with the largest output norms
-        chosen = select_top_k(head_output_norms(lp, heads), oracle_k[1])
-        keep = jnp.zeros(config.n_heads, bool).at[chosen].set(True)
-        return heads * keep[None, :, None]
+        keep = row_top_k_mask(head_output_norms(lp, heads), oracle_k[1])
+        return heads * keep[:, :, None]
 
     def mask_neurons(hidden):
-        keep = select_top_k(jnp.abs(hidden), oracle_k[0])
-        return hidden * jnp.zeros(config.ffn, hidden.dtype).at[keep].set(1)[None]
+        return hidden * row_top_k_mask(jnp.abs(hidden), oracle_k[0]).astype(hidden.dtype)
 
     masks = (None, None) if oracle_k is None else (mask_heads, mask_neurons)
     x, k, v = decode_layer(config, view.lp, x, io.k, io.v, layer, step, *masks, reduce)

@@ -75,7 +75,7 @@ class SparsityProfile:
 
     def check(self, config: ModelConfig) -> None:
         """ProfileError unless the profile fits `config` (fingerprint and layer count)."""
-        if self.fingerprint != config.fingerprint():
+        if not config.fits_fingerprint(self.fingerprint):
             raise ProfileError(f"profile for model {self.model!r} (fingerprint "
                                f"{self.fingerprint}) does not fit {config.name!r} "
                                f"({config.fingerprint()})")
@@ -160,6 +160,6 @@ def default_profile_path(config: ModelConfig, method: str | None = None) -> Path
                 profile = load_profile(path)
             except ProfileError:
                 continue
-            if profile.fingerprint == config.fingerprint() and method in (None, profile.method):
+            if config.fits_fingerprint(profile.fingerprint) and method in (None, profile.method):
                 return path
     return None

@@ -5,6 +5,7 @@ from __future__ import annotations
 import os
 from pathlib import Path
 
+from dejavu_jax.checkpoint_files import CheckpointError
 from dejavu_jax.config import ModelConfig
 from dejavu_jax.paths import opt_tokenizer_dir
 
@@ -17,16 +18,31 @@ def has_tokenizer(directory: Path) -> bool:
 
 
 def load_tokenizer(path: str | Path):
-    """A transformers tokenizer from a folder, or from the vocabulary inside a .gguf file."""
+    """A transformers tokenizer from a folder, or from the vocabulary inside a .gguf file.
+    FileNotFoundError for a folder with no tokenizer files, CheckpointError naming the
+    folder or file when its tokenizer files cannot be read."""
     path = Path(path).expanduser()
     if path.is_file() and path.suffix == ".gguf":
         from dejavu_jax.gguf_loader import tokenizer_from_gguf
-        return tokenizer_from_gguf(path)
+        return _readable(tokenizer_from_gguf, path)
     if not has_tokenizer(path):
         raise FileNotFoundError(f"{path}: no tokenizer files ({', '.join(TOKENIZER_FILES)})")
     os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
     from transformers import AutoTokenizer
-    return AutoTokenizer.from_pretrained(str(path))
+    return _readable(lambda p: AutoTokenizer.from_pretrained(str(p)), path)
+
+
+def _readable(load, path: Path):
+    """load(path); any failure (a corrupt file the tokenizer libraries reject) raised as
+    a CheckpointError naming `path`."""
+    try:
+        return load(path)
+    except CheckpointError:
+        raise
+    except Exception as e:  # the libraries' own errors: Exception, ValueError, OSError, ...
+        reason = (str(e).strip().splitlines() or [""])[0]
+        raise CheckpointError(f"{path}: not a readable tokenizer ({type(e).__name__}: "
+                              f"{reason})") from None
 
 
 def default_tokenizer_for(config: ModelConfig, model_path: Path | None):

@@ -178,7 +178,7 @@ def build_parser():
     p.add_argument("--densities", type=cli.fractions, default="0.3,0.45,0.6")
     p.add_argument("--ranks", default="64,128,256",
                    help="comma-separated ranks of the low-rank rules")
-    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--seed", type=cli.seed, default=0)
     p.add_argument("--out", type=Path, required=True)
     p.add_argument("--no-progress", action="store_true")
     return p

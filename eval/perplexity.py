@@ -30,7 +30,7 @@ from pathlib import Path
 
 import numpy as np
 
-from dejavu_jax import cli
+from dejavu_jax import cli, model
 from dejavu_jax.eval import common
 from dejavu_jax.eval.sparse_scoring import EvalMode, token_scores
 from dejavu_jax.paths import data_file, data_root
@@ -112,6 +112,7 @@ def score_windows(config, mode: EvalMode, params, pred_params, ids: np.ndarray,
     lead = [int(i) for i in lead]
     n_lead = len(lead)
     length = min(window, len(ids) - 1) + n_lead
+    model.check_positions(config, length)
     nll, count, greedy, read = 0.0, 0, 0, 0.0
     per_token = np.zeros(len(ids) - 1) if token_nll else None
     batches = [plans[i:i + rows_per_call] for i in range(0, len(plans), rows_per_call)]
@@ -210,6 +211,10 @@ def main(argv: list[str] | None = None) -> int:
         cli.fail(f"--shared-rows {args.shared_rows} shares predicted sets: it needs "
                  f"--mode sparse")
     try:
+        model.check_positions(common.model_config(args), args.window)
+    except ValueError as e:
+        cli.fail(f"--window {args.window}: {e}")
+    try:
         text = load_text(args.text)  # before the model: a missing text fails fast
     except (OSError, UnicodeDecodeError) as e:
         cli.fail(str(e))
@@ -223,9 +228,12 @@ def main(argv: list[str] | None = None) -> int:
     if len(ids) < 2:
         cli.fail(f"the text has {len(ids)} token(s); perplexity needs at least 2")
     common.check_ids(ids, config, "the tokenized text")
-    result = perplexity(config, mode, params, pred, ids, args.window, args.stride,
-                        args.batch_tokens, args.dense_prefix, not args.no_progress, mesh,
-                        lead=leading_special_ids(tok))
+    try:
+        result = perplexity(config, mode, params, pred, ids, args.window, args.stride,
+                            args.batch_tokens, args.dense_prefix, not args.no_progress, mesh,
+                            lead=leading_special_ids(tok))
+    except ValueError as e:   # the window and the tokenizer's leading ids past the positions
+        cli.fail(str(e))
     result["text"] = args.text or str(wikitext2_path())
     print(f"{result['mode']}: {result['tokens']} tokens, NLL {result['nll']:.4f}, "
           f"perplexity {result['perplexity']:.3f} ({result['seconds']:.0f} s"

@@ -138,7 +138,8 @@ def task_name(path: Path) -> str:
 def load_task(name_or_path: str, limit: int | None = None) -> list[Item]:
     """The items of a task file (format recognised from the file), the first `limit`.
     A missing file raises FileNotFoundError (`check_task`), one in no known format
-    ValueError (or KeyError for a row without a field its format needs)."""
+    ValueError (or KeyError for a row without a field its format needs), an item that
+    cannot be scored ValueError (`check_item`)."""
     path = check_task(name_or_path)
     if path.suffix == ".tsv":
         items = _rte_items(path)
@@ -146,7 +147,28 @@ def load_task(name_or_path: str, limit: int | None = None) -> list[Item]:
         items = _hellaswag_items(path)
     else:
         items = _jsonl_items(_read_jsonl(path), path)
-    return items[:limit] if limit else items
+    items = items[:limit] if limit else items
+    for i, item in enumerate(items):
+        check_item(item, path, i)
+    return items
+
+
+def check_item(item: Item, path: Path, index: int) -> None:
+    """ValueError naming the file and the item (1-based) unless the item can be scored:
+    at least one pair, `gold` the index of one, and each pair a context with text before
+    a continuation with text (an empty context leaves the first token unpredicted)."""
+    where = f"{path}: item {index + 1}"
+    if not item.pairs:
+        raise ValueError(f"{where} has no choices")
+    if not 0 <= item.gold < len(item.pairs):
+        raise ValueError(f"{where}: gold {item.gold} is not the index of one of its "
+                         f"{len(item.pairs)} choices")
+    for context, continuation in item.pairs:
+        if not context.strip():
+            raise ValueError(f"{where} has an empty context: the continuation would have "
+                             "no text to be scored after")
+        if not continuation.strip():
+            raise ValueError(f"{where} has an empty continuation or choice")
 
 
 def encode_pair(tok, context: str, continuation: str,

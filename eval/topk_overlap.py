@@ -29,6 +29,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from dejavu_jax import cli
 from dejavu_jax.kernels.top_k import local_top_k_shape, top_k_indices, top_k_indices_local
 
 # neurons per layer (F) of the OPT sizes the benchmarks use, and SmolLM2-135M's
@@ -74,7 +75,7 @@ def main(argv=None) -> int:
     p.add_argument("--fractions", default="0.05,0.1,0.25", help="k as a fraction of n")
     p.add_argument("--trials", type=int, default=50)
     p.add_argument("--chunk", type=int, default=2048)
-    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--seed", type=cli.seed, default=0)
     p.add_argument("--out", default=None, help="write the result as JSON here")
     a = p.parse_args(argv)
     rows = []

@@ -16,9 +16,10 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from dejavu_jax import fetch_model, generate
+from dejavu_jax import fetch_model, generate, loading
+from dejavu_jax.config import preset
 from dejavu_jax.eval import bench_decode, common, perplexity, profile_decode, sweep, tasks
-from dejavu_jax.train import collect, predictors
+from dejavu_jax.train import collect, predictors, profile
 
 FIXTURE = Path(__file__).parent / "fixtures" / "hf" / "opt-preln"  # vocab_size 512
 ROOT = Path(__file__).resolve().parents[1]
@@ -51,14 +52,42 @@ def _random_safetensors(folder: Path) -> Path:
     return folder
 
 
+def _no_shapes_predictors(folder: Path) -> Path:
+    """A predictor folder for opt-tiny whose manifest.json has no `shapes`."""
+    folder.mkdir()
+    manifest = {"model": "opt-tiny", "config_fingerprint": preset("opt-tiny").fingerprint()}
+    (folder / "manifest.json").write_text(json.dumps(manifest))
+    return folder
+
+
+def _tasks(tmp: Path) -> dict:
+    """Task files with one malformed item, the second: a gold index past its choices, no
+    choices, an empty context."""
+    good = {"query": "The sky is", "choices": ["blue", "green"], "gold": 0}
+    bad = {"GOLDBAD": {**good, "gold": 5}, "NOCHOICES": {**good, "choices": []},
+           "EMPTYCTX": {"context": "", "continuation": "Hello"}}
+    first = {"EMPTYCTX": {"context": "Say", "continuation": "Hello"}}
+    out = {}
+    for name, row in bad.items():
+        path = tmp / f"{name.lower()}.jsonl"
+        path.write_text(json.dumps(first.get(name, good)) + "\n" + json.dumps(row) + "\n")
+        out[name] = str(path)
+    return out
+
+
 def _files(tmp: Path) -> dict:
     """The files the cases name, made in `tmp`."""
     (tmp / "empty").mkdir()
     (tmp / "bad_task.jsonl").write_text('{"question": "q?"}\n')
+    (tmp / "corpus.txt").write_text("Some calibration text. " * 20)
+    (tmp / "badtok").mkdir()
+    (tmp / "badtok" / "tokenizer.json").write_text("{broken")
     return {"GGUF": str(_truncated_gguf(tmp / "cut.gguf")),
             "RANDOM": str(_random_safetensors(tmp / "random")),
             "EMPTY": str(tmp / "empty"), "BADTASK": str(tmp / "bad_task.jsonl"),
-            "OUT": str(tmp / "out"), "FIXTURE": str(FIXTURE)}
+            "OUT": str(tmp / "out"), "FIXTURE": str(FIXTURE),
+            "CORPUS": str(tmp / "corpus.txt"), "BADTOK": str(tmp / "badtok"),
+            "NOSHAPES": str(_no_shapes_predictors(tmp / "noshapes")), **_tasks(tmp)}
 
 
 G = generate.main
@@ -66,6 +95,10 @@ G = generate.main
 CASES = [
     ("gen-model-missing", G, ["--model", "/nonexistent"], ["/nonexistent", "no such file"]),
     ("gen-preset-unknown", G, ["--preset", "nonexistent"], ["--preset", "'nonexistent'"]),
+    ("gen-temperature-inf", G, ["--preset", "opt-tiny", "--temperature", "inf"],
+     ["--temperature", "finite", "inf"]),
+    ("gen-seed-too-large", G, ["--preset", "opt-tiny", "--seed", str(1 << 70)],
+     ["--seed", "2**63"]),
     ("gen-density-above-1", G, ["--oracle", "--mlp-density", "1.5"], ["--mlp-density", "1.5"]),
     ("gen-density-0", G, ["--oracle", "--mlp-density", "0"], ["--mlp-density", "got 0"]),
     ("gen-density-negative", G, ["--oracle", "--mlp-density=-1"], ["--mlp-density", "-1"]),
@@ -110,6 +143,9 @@ CASES = [
     ("ppl-stride-above-window", perplexity.main, ["--window", "4", "--stride", "9"],
      ["--stride 9", "--window 4"]),
     ("ppl-text-missing", perplexity.main, ["--text", "/nonexistent"], ["/nonexistent"]),
+    ("ppl-window-past-opt-positions", perplexity.main, ["--preset", "opt-tiny", "--window",
+                                                       "2600"],
+     ["--window 2600", "2048 learned positions"]),
     ("ppl-no-data", perplexity.main, ["--preset", "opt-tiny"],
      ["WikiText-2", "empty", "DEJAVU_DATA", "--text"]),
     ("tasks-no-data", tasks.main, ["--preset", "opt-tiny", "--tasks", "copa"],
@@ -142,6 +178,25 @@ CASES = [
     ("fetch-unknown-name", fetch_model.main, ["smollm2-135m", "nope"],
      ["'nope'", "smollm2-135m, gemma3-270m"]),
     ("gen-model-unknown-name", G, ["--model", "qwen-nope"], ["qwen-nope", "qwen2.5-0.5b"]),
+    ("gen-corrupt-tokenizer", G, ["--preset", "opt-tiny", "--tokenizer", "BADTOK", "--prompt",
+                                  "Hello"], ["BADTOK", "not a readable tokenizer"]),
+    ("gen-predictors-no-shapes", G, ["--preset", "opt-tiny", "--prompt-ids", "2,3",
+                                     "--sparse", "--predictors", "NOSHAPES"],
+     ["NOSHAPES", "manifest.json", "'shapes'"]),
+    ("tasks-gold-out-of-range", tasks.main, ["--preset", "opt-tiny", "--tasks", "GOLDBAD"],
+     ["GOLDBAD", "item 2", "gold 5", "2 choices"]),
+    ("tasks-no-choices", tasks.main, ["--preset", "opt-tiny", "--tasks", "NOCHOICES"],
+     ["NOCHOICES", "item 2", "no choices"]),
+    ("tasks-empty-context", tasks.main, ["--preset", "opt-tiny", "--tasks", "EMPTYCTX"],
+     ["EMPTYCTX", "item 2", "empty context"]),
+    ("profile-window-1", profile.main, ["--window", "1"], ["--window", "got 1"]),
+    ("profile-no-config", profile.main, ["--corpus", "CORPUS", "--model", "EMPTY"],
+     ["EMPTY", "config.json"]),
+    ("profile-hub-offline", profile.main, ["--corpus", "CORPUS", "--model", "foo/bar"],
+     ["'foo/bar'", "hub"]),
+    ("profile-corrupt-tokenizer", profile.main, ["--corpus", "CORPUS", "--model", "FIXTURE",
+                                                 "--tokenizer", "BADTOK"],
+     ["BADTOK", "not a readable tokenizer"]),
 ]
 
 
@@ -155,6 +210,7 @@ def no_loading(monkeypatch):
     monkeypatch.setattr(common, "load_weights", forbidden)
     monkeypatch.setattr(collect.ModelSource, "load", forbidden)
     monkeypatch.setattr(predictors, "train", forbidden)
+    monkeypatch.setattr(loading, "load_pretrained", forbidden)
 
 
 @pytest.mark.parametrize("case", CASES, ids=[c[0] for c in CASES])
@@ -206,3 +262,78 @@ def test_end_to_end_no_traceback(tmp_path, module, argv):
     assert "Traceback" not in proc.stderr and lines[-1].startswith("error: "), proc.stderr
     assert all(line.startswith("error: ") or "absent: fetching" in line or "PyTorch" in line
                for line in lines), proc.stderr
+
+
+def _error_line(main, argv: list[str], capsys) -> str:
+    """The one `error:` line `main(argv)` exits with (status 2, no traceback)."""
+    with pytest.raises(SystemExit) as exit_:
+        main(argv)
+    err = capsys.readouterr().err
+    last = err.strip().splitlines()[-1]
+    assert exit_.value.code == 2, err
+    assert last.startswith("error: ") and "Traceback" not in err, err
+    return last
+
+
+@pytest.fixture(scope="module")
+def word_tokenizer(tmp_path_factory) -> Path:
+    """A word-level tokenizer folder: the words 'w0' ... 'w1023' are ids 0 ... 1023."""
+    from tokenizers import Tokenizer, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+    tok = Tokenizer(models.WordLevel({f"w{i}": i for i in range(1024)}, unk_token="w0"))
+    tok.pre_tokenizer = pre_tokenizers.Whitespace()
+    folder = tmp_path_factory.mktemp("words")
+    PreTrainedTokenizerFast(tokenizer_object=tok).save_pretrained(folder)
+    return folder
+
+
+def _profile_argv(model, tokenizer, corpus: Path, words: range) -> list[str]:
+    """train.profile on a corpus of `words` ('w<i>'), two 4-token windows."""
+    corpus.write_text("".join(f"w{i} w{i}\n" for i in words))
+    return ["--model", str(model), "--tokenizer", str(tokenizer), "--corpus", str(corpus),
+            "--window", "4", "--calibration-tokens", "1", "--search-tokens", "1", "--rows",
+            "1", "--no-progress"]
+
+
+def test_profile_ids_outside_vocab(word_tokenizer, tmp_path, capsys, no_loading):
+    """Text the tokenizer maps past the model's vocabulary (512): refused before the
+    weights load."""
+    argv = _profile_argv(FIXTURE, word_tokenizer, tmp_path / "c.txt", range(600, 700))
+    last = _error_line(profile.main, argv, capsys)
+    assert "the calibration text" in last and "vocab_size 512" in last, last
+
+
+def test_profile_unreadable_weights(word_tokenizer, tmp_path, capsys):
+    """A weight file that is not safetensors: one line naming it."""
+    model = _random_safetensors(tmp_path / "random")
+    argv = _profile_argv(model, word_tokenizer, tmp_path / "c.txt", range(1, 100))
+    last = _error_line(profile.main, argv + ["--out", str(tmp_path / "out.json")], capsys)
+    assert "model.safetensors" in last and "not a readable safetensors file" in last, last
+    assert not (tmp_path / "out.json").exists()
+
+
+def test_corrupt_predictor_params(tmp_path, capsys, no_loading):
+    """A predictor folder whose orbax files are cut short: one line naming the folder."""
+    import jax
+
+    from dejavu_jax.train.checkpoint import save_predictors
+    config = preset("opt-tiny")
+    folder = tmp_path / "preds"
+    save_predictors(folder, bench_decode.random_predictors(config, 4, jax.random.key(0)),
+                    {"model": "opt-tiny", "config_fingerprint": config.fingerprint()})
+    for f in folder.glob("params/**/manifest.ocdbt"):
+        f.write_bytes(f.read_bytes()[:f.stat().st_size // 2])
+    last = _error_line(generate.main, ["--preset", "opt-tiny", "--prompt-ids", "2,3",
+                                       "--sparse", "--predictors", str(folder)], capsys)
+    assert f"{folder / 'params'}: cannot restore the predictors" in last, last
+
+
+def test_eval_corrupt_tokenizer(tmp_path, monkeypatch, capsys):
+    """eval.perplexity with a tokenizer folder the libraries reject: one line naming it
+    (the weights, which load first there, stubbed)."""
+    files = _files(tmp_path)
+    monkeypatch.setattr(common, "load_weights",
+                        lambda args, mesh=None: (preset("opt-tiny"), None, None))
+    last = _error_line(perplexity.main, ["--preset", "opt-tiny", "--tokenizer",
+                                         files["BADTOK"], "--text", files["CORPUS"]], capsys)
+    assert files["BADTOK"] in last and "not a readable tokenizer" in last, last

@@ -109,3 +109,69 @@ def test_corrupt_safetensors_is_one_checkpoint_error(tmp_path, damage, message):
     path.write_bytes(damage(path.read_bytes()))
     with pytest.raises(CheckpointError, match=rf"model\.safetensors: .*{message}"):
         dj.load_pretrained(d, progress=False)
+
+
+def test_a_layer_tensor_the_model_has_no_place_for_is_refused(tmp_path):
+    """A bias the model definition lacks (Llama's gate bias) would be dropped and change the
+    logits: the load is refused naming it. Rotary frequency buffers are not weights and
+    load as before, to the same logits."""
+    d = _copy("llama-gqa", tmp_path)
+    config, params = dj.load_pretrained(d, progress=False)
+    ids = np.array([[3, 9, 4, 7]], np.int32)
+    want = np.asarray(dj.logits(config, params, ids, np.ones_like(ids)))
+    hd = config.head_dim
+    _rewrite(d, lambda t: t.update({"model.layers.0.self_attn.rotary_emb.inv_freq":
+                                    np.ones(hd // 2, np.float32)}))
+    config2, params2 = dj.load_pretrained(d, progress=False)
+    got = np.asarray(dj.logits(config2, params2, ids, np.ones_like(ids)))
+    assert np.isfinite(want).all() and np.array_equal(got, want)
+    _rewrite(d, lambda t: t.update({"model.layers.1.mlp.gate_proj.bias":
+                                    np.ones(config.ffn, np.float32)}))
+    with pytest.raises(CheckpointError, match=r"model\.layers\.1\.mlp\.gate_proj\.bias"):
+        dj.load_pretrained(d, progress=False)
+
+
+def test_gated_mlp_biases_are_refused(tmp_path):
+    d = _copy("llama-gqa", tmp_path)
+    cfg = json.loads((d / "config.json").read_text())
+    cfg["mlp_bias"] = True
+    (d / "config.json").write_text(json.dumps(cfg))
+    with pytest.raises(CheckpointError, match="mlp_bias"):
+        dj.load_pretrained(d, progress=False)
+
+
+@pytest.mark.parametrize("window", [None, 5])
+def test_mistral_sliding_window_applies_to_every_layer(window):
+    """Mistral's `sliding_window` holds for every layer (no `layer_types`); None means
+    full attention."""
+    cfg = json.loads((HF / "llama-gqa" / "config.json").read_text())
+    cfg.update(model_type="mistral", sliding_window=window)
+    config = dj.config.from_hf_config(cfg)
+    if window is None:
+        assert config.sliding_window is None and config.sliding_layers == ()
+    else:
+        assert config.sliding_window == window
+        assert config.sliding_layers == (True,) * config.n_layers
+
+
+def test_a_renamed_checkpoint_keeps_its_fingerprint_and_stop_ids(tmp_path):
+    """The fingerprint (what profiles and predictors are checked against) does not depend
+    on the folder's name; artifacts holding the older whole-config hash still fit; every
+    eos id of config.json and generation_config.json stops generation."""
+    import dataclasses
+    import hashlib
+    d = _copy("llama-gqa", tmp_path)
+    moved = d.rename(tmp_path / "another-name")
+    from dejavu_jax.loading import read_config
+    c1, c2 = read_config(HF / "llama-gqa"), read_config(moved)
+    assert c1.name != c2.name and c1.fingerprint() == c2.fingerprint()
+    fields = dataclasses.asdict(c1)
+    fields.pop("extra_eos_token_ids")
+    older = hashlib.sha256(json.dumps(fields, sort_keys=True).encode()).hexdigest()[:16]
+    assert c1.fits_fingerprint(older) and not c2.fits_fingerprint(older)
+    assert not c1.fits_fingerprint(dj.preset("llama-tiny").fingerprint())
+    cfg = json.loads((moved / "config.json").read_text())
+    cfg["eos_token_id"] = [2, 5]
+    (moved / "config.json").write_text(json.dumps(cfg))
+    (moved / "generation_config.json").write_text(json.dumps({"eos_token_id": [5, 7]}))
+    assert read_config(moved).stop_token_ids == [2, 5, 7]

@@ -236,3 +236,19 @@ def test_generation_rejects_out_of_vocab_and_too_long():
     with pytest.raises(ValueError, match="learned positions"):
         generate_tokens(dense_engine(config), params, [[2, 3]],
                         max_new_tokens=config.max_positions)
+
+
+def test_lengths_past_the_models_positions_are_refused():
+    """OPT has no position embedding past its learned positions (its logits would be
+    NaN): a longer sequence is refused; a rotary model refuses a generation past its
+    context length before allocating its cache."""
+    config = dj.preset("opt-tiny").replace(max_positions=16)
+    params = dj.init_params(config, jax.random.key(0), jnp.float32)
+    ids = np.arange(3, 19)[None]
+    assert np.isfinite(np.asarray(dj.logits(config, params, ids))).all()
+    with pytest.raises(ValueError, match="17 tokens exceed the model's 16 learned positions"):
+        dj.logits(config, params, np.arange(3, 20)[None])
+    llama = dj.preset("llama-tiny")
+    with pytest.raises(ValueError, match="positions of context"):
+        generate_tokens(dense_engine(llama), dj.init_params(llama, jax.random.key(0)),
+                        [[2, 3]], max_new_tokens=llama.max_positions)

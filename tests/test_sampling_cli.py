@@ -32,7 +32,20 @@ def test_top_k_and_top_p_restrict_the_support(rng):
     assert top_p <= set(order[:nucleus].tolist())
 
 
+def test_a_tiny_temperature_samples_the_argmax(rng):
+    """logits / 1e-38 overflows to inf - inf = NaN unless the best logit is subtracted
+    first: then every row draws its argmax."""
+    logits = jnp.asarray(rng.normal(size=(4, 60)) * 30, jnp.float32)
+    for key in jax.random.split(jax.random.key(2), 5):
+        got = sample(logits, key, SamplingConfig(temperature=1e-38))
+        np.testing.assert_array_equal(got, np.argmax(np.asarray(logits), -1))
+
+
 def test_sampling_config_validates():
+    with pytest.raises(ValueError):
+        SamplingConfig(temperature=float("inf"))
+    with pytest.raises(ValueError):
+        SamplingConfig(temperature=float("nan"))
     with pytest.raises(ValueError):
         SamplingConfig(temperature=-1)
     with pytest.raises(ValueError):

@@ -259,6 +259,34 @@ def test_oracle_equals_numpy_masked_dense():
     assert np.abs(got[-1] - dense[-1]).max() > 1e-3, "masking had no effect: weak test"
 
 
+def test_oracle_batch_masks_each_row_by_its_own_top_k():
+    """Two prompts of different lengths decoded together under the oracle: each row keeps
+    its own top-k heads and neurons, so its logits are the numpy masked-dense reference
+    of that prompt alone (not the batch's union)."""
+    from dejavu_jax.generation import left_pad
+    config = dj.preset("opt-tiny")
+    params = dj.init_params(config, jax.random.key(6), jnp.float32, std=0.15)
+    k_mlp, k_heads = 40, 2
+    scfg = sparse.sparse_config(config, k_mlp / config.ffn, k_heads / config.n_heads,
+                                dense_layers=1, oracle=True)
+    eng = sparse.sparse_engine(config, scfg, sparse.no_selector)
+    prompts, continuation = [[5, 9, 14, 3], [8, 2]], [[42, 17], [7, 300], [11, 60]]
+    ids, mask = (jnp.asarray(a) for a in left_pad(prompts, config.pad_token_id))
+    state = eng.init_state(2, 32, jnp.float32)
+    logits, state = eng.prefill((params, None), ids, mask, state)
+    got = [np.asarray(logits)]
+    for toks in continuation[:-1]:
+        logits, state = eng.step((params, None), state, jnp.asarray(toks))
+        got.append(np.asarray(logits))
+    for row, prompt in enumerate(prompts):
+        text = prompt + [c[row] for c in continuation[:-1]]
+        want = _numpy_masked_dense(config, params, text, len(prompt), k_mlp, k_heads,
+                                   dense_layers=1)
+        for i, g in enumerate(got):
+            assert_finite_close(g[row], want[len(prompt) - 1 + i], atol=1e-4,
+                                err_msg=f"row {row}, step {i}")
+
+
 @pytest.mark.parametrize("name", ["opt-preln", "llama-gqa"])
 def test_density_one_greedy_matches_hugging_face(name):
     config, params = dj.load_pretrained(HF / name, dtype=jnp.float32, progress=False)

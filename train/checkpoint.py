@@ -64,7 +64,8 @@ def load_predictors(directory: str | os.PathLike,
     """(params, manifest) from a predictor folder.
 
     With `config`, checks that the predictors were trained for it (config fingerprint,
-    then shapes) and raises PredictorCheckpointError otherwise.
+    then shapes) and raises PredictorCheckpointError otherwise; so does a missing or
+    malformed manifest, or params that cannot be restored.
     """
     directory = Path(directory).expanduser().resolve()
     path = directory / "manifest.json"
@@ -74,21 +75,39 @@ def load_predictors(directory: str | os.PathLike,
         raise PredictorCheckpointError(f"{path}: missing (not a predictor folder)") from None
     except json.JSONDecodeError as e:
         raise PredictorCheckpointError(f"{path}: invalid JSON ({e})") from None
+    if not isinstance(manifest, dict):
+        raise PredictorCheckpointError(f"{path}: not a JSON object")
     if config is not None:
-        if manifest.get("config_fingerprint") != config.fingerprint():
+        if not config.fits_fingerprint(manifest.get("config_fingerprint")):
             raise PredictorCheckpointError(
                 f"{directory}: predictors were trained for model {manifest.get('model')!r} "
                 f"(config fingerprint {manifest.get('config_fingerprint')}), not for "
                 f"{config.name!r} ({config.fingerprint()})")
-    shapes = manifest["shapes"]
-    if config is not None and (shapes["n_layers"], shapes["hidden"], shapes["ffn"],
-                               shapes["n_heads"]) != (config.n_layers, config.hidden,
-                                                      config.ffn, config.n_heads):
+    shapes = manifest.get("shapes")
+    if not isinstance(shapes, dict):
+        raise PredictorCheckpointError(f"{path}: no 'shapes' entry (an incomplete manifest)")
+    try:
+        dims = (shapes["n_layers"], shapes["hidden"], shapes["ffn"], shapes["n_heads"])
+        abstract = abstract_params(shapes)
+    except (KeyError, TypeError, ValueError) as e:
+        raise PredictorCheckpointError(f"{path}: malformed 'shapes' {shapes} "
+                                       f"({type(e).__name__}: {e})") from None
+    if config is not None and dims != (config.n_layers, config.hidden, config.ffn,
+                                       config.n_heads):
         raise PredictorCheckpointError(f"{directory}: predictor shapes {shapes} do not fit "
                                        f"{config.name!r}")
+    checkpointer = ocp.StandardCheckpointer()
     try:
-        params = ocp.StandardCheckpointer().restore(directory / "params",
-                                                    abstract_params(shapes))
-    except FileNotFoundError as e:
-        raise PredictorCheckpointError(f"{directory / 'params'}: cannot restore ({e})") from None
+        params = checkpointer.restore(directory / "params", abstract)
+    except Exception as e:  # orbax and tensorstore: FileNotFoundError, ValueError, ...
+        reason = (str(e).strip().splitlines() or [""])[0]
+        raise PredictorCheckpointError(f"{directory / 'params'}: cannot restore the "
+                                       f"predictors ({_brief(reason)})") from None
+    finally:
+        checkpointer.close()
     return params, manifest
+
+
+def _brief(text: str, limit: int = 200) -> str:
+    """`text` cut to `limit` characters (tensorstore's errors carry their whole spec)."""
+    return text if len(text) <= limit else text[:limit - 3] + "..."

@@ -225,7 +225,7 @@ def build_parser() -> argparse.ArgumentParser:
                      help="checkpoint directory or .gguf file")
     src.add_argument("--preset", choices=config_lib.PRESETS, metavar="NAME",
                      help=f"random weights of a preset: {', '.join(config_lib.PRESETS)}")
-    p.add_argument("--seed", type=int, default=0, help="weights seed (presets) and window "
+    p.add_argument("--seed", type=cli.seed, default=0, help="weights seed (presets) and window "
                    "order")
     p.add_argument("--dtype", choices=sorted(cli.DTYPES), default="float32")
     p.add_argument("--corpus", action="append", help="text file, folder or glob (repeat); "

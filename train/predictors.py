@@ -414,7 +414,7 @@ def build_parser() -> argparse.ArgumentParser:
                    "(default: 1.5x the mean number of active neurons)")
     p.add_argument("--k-heads", type=cli.positive_int, help="evaluation k for query heads "
                    "(default: 1.5x the mean active)")
-    p.add_argument("--seed", type=int, default=d.seed)
+    p.add_argument("--seed", type=cli.seed, default=d.seed)
     p.add_argument("--no-output-metric", action="store_true",
                    help="skip the MLP output-capture metric (it loads the model weights)")
     p.add_argument("--no-progress", action="store_true")
@@ -441,7 +441,7 @@ def main(argv: list[str] | None = None) -> int:
         if not args.no_output_metric:
             from dejavu_jax.train.collect import ModelSource
             model = ModelSource(**records.manifest["model_source"]).load()
-            if model[0].fingerprint() != records.manifest["config_fingerprint"]:
+            if not model[0].fits_fingerprint(records.manifest["config_fingerprint"]):
                 err("warning: model weights do not match the records; skipping output metric")
                 model = None
         per_layer = evaluate(params, val, records, rec.LabelRule.parse(tc.head_rule),

@@ -205,6 +205,14 @@ def make_profile(config, params, calib: np.ndarray, search_windows: np.ndarray, 
         else None)
 
 
+def window_length(text: str) -> int:
+    """An argparse type: a window of at least 2 tokens (one input and one target)."""
+    value = cli.positive_int(text)
+    if value < 2:
+        raise argparse.ArgumentTypeError(f"must be >= 2, got {value}")
+    return value
+
+
 def build_parser() -> argparse.ArgumentParser:
     """The CLI's argument parser (its errors: one `error:` line, exit status 2)."""
     p = cli.ArgumentParser(prog="python -m dejavu_jax.train.profile",
@@ -222,7 +230,8 @@ def build_parser() -> argparse.ArgumentParser:
                         "included (default 0.01 = 1%%)")
     p.add_argument("--calibration-tokens", type=cli.positive_int, default=2048)
     p.add_argument("--search-tokens", type=cli.positive_int, default=4096)
-    p.add_argument("--window", type=cli.positive_int, default=256)
+    p.add_argument("--window", type=window_length, default=256,
+                   help="tokens per calibration and search window, at least 2 (default 256)")
     p.add_argument("--corpus", action="append",
                    help="calibration text: file, folder or glob, repeatable (default: the "
                         "shared corpus, <data root>/corpus/*.txt)")
@@ -233,7 +242,7 @@ def build_parser() -> argparse.ArgumentParser:
                         "times in all (default 2)")
     p.add_argument("--rows", type=cli.positive_int, default=4,
                    help="windows per forward call (memory)")
-    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--seed", type=cli.seed, default=0)
     p.add_argument("--out", type=Path, help="profile file (default: "
                    "$DEJAVU_CACHE/profiles/<model>-<method>.json)")
     p.add_argument("--no-progress", action="store_true")
@@ -259,8 +268,12 @@ def main(argv: list[str] | None = None) -> int:
         source = resolve_model(args.model or "smollm2-135m")
     except FetchError as e:
         cli.fail(str(e))
+    from dejavu_jax.checkpoint_files import CheckpointError
     from dejavu_jax.loading import load_pretrained, read_config
-    config = read_config(source)
+    try:
+        config = read_config(source)
+    except CheckpointError as e:
+        cli.fail(str(e).splitlines()[0])
     method = args.method or ("teal+cats" if config.gated_mlp else "teal")
     try:
         method_sites(config, method)
@@ -274,13 +287,17 @@ def main(argv: list[str] | None = None) -> int:
           f"windows of {args.window} tokens; about {_estimate(config, n_calib, n_search, args)}"
           f" on this machine's CPU; writes one JSON file of {_size(config, method)}",
           file=sys.stderr)
-    _, params = load_pretrained(source, dtype=jnp.float32)
-    tok = common.load_tokenizer_for(args, config, Path(source))
     try:
+        tok = common.load_tokenizer_for(args, config, Path(source))
         windows = text_windows(tok, files, args.window, n_calib + n_search, args.seed,
                                config.bos_token_id)
-    except (CorpusError, ValueError) as e:
+    except (CheckpointError, CorpusError, OSError, ValueError) as e:
         cli.fail(str(e))
+    common.check_ids(windows.ravel(), config, "the calibration text")
+    try:
+        _, params = load_pretrained(source, dtype=jnp.float32)
+    except CheckpointError as e:
+        cli.fail(str(e).splitlines()[0])
     log = lambda s: print(s, file=sys.stderr)  # noqa: E731
     params = gate_weighted(config, params, windows[:n_calib], args.rows,
                                method_sites(config, method))

@@ -78,8 +78,7 @@ def generate_continuations(config: ModelConfig, params: ModelParams, tokenizer,
                         ("new_tokens", new_tokens), ("batch", batch), ("chunk", chunk)):
         if value < 1:
             raise ValueError(f"{name} must be >= 1, got {value}")
-    stop = [] if config.eos_token_id is None else [config.eos_token_id]
-    stop = list(stop if stop_ids is None else stop_ids)
+    stop = list(config.stop_token_ids if stop_ids is None else stop_ids)
     engine = dense_engine(config)
     prompts = prompt_stream(tokenizer, files, prompt_tokens, seed, config.bos_token_id)
     texts: list[str] = []
@@ -163,7 +162,7 @@ def build_parser() -> argparse.ArgumentParser:
                    help="sample from the K most likely tokens only (default 0: all)")
     p.add_argument("--top-p", type=cli.fraction, default=1.0,
                    help="nucleus mass (default 1.0: the whole distribution)")
-    p.add_argument("--seed", type=int, default=0, help="prompt order, sampling and the "
+    p.add_argument("--seed", type=cli.seed, default=0, help="prompt order, sampling and the "
                    "weights of --preset (default 0)")
     p.add_argument("--dtype", choices=sorted(cli.DTYPES), default="float32")
     p.add_argument("--out", required=True, help="text file to write")
