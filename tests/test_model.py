@@ -15,7 +15,7 @@ from dejavu_jax.params import fuse_qkv, has_fused_qkv, unstack_layers
 
 HF = Path(__file__).parent / "fixtures" / "hf"
 VARIANTS = ["opt-preln", "opt-postln-proj", "opt-fp16-prefix", "opt-bin",
-            "llama-gqa", "llama-mha", "qwen2", "gemma3"]
+            "llama-gqa", "llama-mha", "qwen2", "gemma3", "mistral-window"]
 
 
 def _load(name):
@@ -38,7 +38,8 @@ def test_logits_match_hugging_face(name):
     assert err <= 1e-4 * scale, f"{name}: max abs error {err:.3g} vs logit scale {scale:.3g}"
 
 
-@pytest.mark.parametrize("name", ["opt-preln", "opt-postln-proj", "llama-gqa", "gemma3"])
+@pytest.mark.parametrize("name", ["opt-preln", "opt-postln-proj", "llama-gqa", "gemma3",
+                                  "mistral-window"])
 def test_cached_decode_reproduces_full_forward(name):
     config, params, ref = _load(name)
     ids, mask = ref["input_ids"], ref["attention_mask"]
