@@ -461,10 +461,11 @@ def _sparse_mlp(config, scfg, view, y, neurons, residual=None, riders=None, dens
 def _dense_layer(config, view, io: _LayerIO, layer, x, step, oracle_k=None, reduce=None):
     """A dense layer on the decode path (also the oracle: dense, then each row's own top-k
     masking)."""
-    def row_top_k_mask(scores, k):  # [B, n] -> 0/1 [B, n]: each row's k largest
-        chosen = jax.lax.top_k(scores, k)[1]
-        rows = jnp.arange(scores.shape[0])[:, None]
-        return jnp.zeros(scores.shape, bool).at[rows, chosen].set(True)
+    from dejavu_jax.train.predict import select_top_k
+
+    def row_top_k_mask(scores, k):  # [B, n] -> bool [B, n]: each row's k largest
+        return jnp.stack([jnp.zeros(scores.shape[1], bool).at[
+            select_top_k(scores[b:b + 1], k)].set(True) for b in range(scores.shape[0])])
 
     def mask_heads(lp, heads):  # the query heads with the largest output norms
         keep = row_top_k_mask(head_output_norms(lp, heads), oracle_k[1])

@@ -324,8 +324,9 @@ def test_profile_round_trip_and_checks(tmp_path):
     loaded = load_profile(path, config)
     assert loaded == profile and loaded.threshold_array().shape == (L, 5)
     assert "30.0%" in loaded.summary()
+    load_profile(path, config.replace(name="a-renamed-copy"))   # the name is not the model
     with pytest.raises(ProfileError, match="does not fit"):
-        load_profile(path, config.replace(name="other"))
+        load_profile(path, config.replace(norm_eps=config.norm_eps * 2))
     (tmp_path / "bad.json").write_text("{")
     with pytest.raises(ProfileError, match="not a sparsity profile"):
         load_profile(tmp_path / "bad.json")
