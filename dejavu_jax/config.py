@@ -241,6 +241,9 @@ def _opt_from_hf(hf: dict, name: str) -> ModelConfig:
     n_heads = hf["num_attention_heads"]
     if hidden % n_heads:
         raise ValueError(f"hidden_size {hidden} not divisible by num_attention_heads {n_heads}")
+    if not hf.get("layer_norm_elementwise_affine", True):
+        raise ValueError(f"OPT without layer_norm_elementwise_affine is not supported "
+                         f"(model {name!r})")
     pre_norm = hf.get("do_layer_norm_before", True)
     return ModelConfig(
         family="opt",

@@ -412,6 +412,8 @@ def prompts_for(args, config, tokenizer) -> list[list[int]]:
         if tokenizer is None:
             cli.fail("no tokenizer found for this model; pass --tokenizer DIR or --prompt-ids")
         prompts = [encode_prompt(tokenizer, t, args.raw) for t in args.prompt or [DEFAULT_PROMPT]]
+        if not all(prompts):
+            cli.fail("a --prompt encodes to no tokens: give it some text")
         for ids in prompts:
             try:
                 check_token_ids(ids, config.vocab_size, "the tokenized prompt", "[time]")

@@ -95,6 +95,7 @@ G = generate.main
 CASES = [
     ("gen-model-missing", G, ["--model", "/nonexistent"], ["/nonexistent", "no such file"]),
     ("gen-preset-unknown", G, ["--preset", "nonexistent"], ["--preset", "'nonexistent'"]),
+    ("gen-empty-prompt-raw", G, ["--prompt", "", "--raw"], ["--prompt", "no tokens"]),
     ("gen-temperature-inf", G, ["--preset", "opt-tiny", "--temperature", "inf"],
      ["--temperature", "finite", "inf"]),
     ("gen-seed-too-large", G, ["--preset", "opt-tiny", "--seed", str(1 << 70)],

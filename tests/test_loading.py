@@ -131,12 +131,15 @@ def test_a_layer_tensor_the_model_has_no_place_for_is_refused(tmp_path):
         dj.load_pretrained(d, progress=False)
 
 
-def test_gated_mlp_biases_are_refused(tmp_path):
-    d = _copy("llama-gqa", tmp_path)
+@pytest.mark.parametrize("name,key,value", [("llama-gqa", "mlp_bias", True),
+                                            ("opt-preln", "layer_norm_elementwise_affine",
+                                             False)])
+def test_unsupported_config_switches_are_refused(tmp_path, name, key, value):
+    d = _copy(name, tmp_path)
     cfg = json.loads((d / "config.json").read_text())
-    cfg["mlp_bias"] = True
+    cfg[key] = value
     (d / "config.json").write_text(json.dumps(cfg))
-    with pytest.raises(CheckpointError, match="mlp_bias"):
+    with pytest.raises(CheckpointError, match=key):
         dj.load_pretrained(d, progress=False)
 
 
