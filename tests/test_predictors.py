@@ -128,6 +128,12 @@ def test_checkpoint_round_trip_and_fingerprint(trained, tmp_path):
         load_predictors(tmp_path / "p", config_lib.preset("llama-tiny"))
     with pytest.raises(PredictorCheckpointError, match="missing"):
         load_predictors(tmp_path / "nothing")
+    # same-layer predictors would be fed the previous layer's input by the decode path
+    save_predictors(tmp_path / "s", params, {"model": "planted", "lookahead": False,
+                                             "config_fingerprint": c.fingerprint()})
+    with pytest.raises(PredictorCheckpointError, match="--same-layer"):
+        load_predictors(tmp_path / "s", c)
+    assert load_predictors(tmp_path / "s")[1]["lookahead"] is False   # no model: analysis
 
 
 def random_params(seed=0, activation="none"):

@@ -64,7 +64,7 @@ def load_predictors(directory: str | os.PathLike,
     """(params, manifest) from a predictor folder.
 
     With `config`, checks that the predictors were trained for it (config fingerprint,
-    then shapes) and raises PredictorCheckpointError otherwise; so does a missing or
+    lookahead inputs, then shapes) and raises PredictorCheckpointError otherwise; so does a missing or
     malformed manifest, or params that cannot be restored.
     """
     directory = Path(directory).expanduser().resolve()
@@ -83,6 +83,11 @@ def load_predictors(directory: str | os.PathLike,
                 f"{directory}: predictors were trained for model {manifest.get('model')!r} "
                 f"(config fingerprint {manifest.get('config_fingerprint')}), not for "
                 f"{config.name!r} ({config.fingerprint()})")
+    if config is not None and manifest.get("lookahead", True) is False:
+        raise PredictorCheckpointError(
+            f"{directory}: these predictors read each layer's own input (trained with "
+            "--same-layer); the sparse decode and the scorers feed the previous layer's "
+            "(lookahead): train them without --same-layer")
     shapes = manifest.get("shapes")
     if not isinstance(shapes, dict):
         raise PredictorCheckpointError(f"{path}: no 'shapes' entry (an incomplete manifest)")
