@@ -41,6 +41,8 @@ class ModelConfig:
       sliding_layers: one flag per layer (empty when no layer slides).
     rope_theta: RoPE base of full-attention layers; rope_local_theta: of sliding layers
       (None: rope_theta). rope_linear_factor: full-attention layers divide positions by it.
+    rope_llama3: Llama 3's frequency-dependent RoPE scaling (factor, low_freq_factor,
+      high_freq_factor, original_max_position_embeddings), or None.
     final_logit_softcap: logits become cap * tanh(logits / cap) when set.
     """
 
@@ -78,6 +80,7 @@ class ModelConfig:
     rope_linear_factor: float = 1.0
     final_logit_softcap: float | None = None
     extra_eos_token_ids: tuple[int, ...] = ()   # further ids that end a sequence
+    rope_llama3: tuple[float, float, float, float] | None = None
 
     def __post_init__(self):
         if self.family not in FAMILIES:
@@ -91,6 +94,8 @@ class ModelConfig:
         object.__setattr__(self, "sliding_layers", tuple(bool(s) for s in self.sliding_layers))
         object.__setattr__(self, "extra_eos_token_ids",
                            tuple(int(i) for i in self.extra_eos_token_ids))
+        if self.rope_llama3 is not None:
+            object.__setattr__(self, "rope_llama3", tuple(float(v) for v in self.rope_llama3))
         if self.sliding_layers and len(self.sliding_layers) != self.n_layers:
             raise ValueError(f"sliding_layers has {len(self.sliding_layers)} flags for "
                              f"{self.n_layers} layers")
@@ -146,15 +151,15 @@ class ModelConfig:
         checkpoint's folder or file name, nor its special token ids), for manifests of
         derived artifacts: a copied or renamed checkpoint keeps its profiles and
         predictors."""
-        fields = dataclasses.asdict(self)
+        fields = _fields_of_older_configs(self)
         for key in _NOT_FINGERPRINTED:
-            fields.pop(key)
+            fields.pop(key, None)
         return _hash(fields)
 
     def fits_fingerprint(self, fingerprint: str | None) -> bool:
         """Whether an artifact's stored fingerprint is this config's: `fingerprint()`, or
         the whole-config hash (name and token ids included) that older artifacts hold."""
-        fields = dataclasses.asdict(self)
+        fields = _fields_of_older_configs(self)
         fields.pop("extra_eos_token_ids")
         return fingerprint in (self.fingerprint(), _hash(fields))
 
@@ -165,6 +170,15 @@ class ModelConfig:
 
 _NOT_FINGERPRINTED = ("name", "bos_token_id", "eos_token_id", "pad_token_id",
                       "extra_eos_token_ids")
+
+
+def _fields_of_older_configs(config: "ModelConfig") -> dict:
+    """The config's fields, less the later ones at their defaults (so that a config that
+    does not use them keeps the fingerprint it had before they existed)."""
+    fields = dataclasses.asdict(config)
+    if fields["rope_llama3"] is None:
+        fields.pop("rope_llama3")
+    return fields
 
 
 def _hash(fields: dict) -> str:
@@ -188,19 +202,43 @@ def from_hf_config(hf: dict, name: str = "custom") -> ModelConfig:
         "supported: 'opt', 'llama', 'mistral', 'qwen2', 'gemma3_text', 'gemma3'")
 
 
+def _rope_kind(params: dict | None, legacy_scaling) -> tuple[str, dict]:
+    """(RoPE type, its settings) from a `rope_parameters` entry or the older
+    `rope_scaling` key."""
+    params = {**(legacy_scaling or {}), **(params or {})}
+    return params.get("rope_type", params.get("type")) or "default", params
+
+
 def _rope(params: dict | None, legacy_theta, legacy_scaling, default_theta: float,
-          name: str) -> tuple[float, float]:
+          name: str, llama3: bool = False) -> tuple[float, float]:
     """(theta, linear factor) from a `rope_parameters` entry or the older `rope_theta` /
-    `rope_scaling` keys; only default and linear RoPE are supported."""
-    params = dict(params or {})
-    scaling = dict(legacy_scaling or {})
-    kind = params.get("rope_type", scaling.get("rope_type", scaling.get("type", "default")))
-    if kind not in ("default", "linear", None):
+    `rope_scaling` keys; default and linear RoPE, and with `llama3` Llama 3's (whose
+    settings `_rope_llama3` reads)."""
+    kind, settings = _rope_kind(params, legacy_scaling)
+    known = ("default", "linear") + (("llama3",) if llama3 else ())
+    if kind not in known:
         raise ValueError(f"rope type {kind!r} is not supported (model {name!r}); "
-                         "supported: default, linear")
-    theta = params.get("rope_theta", legacy_theta if legacy_theta is not None else default_theta)
-    factor = params.get("factor", scaling.get("factor", 1.0)) if kind == "linear" else 1.0
+                         f"supported: {', '.join(known)}")
+    theta = (params or {}).get("rope_theta",
+                               legacy_theta if legacy_theta is not None else default_theta)
+    factor = settings.get("factor", 1.0) if kind == "linear" else 1.0
     return float(theta), float(factor)
+
+
+def _rope_llama3(params: dict | None, legacy_scaling) -> tuple[float, ...] | None:
+    """Llama 3's RoPE settings (factor, low_freq_factor, high_freq_factor,
+    original_max_position_embeddings), or None for another RoPE type."""
+    kind, settings = _rope_kind(params, legacy_scaling)
+    if kind != "llama3":
+        return None
+    keys = ("factor", "low_freq_factor", "high_freq_factor",
+            "original_max_position_embeddings")
+    missing = [k for k in keys if k not in settings]
+    if missing:
+        raise ValueError(f"llama3 RoPE scaling without {missing}")
+    if not settings["high_freq_factor"] > settings["low_freq_factor"] > 0:
+        raise ValueError("llama3 RoPE scaling needs high_freq_factor > low_freq_factor > 0")
+    return tuple(float(settings[k]) for k in keys)
 
 
 def _sliding_layers(hf: dict, n_layers: int, pattern: int | None = None) -> tuple[bool, ...]:
@@ -280,7 +318,8 @@ def _llama_from_hf(hf: dict, name: str) -> ModelConfig:
     hidden = hf["hidden_size"]
     n_heads = hf["num_attention_heads"]
     theta, factor = _rope(hf.get("rope_parameters"), hf.get("rope_theta"),
-                          hf.get("rope_scaling"), 10000.0, name)
+                          hf.get("rope_scaling"), 10000.0, name, llama3=True)
+    llama3 = _rope_llama3(hf.get("rope_parameters"), hf.get("rope_scaling"))
     qwen2 = hf["model_type"] == "qwen2"
     if hf.get("mlp_bias"):
         raise ValueError(f"mlp_bias (biases on the gate, up and down projections) is not "
@@ -308,6 +347,7 @@ def _llama_from_hf(hf: dict, name: str) -> ModelConfig:
         mlp_bias=False,
         rope_theta=theta,
         rope_linear_factor=factor,
+        rope_llama3=llama3,
         sliding_window=hf.get("sliding_window") if any(sliding) else None,
         sliding_layers=sliding if any(sliding) else (),
         tie_embeddings=hf.get("tie_word_embeddings", False),

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import math
+
 import jax
 import jax.numpy as jnp
 
@@ -53,13 +55,30 @@ def add_bias(x: jax.Array, b: jax.Array | None) -> jax.Array:
     return x if b is None else x + b.astype(F32)
 
 
+def llama3_inverse_frequencies(inv_freq: jax.Array, factor: float, low_freq_factor: float,
+                               high_freq_factor: float, original_positions: float):
+    """Llama 3's RoPE scaling: wavelengths longer than original_positions / low_freq_factor
+    are stretched by `factor`, those shorter than original_positions / high_freq_factor kept,
+    and those between interpolated."""
+    wavelength = 2 * math.pi / inv_freq
+    smooth = ((original_positions / wavelength - low_freq_factor)
+              / (high_freq_factor - low_freq_factor))
+    between = (1 - smooth) * inv_freq / factor + smooth * inv_freq
+    return jnp.where(wavelength > original_positions / low_freq_factor, inv_freq / factor,
+                     jnp.where(wavelength < original_positions / high_freq_factor, inv_freq,
+                               between))
+
+
 def rope_tables(positions: jax.Array, head_dim: int, theta: float,
-                linear_factor: float = 1.0):
+                linear_factor: float = 1.0, llama3=None):
     """cos and sin tables [..., head_dim] for integer positions (HF Llama convention);
-    linear_factor > 1 divides the positions (linear RoPE scaling)."""
+    linear_factor > 1 divides the positions (linear RoPE scaling); llama3, Llama 3's
+    scaling settings (`ModelConfig.rope_llama3`), rescales the frequencies."""
     inv_freq = 1.0 / (theta ** (jnp.arange(0, head_dim, 2, dtype=F32) / head_dim))
     if linear_factor != 1.0:
         inv_freq = inv_freq / linear_factor
+    if llama3 is not None:
+        inv_freq = llama3_inverse_frequencies(inv_freq, *llama3)
     angles = positions.astype(F32)[..., None] * inv_freq
     angles = jnp.concatenate([angles, angles], axis=-1)
     return jnp.cos(angles), jnp.sin(angles)
@@ -87,7 +106,8 @@ def is_sliding(config: ModelConfig, layer):
 def layer_rope_tables(config: ModelConfig, positions: jax.Array, layer=None):
     """cos and sin tables [..., head_dim] of `layer`: sliding layers use
     `rope_local_theta`, full-attention layers `rope_theta` and `rope_linear_factor`."""
-    full = rope_tables(positions, config.head_dim, config.rope_theta, config.rope_linear_factor)
+    full = rope_tables(positions, config.head_dim, config.rope_theta, config.rope_linear_factor,
+                       config.rope_llama3)
     if config.rope_local_theta is None or not config.has_sliding_layers:
         return full
     sliding = is_sliding(config, layer)

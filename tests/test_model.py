@@ -15,7 +15,7 @@ from dejavu_jax.params import fuse_qkv, has_fused_qkv, unstack_layers
 
 HF = Path(__file__).parent / "fixtures" / "hf"
 VARIANTS = ["opt-preln", "opt-postln-proj", "opt-fp16-prefix", "opt-bin",
-            "llama-gqa", "llama-mha", "qwen2", "gemma3", "mistral-window"]
+            "llama-gqa", "llama-mha", "qwen2", "gemma3", "mistral-window", "llama-rope3"]
 
 
 def _load(name):
@@ -39,7 +39,7 @@ def test_logits_match_hugging_face(name):
 
 
 @pytest.mark.parametrize("name", ["opt-preln", "opt-postln-proj", "llama-gqa", "gemma3",
-                                  "mistral-window"])
+                                  "mistral-window", "llama-rope3"])
 def test_cached_decode_reproduces_full_forward(name):
     config, params, ref = _load(name)
     ids, mask = ref["input_ids"], ref["attention_mask"]
@@ -253,3 +253,14 @@ def test_lengths_past_the_models_positions_are_refused():
     with pytest.raises(ValueError, match="positions of context"):
         generate_tokens(dense_engine(llama), dj.init_params(llama, jax.random.key(0)),
                         [[2, 3]], max_new_tokens=llama.max_positions)
+
+
+def test_llama3_rope_scaling_changes_the_logits():
+    """The llama-rope3 fixture matches transformers only with its frequency scaling: the
+    same weights under plain RoPE give other logits (the parity tests above are not weak)."""
+    config, params, ref = _load("llama-rope3")
+    assert config.rope_llama3 == (8.0, 1.0, 4.0, 64.0)
+    plain = np.asarray(dj.logits(config.replace(rope_llama3=None), params, ref["input_ids"],
+                                 ref["attention_mask"]))
+    real = ref["attention_mask"].astype(bool)
+    assert np.abs(plain[real] - ref["logits"][real]).max() > 1e-2 * np.abs(ref["logits"]).max()
