@@ -214,6 +214,17 @@ def no_loading(monkeypatch):
     monkeypatch.setattr(loading, "load_pretrained", forbidden)
 
 
+def _error_line(main, argv: list[str], capsys) -> str:
+    """The one `error:` line `main(argv)` exits with (status 2, no traceback)."""
+    with pytest.raises(SystemExit) as exit_:
+        main(argv)
+    err = capsys.readouterr().err
+    last = err.strip().splitlines()[-1]
+    assert exit_.value.code == 2, err
+    assert last.startswith("error: ") and "Traceback" not in err, err
+    return last
+
+
 @pytest.mark.parametrize("case", CASES, ids=[c[0] for c in CASES])
 def test_bad_input_is_one_error_line(case, tmp_path, monkeypatch, capsys, request):
     name, main, argv, words, *loads = case
@@ -223,13 +234,7 @@ def test_bad_input_is_one_error_line(case, tmp_path, monkeypatch, capsys, reques
     monkeypatch.setenv("HF_DATASETS_OFFLINE", "1")
     if not loads:
         request.getfixturevalue("no_loading")
-    argv = [files.get(a, a) for a in argv]
-    with pytest.raises(SystemExit) as exit_:
-        main(argv)
-    err = capsys.readouterr().err
-    last = err.strip().splitlines()[-1]
-    assert exit_.value.code == 2, err
-    assert last.startswith("error: ") and "Traceback" not in err, err
+    last = _error_line(main, [files.get(a, a) for a in argv], capsys)
     for word in words:
         assert files.get(word, word) in last, (word, last)
     assert not Path(files["OUT"]).exists()  # nothing written
@@ -263,17 +268,6 @@ def test_end_to_end_no_traceback(tmp_path, module, argv):
     assert "Traceback" not in proc.stderr and lines[-1].startswith("error: "), proc.stderr
     assert all(line.startswith("error: ") or "absent: fetching" in line or "PyTorch" in line
                for line in lines), proc.stderr
-
-
-def _error_line(main, argv: list[str], capsys) -> str:
-    """The one `error:` line `main(argv)` exits with (status 2, no traceback)."""
-    with pytest.raises(SystemExit) as exit_:
-        main(argv)
-    err = capsys.readouterr().err
-    last = err.strip().splitlines()[-1]
-    assert exit_.value.code == 2, err
-    assert last.startswith("error: ") and "Traceback" not in err, err
-    return last
 
 
 @pytest.fixture(scope="module")

@@ -235,13 +235,19 @@ def _numpy_masked_dense(config, params, ids, n_prompt, k_mlp, k_heads, dense_lay
     return x @ p.embed.T
 
 
-def test_oracle_equals_numpy_masked_dense():
+def _tiny_oracle(k_mlp: int = 40, k_heads: int = 2):
+    """(config, params, engine) of tiny OPT under the oracle keeping k_mlp neurons and
+    k_heads heads per token, the first layer dense."""
     config = dj.preset("opt-tiny")
     params = dj.init_params(config, jax.random.key(6), jnp.float32, std=0.15)
-    k_mlp, k_heads = 40, 2
     scfg = sparse.sparse_config(config, k_mlp / config.ffn, k_heads / config.n_heads,
                                 dense_layers=1, oracle=True)
-    eng = sparse.sparse_engine(config, scfg, sparse.no_selector)
+    return config, params, sparse.sparse_engine(config, scfg, sparse.no_selector)
+
+
+def test_oracle_equals_numpy_masked_dense():
+    k_mlp, k_heads = 40, 2
+    config, params, eng = _tiny_oracle(k_mlp, k_heads)
     prompt, continuation = [5, 9, 14, 3], [42, 7, 300, 11]
     ids = jnp.asarray([prompt])
     state = eng.init_state(1, 32, jnp.float32)
@@ -264,12 +270,8 @@ def test_oracle_batch_masks_each_row_by_its_own_top_k():
     its own top-k heads and neurons, so its logits are the numpy masked-dense reference
     of that prompt alone (not the batch's union)."""
     from dejavu_jax.generation import left_pad
-    config = dj.preset("opt-tiny")
-    params = dj.init_params(config, jax.random.key(6), jnp.float32, std=0.15)
     k_mlp, k_heads = 40, 2
-    scfg = sparse.sparse_config(config, k_mlp / config.ffn, k_heads / config.n_heads,
-                                dense_layers=1, oracle=True)
-    eng = sparse.sparse_engine(config, scfg, sparse.no_selector)
+    config, params, eng = _tiny_oracle(k_mlp, k_heads)
     prompts, continuation = [[5, 9, 14, 3], [8, 2]], [[42, 17], [7, 300], [11, 60]]
     ids, mask = (jnp.asarray(a) for a in left_pad(prompts, config.pad_token_id))
     state = eng.init_state(2, 32, jnp.float32)
