@@ -89,8 +89,6 @@ LLAMA_LAYER = {
     "w_in": ("mlp.up_proj.weight", _same),
     "w_gate": ("mlp.gate_proj.weight", _same),
     "w_out_t": ("mlp.down_proj.weight", _transposed),
-    "b_in": ("mlp.up_proj.bias", _same),
-    "b_out": ("mlp.down_proj.bias", _same),
 }
 def _gemma_norm(a, c):
     """Gemma's RMSNorm multiplies by 1 + w; our norms take the factor itself."""
@@ -158,10 +156,9 @@ def params_from_tensors(config: ModelConfig, source: TensorSource, dtype=jnp.flo
     origin = next(iter(source.keys()), None)
     origin_file = source.file_of(origin) if origin else "<empty checkpoint>"
 
-    used = set()
+    refuse_unused_layer_tensors(config, names, origin_file)
 
     def fetch(canon: str, transform: Transform, want: tuple[int, ...]) -> np.ndarray:
-        used.add(canon)
         key = names.get(canon)
         if key is None:
             raise CheckpointError(f"{origin_file}: missing tensor {canon!r} for "
@@ -199,7 +196,6 @@ def params_from_tensors(config: ModelConfig, source: TensorSource, dtype=jnp.flo
         layers[name] = jax.device_put(stacked)
         del stacked
     bar.close()
-    _refuse_unused_layer_tensors(config, names, used, origin_file)
     return ModelParams(layers=LayerParams(**layers), **top)
 
 
@@ -207,12 +203,17 @@ def params_from_tensors(config: ModelConfig, source: TensorSource, dtype=jnp.flo
 _IGNORED_LAYER_SUFFIXES = ("rotary_emb.inv_freq",)
 
 
-def _refuse_unused_layer_tensors(config: ModelConfig, names: dict[str, str], used: set[str],
-                                 origin_file: str) -> None:
+def refuse_unused_layer_tensors(config: ModelConfig, names: dict[str, str],
+                                origin_file: str) -> None:
     """Raise CheckpointError when the checkpoint's decoder layers hold tensors the config
     gives no place (a bias or norm this model definition lacks): loading without them would
-    give other logits than the checkpoint's own model."""
-    pattern = re.compile(re.escape(LAYER_PREFIX[config.family]).replace(r"\{i\}", r"\d+"))
+    give other logits than the checkpoint's own model. `names`: `canonical_names`."""
+    prefix = LAYER_PREFIX[config.family]
+    layer_spec = NAME_SPECS[config.family][1]
+    used = {prefix.format(i=i) + layer_spec[name][0]
+            for name, shape in layer_shapes(config).items() if shape is not None
+            for i in range(config.n_layers)}
+    pattern = re.compile(re.escape(prefix).replace(r"\{i\}", r"\d+"))
     unused = sorted(c for c in names if pattern.match(c) and c not in used
                     and not c.endswith(_IGNORED_LAYER_SUFFIXES))
     if unused:

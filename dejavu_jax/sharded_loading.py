@@ -34,7 +34,8 @@ def params_from_tensors_sharded(config: ModelConfig, source: TensorSource, mesh:
                                 dtype=jnp.bfloat16) -> ModelParams:
     """Like `loading.params_from_tensors`, but each device receives only its shard.
 
-    Raises CheckpointError for missing tensors or shapes that do not fit the config, and
+    Raises CheckpointError for missing tensors, layer tensors the config has no place for
+    or shapes that do not fit the config, and
     sharding.ShardingError when the mesh does not divide the heads and neurons.
     """
     sharding.check_tp(config, sharding.tp_size(mesh))
@@ -42,6 +43,7 @@ def params_from_tensors_sharded(config: ModelConfig, source: TensorSource, mesh:
     np_dtype = loading._numpy_dtype(dtype)
     origin = next(iter(source.keys()), None)
     origin_file = source.file_of(origin) if origin else "<empty checkpoint>"
+    loading.refuse_unused_layer_tensors(config, names, origin_file)
 
     def view(canon, transform, want):
         """The tensor in our layout, as a (memory-mapped) view; checked against `want`."""

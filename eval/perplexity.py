@@ -228,12 +228,14 @@ def main(argv: list[str] | None = None) -> int:
     if len(ids) < 2:
         cli.fail(f"the text has {len(ids)} token(s); perplexity needs at least 2")
     common.check_ids(ids, config, "the tokenized text")
-    try:
-        result = perplexity(config, mode, params, pred, ids, args.window, args.stride,
-                            args.batch_tokens, args.dense_prefix, not args.no_progress, mesh,
-                            lead=leading_special_ids(tok))
-    except ValueError as e:   # the window and the tokenizer's leading ids past the positions
-        cli.fail(str(e))
+    lead = leading_special_ids(tok)
+    try:   # the tokenizer's leading ids come before every window
+        model.check_positions(config, min(args.window, len(ids) - 1) + len(lead))
+    except ValueError as e:
+        cli.fail(f"--window {args.window} and {len(lead)} leading id(s): {e}")
+    result = perplexity(config, mode, params, pred, ids, args.window, args.stride,
+                        args.batch_tokens, args.dense_prefix, not args.no_progress, mesh,
+                        lead=lead)
     result["text"] = args.text or str(wikitext2_path())
     print(f"{result['mode']}: {result['tokens']} tokens, NLL {result['nll']:.4f}, "
           f"perplexity {result['perplexity']:.3f} ({result['seconds']:.0f} s"

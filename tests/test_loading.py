@@ -129,6 +129,10 @@ def test_a_layer_tensor_the_model_has_no_place_for_is_refused(tmp_path):
                                     np.ones(config.ffn, np.float32)}))
     with pytest.raises(CheckpointError, match=r"model\.layers\.1\.mlp\.gate_proj\.bias"):
         dj.load_pretrained(d, progress=False)
+    from dejavu_jax.sharded_loading import load_pretrained_sharded
+    from dejavu_jax.sharding import make_mesh
+    with pytest.raises(CheckpointError, match=r"model\.layers\.1\.mlp\.gate_proj\.bias"):
+        load_pretrained_sharded(d, make_mesh(1))
 
 
 @pytest.mark.parametrize("name,key,value", [("llama-gqa", "mlp_bias", True),
