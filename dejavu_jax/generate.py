@@ -121,7 +121,8 @@ def build_parser() -> argparse.ArgumentParser:
                     help="fraction of query heads per layer, same forms (default 1.0); a "
                          "grouped-query model reads the K/V of the groups holding one")
     sp.add_argument("--dense-layers", type=cli.non_negative_int,
-                    help="first layers that always run dense (default 2)")
+                    help="first layers that always run dense (default 2, or fewer so that "
+                         "one layer is sparse)")
     sp.add_argument("--select", choices=sparse_select_methods(),
                     help="top-k of the predictor scores (for --sparse): exact (lax.top_k, "
                          "default) or local (Pallas, the top of each chunk of the scores: "
@@ -255,7 +256,8 @@ def sparse_settings(args, config):
         if len(values) not in (1, L):
             cli.fail(f"{flag} has {len(values)} values; give one, or one per layer ({L})")
         densities[flag] = values[0] if len(values) == 1 else values
-    dense_layers = 2 if args.dense_layers is None else args.dense_layers
+    dense_layers = (sparse.default_dense_layers(L) if args.dense_layers is None
+                    else args.dense_layers)
     if dense_layers > L:
         cli.fail(f"--dense-layers {dense_layers}: the model has {L} layers")
     scfg = sparse.sparse_config(config, densities["--mlp-density"],

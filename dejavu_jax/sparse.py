@@ -187,15 +187,22 @@ def _per_layer(value, n_layers: int, name: str) -> list[float]:
     return values
 
 
+def default_dense_layers(n_layers: int) -> int:
+    """The dense layers of a sparse decode when none are named: the first 2 (DejaVu's), or
+    fewer so that at least one layer of a small model is sparse."""
+    return max(0, min(2, n_layers - 1))
+
+
 def sparse_config(config: ModelConfig, mlp_density=0.1, head_density=0.5,
-                  dense_layers: int = 2, oracle: bool = False, kv_window: int = 16,
-                  impl: str | None = None) -> SparseConfig:
+                  dense_layers: int | None = None, oracle: bool = False,
+                  kv_window: int = 16, impl: str | None = None) -> SparseConfig:
     """SparseConfig from densities (a float for all layers, or one per layer).
 
-    The first `dense_layers` layers run dense. k = ceil(density * units), at least 1;
-    the head units are query heads.
+    The first `dense_layers` layers run dense (default `default_dense_layers`). k =
+    ceil(density * units), at least 1; the head units are query heads.
     """
     L = config.n_layers
+    dense_layers = default_dense_layers(L) if dense_layers is None else dense_layers
     mlp = _per_layer(mlp_density, L, "mlp_density")
     heads = _per_layer(head_density, L, "head_density")
     if not 0 <= dense_layers <= L:
@@ -842,7 +849,8 @@ def _fused_segment(config, scfg, params, select, selector_params, x, io, step, i
                    stop, k_mlp, k_heads, unrolled):
     """A sparse segment of a pre-norm model on one device (`_fused_sparse_layer`).
     Returns (x, the last layer's input, io)."""
-    split = hasattr(select, "splits") and select.splits(selector_params, x.shape[0])
+    split = (hasattr(select, "splits") and select.splits(selector_params, x.shape[0])
+             and k_mlp < config.ffn)   # every neuron: nothing to rank (`PredictorSelector._top`)
     ride = (not split and hasattr(select, "rides_batch")
             and select.rides_batch(selector_params, x.shape[0], k_mlp, scfg.impl))
 
@@ -943,6 +951,8 @@ class PredictorSelector:
         from dejavu_jax.topk import union_top_k
         from dejavu_jax.train.predict import default_union_size, select_top_k
         method, impl = self.method, self.impl
+        if k >= scores.shape[1] and capacity in (None, k):   # every unit: nothing to rank
+            return jnp.arange(scores.shape[1], dtype=jnp.int32)
         if scores.shape[0] == 1 and capacity in (None, k):
             if method == "local":
                 return top_k_indices_local(scores[0], k, impl=impl)

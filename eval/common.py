@@ -12,7 +12,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from dejavu_jax import cli
+from dejavu_jax import cli, sparse
 from dejavu_jax.eval.sparse_scoring import MODES, EvalMode, make_mode
 
 DEFAULT_PREDICTORS = Path(__file__).resolve().parents[1] / ".cache" / "predictors" / "smollm2-135m"
@@ -41,7 +41,7 @@ def add_model_args(p: argparse.ArgumentParser, mode: bool = True) -> None:
                             "modes; default 1.0)")
     p.add_argument("--dense-layers", type=cli.non_negative_int,
                    help="the first N layers run dense, as in the decode engine (sparse and "
-                        "oracle modes; default 2)")
+                        "oracle modes; default 2, or fewer so that one layer is sparse)")
     p.add_argument("--predictors", type=Path,
                    help=f"trained predictor folder (sparse mode; default {DEFAULT_PREDICTORS})")
     p.add_argument("--profile", type=cli.existing_path,
@@ -209,7 +209,8 @@ def mode_from_args(args, config, mesh=None) -> tuple[EvalMode, object]:
     shards = 1 if mesh is None else sharding.tp_size(mesh)
     if args.mode == "threshold":
         return threshold_mode(args, config, shards)
-    dense_layers = 2 if args.dense_layers is None else args.dense_layers
+    dense_layers = (sparse.default_dense_layers(config.n_layers) if args.dense_layers is None
+                    else args.dense_layers)
     if dense_layers > config.n_layers:
         cli.fail(f"--dense-layers {dense_layers}: the model has {config.n_layers} layers")
     try:

@@ -185,9 +185,12 @@ def build_parser() -> argparse.ArgumentParser:
                            description=__doc__.split("\n")[0])
     p.add_argument("--text", type=text_source, help="text file, or hf:NAME[:CONFIG[:SPLIT]] "
                    "(default: WikiText-2 raw test from the data folder, $DEJAVU_DATA)")
-    p.add_argument("--window", type=cli.positive_int, default=1024)
-    p.add_argument("--stride", type=cli.positive_int, default=512,
-                   help="tokens between window starts, at most --window (default 512)")
+    p.add_argument("--window", type=cli.positive_int,
+                   help="tokens per window (default 1024, or an OPT model's learned "
+                        "positions if fewer)")
+    p.add_argument("--stride", type=cli.positive_int,
+                   help="tokens between window starts, at most --window (default half the "
+                        "window, at most 512)")
     p.add_argument("--max-tokens", type=cli.positive_int,
                    help="score only the first N tokens of the text")
     p.add_argument("--shared-rows", type=cli.positive_int, default=1,
@@ -204,16 +207,18 @@ def main(argv: list[str] | None = None) -> int:
     """Run the CLI; returns the process exit status (2 with one `error:` line for bad
     arguments, files or data)."""
     args = build_parser().parse_args(argv)
-    if args.stride > args.window:
-        cli.fail(f"--stride {args.stride} is larger than --window {args.window}")
     common.check_model_args(args)
     if args.shared_rows > 1 and args.mode != "sparse":
         cli.fail(f"--shared-rows {args.shared_rows} shares predicted sets: it needs "
                  f"--mode sparse")
-    try:
-        model.check_positions(common.model_config(args), args.window)
-    except ValueError as e:
-        cli.fail(f"--window {args.window}: {e}")
+    known = common.model_config(args)
+    if args.window is not None:
+        try:
+            model.check_positions(known, args.window)
+        except ValueError as e:
+            cli.fail(f"--window {args.window}: {e}")
+    if args.stride is not None and args.stride > (args.window or 1024):
+        cli.fail(f"--stride {args.stride} is larger than --window {args.window or 1024}")
     try:
         text = load_text(args.text)  # before the model: a missing text fails fast
     except (OSError, UnicodeDecodeError) as e:
@@ -229,6 +234,13 @@ def main(argv: list[str] | None = None) -> int:
         cli.fail(f"the text has {len(ids)} token(s); perplexity needs at least 2")
     common.check_ids(ids, config, "the tokenized text")
     lead = leading_special_ids(tok)
+    if args.window is None:   # an OPT model's learned positions hold the lead and the window
+        args.window = (min(1024, config.max_positions - len(lead)) if config.family == "opt"
+                       else 1024)
+    if args.stride is None:
+        args.stride = max(1, min(512, args.window // 2))
+    if args.stride > args.window:
+        cli.fail(f"--stride {args.stride} is larger than --window {args.window}")
     try:   # the tokenizer's leading ids come before every window
         model.check_positions(config, min(args.window, len(ids) - 1) + len(lead))
     except ValueError as e:

@@ -94,7 +94,7 @@ class EvalMode:
 
 
 def make_mode(config: ModelConfig, name: str, mlp_density=1.0, head_density=1.0,
-              dense_layers: int = 2, shards: int = 1, sites=None,
+              dense_layers: int | None = None, shards: int = 1, sites=None,
               shared_rows: int = 1) -> EvalMode:
     """An EvalMode; densities are as for `sparse.sparse_config` (float or per layer).
     "threshold" takes the thresholded `sites` (default every site the model has) instead,

@@ -68,18 +68,43 @@ def _read_jsonl(path: Path) -> list[dict]:
         return [json.loads(line) for line in f if line.strip()]
 
 
+def _field(row, key: str, kind: str, path: Path, index: int):
+    """row[key] checked to be a string ("str"), a list of strings ("strs") or an integer
+    ("int", not a bool): ValueError naming the file, the row (1-based) and the field."""
+    if not isinstance(row, dict):
+        raise ValueError(f"{path}: row {index + 1} is not a JSON object")
+    value = row[key]
+    ok = {"str": isinstance(value, str),
+          "strs": isinstance(value, list) and all(isinstance(v, str) for v in value),
+          "int": isinstance(value, int) and not isinstance(value, bool)}[kind]
+    if not ok:
+        want = {"str": "a string", "strs": "a list of strings", "int": "an integer"}[kind]
+        raise ValueError(f"{path}: row {index + 1}: {key!r} must be {want}, got "
+                         f"{json.dumps(value)[:60]}")
+    return value
+
+
 def _jsonl_items(rows: list[dict], path: Path) -> list[Item]:
-    keys = set(rows[0]) if rows else set()
-    if {"query", "choices", "gold"} <= keys:
-        return [Item(tuple((r["query"], join(r["query"], c)) for c in r["choices"]),
-                     int(r["gold"]), "choice") for r in rows]
-    if {"context_options", "continuation", "gold"} <= keys:
-        return [Item(tuple((c, join(c, r["continuation"])) for c in r["context_options"]),
-                     int(r["gold"]), "choice") for r in rows]
-    if {"context", "continuation"} <= keys:
-        return [Item(((r["context"], join(r["context"], r["continuation"])),), 0, "greedy")
-                for r in rows]
-    raise ValueError(f"{path}: unknown jsonl task format with keys {sorted(keys)}")
+    keys = set(rows[0]) if rows and isinstance(rows[0], dict) else set()
+    if not ({"query", "choices", "gold"} <= keys or {"context", "continuation"} <= keys
+            or {"context_options", "continuation", "gold"} <= keys):
+        raise ValueError(f"{path}: unknown jsonl task format with keys {sorted(keys)}")
+    items = []
+    for i, r in enumerate(rows):
+        f = functools.partial(_field, r, path=path, index=i)
+        if {"query", "choices", "gold"} <= keys:
+            query = f("query", "str")
+            items.append(Item(tuple((query, join(query, c)) for c in f("choices", "strs")),
+                              f("gold", "int"), "choice"))
+        elif {"context_options", "continuation", "gold"} <= keys:
+            cont = f("continuation", "str")
+            items.append(Item(tuple((c, join(c, cont)) for c in f("context_options", "strs")),
+                              f("gold", "int"), "choice"))
+        elif {"context", "continuation"} <= keys:
+            context = f("context", "str")
+            items.append(Item(((context, join(context, f("continuation", "str"))),), 0,
+                              "greedy"))
+    return items
 
 
 def _hellaswag_items(path: Path) -> list[Item]:
@@ -206,16 +231,23 @@ def score_requests(config, mode: EvalMode, params, pred_params, requests, batch_
     """(log-likelihood [N], all-greedy [N]) of each (context, continuation) token pair.
 
     Requests are sorted by length and batched in a few padded shapes (one compile each).
+    A request longer than `max_len` tokens (or an OPT model's learned positions) keeps its
+    last ones, as lm-eval-harness truncates. A continuation longer than that is an error.
     mesh: params placed on it (`common.load_weights`); rows split over its "data" axis.
     """
+    if config.family == "opt":
+        max_len = min(max_len, config.max_positions)
     seqs = []
     for ctx, cont in requests:
+        if len(cont) > max_len:
+            raise ValueError(f"a continuation of {len(cont)} tokens does not fit the "
+                             f"{max_len} tokens scored at once")
         whole = (ctx + cont)[-(max_len + 1):]
         seqs.append((whole, len(cont)))
     order = sorted(range(len(seqs)), key=lambda i: len(seqs[i][0]))
     batches, i = [], 0
     while i < len(order):
-        length = _bucket(len(seqs[order[i]][0]) - 1)
+        length = min(_bucket(len(seqs[order[i]][0]) - 1), max_len)
         rows = common.mesh_rows(max(1, batch_tokens // length), mesh)
         group = [j for j in order[i:i + rows] if len(seqs[j][0]) - 1 <= length]
         batches.append((length, rows, group))

@@ -61,13 +61,25 @@ def balanced_chunks(n_chunks: int, want: int) -> int:
     return cdiv(n_chunks, runs)
 
 
+def erf(x):
+    """The error function from exp and a polynomial (Abramowitz and Stegun 7.1.26; absolute
+    error below 1.5e-7), so that kernels can use it: Triton has no erf."""
+    a = jnp.abs(x)
+    t = 1.0 / (1.0 + 0.3275911 * a)
+    poly = t * (0.254829592 + t * (-0.284496736 + t * (1.421413741 + t * (
+        -1.453152027 + t * 1.061405429))))
+    return jnp.sign(x) * (1.0 - poly * jnp.exp(-a * a))
+
+
 def activation_fn(name: str):
     """Elementwise activation by name, usable both in jnp and inside kernels."""
     if name == "relu":
         return lambda h: jnp.maximum(h, 0.0)
     if name == "silu":
         return lambda h: h / (1.0 + jnp.exp(-h))
-    if name in ("gelu", "gelu_tanh"):  # tanh approximation (Gemma's GeGLU; gelu_new)
+    if name == "gelu":  # the exact (erf) form, as OPT's "gelu"
+        return lambda h: 0.5 * h * (1.0 + erf(h * float(np.sqrt(0.5))))
+    if name == "gelu_tanh":  # the tanh approximation (Gemma's GeGLU; gelu_new)
         c = float(np.sqrt(2.0 / np.pi))
         return lambda h: 0.5 * h * (1.0 + jnp.tanh(c * (h + 0.044715 * h * h * h)))
     if name == "identity":

@@ -35,7 +35,8 @@ from .launch import LaunchPart, launch
 from .top_k import (_ranked_slots, local_top_k_shape, score_keys, top_k_indices_local_reference,
                     top_k_indices_reference)
 
-ACTIVATIONS = {"none": "identity", "relu": "relu", "gelu": "gelu"}
+# the predictors' "gelu" is jax.nn.gelu's default, the tanh approximation
+ACTIVATIONS = {"none": "identity", "relu": "relu", "gelu": "gelu_tanh"}
 
 
 def _hidden(h_parts, b1, layer, activation):
@@ -230,7 +231,8 @@ def predictor_select(h_parts, b1, w2_mlp, b2_mlp, w2_heads, b2_heads, layer, k_m
         w2_heads ``[L, r_heads, H]``, b2_heads ``[L, H]``: the decode-form predictors.
       layer: int32 scalar (may be traced), the predicted layer.
       k_mlp: neurons wanted: the top ``round(k_mlp / C)`` of each of ``C = ceil(F /
-        chunk)`` equal chunks (:func:`~.top_k.local_top_k_shape`), ascending.
+        chunk)`` equal chunks (:func:`~.top_k.local_top_k_shape`), ascending; k_mlp = F
+        gives every neuron.
       k_heads: heads wanted: the exact top-k, ascending.
       activation: the predictors' hidden activation ("none", "relu" or "gelu").
       row_blocks, block_d: the score product's blocks of 16 hidden rows per program and
@@ -245,12 +247,15 @@ def predictor_select(h_parts, b1, w2_mlp, b2_mlp, w2_heads, b2_heads, layer, k_m
                          f"{row_blocks} positive")
     impl = resolve_impl(impl)
     if impl == "reference":
-        return predictor_select_reference(h_parts, b1, w2_mlp, b2_mlp, w2_heads, b2_heads,
-                                          layer, int(k_mlp), int(k_heads),
-                                          activation=activation, chunk=int(chunk))
-    return _predictor_select_pallas(h_parts, b1, w2_mlp, b2_mlp, w2_heads, b2_heads, layer,
-                                    k_mlp=int(k_mlp), k_heads=int(k_heads),
-                                    activation=activation, chunk=int(chunk),
-                                    interpret=impl == "interpret", row_blocks=int(row_blocks),
-                                    block_d=int(block_d), deferred_sum=bool(deferred_sum),
-                                    select_warps=select_warps)
+        ids = predictor_select_reference(h_parts, b1, w2_mlp, b2_mlp, w2_heads, b2_heads,
+                                         layer, int(k_mlp), int(k_heads),
+                                         activation=activation, chunk=int(chunk))
+    else:
+        ids = _predictor_select_pallas(
+            h_parts, b1, w2_mlp, b2_mlp, w2_heads, b2_heads, layer, k_mlp=int(k_mlp),
+            k_heads=int(k_heads), activation=activation, chunk=int(chunk),
+            interpret=impl == "interpret", row_blocks=int(row_blocks),
+            block_d=int(block_d), deferred_sum=bool(deferred_sum), select_warps=select_warps)
+    if k_mlp == w2_mlp.shape[2]:   # every neuron (the chunks' quotas would miss some)
+        ids = (jnp.arange(k_mlp, dtype=jnp.int32), ids[1])
+    return ids

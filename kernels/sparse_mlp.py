@@ -172,8 +172,9 @@ def sparse_mlp(x, w1, b1, w2t, b2, idx, *, activation: str = "relu", w_gate=None
       w2t: ``[F, d]`` fc2 weight transposed (``fc2.weight.T``) / down-projection transposed.
       b2: ``[d]`` or None.
       idx: ``[K]`` int32, distinct neuron ids in ``[0, F)``.
-      activation: "relu" (OPT), "silu" (with ``w_gate``: Llama SwiGLU), "gelu" or
-        "gelu_tanh" (both the tanh approximation; with ``w_gate``: Gemma GeGLU), "identity".
+      activation: "relu" (OPT), "silu" (with ``w_gate``: Llama SwiGLU), "gelu" (the exact
+        form, OPT's), "gelu_tanh" (the tanh approximation; with ``w_gate``: Gemma GeGLU),
+        "identity".
       w_gate: optional ``[F, d]`` gate weight; then the hidden unit is
         ``act(x w_gate[idx]ᵀ) * (x w1[idx]ᵀ + b1[idx])``, gate and up rows gathered in
         the same kernel launch.

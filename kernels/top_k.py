@@ -296,7 +296,7 @@ def top_k_indices_local(scores: jax.Array, k: int, *, chunk: int = 2048,
     The n scores split into ``P = ceil(n / chunk)`` chunks of equal length (the last may be
     shorter); each chunk keeps its ``k_c = round(k / P)`` largest (bfloat16-precision keys,
     ties to the lower id), so ``P * k_c`` ids come back: within ``P / 2`` of k, unless the
-    last chunk is shorter than ``k_c`` (:func:`local_top_k_shape`). With one chunk it is
+    last chunk is shorter than ``k_c`` (:func:`local_top_k_shape`). k = n gives every id. With one chunk it is
     the exact set of :func:`top_k_indices`; with more, it differs from it only where the
     exact set is spread unevenly over the chunks.
     """
@@ -306,6 +306,8 @@ def top_k_indices_local(scores: jax.Array, k: int, *, chunk: int = 2048,
         raise ValueError(f"k={k} must be in 1..{n}")
     if chunk < 1 or chunk > 1 << 15:
         raise ValueError(f"chunk={chunk} must be in 1..32768")
+    if k == n:  # every id: the chunks' equal quotas would leave some of a short last chunk's
+        return jnp.arange(n, dtype=jnp.int32)
     impl = resolve_impl(impl)
     if impl == "reference":
         return top_k_indices_local_reference(scores, int(k), int(chunk))

@@ -8,6 +8,7 @@ are checked before any model loads. Two cases run in a subprocess, end to end.
 """
 
 import json
+import math
 import os
 import subprocess
 import sys
@@ -62,10 +63,11 @@ def _no_shapes_predictors(folder: Path) -> Path:
 
 def _tasks(tmp: Path) -> dict:
     """Task files with one malformed item, the second: a gold index past its choices, no
-    choices, an empty context."""
+    choices, an empty context, a null gold, choices given as one string."""
     good = {"query": "The sky is", "choices": ["blue", "green"], "gold": 0}
     bad = {"GOLDBAD": {**good, "gold": 5}, "NOCHOICES": {**good, "choices": []},
-           "EMPTYCTX": {"context": "", "continuation": "Hello"}}
+           "EMPTYCTX": {"context": "", "continuation": "Hello"},
+           "GOLDNULL": {**good, "gold": None}, "CHOICESTEXT": {**good, "choices": "ab"}}
     first = {"EMPTYCTX": {"context": "Say", "continuation": "Hello"}}
     out = {}
     for name, row in bad.items():
@@ -188,6 +190,10 @@ CASES = [
      ["GOLDBAD", "item 2", "gold 5", "2 choices"]),
     ("tasks-no-choices", tasks.main, ["--preset", "opt-tiny", "--tasks", "NOCHOICES"],
      ["NOCHOICES", "item 2", "no choices"]),
+    ("tasks-gold-null", tasks.main, ["--preset", "opt-tiny", "--tasks", "GOLDNULL"],
+     ["GOLDNULL", "row 2", "'gold' must be an integer", "null"]),
+    ("tasks-choices-string", tasks.main, ["--preset", "opt-tiny", "--tasks", "CHOICESTEXT"],
+     ["CHOICESTEXT", "row 2", "'choices' must be a list of strings"]),
     ("tasks-empty-context", tasks.main, ["--preset", "opt-tiny", "--tasks", "EMPTYCTX"],
      ["EMPTYCTX", "item 2", "empty context"]),
     ("profile-window-1", profile.main, ["--window", "1"], ["--window", "got 1"]),
@@ -332,3 +338,23 @@ def test_eval_corrupt_tokenizer(tmp_path, monkeypatch, capsys):
     last = _error_line(perplexity.main, ["--preset", "opt-tiny", "--tokenizer",
                                          files["BADTOK"], "--text", files["CORPUS"]], capsys)
     assert files["BADTOK"] in last and "not a readable tokenizer" in last, last
+
+
+def test_perplexity_window_defaults_to_opts_learned_positions(word_tokenizer, tmp_path,
+                                                              capsys):
+    """An OPT checkpoint with 128 learned positions, a 300-token text, no --window: the
+    window is the positions (128, stride 64), so the run scores every token and gives
+    what naming those values gives, a finite perplexity."""
+    text = tmp_path / "t.txt"
+    text.write_text(" ".join(f"w{1 + (7 * i) % 500}" for i in range(300)))
+    results = []
+    for extra in ([], ["--window", "128", "--stride", "64"]):
+        out = tmp_path / f"r{len(extra)}.json"
+        assert perplexity.main(["--model", str(FIXTURE), "--tokenizer", str(word_tokenizer),
+                                "--text", str(text), "--no-progress", "--out", str(out)]
+                               + extra) == 0
+        results.append(json.loads(out.read_text()))
+    default, named = results
+    assert default["window"] == 128 and default["stride"] == 64
+    assert default["tokens"] == 299 and math.isfinite(default["perplexity"])
+    assert default["perplexity"] == named["perplexity"]

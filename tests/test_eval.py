@@ -353,6 +353,29 @@ def test_multiple_choice_and_greedy_pick_the_planted_answer(tmp_path):
     assert hits.tolist() == [True, False]
 
 
+def test_requests_past_opts_learned_positions_keep_their_last_tokens():
+    """An OPT model with 24 learned positions: a 40-token request is scored on its last
+    25 tokens (24 inputs), like the dense logits of that tail, finite; a continuation
+    longer than the positions is refused."""
+    config = dj.preset("opt-tiny").replace(max_positions=24)
+    params = dj.init_params(config, jax.random.key(3), jnp.float32, std=0.1)
+    rng = np.random.default_rng(4)
+    ids = rng.integers(3, config.vocab_size, 40).tolist()
+    context, continuation = ids[:37], ids[37:]
+    loglik, _ = tasks_mod.score_requests(config, ss.make_mode(config, "dense"), params, None,
+                                         [(context, continuation)], 128)
+    tail = ids[-25:]
+    logits = np.asarray(dj.logits(config, params, [tail[:-1]])[0], np.float64)
+    logp = logits - logits.max(-1, keepdims=True)
+    logp -= np.log(np.exp(logp).sum(-1, keepdims=True))
+    want = sum(logp[21 + i, continuation[i]] for i in range(3))
+    assert np.isfinite(loglik[0])
+    assert abs(loglik[0] - want) <= 1e-4 * abs(want)
+    with pytest.raises(ValueError, match="continuation of 30 tokens"):
+        tasks_mod.score_requests(config, ss.make_mode(config, "dense"), params, None,
+                                 [(ids[:10], ids[10:])], 128)
+
+
 EXPECTED_COUNTS = {"copa": 100, "piqa": 1838, "openbookqa": 500, "winogrande": 1267,
                    "lambada": 5153, "hellaswag": 10042, "rte": 277}
 

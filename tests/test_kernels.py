@@ -6,6 +6,7 @@ and the Pallas interpreter fills every kernel output with NaN before the kernel 
 so a missed write or a stray read shows up as NaN.
 """
 import dataclasses
+import math
 
 import numpy as np
 import pytest
@@ -14,7 +15,7 @@ import jax.numpy as jnp
 from conftest import assert_finite_close
 
 from dejavu_jax.kernels import AttnConfig, head_sparse_attention, sparse_mlp
-from dejavu_jax.kernels._common import resolve_impl
+from dejavu_jax.kernels._common import activation_fn, resolve_impl
 from dejavu_jax.kernels.gather_matvec import Segment, gather_matvec
 from dejavu_jax.kernels.sparse_mlp import MLPConfig
 
@@ -41,14 +42,31 @@ def _rel(out, ref):
 # sparse MLP
 # ----------------------------------------------------------------------------
 
+NP_ACTIVATIONS = {
+    "relu": lambda v: np.maximum(v, 0),
+    "silu": lambda v: v / (1 + np.exp(-v)),
+    "gelu": lambda v: 0.5 * v * (1 + np.frompyfunc(math.erf, 1, 1)(v / math.sqrt(2)).astype(
+        np.float64)),
+    "gelu_tanh": lambda v: 0.5 * v * (1 + np.tanh(math.sqrt(2 / math.pi)
+                                                  * (v + 0.044715 * v ** 3))),
+}
+
+
 def _np_mlp(x, w1, b1, w2t, b2, idx, act, wg):
     h = x @ w1[idx].T + (0 if b1 is None else b1[idx])
-    if wg is not None:
-        g = x @ wg[idx].T
-        a = h * {"silu": g / (1 + np.exp(-g)), "relu": np.maximum(g, 0)}[act]
-    else:
-        a = np.maximum(h, 0) if act == "relu" else h / (1 + np.exp(-h))
+    a = h * NP_ACTIVATIONS[act](x @ wg[idx].T) if wg is not None else NP_ACTIVATIONS[act](h)
     return a @ w2t[idx] + (0 if b2 is None else b2)
+
+
+def test_kernel_activations_equal_numpy():
+    """The kernels' activations (exp and a polynomial, no erf in Triton) against numpy's
+    exact functions, over [-8, 8]: OPT's "gelu" is the erf form, Gemma's the tanh one."""
+    v = np.linspace(-8, 8, 4001)
+    for name, ref in NP_ACTIVATIONS.items():
+        got = np.asarray(activation_fn(name)(jnp.asarray(v, F32)), np.float64)
+        assert_finite_close(got, ref(v), rtol=1e-6, atol=1e-6, err_msg=name)
+    exact, tanh = NP_ACTIVATIONS["gelu"](v), NP_ACTIVATIONS["gelu_tanh"](v)
+    assert np.abs(exact - tanh).max() > 1e-4  # the two forms differ where it is checked
 
 
 MLP_CASES = [  # B, d, F, K, dtype, activation, gated, biases, config
@@ -60,6 +78,8 @@ MLP_CASES = [  # B, d, F, K, dtype, activation, gated, biases, config
     (1, 5120, 512, 40, BF16, "relu", False, True, None),
     (17, 96, 200, 33, F32, "silu", True, True,                        # B > 16, odd blocks
      MLPConfig(fc1_block_d=32, fc1_d_chunks=2, fc2_block_d=64, fc2_row_blocks=2)),
+    (2, 96, 200, 37, F32, "gelu", False, True, None),                 # OPT's exact gelu
+    (1, 96, 200, 37, F32, "gelu_tanh", True, False, None),            # Gemma's GeGLU
     (1, 96, 200, 37, F32, "relu", False, True,                        # odd blocks, batch 1
      MLPConfig(fc1_block_d=32, fc1_d_chunks=2, fc2_block_d=32, fc2_row_blocks=3)),
 ]

@@ -37,6 +37,8 @@ def _numpy_sets(h_parts, b1, w2m, b2m, w2h, b2h, layer, k_mlp, k_heads, act, chu
     c = -(-F // P)
     kc = max(1, min(round(k_mlp / P), F - (P - 1) * c))
     keys = _bf16_keys(mlp)
+    if k_mlp == F:  # every neuron, whatever the chunks' quotas
+        return np.arange(F), np.sort(np.argsort(-_bf16_keys(heads), kind="stable")[:k_heads])
     neurons = []
     for p in range(P):
         part = keys[p * c:(p + 1) * c]
@@ -49,7 +51,8 @@ def _numpy_sets(h_parts, b1, w2m, b2m, w2h, b2h, layer, k_mlp, k_heads, act, chu
 @pytest.mark.parametrize("F,H,r_mlp,r_heads,k_mlp,k_heads,act,chunk",
                          [(5000, 40, 24, 20, 500, 7, "none", 2048),
                           (300, 12, 16, 8, 31, 3, "relu", 128),
-                          (64, 5, 8, 4, 64, 5, "none", 2048)])
+                          (64, 5, 8, 4, 64, 5, "none", 2048),
+                          (301, 6, 8, 4, 301, 2, "relu", 128)])   # k = F, a short last chunk
 def test_predictor_select_equals_numpy(rng, impl, F, H, r_mlp, r_heads, k_mlp, k_heads, act,
                                        chunk):
     L, P = 3, 2

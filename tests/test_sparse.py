@@ -27,12 +27,13 @@ def _full_sparse(config, **kw):
     return sparse.SparseConfig((config.ffn,) * L, (config.n_heads,) * L, dense_layers=1, **kw)
 
 
-def _run_both(config, params, scfg, sets, prompts, steps):
-    """Dense and sparse step logits for teacher-forced random continuation tokens."""
+def _run_both(config, params, scfg, sets, prompts, steps, selector=sparse.fixed_selector):
+    """Dense and sparse step logits for teacher-forced random continuation tokens (`sets`:
+    the selector's params)."""
     ids, mask = (jnp.asarray(a) for a in __import__(
         "dejavu_jax.generation", fromlist=["left_pad"]).left_pad(prompts))
     B = ids.shape[0]
-    eng = sparse.sparse_engine(config, scfg, sparse.fixed_selector)
+    eng = sparse.sparse_engine(config, scfg, selector)
     d_state = model.init_state(config, B, 64, jnp.float32)
     s_state = eng.init_state(B, 64, jnp.float32)
     d_logits, d_state = model.prefill(config, params, ids, mask, d_state)
@@ -49,19 +50,40 @@ def _run_both(config, params, scfg, sets, prompts, steps):
 
 
 @pytest.mark.parametrize("preset,policy", [("opt-tiny", "kernels"), ("llama-tiny", "kernels"),
-                                           ("opt-tiny", "union"), ("llama-tiny", "dense")],
+                                           ("opt-tiny", "union"), ("llama-tiny", "dense"),
+                                           ("opt-tiny-gelu", "kernels")],
                          ids=["opt-kernels", "llama-kernels", "opt-union-dense-layer",
-                              "llama-batch-dense"])
+                              "llama-batch-dense", "opt-gelu-kernels"])
 def test_density_one_equals_dense_every_step(preset, policy):
     """Two prompts, every unit selected: through the kernels' batch path (policy
     "kernels"), through XLA's dense layer, which a union of everything runs under "union",
-    and under "dense", where a batch runs every layer dense."""
-    config = dj.preset(preset)
+    and under "dense", where a batch runs every layer dense. OPT with the exact gelu: the
+    kernels' activation is the dense model's."""
+    config = (dj.preset("opt-tiny").replace(activation="gelu") if preset == "opt-tiny-gelu"
+              else dj.preset(preset))
     params = dj.init_params(config, jax.random.key(1), jnp.float32, std=0.1)
     scfg = _full_sparse(config, kv_window=4, batch_policy=policy)
     for dense_logits, sparse_logits in _run_both(config, params, scfg, _full_sets(config),
                                                  [[5, 9, 14, 3], [8, 2]], steps=9):
         assert np.abs(dense_logits - sparse_logits).max() <= 1e-5
+
+
+@pytest.mark.parametrize("prompts", [[[5, 9, 14, 3]], [[5, 9, 14, 3], [8, 2]]],
+                         ids=["batch1", "batch2"])
+def test_local_predictor_selection_at_density_one_equals_dense(prompts):
+    """Predictors choosing with the "local" method at density 1, on an FFN width (2,101)
+    whose last chunk of 2,048 scores is the shorter: every neuron runs, so each step's
+    logits are the dense model's."""
+    from dejavu_jax.eval.bench_decode import random_predictors
+    from dejavu_jax.train.predictor_model import decode_predictors
+    config = dj.preset("opt-tiny").replace(ffn=2101, n_layers=3)
+    params = dj.init_params(config, jax.random.key(6), jnp.float32, std=0.1)
+    preds = decode_predictors(random_predictors(config, 8, jax.random.key(7)))
+    scfg = _full_sparse(config)
+    select = sparse.predictor_selector(config.group_size, method="local")
+    for dense_logits, sparse_logits in _run_both(config, params, scfg, preds, prompts,
+                                                 steps=3, selector=select):
+        assert_finite_close(sparse_logits, dense_logits, atol=1e-5)
 
 
 def test_density_one_through_pallas_interpret_kernels():
@@ -312,6 +334,11 @@ def test_sparse_config_validation():
         sparse.sparse_config(config, 0.0)
     scfg = sparse.sparse_config(config, 0.1, 0.5, dense_layers=1)
     assert scfg.mlp_k == (256, 26, 26, 26) and scfg.head_k == (4, 2, 2, 2)
+    # unnamed, the first 2 layers run dense, fewer in a model of 1 or 2 layers
+    for L, dense in ((1, 0), (2, 1), (3, 2), (4, 2)):
+        scfg = sparse.sparse_config(config.replace(n_layers=L), 0.1, 0.5)
+        assert scfg.dense_layers == dense
+        assert scfg.mlp_k == (256,) * dense + (26,) * (L - dense)
 
 
 def test_a_set_of_every_neuron_runs_the_dense_mlp(monkeypatch):

@@ -59,15 +59,18 @@ def _bf16_order(scores):
 
 
 @pytest.mark.parametrize("n,k,chunk", [(28672, 2867, 2048), (4097, 300, 1024), (300, 7, 2048),
-                                       (50, 50, 16), (1000, 1, 100)])
+                                       (50, 50, 16), (1000, 1, 100), (37, 37, 8),
+                                       (37, 36, 8)])
 def test_local_top_k_takes_the_top_of_every_chunk(rng, n, k, chunk):
+    """The top of every chunk; k = n every id, though a short last chunk (37 = 4 x 8 + 5)
+    caps the chunks' equal quotas below it."""
     from dejavu_jax.kernels.top_k import top_k_indices_local
     P = -(-n // chunk)
     c = -(-n // P)
     kc = max(1, min(round(k / P), n - (P - 1) * c))
     for scores in (rng.normal(size=n), np.round(rng.normal(size=n) * 2) / 2):
-        want = np.concatenate([lo + np.sort(_bf16_order(scores[lo:lo + c])[:kc])
-                               for lo in range(0, n, c)])
+        want = np.arange(n) if k == n else np.concatenate(
+            [lo + np.sort(_bf16_order(scores[lo:lo + c])[:kc]) for lo in range(0, n, c)])
         for impl in ("interpret", "reference"):
             got = np.asarray(top_k_indices_local(jnp.asarray(scores, jnp.float32), k,
                                                  chunk=chunk, impl=impl))

@@ -51,14 +51,16 @@ def z(*shape, dtype=BF16):
 
 
 @pytest.mark.parametrize("B", [1, 3])
-@pytest.mark.parametrize("gated,residual", [(False, False), (False, True), (True, True)])
-def test_sparse_mlp_lowers(B, gated, residual):
+@pytest.mark.parametrize("gated,residual,activation", [
+    (False, False, "relu"), (False, True, "relu"), (True, True, "silu"),
+    (False, True, "gelu"),                # OPT's exact gelu: erf from exp, no erf in Triton
+    (True, True, "gelu_tanh")])
+def test_sparse_mlp_lowers(B, gated, residual, activation):
     d, F, K = 576, 1536, 200
     args = [z(B, d), z(F, d), z(F), z(F, d), z(d), jnp.arange(K, dtype=jnp.int32),
             z(F, d) if gated else None, z(B, d, dtype=F32) if residual else None]
     text = lowers(lambda *a: kernels.sparse_mlp(*a[:6], w_gate=a[6], residual=a[7],
-                                                activation="silu" if gated else "relu",
-                                                impl="pallas"), *args)
+                                                activation=activation, impl="pallas"), *args)
     assert text.count("gather_matvec") >= 2
 
 
