@@ -2,8 +2,8 @@
 
   python -m dejavu_jax.eval.kernel_parity --out results/      # on the GPU: impl pallas
 
-1. Sparse decode, teacher-forced for --steps tokens on tiny OPT, Llama and Gemma 3 models
-   (fp32 weights; `DECODE_CASES`), unrolled layers (the GPU layout: per-layer caches and
+1. Sparse decode, teacher-forced for --steps tokens on tiny OPT (ReLU, and the exact GELU
+   of some OPT checkpoints), Llama and Gemma 3 models (fp32 weights; `DECODE_CASES`), unrolled layers (the GPU layout: per-layer caches and
    input rings) and stacked, at MLP 0.3 / heads 0.5 with index sets that change every
    layer (and OPT at density 1.0), missing-KV window 4: the largest |logit| and |K cache|
    difference between `--impl` kernels and the jnp references.
@@ -142,13 +142,16 @@ def gemma3_tiny():
 # layout "rows": stacked, each batch row with its own heads
 DECODE_CASES = (("opt-tiny", ((1.0, 1.0), (0.3, 0.5)), ("unrolled", "stacked", "rows")),
                 ("llama-tiny", ((0.3, 0.5),), ("unrolled", "stacked", "rows")),
-                ("gemma3-tiny", ((0.3, 0.5),), ("unrolled",)))
+                ("gemma3-tiny", ((0.3, 0.5),), ("unrolled",)),
+                ("opt-tiny-gelu", ((0.3, 0.5),), ("unrolled",)))   # the exact gelu's erf
 
 
 def _decode_rows(impl: str, steps: int, cases) -> list[dict]:
     rows = []
     for preset, densities, layouts in cases:
-        config = gemma3_tiny() if preset == "gemma3-tiny" else config_lib.preset(preset)
+        config = (gemma3_tiny() if preset == "gemma3-tiny" else
+                  config_lib.preset("opt-tiny").replace(activation="gelu", name=preset)
+                  if preset == "opt-tiny-gelu" else config_lib.preset(preset))
         params = init_params(config, jax.random.key(0), jnp.float32, std=0.1)
         for mlp, heads in densities:
             # batch_policy "kernels": batch 2 would otherwise run XLA's dense layers
