@@ -225,6 +225,12 @@ def _bucket(n: int) -> int:
     return BUCKETS[-1]
 
 
+def scored_length(config, max_len: int = 1024) -> int:
+    """Tokens one request is scored on at most: `max_len`, or an OPT model's learned
+    positions if fewer."""
+    return min(max_len, config.max_positions) if config.family == "opt" else max_len
+
+
 def score_requests(config, mode: EvalMode, params, pred_params, requests, batch_tokens=4096,
                    dense_prefix: int = 1, max_len: int = 1024, show_progress=False,
                    mesh=None):
@@ -235,8 +241,7 @@ def score_requests(config, mode: EvalMode, params, pred_params, requests, batch_
     last ones, as lm-eval-harness truncates. A continuation longer than that is an error.
     mesh: params placed on it (`common.load_weights`); rows split over its "data" axis.
     """
-    if config.family == "opt":
-        max_len = min(max_len, config.max_positions)
+    max_len = scored_length(config, max_len)
     seqs = []
     for ctx, cont in requests:
         if len(cont) > max_len:
@@ -384,6 +389,10 @@ def main(argv: list[str] | None = None) -> int:
     for name, (_, requests) in prepared.items():
         common.check_ids([t for ctx, cont in requests for t in ctx + cont], config,
                          f"the tokenized task {name!r}")
+        longest = max((len(cont) for _, cont in requests), default=0)
+        if longest > scored_length(config):
+            cli.fail(f"task {name!r}: a continuation of {longest} tokens does not fit the "
+                     f"{scored_length(config)} tokens the model scores at once")
     result = evaluate(config, mode, params, pred, prepared, args.batch_tokens,
                       args.dense_prefix, not args.no_progress, mesh)
     result["limit"] = args.limit

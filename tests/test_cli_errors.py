@@ -358,3 +358,15 @@ def test_perplexity_window_defaults_to_opts_learned_positions(word_tokenizer, tm
     assert default["window"] == 128 and default["stride"] == 64
     assert default["tokens"] == 299 and math.isfinite(default["perplexity"])
     assert default["perplexity"] == named["perplexity"]
+
+
+def test_task_continuation_past_opts_learned_positions(word_tokenizer, tmp_path, capsys):
+    """A task whose continuation (200 tokens) is longer than the OPT checkpoint's 128
+    learned positions: one error line naming the task, before any scoring."""
+    task = tmp_path / "long.jsonl"
+    task.write_text(json.dumps({"context": "w1 w2", "continuation":
+                                " ".join(f"w{3 + i}" for i in range(200))}) + "\n")
+    last = _error_line(tasks.main, ["--model", str(FIXTURE), "--tokenizer",
+                                    str(word_tokenizer), "--tasks", str(task),
+                                    "--no-progress"], capsys)
+    assert "'long'" in last and "200 tokens" in last and "128 tokens" in last, last
