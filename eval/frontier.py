@@ -117,13 +117,14 @@ def plot(rows: list[dict], out: Path, model: str) -> None:
     fig, axes = plt.subplots(1, len(texts), figsize=(6 * len(texts), 4.5), squeeze=False)
     for ax, text in zip(axes[0], texts):
         dense = next(r for r in rows if r["text"] == text and r["kind"] == "dense")
-        for method in sorted({r["method"] for r in rows if r["kind"] != "dense"}):
+        methods = sorted({r["method"] for r in rows if r["kind"] != "dense"})
+        for i, method in enumerate(methods):
+            color = f"C{i % 10}"  # one colour per method, for its line and its profiles
             pts = sorted((r["bytes_skipped"], 100 * (r["perplexity"] / dense["perplexity"] - 1))
                          for r in rows if r["text"] == text and r["method"] == method
                          and r["kind"] in ("path", "oracle", "predictors"))
-            color = None
             if pts:
-                color = ax.plot(*zip(*pts), marker="o", label=method)[0].get_color()
+                ax.plot(*zip(*pts), marker="o", label=method, color=color)
             prof = [(r["bytes_skipped"], 100 * (r["perplexity"] / dense["perplexity"] - 1))
                     for r in rows if r["text"] == text and r["method"] == method
                     and r["kind"] == "profile"]
