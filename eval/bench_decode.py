@@ -7,9 +7,10 @@
 Random weights (bf16) and random predictors of rank `--rank`. Modes:
   dense        our dense decode step (`generation.dense_engine`)
   sparse       our sparse engine per (--mlp, --heads) density: one row per predictor top-k
-               method (`--select`), plus rows with precomputed index sets
-               (`indices=fixed`, no predictor) at head density 0.5 and the first context,
-               which isolates the predictor's cost
+               method (`--select`)
+  fixed        the sparse engine with precomputed index sets (`indices=fixed`, no
+               predictor) at head density 0.5 and the first context, which isolates the
+               predictor's cost
   hf-eager     transformers, eager PyTorch with its dynamic cache (`bench_hf`)
   hf-compiled  transformers, static cache + torch.compile(mode="reduce-overhead")
 The HF modes run in a child process (`bench_hf.py`, under `--hf-python`) before JAX
@@ -20,7 +21,8 @@ Every row of ours reports (`measure_engine`): `ms` / `p90_ms`, ms per token with
 synchronising after every step; `ms_loop`, ms per token with `--steps` steps chained in one
 jitted `lax.fori_loop` (no host round trip; the difference is launch and sync overhead);
 with `--host-choice`, `ms_host`: the same loop with every token chosen on the host (the
-logits' argmax, by a callback from the loop: `host_choice`); `prefill_ms`; compile seconds (`compile_s`, split into prefill, step and loop); the device
+logits' argmax, by a callback from the loop: `host_choice`), and `ms_host_candidates`: the
+same from the top 64 logits only (`host_choice.CandidateChooser`); `prefill_ms`; compile seconds (`compile_s`, split into prefill, step and loop); the device
 peak memory (`peak_bytes`; a process-lifetime peak, null on CPU) and XLA's estimate for the
 step (`step_peak_bytes`); the bytes a step must read (`step_bytes`), and GB/s and tokens/s
 from `ms_loop`. Bandwidth is reported against two references: the device's specified
@@ -59,13 +61,14 @@ from dejavu_jax.sparse_variants import (TOP_K_VARIANTS, UNION_HEADS, is_selector
 from dejavu_jax.eval.bench_hf import cache_len
 from dejavu_jax.eval.parity_gate import add_parity_argument, require_parity
 from dejavu_jax.eval.provenance import run_meta
-from dejavu_jax.host_choice import host_argmax, raise_failed_choice
+from dejavu_jax.host_choice import HOST_ARGMAX_CANDIDATES, host_argmax, raise_failed_choice
 from dejavu_jax.params import fuse_qkv, init_params, param_bytes, unstack_layers
 from dejavu_jax.train.predict import default_union_size
 from dejavu_jax.train.predictor_model import Predictor, PredictorParams, decode_predictors
 
 BF16 = jnp.bfloat16
-MODES = ("dense", "sparse") + bench_hf.HF_MODES
+MODES = ("dense", "sparse", "fixed") + bench_hf.HF_MODES
+OURS = ("dense", "sparse", "fixed")
 
 
 @functools.partial(jax.jit, static_argnums=(0, 1))
@@ -335,34 +338,10 @@ def prefill_key(engine, params, prompt, mask, state):
     return ident, tree, tuple((tuple(a.shape), str(a.dtype)) for a in leaves)
 
 
-def measure_engine(engine, params, prompt, mask, tokens, max_len: int, warmup: int,
-                   steps: int, init_kwargs: dict, prefill_reps: int = 3,
-                   prefill_cache: dict | None = None, loop_only: bool = False,
-                   context: int | None = None, host_choice: bool = False) -> dict:
-    """Timings of one engine at one (context, batch).
-
-    Prefill, step and device loop are compiled ahead of time, and each compile is timed
-    on its own (`compile_prefill_s`, `compile_step_s`, `compile_loop_s`; `compile_s` is
-    their sum). prefill_ms: median of `prefill_reps` prefills of a fresh cache after a
-    warm one. ms / p90_ms: the decode step with the host synchronising after every token
-    (`time_decode`); ms_loop: steps chained on the device (`time_loop`), on the same
-    cache. peak_bytes: the devices' peak so far (`device_peak_bytes`); step_peak_bytes:
-    XLA's estimate for the step executable.
-
-    prefill_cache: a dict that keeps compiled prefills across calls (`prefill_key`); a
-    reused one reports `compile_prefill_s` 0 and `prefill_cached` True. loop_only: skip
-    the host-synchronised step (its compile and timing; `ms`, `p90_ms` are None), for grids.
-    context: a context longer than the prompt, held after the prefill (`held_context`).
-    host_choice: also ms_host, the device loop with each token picked on the host by a
-    callback (`host_choice.host_argmax`): a serving loop that chooses on the host.
-    """
-    batch = prompt.shape[0]
-
-    def fresh():
-        return engine.init_state(batch, max_len, BF16, **init_kwargs)
-
-    res = {}
-    state = fresh()
+def _timed_prefill(engine, params, prompt, mask, state, fresh, reps: int, prefill_cache,
+                   res: dict):
+    """(median ms of `reps` prefills of a fresh cache after a warm one, the state after the
+    last); records `compile_prefill_s` and `prefill_cached` in res."""
     key = None if prefill_cache is None else prefill_key(engine, params, prompt, mask, state)
     t = time.perf_counter()
     if key is not None and key in prefill_cache:
@@ -375,7 +354,7 @@ def measure_engine(engine, params, prompt, mask, tokens, max_len: int, warmup: i
             prefill_cache[key] = prefill
     res["compile_prefill_s"] = 0.0 if res.get("prefill_cached") else time.perf_counter() - t
     times = []
-    for i in range(1 + prefill_reps):
+    for i in range(1 + reps):
         if i:
             del state
             state = fresh()
@@ -384,7 +363,45 @@ def measure_engine(engine, params, prompt, mask, tokens, max_len: int, warmup: i
         _, state = prefill(params, prompt, mask, state)
         jax.block_until_ready(state)
         times.append(time.perf_counter() - t)
-    res["prefill_ms"] = float(np.median(times[1:] or times)) * 1e3
+    return float(np.median(times[1:] or times)) * 1e3, state
+
+
+def measure_engine(engine, params, prompt, mask, tokens, max_len: int, warmup: int,
+                   steps: int, init_kwargs: dict, prefill_reps: int = 3,
+                   prefill_cache: dict | None = None, loop_only: bool = False,
+                   context: int | None = None, host_choice: bool = False) -> dict:
+    """Timings of one engine at one (context, batch).
+
+    Prefill, step and device loop are compiled ahead of time, and each compile is timed
+    on its own (`compile_prefill_s`, `compile_step_s`, `compile_loop_s`; `compile_s` is
+    their sum). prefill_ms: median of `prefill_reps` prefills of a fresh cache after a
+    warm one (None for a prompt of no tokens: no prefill, the context held as zeros). ms / p90_ms: the decode step with the host synchronising after every token
+    (`time_decode`); ms_loop: steps chained on the device (`time_loop`), on the same
+    cache. peak_bytes: the devices' peak so far (`device_peak_bytes`); step_peak_bytes:
+    XLA's estimate for the step executable.
+
+    prefill_cache: a dict that keeps compiled prefills across calls (`prefill_key`); a
+    reused one reports `compile_prefill_s` 0 and `prefill_cached` True. loop_only: skip
+    the host-synchronised step (its compile and timing; `ms`, `p90_ms` are None), for grids.
+    context: a context longer than the prompt, held after the prefill (`held_context`).
+    host_choice: also ms_host, the device loop with each token picked on the host by a
+    callback (`host_choice.host_argmax`): a serving loop that chooses on the host; and
+    ms_host_candidates, the same choice from the top 64 logits found on the device
+    (`host_choice.HOST_ARGMAX_CANDIDATES`).
+    """
+    batch = prompt.shape[0]
+
+    def fresh():
+        return engine.init_state(batch, max_len, BF16, **init_kwargs)
+
+    res = {}
+    state = fresh()
+    if prompt.shape[1] == 0:  # no prefill: the context is held as zeros
+        res.update(compile_prefill_s=0.0, prefill_ms=None)
+    else:
+        prefill_ms, state = _timed_prefill(engine, params, prompt, mask, state, fresh,
+                                           prefill_reps, prefill_cache, res)
+        res["prefill_ms"] = prefill_ms
     if context is not None and context > prompt.shape[1]:
         state = held_context(state, context)
     if loop_only:
@@ -402,6 +419,9 @@ def measure_engine(engine, params, prompt, mask, tokens, max_len: int, warmup: i
     if host_choice:
         per_step, _, state = time_loop(engine.step, params, state, tokens, steps, host_argmax)
         res["ms_host"] = per_step * 1e3
+        per_step, _, state = time_loop(engine.step, params, state, tokens, steps,
+                                       HOST_ARGMAX_CANDIDATES)
+        res["ms_host_candidates"] = per_step * 1e3
     res["compile_s"] = res["compile_prefill_s"] + res["compile_step_s"] + res["compile_loop_s"]
     res["peak_bytes"] = device_peak_bytes()
     del state
@@ -477,7 +497,7 @@ def measure_rows(config, params, preds, contexts, mlp_densities, head_densities,
     for ctx in contexts:
         max_len = cache_len(ctx, warmup, steps)
         for batch in batches:
-            prompt_len = min(ctx, prefill_tokens or ctx)
+            prompt_len = ctx if prefill_tokens is None else min(ctx, prefill_tokens)
             prompt = jax.random.randint(jax.random.key(2), (batch, prompt_len), 3,
                                         config.vocab_size)
             mask = jnp.ones_like(prompt)
@@ -519,17 +539,18 @@ def measure_rows(config, params, preds, contexts, mlp_densities, head_densities,
                         add(res, step_bytes(config, None, ctx, batch, rank, False),
                             mode="dense", mlp=1.0, heads=1.0, indices=label_qkv)
                 bar.update()
-            if "sparse" not in modes:
+            if "sparse" not in modes and "fixed" not in modes:
                 continue
             for md in mlp_densities:
                 for hdn in head_densities:
                     base_cfg = sparse.sparse_config(config, md, hdn, dense_layers=dense_layers)
-                    fixed = (fixed_sets(base_cfg, batch)
-                             if hdn == 0.5 and ctx == contexts[0] else None)
+                    fixed = (fixed_sets(base_cfg, batch) if "fixed" in modes and hdn == 0.5
+                             and ctx == contexts[0] else None)
                     seen = set()
                     for kernel_cfg, (kind, select, sel_params) in itertools.product(
                             kernel_configs or [{}], sparse_row_kinds(
-                                config, preds, select_methods, fixed, kv_recompute_off)):
+                                config, preds, select_methods if "sparse" in modes else (),
+                                fixed, kv_recompute_off)):
                         policy = kernel_cfg.get("batch_policy", "dense")
                         if kind == "fixed" and policy == "shared":
                             continue   # the policy shares predicted sets; fixed ones are
@@ -855,7 +876,7 @@ def main(argv=None) -> int:
     p = cli.ArgumentParser(prog="python -m dejavu_jax.eval.bench_decode")
     p.add_argument("--models", type=cli.presets, default="opt-6.7b,opt-13b,opt-30b")
     p.add_argument("--contexts", default="128,1024")
-    p.add_argument("--modes", default="dense,sparse",
+    p.add_argument("--modes", default="dense,sparse,fixed",
                    help=f"comma-separated, of: {', '.join(MODES)}")
     p.add_argument("--mlp", default="0.05,0.1,0.15")
     p.add_argument("--heads", default="0.25,0.5,1.0")
@@ -880,10 +901,11 @@ def main(argv=None) -> int:
                         "each measured, e.g. 'base/out_block_rows=16'")
     p.add_argument("--mlp-config", default="",
                    help="sparse rows' kernels.MLPConfig variants, e.g. 'base/num_stages=3'")
-    p.add_argument("--prefill-tokens", type=cli.positive_int,
+    p.add_argument("--prefill-tokens", type=cli.non_negative_int,
                    help="prefill at most this many prompt tokens and hold the rest of the "
                         "context as zeros (the step reads the same bytes): long contexts "
-                        "at large batches whose prefill would not fit")
+                        "at large batches whose prefill would not fit; 0: no prefill (no "
+                        "prefill compile per row, for grids)")
     p.add_argument("--batch-policy", default="dense",
                    help="comma-separated SparseConfig.batch_policy values for the sparse "
                         "rows (dense, union, shared, kernels), or measured: the union with "
@@ -947,6 +969,8 @@ def main(argv=None) -> int:
                if not Path(d, "bench_decode.json").is_file()]
     if missing:
         p.error(f"--merge: no bench_decode.json in {', '.join(missing)}")
+    if args.prefill_tokens == 0 and args.generate_tokens:
+        p.error("--generate-tokens needs a prompt to prefill (--prefill-tokens above 0)")
     unknown = [m for m in modes if m not in MODES]
     if unknown:
         p.error(f"unknown modes {unknown}; known: {', '.join(MODES)}")
@@ -1010,14 +1034,18 @@ def main(argv=None) -> int:
     meta["spec_gbs"] = spec_bandwidth(meta["device"])
     log(f"best measured bandwidth (copy or dense GEMV) {meta['best_gbs']:.0f} GB/s {detail}; "
         f"specified {meta['spec_gbs']} GB/s")
-    ours = [m for m in modes if m in ("dense", "sparse")]
-    n_sparse = (len(mlps) * len(heads) * len(split(args.select, str)) * len(kernel_configs)
-                if "sparse" in ours else 0)
+    ours = [m for m in modes if m in OURS]
+    batch1_configs = len({repr({k: v for k, v in c.items() if k != "batch_policy"})
+                          for c in kernel_configs})  # batch 1: one row for all policies
+    n_sparse = (len(mlps) * len(heads) * len(split(args.select, str))
+                * (len(kernel_configs) * sum(b > 1 for b in batches)
+                   + batch1_configs * (1 in batches)) if "sparse" in ours else 0)
     n_fixed = (len(mlps) * (0.5 in heads) * (1 + (args.diagnose_kv_recompute and mesh is None))
                * sum(c.get("batch_policy") != "shared" for c in kernel_configs)
-               if "sparse" in ours else 0)
-    n_rows = (len(models) * len(split(args.layouts, str)) * len(batches)
-              * (len(contexts) * (("dense" in ours) + n_sparse) + n_fixed))
+               if "fixed" in ours else 0)
+    n_rows = (len(models) * len(split(args.layouts, str))
+              * (len(contexts) * (("dense" in ours) * len(batches) + n_sparse)
+                 + len(batches) * n_fixed))
     bar = tqdm(total=n_rows, desc="decode benchmark")
     rows = []
     for r in (hf or {}).get("rows", []):

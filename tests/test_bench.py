@@ -272,7 +272,7 @@ def test_kernel_config_variants_are_rows_of_one_run(tmp_path):
     out = tmp_path / "variants"
     assert bench_decode.main([
         "--models", "opt-tiny", "--contexts", "8", "--steps", "1", "--warmup", "1",
-        "--prefill-reps", "1", "--mlp", "0.5", "--heads", "0.5", "--modes", "sparse",
+        "--prefill-reps", "1", "--mlp", "0.5", "--heads", "0.5", "--modes", "sparse,fixed",
         "--select", "local", "--loop-only", "--mlp-config", "base/num_stages=3",
         "--out", str(out)]) == 0
     rows = json.loads((out / "bench_decode.json").read_text())["rows"]
@@ -314,8 +314,8 @@ def test_loop_only_grid_reuses_the_sparse_prefill(tmp_path):
     assert bench_decode.main([
         "--models", "opt-tiny", "--contexts", "8", "--batch", "1", "--steps", "2",
         "--warmup", "1", "--prefill-reps", "1", "--mlp", "0.5", "--heads", "0.25,0.5",
-        "--layouts", "stacked", "--modes", "dense,sparse", "--select", "local,local-apart",
-        "--dense-qkv", "both", "--loop-only", "--out", str(out)]) == 0
+        "--layouts", "stacked", "--modes", "dense,sparse,fixed", "--select",
+        "local,local-apart", "--dense-qkv", "both", "--loop-only", "--out", str(out)]) == 0
     rows = json.loads((out / "bench_decode.json").read_text())["rows"]
     assert sorted(r["indices"] for r in rows) == [
         "-", "fixed", "predictor-local", "predictor-local", "predictor-local-apart",
@@ -334,6 +334,34 @@ def test_loop_only_grid_reuses_the_sparse_prefill(tmp_path):
         assert r["speedup_loop"] == pytest.approx(dense["ms_loop"] / r["ms_loop"])
     table = (out / "bench_decode.md").read_text()
     assert "| – / " in table
+
+
+def test_grid_without_prefill_or_fixed_rows(tmp_path):
+    """--prefill-tokens 0 holds the whole context as zeros (no prefill to compile or time);
+    without the fixed mode there are only the dense and predictor rows."""
+    out = tmp_path / "noprefill"
+    ctx = 24
+    assert bench_decode.main([
+        "--models", "opt-tiny", "--contexts", str(ctx), "--batch", "1", "--steps", "2",
+        "--warmup", "1", "--mlp", "0.5", "--heads", "0.5", "--layouts", "stacked",
+        "--modes", "dense,sparse", "--select", "local", "--loop-only",
+        "--prefill-tokens", "0", "--host-choice", "--out", str(out)]) == 0
+    rows = json.loads((out / "bench_decode.json").read_text())["rows"]
+    assert sorted(r["indices"] for r in rows) == ["-", "predictor-local"]
+    for r in rows:  # the loop with tokens chosen on the host, from all logits or the top 64
+        assert math.isfinite(r["ms_host"]) and r["ms_host"] > 0
+        assert math.isfinite(r["ms_host_candidates"]) and r["ms_host_candidates"] > 0
+    config = config_lib.preset("opt-tiny")
+    for r in rows:
+        assert r["prefill_ms"] is None and r["compile_prefill_s"] == 0
+        assert r["prefill_tokens"] == 0 and r["context"] == ctx
+        assert math.isfinite(r["ms_loop"]) and r["ms_loop"] > 0
+        assert r["compile_s"] == pytest.approx(r["compile_loop_s"])
+    dense = next(r for r in rows if r["mode"] == "dense")
+    assert dense["bytes"] == counted_step_bytes(config, ctx, 1)
+    with pytest.raises(SystemExit):
+        bench_decode.main(["--prefill-tokens", "0", "--generate-tokens", "4",
+                           "--out", str(tmp_path / "bad")])
 
 
 def test_prefill_key_ignores_the_sparse_config_but_not_shapes():
