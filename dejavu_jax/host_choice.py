@@ -5,15 +5,11 @@ processor) would otherwise synchronise every step: wait for the step, copy its l
 choose, and dispatch the next step, which hands every weight array over again while the
 device idles. Here the steps stay in one device loop and each ends in a host callback
 (`jax.experimental.io_callback`) that receives the step's logits and returns the chosen
-ids: only the logits and the ids cross per token. A `CandidateChooser` receives only each
-row's k highest logits and their ids (found on the device, `top_candidates`), so a
-sampler that needs no more (greedy, top-k, top-p over the head of the distribution, a
-grammar's allowed set among them) pays for k values a row instead of the vocabulary.
+ids: only the logits and the ids cross per token.
 """
 
 from __future__ import annotations
 
-import dataclasses
 from typing import Callable
 
 import jax
@@ -21,23 +17,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax.experimental import io_callback
 
-CandidatePick = Callable[[np.ndarray, np.ndarray], np.ndarray]
-
-
-@dataclasses.dataclass(frozen=True)
-class CandidateChooser:
-    """A host chooser that sees each row's `k` highest logits: `pick(values, ids)`, with
-    values float32 [B, k] in descending order and ids int32 [B, k] their vocabulary ids,
-    returns the chosen vocabulary ids [B]."""
-    pick: CandidatePick
-    k: int = 64
-
-    def __post_init__(self):
-        if not isinstance(self.k, int) or self.k < 1:
-            raise ValueError(f"a candidate chooser needs k >= 1 candidates, got {self.k!r}")
-
-
-Chooser = Callable[[np.ndarray], np.ndarray] | CandidateChooser
+Chooser = Callable[[np.ndarray], np.ndarray]
 
 
 def checked_ids(ids, batch: int, vocab: int) -> np.ndarray:
@@ -55,46 +35,23 @@ def checked_ids(ids, batch: int, vocab: int) -> np.ndarray:
 _failures: list[Exception] = []
 
 
-def top_candidates(logits: jax.Array, k: int, chunk: int = 1024):
-    """(values float32 [B, k] descending, ids int32 [B, k]): each row's k largest logits,
-    exactly (ties by the lower id). Two stages: the top k of every `chunk` ids, then the
-    top k of those, instead of one top k over the whole vocabulary (a sort of it on GPUs)."""
-    batch, vocab = logits.shape
-    k = min(k, vocab)
-    x = logits.astype(jnp.float32)
-    if vocab <= 2 * chunk or k >= chunk:
-        values, ids = jax.lax.top_k(x, k)
-        return values, ids.astype(jnp.int32)
-    n = -(-vocab // chunk)
-    x = jnp.pad(x, ((0, 0), (0, n * chunk - vocab)), constant_values=-jnp.inf)
-    values, ids = jax.lax.top_k(x.reshape(batch, n, chunk), k)
-    ids = ids + (jnp.arange(n, dtype=ids.dtype) * chunk)[:, None]
-    values, at = jax.lax.top_k(values.reshape(batch, n * k), k)
-    return values, jnp.take_along_axis(ids.reshape(batch, n * k), at, -1).astype(jnp.int32)
-
-
 def host_chosen(choose: Chooser, logits: jax.Array) -> jax.Array:
     """int32 [B]: `choose(logits)` run on the host, where logits is a float32 numpy array
-    [B, V] of this step (for a `CandidateChooser`, `choose.pick(values, ids)` on the step's
-    top `choose.k` candidates); callable inside jit and `lax.scan` (each call waits for its
-    step's logits, and the next step for its ids). A chooser that raises or returns an
-    invalid choice (wrong shape, not integers, an id outside [0, V)) does not stop the
-    device program: the step gets ids 0 and the error waits for `raise_failed_choice`."""
+    [B, V] of this step; callable inside jit and `lax.scan` (each call waits for its step's
+    logits, and the next step for its ids). A chooser that raises or returns an invalid
+    choice (wrong shape, not integers, an id outside [0, V)) does not stop the device
+    program: the step gets ids 0 and the error waits for `raise_failed_choice`."""
     batch, vocab = logits.shape
-    if isinstance(choose, CandidateChooser):
-        payload = top_candidates(logits, choose.k)
-        fn = choose.pick
-    else:
-        payload, fn = (logits.astype(jnp.float32),), choose
 
-    def call(*host):
+    def call(host_logits):
         try:
-            return checked_ids(fn(*(np.asarray(a) for a in host)), batch, vocab)
+            return checked_ids(choose(np.asarray(host_logits)), batch, vocab)
         except Exception as e:  # reported on the host by raise_failed_choice
             _failures.append(e)
             return np.zeros(batch, np.int32)
 
-    return io_callback(call, jax.ShapeDtypeStruct((batch,), jnp.int32), *payload)
+    return io_callback(call, jax.ShapeDtypeStruct((batch,), jnp.int32),
+                       logits.astype(jnp.float32))
 
 
 def raise_failed_choice(pending=None) -> None:
@@ -113,11 +70,3 @@ def raise_failed_choice(pending=None) -> None:
 def host_argmax(logits: np.ndarray) -> np.ndarray:
     """The greedy choice made on the host: each row's argmax (the benchmarks' chooser)."""
     return logits.argmax(-1)
-
-
-def _first_candidate(values: np.ndarray, ids: np.ndarray) -> np.ndarray:
-    return ids[:, 0]
-
-
-HOST_ARGMAX_CANDIDATES = CandidateChooser(_first_candidate, k=64)
-"""The greedy choice on the host from the top 64 candidates (the benchmarks' chooser)."""

@@ -21,8 +21,7 @@ Every row of ours reports (`measure_engine`): `ms` / `p90_ms`, ms per token with
 synchronising after every step; `ms_loop`, ms per token with `--steps` steps chained in one
 jitted `lax.fori_loop` (no host round trip; the difference is launch and sync overhead);
 with `--host-choice`, `ms_host`: the same loop with every token chosen on the host (the
-logits' argmax, by a callback from the loop: `host_choice`), and `ms_host_candidates`: the
-same from the top 64 logits only (`host_choice.CandidateChooser`); `prefill_ms`; compile seconds (`compile_s`, split into prefill, step and loop); the device
+logits' argmax, by a callback from the loop: `host_choice`); `prefill_ms`; compile seconds (`compile_s`, split into prefill, step and loop); the device
 peak memory (`peak_bytes`; a process-lifetime peak, null on CPU) and XLA's estimate for the
 step (`step_peak_bytes`); the bytes a step must read (`step_bytes`), and GB/s and tokens/s
 from `ms_loop`. Bandwidth is reported against two references: the device's specified
@@ -61,7 +60,7 @@ from dejavu_jax.sparse_variants import (TOP_K_VARIANTS, UNION_HEADS, is_selector
 from dejavu_jax.eval.bench_hf import cache_len
 from dejavu_jax.eval.parity_gate import add_parity_argument, require_parity
 from dejavu_jax.eval.provenance import run_meta
-from dejavu_jax.host_choice import HOST_ARGMAX_CANDIDATES, host_argmax, raise_failed_choice
+from dejavu_jax.host_choice import host_argmax, raise_failed_choice
 from dejavu_jax.params import fuse_qkv, init_params, param_bytes, unstack_layers
 from dejavu_jax.train.predict import default_union_size
 from dejavu_jax.train.predictor_model import Predictor, PredictorParams, decode_predictors
@@ -385,9 +384,7 @@ def measure_engine(engine, params, prompt, mask, tokens, max_len: int, warmup: i
     the host-synchronised step (its compile and timing; `ms`, `p90_ms` are None), for grids.
     context: a context longer than the prompt, held after the prefill (`held_context`).
     host_choice: also ms_host, the device loop with each token picked on the host by a
-    callback (`host_choice.host_argmax`): a serving loop that chooses on the host; and
-    ms_host_candidates, the same choice from the top 64 logits found on the device
-    (`host_choice.HOST_ARGMAX_CANDIDATES`).
+    callback (`host_choice.host_argmax`): a serving loop that chooses on the host.
     """
     batch = prompt.shape[0]
 
@@ -419,9 +416,6 @@ def measure_engine(engine, params, prompt, mask, tokens, max_len: int, warmup: i
     if host_choice:
         per_step, _, state = time_loop(engine.step, params, state, tokens, steps, host_argmax)
         res["ms_host"] = per_step * 1e3
-        per_step, _, state = time_loop(engine.step, params, state, tokens, steps,
-                                       HOST_ARGMAX_CANDIDATES)
-        res["ms_host_candidates"] = per_step * 1e3
     res["compile_s"] = res["compile_prefill_s"] + res["compile_step_s"] + res["compile_loop_s"]
     res["peak_bytes"] = device_peak_bytes()
     del state

@@ -11,8 +11,7 @@ import dejavu_jax as dj
 from dejavu_jax import model, sparse
 from dejavu_jax.batch_plan import chained_loop
 from dejavu_jax.generation import dense_engine, generate_tokens, left_pad
-from dejavu_jax.host_choice import (HOST_ARGMAX_CANDIDATES, CandidateChooser, checked_ids,
-                                    host_argmax, host_chosen, top_candidates)
+from dejavu_jax.host_choice import checked_ids, host_argmax
 
 PROMPTS = [[5, 9, 14, 3], [8, 2]]
 
@@ -120,57 +119,3 @@ def test_checked_ids():
     assert checked_ids([1, 2], 2, 4).dtype == np.int32
     with pytest.raises(ValueError, match="outside"):
         checked_ids([1, 4], 2, 4)
-
-
-@pytest.mark.parametrize("vocab, k, chunk", [(5000, 64, 256), (5000, 7, 1024), (300, 16, 64),
-                                             (100, 100, 32), (40, 64, 1024)])
-def test_top_candidates_are_the_exact_top_k(vocab, k, chunk):
-    rng = np.random.default_rng(vocab + k)
-    logits = rng.normal(size=(3, vocab)).astype(np.float32)
-    logits[0, 100:110] = logits[0, 5]            # ties: the lower id first
-    logits[1, vocab // 2:] = -np.inf             # masked ids rank last, by id
-    logits[2, -1] = 50.0                         # the winner in the last, padded chunk
-    values, ids = jax.jit(top_candidates, static_argnums=(1, 2))(jnp.asarray(logits), k,
-                                                                 chunk)
-    order = np.argsort(-logits, axis=-1, kind="stable")[:, :min(k, vocab)]
-    np.testing.assert_array_equal(np.asarray(ids), order)
-    assert ids.dtype == jnp.int32 and values.dtype == jnp.float32
-    np.testing.assert_array_equal(np.asarray(values), np.take_along_axis(logits, order, -1))
-
-
-def test_candidate_chooser_sees_the_top_candidates_and_its_ids_are_decoded():
-    config, params = _model()
-    shown = []
-
-    def second(values, ids):
-        shown.append((values.copy(), ids.copy()))
-        return ids[:, 1]
-
-    got = generate_tokens(dense_engine(config), params, PROMPTS, 6, stop_ids=[], chunk=1,
-                          choose=CandidateChooser(second, k=5))
-    want = generate_tokens(dense_engine(config), params, PROMPTS, 6, stop_ids=[], chunk=1,
-                           choose=SecondBest())
-    assert got.tokens == want.tokens
-    values, ids = shown[0]
-    assert values.shape == ids.shape == (2, 5) and values.dtype == np.float32
-    assert np.all(np.isfinite(values)) and np.all(np.diff(values, axis=-1) <= 0)
-    assert np.all((ids >= 0) & (ids < config.vocab_size))
-
-
-def test_host_argmax_of_the_candidates_equals_device_greedy():
-    config, params = _model()
-    device = generate_tokens(dense_engine(config), params, PROMPTS, 6, stop_ids=[])
-    host = generate_tokens(dense_engine(config), params, PROMPTS, 6, stop_ids=[],
-                           choose=HOST_ARGMAX_CANDIDATES)
-    assert host.tokens == device.tokens
-
-
-def test_candidate_chooser_errors():
-    with pytest.raises(ValueError, match="k >= 1"):
-        CandidateChooser(lambda v, i: i[:, 0], k=0)
-    bad = CandidateChooser(lambda values, ids: ids[:, 0] + 10**6, k=4)
-    config, params = _model()
-    with pytest.raises(ValueError, match="outside the vocabulary"):
-        generate_tokens(dense_engine(config), params, PROMPTS, 4, stop_ids=[], choose=bad)
-    logits = jnp.zeros((2, 50))
-    assert host_chosen(CandidateChooser(lambda v, i: i[:, 3], k=4), logits).tolist() == [3, 3]
