@@ -66,8 +66,8 @@ from dejavu_jax.train.predict import default_union_size
 from dejavu_jax.train.predictor_model import Predictor, PredictorParams, decode_predictors
 
 BF16 = jnp.bfloat16
-MODES = ("dense", "sparse", "fixed") + bench_hf.HF_MODES
 OURS = ("dense", "sparse", "fixed")
+MODES = OURS + bench_hf.HF_MODES
 
 
 @functools.partial(jax.jit, static_argnums=(0, 1))
@@ -339,8 +339,8 @@ def prefill_key(engine, params, prompt, mask, state):
 
 def _timed_prefill(engine, params, prompt, mask, state, fresh, reps: int, prefill_cache,
                    res: dict):
-    """(median ms of `reps` prefills of a fresh cache after a warm one, the state after the
-    last); records `compile_prefill_s` and `prefill_cached` in res."""
+    """The state after `reps` prefills of a fresh cache after a warm one; records their
+    median (`prefill_ms`), `compile_prefill_s` and `prefill_cached` in res."""
     key = None if prefill_cache is None else prefill_key(engine, params, prompt, mask, state)
     t = time.perf_counter()
     if key is not None and key in prefill_cache:
@@ -362,7 +362,8 @@ def _timed_prefill(engine, params, prompt, mask, state, fresh, reps: int, prefil
         _, state = prefill(params, prompt, mask, state)
         jax.block_until_ready(state)
         times.append(time.perf_counter() - t)
-    return float(np.median(times[1:] or times)) * 1e3, state
+    res["prefill_ms"] = float(np.median(times[1:] or times)) * 1e3
+    return state
 
 
 def measure_engine(engine, params, prompt, mask, tokens, max_len: int, warmup: int,
@@ -374,7 +375,8 @@ def measure_engine(engine, params, prompt, mask, tokens, max_len: int, warmup: i
     Prefill, step and device loop are compiled ahead of time, and each compile is timed
     on its own (`compile_prefill_s`, `compile_step_s`, `compile_loop_s`; `compile_s` is
     their sum). prefill_ms: median of `prefill_reps` prefills of a fresh cache after a
-    warm one (None for a prompt of no tokens: no prefill, the context held as zeros). ms / p90_ms: the decode step with the host synchronising after every token
+    warm one (None for a prompt of no tokens: no prefill, the context held as zeros).
+    ms / p90_ms: the decode step with the host synchronising after every token
     (`time_decode`); ms_loop: steps chained on the device (`time_loop`), on the same
     cache. peak_bytes: the devices' peak so far (`device_peak_bytes`); step_peak_bytes:
     XLA's estimate for the step executable.
@@ -396,9 +398,8 @@ def measure_engine(engine, params, prompt, mask, tokens, max_len: int, warmup: i
     if prompt.shape[1] == 0:  # no prefill: the context is held as zeros
         res.update(compile_prefill_s=0.0, prefill_ms=None)
     else:
-        prefill_ms, state = _timed_prefill(engine, params, prompt, mask, state, fresh,
-                                           prefill_reps, prefill_cache, res)
-        res["prefill_ms"] = prefill_ms
+        state = _timed_prefill(engine, params, prompt, mask, state, fresh, prefill_reps,
+                               prefill_cache, res)
     if context is not None and context > prompt.shape[1]:
         state = held_context(state, context)
     if loop_only:
@@ -549,8 +550,7 @@ def measure_rows(config, params, preds, contexts, mlp_densities, head_densities,
                         if kind == "fixed" and policy == "shared":
                             continue   # the policy shares predicted sets; fixed ones are
                         if batch == 1:  # the policies differ only for a batch: one row
-                            same = (kind, repr({k: v for k, v in kernel_cfg.items()
-                                                if k != "batch_policy"}))
+                            same = (kind, without_policy(kernel_cfg))
                             if same in seen:
                                 continue
                             seen.add(same)
@@ -596,6 +596,12 @@ def measure_rows(config, params, preds, contexts, mlp_densities, head_densities,
                                                       for key, cfg in kernel_cfg.items()}}
                                    if kernel_cfg else {}))
     return rows
+
+
+def without_policy(kernel_cfg: dict) -> str:
+    """A kernel variant's identity apart from its batch policy (batch 1 has one row for all
+    policies)."""
+    return repr({k: v for k, v in kernel_cfg.items() if k != "batch_policy"})
 
 
 MEASURED = "measured"  # --batch-policy: `batch_plan.measure_batch_plan` picks each layer's mode
@@ -1029,8 +1035,7 @@ def main(argv=None) -> int:
     log(f"best measured bandwidth (copy or dense GEMV) {meta['best_gbs']:.0f} GB/s {detail}; "
         f"specified {meta['spec_gbs']} GB/s")
     ours = [m for m in modes if m in OURS]
-    batch1_configs = len({repr({k: v for k, v in c.items() if k != "batch_policy"})
-                          for c in kernel_configs})  # batch 1: one row for all policies
+    batch1_configs = len({without_policy(c) for c in kernel_configs})
     n_sparse = (len(mlps) * len(heads) * len(split(args.select, str))
                 * (len(kernel_configs) * sum(b > 1 for b in batches)
                    + batch1_configs * (1 in batches)) if "sparse" in ours else 0)
