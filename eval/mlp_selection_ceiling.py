@@ -43,10 +43,10 @@ def layer_inputs(config, params, windows: np.ndarray, batch: int) -> np.ndarray:
     from dejavu_jax.model import sequence_forward
 
     @jax.jit
-    def run(ids):
+    def run(params, ids):
         return sequence_forward(config, params, ids, None, records=True)[2]["mlp_in"]
 
-    parts = [np.asarray(run(jnp.asarray(windows[i:i + batch])))
+    parts = [np.asarray(run(params, jnp.asarray(windows[i:i + batch])))
              for i in range(0, len(windows), batch)]
     return np.concatenate(parts, axis=1).astype(np.float32)
 
