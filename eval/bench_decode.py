@@ -311,6 +311,28 @@ def device_peak_bytes() -> int | None:
     return max(peaks) if peaks else None
 
 
+def device_free_bytes() -> int | None:
+    """Bytes the local devices can still allocate (their limits less what is in use, summed:
+    a sharded cache spreads over them), None where the backend keeps no memory stats (CPU)."""
+    free = 0
+    for dev in jax.local_devices():
+        try:
+            stats = dev.memory_stats()
+        except Exception:  # backends without memory stats
+            stats = None
+        if not stats or "bytes_limit" not in stats:
+            return None
+        free += int(stats["bytes_limit"]) - int(stats.get("bytes_in_use", 0))
+    return free
+
+
+def state_bytes(engine, batch: int, max_len: int, init_kwargs: dict) -> int:
+    """Bytes of the decode state (the K/V cache) `engine.init_state` would allocate for
+    `batch` rows of `max_len` slots; nothing is allocated."""
+    state = jax.eval_shape(lambda: engine.init_state(batch, max_len, BF16, **init_kwargs))
+    return sum(leaf.size * leaf.dtype.itemsize for leaf in jax.tree.leaves(state))
+
+
 def compiled_peak_bytes(compiled) -> int | None:
     """XLA's peak memory estimate of one compiled executable (arguments, outputs and
     temporaries; per device), None where unavailable."""
@@ -472,7 +494,8 @@ def measure_rows(config, params, preds, contexts, mlp_densities, head_densities,
     select)`; precomputed sets come from `fixed_sets(scfg, batch)` (at heads 0.5, first
     context; per-row heads at batch > 1).
     `make_row(columns)` completes each row (model, layout, device columns); every row is
-    logged as one JSON line. A setting that fails (OOM, lowering) is logged and skipped.
+    logged as one JSON line. A setting that fails (OOM, lowering) is logged and skipped; a
+    (context, batch) whose K/V cache exceeds the device's free memory is skipped unrun.
     Compiled prefills are reused across rows of equal shapes (the sparse engines of a model
     share one); loop_only skips the host-synchronised timing (`measure_engine`).
     dense_qkv: the dense row's q/k/v weights "fused" (`params.fuse_qkv`, the dense
@@ -497,6 +520,13 @@ def measure_rows(config, params, preds, contexts, mlp_densities, head_densities,
                                         config.vocab_size)
             mask = jnp.ones_like(prompt)
             tokens = jnp.full((batch,), 42, jnp.int32)
+            free = device_free_bytes()
+            need = state_bytes(dense, batch, max_len, init_kwargs)
+            if free is not None and need > free:  # spares the allocator's long retries
+                log(f"SKIPPED {label} ctx={ctx} batch={batch}: its K/V cache needs "
+                    f"{need / 1e9:.1f} GB beside the weights, the device has "
+                    f"{free / 1e9:.1f} GB free")
+                continue
 
             def measure(what, engine, engine_params):
                 try:

@@ -13,7 +13,7 @@ import numpy as np
 import pytest
 
 from dejavu_jax import config as config_lib
-from dejavu_jax import model, sparse
+from dejavu_jax import generation, model, sparse
 from dejavu_jax.eval import bench_decode, bench_hf
 from dejavu_jax.params import init_params
 
@@ -476,3 +476,26 @@ def test_profile_decode_takes_threshold_modes(tmp_path, capsys):
     per_token = [("gemv", 8.0, 50.0), ("qkv", 4.0, 20.0), ("o", 4.0, 10.0)]
     assert profile_decode.once_per_layer(per_token, 4, "attention") == "qkv"
     assert profile_decode.once_per_layer(per_token, 4, "o") == "o"
+
+
+def test_a_cache_larger_than_the_free_memory_is_skipped_unrun(tmp_path, monkeypatch):
+    """A (context, batch) whose K/V cache exceeds the device's free bytes logs one SKIPPED
+    line and runs none of its rows; the cells that fit run as before."""
+    config = config_lib.preset("opt-tiny")
+    engine = generation.dense_engine(config)
+    small = bench_decode.state_bytes(engine, 1, bench_decode.cache_len(16, 1, 2),
+                                     dict(per_layer=False))
+    big = bench_decode.state_bytes(engine, 4, bench_decode.cache_len(16, 1, 2),
+                                   dict(per_layer=False))
+    k_and_v = 2 * config.n_layers * 4 * config.n_kv_heads * config.head_dim * 2
+    assert big >= k_and_v * bench_decode.cache_len(16, 1, 2) > small
+    monkeypatch.setattr(bench_decode, "device_free_bytes", lambda: (small + big) // 2)
+    out = tmp_path / "fits"
+    assert bench_decode.main([
+        "--models", "opt-tiny", "--contexts", "16", "--batch", "1,4", "--steps", "2",
+        "--warmup", "1", "--mlp", "0.5", "--heads", "0.5", "--layouts", "stacked",
+        "--modes", "dense", "--loop-only", "--prefill-tokens", "0", "--out", str(out)]) == 0
+    rows = json.loads((out / "bench_decode.json").read_text())["rows"]
+    assert [r["batch"] for r in rows] == [1]
+    assert math.isfinite(rows[0]["ms_loop"]) and rows[0]["ms_loop"] > 0
+    assert "SKIPPED opt-tiny stacked ctx=16 batch=4" in (out / "bench_decode.log").read_text()
