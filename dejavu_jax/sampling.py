@@ -35,8 +35,10 @@ def sample(logits: jax.Array, key: jax.Array, cfg: SamplingConfig) -> jax.Array:
     if cfg.greedy:
         return jnp.argmax(logits, axis=-1).astype(jnp.int32)
     logits = logits.astype(jnp.float32)
-    # the best logit at 0 before scaling: a tiny temperature gives -inf, never inf - inf
-    logits = (logits - logits.max(axis=-1, keepdims=True)) / cfg.temperature
+    # the best logit at 0 before scaling and kept there: a tiny temperature gives -inf,
+    # never inf - inf, and one flushed to 0 never 0 / 0
+    centered = logits - logits.max(axis=-1, keepdims=True)
+    logits = jnp.where(centered == 0, 0.0, centered / cfg.temperature)
     if cfg.top_k:
         kth = jax.lax.top_k(logits, min(cfg.top_k, logits.shape[-1]))[0][..., -1:]
         logits = jnp.where(logits < kth, -jnp.inf, logits)

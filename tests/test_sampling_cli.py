@@ -32,12 +32,16 @@ def test_top_k_and_top_p_restrict_the_support(rng):
     assert top_p <= set(order[:nucleus].tolist())
 
 
-def test_a_tiny_temperature_samples_the_argmax(rng):
+@pytest.mark.parametrize("temperature", [1e-38, 1e-40, 1e-45])
+@pytest.mark.parametrize("top_k, top_p", [(0, 1.0), (0, 0.9), (5, 0.9)])
+def test_a_tiny_temperature_samples_the_argmax(rng, temperature, top_k, top_p):
     """logits / 1e-38 overflows to inf - inf = NaN unless the best logit is subtracted
-    first: then every row draws its argmax."""
+    first, and a subnormal temperature (flushed to 0 on some backends) gives 0 / 0 at the
+    best logit unless it is kept at 0: either way every row draws its argmax."""
     logits = jnp.asarray(rng.normal(size=(4, 60)) * 30, jnp.float32)
+    cfg = SamplingConfig(temperature=temperature, top_k=top_k, top_p=top_p)
     for key in jax.random.split(jax.random.key(2), 5):
-        got = sample(logits, key, SamplingConfig(temperature=1e-38))
+        got = sample(logits, key, cfg)
         np.testing.assert_array_equal(got, np.argmax(np.asarray(logits), -1))
 
 
