@@ -127,6 +127,51 @@ def encode_gate_weights(weights) -> list[str] | None:
     return [base64.b64encode(row.tobytes()).decode("ascii") for row in w]
 
 
+def _number_table(values) -> np.ndarray | None:
+    """`values` as a float64 table [rows, columns], or None unless it is one of numbers."""
+    try:
+        table = np.asarray(values, np.float64)
+    except (ValueError, TypeError):
+        return None
+    return table if table.ndim == 2 else None
+
+
+def _is_number(value) -> bool:
+    return isinstance(value, (int, float)) and not isinstance(value, bool)
+
+
+def malformed(profile: SparsityProfile) -> str | None:
+    """What makes a profile unusable whatever the model (an unknown method or site,
+    thresholds that are not finite numbers >= 0, levels outside [0, 1], a malformed
+    `measured` record), or None."""
+    if profile.method not in METHODS:
+        return f"unknown method {profile.method!r}; known: {', '.join(METHODS)}"
+    unknown = [site for site in profile.sites if site not in SITES]
+    if unknown or not profile.sites:
+        return f"unknown activation sites {unknown or '(none)'}; known: {', '.join(SITES)}"
+    for name in ("thresholds", "levels"):
+        table = _number_table(getattr(profile, name))
+        if table is None:
+            return f"{name} must be a table of numbers (one row per layer)"
+        if not np.all(np.isfinite(table)) or np.any(table < 0):
+            return f"{name} must be finite numbers >= 0"
+        if name == "levels" and np.any(table > 1):
+            return "levels are fractions of channels, in [0, 1]"
+    m = profile.measured
+    if not isinstance(m, dict):
+        return "measured must be a JSON object"
+    for key in ("ppl_cost", "bytes_skipped"):
+        if key in m and not _is_number(m[key]):
+            return f"measured.{key} must be a number"
+    tests = m.get("test", {})
+    if not isinstance(tests, dict) or not all(
+            isinstance(t, dict) and all(_is_number(t.get(k))
+                                        for k in ("ppl_cost", "tokens", "bytes_skipped"))
+            for t in tests.values()):
+        return "measured.test must map each text to its ppl_cost, tokens and bytes_skipped"
+    return None
+
+
 def load_profile(path: str | Path, config: ModelConfig | None = None) -> SparsityProfile:
     """A profile from its JSON file, checked against `config` when given; ProfileError for
     a missing or malformed file."""
@@ -138,6 +183,9 @@ def load_profile(path: str | Path, config: ModelConfig | None = None) -> Sparsit
         raise ProfileError(f"{path}: no such profile file") from None
     except (OSError, ValueError, TypeError, KeyError) as e:
         raise ProfileError(f"{path}: not a sparsity profile ({type(e).__name__}: {e})") from None
+    problem = malformed(profile)
+    if problem:
+        raise ProfileError(f"{path}: not a usable sparsity profile: {problem}")
     if config is not None:
         profile.check(config)
     return profile

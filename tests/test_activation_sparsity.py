@@ -334,6 +334,31 @@ def test_profile_round_trip_and_checks(tmp_path):
         method_sites(dj.preset("opt-tiny"), "cats")
 
 
+@pytest.mark.parametrize("change, message", [
+    (dict(method="bogus"), "unknown method 'bogus'"),
+    (dict(sites=("qkv", "foo")), r"unknown activation sites \['foo'\]"),
+    (dict(thresholds="abc"), "thresholds must be a table of numbers"),
+    (dict(thresholds=[["abc"] * 5] * 2), "thresholds must be a table of numbers"),
+    (dict(thresholds=[[float("nan")] * 5] * 2), "thresholds must be finite numbers >= 0"),
+    (dict(thresholds=[[-0.1] * 5] * 2), "thresholds must be finite numbers >= 0"),
+    (dict(levels=[[1.5] * 5] * 2), r"levels are fractions of channels, in \[0, 1\]"),
+    (dict(measured="x"), "measured must be a JSON object"),
+    (dict(measured={"ppl_cost": "low"}), "measured.ppl_cost must be a number"),
+    (dict(measured={"test": {"wikitext": {"tokens": 10}}}), "measured.test must map"),
+])
+def test_a_malformed_profile_is_refused_when_it_loads(tmp_path, change, message):
+    """Thresholds that are not finite numbers >= 0, an unknown method or site, or a broken
+    `measured` record: one ProfileError naming the problem, before any decode runs."""
+    good = SparsityProfile("m", "f", "teal", ("qkv", "o", "gate_up", "down"),
+                           [[0.5] * 5] * 2, [[0.1] * 5] * 2,
+                           {"ppl_cost": 0.01, "test": {"wikitext": {
+                               "ppl_cost": 0.01, "tokens": 10, "bytes_skipped": 0.2}}})
+    assert load_profile(good.save(tmp_path / "good.json")).summary().count("%") == 2
+    path = dataclasses.replace(good, **change).save(tmp_path / "bad.json")
+    with pytest.raises(ProfileError, match=message):
+        load_profile(path)
+
+
 def test_profile_gate_weights_round_trip_and_reach_the_params(tmp_path):
     config, params = _model("llama-tiny")
     L, F = config.n_layers, config.ffn
