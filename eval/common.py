@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import json
+import os
 import sys
 from pathlib import Path
 
@@ -316,6 +317,23 @@ def mesh_label(mesh) -> str:
 def is_main_process() -> bool:
     """True in the process that writes results (process 0 of a --distributed run)."""
     return jax.process_index() == 0
+
+
+def check_out_path(path: str | None) -> None:
+    """One `error:` line, before anything runs, unless `path` (if given) is a file this
+    process can write: not a folder, and under a folder that exists or can be made."""
+    if not path:
+        return
+    target = Path(path)
+    if target.is_dir():
+        cli.fail(f"--out {path}: is a folder; give a file name for the JSON result")
+    parent = target.parent
+    while not parent.exists():
+        parent = parent.parent
+    if not parent.is_dir():
+        cli.fail(f"--out {path}: {parent} is a file, so no folder can be made there")
+    if not os.access(parent, os.W_OK) or (target.exists() and not os.access(target, os.W_OK)):
+        cli.fail(f"--out {path}: not writable")
 
 
 def save_result(path: str | None, result: dict) -> None:

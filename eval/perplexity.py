@@ -208,6 +208,7 @@ def main(argv: list[str] | None = None) -> int:
     arguments, files or data)."""
     args = build_parser().parse_args(argv)
     common.check_model_args(args)
+    common.check_out_path(args.out)
     if args.shared_rows > 1 and args.mode != "sparse":
         cli.fail(f"--shared-rows {args.shared_rows} shares predicted sets: it needs "
                  f"--mode sparse")
@@ -221,7 +222,9 @@ def main(argv: list[str] | None = None) -> int:
         cli.fail(f"--stride {args.stride} is larger than --window {args.window or 1024}")
     try:
         text = load_text(args.text)  # before the model: a missing text fails fast
-    except (OSError, UnicodeDecodeError) as e:
+    except UnicodeDecodeError as e:
+        cli.fail(f"{args.text or wikitext2_path()}: not UTF-8 text ({e.reason} at byte {e.start})")
+    except OSError as e:
         cli.fail(str(e))
     mesh = common.mesh_from_args(args)  # None: one device
     mode, pred = common.mode_from_args(args, common.model_config(args), mesh)

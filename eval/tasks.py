@@ -380,6 +380,7 @@ def main(argv: list[str] | None = None) -> int:
     arguments, files or data)."""
     args = build_parser().parse_args(argv)
     common.check_model_args(args)
+    common.check_out_path(args.out)
     items = load_tasks(parse_tasks(args.tasks), args.limit)
     mesh = common.mesh_from_args(args)  # None: one device
     mode, pred = common.mode_from_args(args, common.model_config(args), mesh)

@@ -84,11 +84,14 @@ def _files(tmp: Path) -> dict:
     (tmp / "corpus.txt").write_text("Some calibration text. " * 20)
     (tmp / "badtok").mkdir()
     (tmp / "badtok" / "tokenizer.json").write_text("{broken")
+    (tmp / "binary.txt").write_bytes(b"text \xff\xfe then more")
     return {"GGUF": str(_truncated_gguf(tmp / "cut.gguf")),
             "RANDOM": str(_random_safetensors(tmp / "random")),
             "EMPTY": str(tmp / "empty"), "BADTASK": str(tmp / "bad_task.jsonl"),
             "OUT": str(tmp / "out"), "FIXTURE": str(FIXTURE),
             "CORPUS": str(tmp / "corpus.txt"), "BADTOK": str(tmp / "badtok"),
+            "BINARY": str(tmp / "binary.txt"), "INFILE": str(tmp / "corpus.txt" / "r.json"),
+            "INFILE2": str(tmp / "corpus.txt" / "sub" / "r.json"),
             "NOSHAPES": str(_no_shapes_predictors(tmp / "noshapes")), **_tasks(tmp)}
 
 
@@ -156,6 +159,16 @@ CASES = [
     ("tasks-bad-file", tasks.main, ["--preset", "opt-tiny", "--tasks", "BADTASK"],
      ["bad_task.jsonl", "format"]),
     ("tasks-limit-0", tasks.main, ["--limit", "0"], ["--limit", "got 0"]),
+    ("ppl-out-under-a-file", perplexity.main, ["--preset", "opt-tiny", "--text", "CORPUS",
+                                               "--out", "INFILE"],
+     ["--out", "CORPUS", "is a file"]),
+    ("ppl-out-a-folder", perplexity.main, ["--preset", "opt-tiny", "--text", "CORPUS",
+                                           "--out", "EMPTY"], ["--out", "EMPTY", "is a folder"]),
+    ("tasks-out-under-a-file", tasks.main, ["--preset", "opt-tiny", "--tasks", "copa",
+                                            "--out", "INFILE2"],
+     ["--out", "CORPUS", "is a file"]),
+    ("ppl-text-not-utf8", perplexity.main, ["--preset", "opt-tiny", "--text", "BINARY"],
+     ["BINARY", "not UTF-8"]),
     ("sweep-density", sweep.main, ["--out", "OUT", "--mlp", "0.5,1.5"], ["--mlp", "1.5"]),
     ("sweep-mode", sweep.main, ["--out", "OUT", "--modes", "dense2"], ["--modes", "dense2"]),
     ("bench-model", bench_decode.main, ["--out", "OUT", "--models", "opt-7"], ["opt-7"]),
