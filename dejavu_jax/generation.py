@@ -15,7 +15,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 import time
-from typing import Callable, Sequence
+from typing import Callable, Iterable, Sequence
 
 import jax
 import jax.numpy as jnp
@@ -118,7 +118,7 @@ class GenerationResult:
 
 def left_pad(prompts: Sequence[Sequence[int]], pad_id: int = 0):
     """Left-pad token lists to one length: (ids [B, T] int32, mask [B, T] int32)."""
-    if not prompts or any(len(p) == 0 for p in prompts):
+    if len(prompts) == 0 or any(len(p) == 0 for p in prompts):
         raise ValueError("every prompt needs at least one token")
     T = max(len(p) for p in prompts)
     ids = np.full((len(prompts), T), pad_id, np.int32)
@@ -160,6 +160,11 @@ def generate_tokens(engine: Engine, params, prompts: Sequence[Sequence[int]],
     `generate` passes them) decode fastest.
     """
     config = engine.config
+    if isinstance(max_new_tokens, bool) or not isinstance(max_new_tokens, (int, np.integer)):
+        raise ValueError(f"max_new_tokens must be an integer, got {max_new_tokens!r}")
+    if stop_ids is not None and (isinstance(stop_ids, (str, bytes))
+                                 or not isinstance(stop_ids, Iterable)):
+        raise ValueError(f"stop_ids must be a sequence of token ids, got {stop_ids!r}")
     if max_new_tokens < 1:
         raise ValueError(f"max_new_tokens must be >= 1, got {max_new_tokens}")
     if chunk < 1:

@@ -255,6 +255,22 @@ def test_lengths_past_the_models_positions_are_refused():
                         [[2, 3]], max_new_tokens=llama.max_positions)
 
 
+def test_generate_tokens_takes_an_id_array_and_refuses_malformed_arguments():
+    """A 2-D numpy array of prompts decodes as the same lists do; a fractional token count
+    or a single stop id (not a sequence) is one ValueError, not an error from deep inside."""
+    config = dj.preset("opt-tiny")
+    params = dj.init_params(config, jax.random.key(0), jnp.float32)
+    engine = dense_engine(config)
+    rows = [[5, 9, 13], [7, 8, 21]]
+    as_lists = generate_tokens(engine, params, rows, 4, stop_ids=[])
+    as_array = generate_tokens(engine, params, np.asarray(rows), 4, stop_ids=[])
+    assert as_array.tokens == as_lists.tokens and len(as_lists.tokens[0]) == 4
+    with pytest.raises(ValueError, match="max_new_tokens must be an integer"):
+        generate_tokens(engine, params, rows, 2.5)
+    with pytest.raises(ValueError, match="stop_ids must be a sequence"):
+        generate_tokens(engine, params, rows, 2, stop_ids=5)
+
+
 def test_llama3_rope_scaling_changes_the_logits():
     """The llama-rope3 fixture matches transformers only with its frequency scaling: the
     same weights under plain RoPE give other logits (the parity tests above are not weak)."""
