@@ -226,11 +226,13 @@ def profile_settings(args, config):
     from dejavu_jax import sparse
     from dejavu_jax.sparsity_profile import ProfileError, default_profile_path, load_profile
     path = args.profile or default_profile_path(config)
+    if path is None and args.preset:
+        cli.fail(f"no sparsity profile for --preset {args.preset} (random weights): pass "
+                 "--profile FILE or --predictors DIR, or use --oracle")
     if path is None:
-        model = args.model or ("--preset " + args.preset if args.preset else "smollm2-135m")
         cli.fail(f"no sparsity profile for {config.name}: make one with `./dejavu run "
-                 f"train.profile --model {model}`, or pass --profile FILE or "
-                 "--predictors DIR")
+                 f"train.profile --model {args.model or 'smollm2-135m'}`, or pass --profile "
+                 "FILE or --predictors DIR")
     try:
         profile = load_profile(path, config)
     except ProfileError as e:
