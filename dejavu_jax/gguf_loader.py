@@ -19,6 +19,7 @@ What llama.cpp's converter changed is undone, so the weights equal the checkpoin
 from __future__ import annotations
 
 import functools
+import os
 from pathlib import Path
 
 import numpy as np
@@ -430,6 +431,7 @@ def tokenizer_from_gguf(path):
     `tokenizer.chat_template` come from the file.
     """
     from tokenizers import AddedToken, processors
+    os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")  # its note that torch is absent
     from transformers import PreTrainedTokenizerFast
 
     reader = _reader(path)
