@@ -19,7 +19,8 @@ import numpy as np
 from dejavu_jax import cli, multidevice
 from dejavu_jax import config as config_lib
 from dejavu_jax.checkpoint_files import CheckpointError
-from dejavu_jax.generation import GenerationResult, cache_length, dense_engine, generate_tokens
+from dejavu_jax.generation import (GenerationResult, NonFiniteLogits, cache_length,
+                                   dense_engine, generate_tokens)
 from dejavu_jax.inputs import check_token_ids
 from dejavu_jax.loading import default_dtype, load_pretrained, read_config
 from dejavu_jax.params import decode_layout, fuse_qkv, init_params
@@ -489,9 +490,14 @@ def main(argv: list[str] | None = None) -> int:
 
     if stream:
         sys.stdout.write(shown_texts[0])
-    result = generate_tokens(engine, engine_params, prompts, args.max_new_tokens,
-                             sampling_config(args), seed=args.seed,
-                             on_token=on_token if stream else None, chunk=args.chunk)
+    try:
+        result = generate_tokens(engine, engine_params, prompts, args.max_new_tokens,
+                                 sampling_config(args), seed=args.seed,
+                                 on_token=on_token if stream else None, chunk=args.chunk)
+    except NonFiniteLogits as e:
+        if stream:
+            sys.stdout.write("\n")
+        cli.fail(str(e))
     if stream:
         sys.stdout.write("\n")
     for row, out in enumerate(result.tokens):

@@ -61,26 +61,37 @@ def _pick(logits, key, sampling, choose):
     return sample(logits, key, sampling) if choose is None else host_chosen(choose, logits)
 
 
+class NonFiniteLogits(ValueError):
+    """A step's logits hold NaN or inf (non-finite weights or inputs): its token would be
+    garbage."""
+
+
+def _finite(logits):
+    return jnp.all(jnp.isfinite(logits), axis=-1)
+
+
 @functools.partial(jax.jit, static_argnums=(0, 5, 7), donate_argnums=(4,))
 def _prefill_and_sample(engine, params, input_ids, mask, state, sampling, key, choose):
     logits, state = engine.prefill(params, input_ids, mask, state)
-    return _pick(logits, key, sampling, choose), state
+    return _pick(logits, key, sampling, choose), _finite(logits), state
 
 
 @functools.partial(jax.jit, static_argnums=(0, 4, 6, 7), donate_argnums=(2,))
 def _steps_and_sample(engine, params, state, tokens, sampling, key, n, choose):
-    """n decode steps on the device: (tokens [n, B], last tokens, state, key). The key is
-    split once per step exactly as a per-token loop would, so chunking never changes the
-    sampled tokens; `choose` (not None) picks each token on the host instead."""
+    """n decode steps on the device: (tokens [n, B], whether each step's logits were
+    finite [n, B], last tokens, state, key). The key is split once per step exactly as a
+    per-token loop would, so chunking never changes the sampled tokens; `choose` (not
+    None) picks each token on the host instead."""
     def body(carry, _):
         state, tokens, key = carry
         key, sub = jax.random.split(key)
         logits, state = engine.step(params, state, tokens)
         tokens = _pick(logits, sub, sampling, choose)
-        return (state, tokens, key), tokens
+        return (state, tokens, key), (tokens, _finite(logits))
 
-    (state, tokens, key), out = jax.lax.scan(body, (state, tokens, key), None, length=n)
-    return out, tokens, state, key
+    (state, tokens, key), (out, finite) = jax.lax.scan(body, (state, tokens, key), None,
+                                                       length=n)
+    return out, finite, tokens, state, key
 
 
 def _unstacked(params) -> bool:
@@ -156,7 +167,8 @@ def generate_tokens(engine: Engine, params, prompts: Sequence[Sequence[int]],
     every token on the host instead of `sampling`, called from inside the device loop once
     per token (`host_choice`; pass the same function to reuse the compiled loop); an
     invalid choice raises. Raises ValueError for an empty prompt or an id outside the
-    vocabulary. On a GPU, model weights in the fastest layout (`params.decode_layout`, as
+    vocabulary, and `NonFiniteLogits` (a ValueError) when a step's logits hold NaN or
+    inf. On a GPU, model weights in the fastest layout (`params.decode_layout`, as
     `generate` passes them) decode fastest.
     """
     config = engine.config
@@ -188,8 +200,13 @@ def generate_tokens(engine: Engine, params, prompts: Sequence[Sequence[int]],
     done = np.zeros(B, bool)
     out: list[list[int]] = [[] for _ in range(B)]
 
-    def emit(host) -> None:
+    def emit(host, finite) -> None:
         nonlocal done
+        bad = np.flatnonzero(~np.asarray(finite) & ~done)
+        if bad.size:
+            raise NonFiniteLogits(
+                f"the logits of row {int(bad[0])} hold NaN or inf at generated token "
+                f"{len(out[int(bad[0])]) + 1}: the weights or inputs are not finite")
         for row in range(B):
             if not done[row]:
                 out[row].append(int(host[row]))
@@ -199,13 +216,13 @@ def generate_tokens(engine: Engine, params, prompts: Sequence[Sequence[int]],
 
     t0 = time.perf_counter()
     key, sub = jax.random.split(key)
-    tokens, state = _prefill_and_sample(engine, params, jnp.asarray(ids), jnp.asarray(mask),
-                                        state, sampling, sub, choose)
+    tokens, finite, state = _prefill_and_sample(engine, params, jnp.asarray(ids),
+                                                jnp.asarray(mask), state, sampling, sub, choose)
     host = np.asarray(tokens)
     prefill_seconds = time.perf_counter() - t0
     if choose is not None:
         raise_failed_choice()
-    emit(host)
+    emit(host, finite)
     produced, steps, timed, first_call = 1, 0, 0, 0.0
 
     def launch(state, tokens, key):
@@ -217,9 +234,9 @@ def generate_tokens(engine: Engine, params, prompts: Sequence[Sequence[int]],
     queued = launch(state, tokens, key) if produced < max_new_tokens and not done.all() \
         else None
     while queued is not None:
-        block, tokens, state, key = queued
+        block, finite, tokens, state, key = queued
         queued = launch(state, tokens, key) if steps + chunk < calls * chunk else None
-        block = np.asarray(block)
+        block, finite = np.asarray(block), np.asarray(finite)
         if choose is not None:
             raise_failed_choice(queued)
         first = steps == 0
@@ -228,10 +245,10 @@ def generate_tokens(engine: Engine, params, prompts: Sequence[Sequence[int]],
         else:
             timed += chunk
         steps += chunk
-        for host in block:
+        for host, host_finite in zip(block, finite):
             if produced == max_new_tokens or done.all():
                 break
-            emit(host)
+            emit(host, host_finite)
             produced += 1
         if first:  # the timed span starts after the first call's tokens are out
             t_steps = time.perf_counter()

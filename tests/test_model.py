@@ -271,6 +271,25 @@ def test_generate_tokens_takes_an_id_array_and_refuses_malformed_arguments():
         generate_tokens(engine, params, rows, 2, stop_ids=5)
 
 
+@pytest.mark.parametrize("chunk", [1, 8])
+def test_non_finite_logits_stop_generation_at_their_token(chunk):
+    """A NaN in the weights read at one position makes that step's logits NaN: generation
+    stops there with NonFiniteLogits naming the token, never a garbage id."""
+    from dejavu_jax.generation import NonFiniteLogits
+    from dejavu_jax.params import OPT_POSITION_OFFSET
+    config = dj.preset("opt-tiny")
+    params = dj.init_params(config, jax.random.key(0), jnp.float32)
+    engine = dense_engine(config)
+    prompt = [[5, 9, 13]]
+    clean = generate_tokens(engine, params, prompt, 5, stop_ids=[], chunk=chunk)
+    assert len(clean.tokens[0]) == 5
+    for position, token in ((1, 1), (3, 2), (5, 4)):  # prompt positions 0-2, then steps
+        nan_row = params.pos_embed.at[position + OPT_POSITION_OFFSET].set(jnp.nan)
+        with pytest.raises(NonFiniteLogits, match=f"row 0 .* at generated token {token}:"):
+            generate_tokens(engine, params.replace(pos_embed=nan_row), prompt, 5,
+                            stop_ids=[], chunk=chunk)
+
+
 def test_llama3_rope_scaling_changes_the_logits():
     """The llama-rope3 fixture matches transformers only with its frequency scaling: the
     same weights under plain RoPE give other logits (the parity tests above are not weak)."""
