@@ -182,20 +182,19 @@ def params_from_tensors(config: ModelConfig, source: TensorSource, dtype=jnp.flo
     layers = {}
     prefix = LAYER_PREFIX[config.family]
     specs = [(n, s) for n, s in layer_shapes(config).items()]
-    bar = tqdm(total=len(specs), desc=f"loading {config.name}", disable=not progress,
-               unit="tensor")
-    for name, shape in specs:
-        bar.update()
-        if shape is None:
-            layers[name] = None
-            continue
-        suffix, transform = layer_spec[name]
-        stacked = np.empty(shape, np_dtype)  # filled layer by layer: one host copy at most
-        for i in range(config.n_layers):
-            stacked[i] = fetch(prefix.format(i=i) + suffix, transform, shape[1:])
-        layers[name] = jax.device_put(stacked)
-        del stacked
-    bar.close()
+    with tqdm(total=len(specs), desc=f"loading {config.name}", disable=not progress,
+              unit="tensor") as bar:  # closed before an error is reported
+        for name, shape in specs:
+            bar.update()
+            if shape is None:
+                layers[name] = None
+                continue
+            suffix, transform = layer_spec[name]
+            stacked = np.empty(shape, np_dtype)  # filled by layer: one host copy at most
+            for i in range(config.n_layers):
+                stacked[i] = fetch(prefix.format(i=i) + suffix, transform, shape[1:])
+            layers[name] = jax.device_put(stacked)
+            del stacked
     return ModelParams(layers=LayerParams(**layers), **top)
 
 
