@@ -18,7 +18,10 @@ The dense engine on random bf16 weights, context 128, batch 1. Rows, ms per toke
 Each with the per-layer buffers `generate` decodes with (`params.decode_layout`) and, with
 `--stacked`, the stacked layers too: under `lax.scan` (`stacked`), and unrolled, each
 layer taking static slices of the stacked arrays (`stacked-unrolled`: as few arrays to
-hand over as stacked, as static a program as per-layer). The run opens with `eval.kernel_parity` on the GPU.
+hand over as stacked, as static a program as per-layer); with `--packed`, per layer with
+the small arrays (norms, biases) packed into one stacked array per field
+(`packed_params`: the large weights per layer, a few buffers in all for the rest). The
+run opens with `eval.kernel_parity` on the GPU.
 """
 
 from __future__ import annotations
@@ -94,19 +97,26 @@ def callback_seconds(logits, steps: int) -> float:
     return (time.perf_counter() - t) / steps
 
 
-def measure(config, params, per_layer: bool, steps: int, warmup: int) -> dict:
-    """The rows of the module doc for one params layout: {name: ms}."""
+def measure(config, params, per_layer: bool, steps: int, warmup: int, unpack=None) -> dict:
+    """The rows of the module doc for one params layout: {name: ms}. unpack: maps the
+    handed-over params to the engine's, inside the jitted functions (`unpack_small`)."""
     from dejavu_jax.eval.bench_decode import time_loop
     from dejavu_jax.eval.bench_hf import cache_len
     from dejavu_jax.generation import dense_engine
     engine = dense_engine(config)
+    unpack = unpack or (lambda p: p)
+
+    def step(p, s, t):
+        return engine.step(unpack(p), s, t)
+
+    def prefill(p, ids, mask, s):
+        return engine.prefill(unpack(p), ids, mask, s)
     ctx = 128
     prompt = jax.random.randint(jax.random.key(2), (1, ctx), 3, config.vocab_size)
     tokens = jnp.full((1,), 42, jnp.int32)
     state = engine.init_state(1, cache_len(ctx, warmup, 3 * (steps + warmup)), BF16,
                               per_layer=per_layer)
-    _, state = jax.jit(engine.prefill, donate_argnums=3)(params, prompt, jnp.ones_like(prompt),
-                                                         state)
+    _, state = jax.jit(prefill, donate_argnums=3)(params, prompt, jnp.ones_like(prompt), state)
     holder = {"state": state}
 
     def threaded(fn):  # one step of fn, the state threaded through (donated)
@@ -116,8 +126,8 @@ def measure(config, params, per_layer: bool, steps: int, warmup: int) -> dict:
         return call
 
     rows = {}
-    compiled = jax.jit(engine.step, donate_argnums=1).lower(params, state, tokens).compile()
-    jitted = jax.jit(engine.step, donate_argnums=1)
+    compiled = jax.jit(step, donate_argnums=1).lower(params, state, tokens).compile()
+    jitted = jax.jit(step, donate_argnums=1)
     rows["compiled_synced"] = _per_step(threaded(compiled), steps, warmup, True)
     rows["jit_synced"] = _per_step(threaded(jitted), steps, warmup, True)
     rows["jit_queued"] = _per_step(threaded(jitted), steps, warmup, False)
@@ -125,9 +135,9 @@ def measure(config, params, per_layer: bool, steps: int, warmup: int) -> dict:
     rows["args_only"] = _per_step(threaded(args_only), steps, warmup, True)
     floor = jax.jit(lambda t: t + 1)
     rows["sync_floor"] = _per_step(lambda: floor(tokens), steps, warmup, True)
-    per, _, holder["state"] = time_loop(engine.step, params, holder["state"], tokens, steps)
+    per, _, holder["state"] = time_loop(step, params, holder["state"], tokens, steps)
     rows["chained"] = per
-    per, _, holder["state"] = time_loop(engine.step, params, holder["state"], tokens, steps,
+    per, _, holder["state"] = time_loop(step, params, holder["state"], tokens, steps,
                                         host_argmax)
     rows["host_chosen"] = per
     rows["callback_floor"] = callback_seconds(jnp.zeros((1, 1), jnp.float32), steps)
@@ -141,6 +151,7 @@ def main(argv: list[str] | None = None) -> int:
     from dejavu_jax import config as config_lib
     from dejavu_jax.eval.parity_gate import add_parity_argument, require_parity
     from dejavu_jax.eval.provenance import run_meta
+    from dejavu_jax.packed_params import pack_small, unpack_small
     from dejavu_jax.params import fuse_qkv, init_params, unstack_layers
     p = cli.ArgumentParser(prog="python -m dejavu_jax.eval.dispatch_overhead",
                            description=__doc__.split("\n")[0])
@@ -148,6 +159,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--steps", type=cli.positive_int, default=30)
     p.add_argument("--warmup", type=cli.non_negative_int, default=3)
     p.add_argument("--stacked", action="store_true", help="also the stacked layers")
+    p.add_argument("--packed", action="store_true",
+                   help="also the per-layer layout with its small arrays packed")
     p.add_argument("--out", type=Path, required=True)
     add_parity_argument(p)
     args = p.parse_args(argv)
@@ -160,12 +173,17 @@ def main(argv: list[str] | None = None) -> int:
     for name in models:
         config = config_lib.preset(name)
         stacked = fuse_qkv(init_params(config, jax.random.key(0), BF16))
-        layouts = [("per-layer", unstack_layers(stacked), True)]
+        per_layer_params = unstack_layers(stacked)
+        layouts = [("per-layer", per_layer_params, True, None)]
+        if args.packed:
+            layouts.append(("per-layer-packed", pack_small(per_layer_params), True,
+                            unpack_small))
         if args.stacked:
-            layouts += [("stacked", stacked, False), ("stacked-unrolled", stacked, False)]
-        for layout, params, per_layer in layouts:
+            layouts += [("stacked", stacked, False, None),
+                        ("stacked-unrolled", stacked, False, None)]
+        for layout, params, per_layer, unpack in layouts:
             with unrolled_layers() if layout == "stacked-unrolled" else contextlib.nullcontext():
-                timed = measure(config, params, per_layer, args.steps, args.warmup)
+                timed = measure(config, params, per_layer, args.steps, args.warmup, unpack)
             row = dict(model=name, layout=layout, leaves=len(jax.tree.leaves(params)), **timed)
             result["rows"].append(row)
             print(json.dumps(row), flush=True)
