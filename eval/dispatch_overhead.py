@@ -9,7 +9,9 @@ The dense engine on random bf16 weights, context 128, batch 1. Rows, ms per toke
   jit_queued       jax.jit, the host enqueuing every step before waiting once
   args_only        a jitted function of the same params and state that only returns the
                    state (donated) and the token plus one: the cost of handing the
-                   arguments over and syncing, no model
+                   arguments over and syncing, no model; args_weights_only, the params
+                   and token alone (no state); args_stacked_cache (per-layer layouts),
+                   with the K/V cache as one stacked pair of buffers instead of per layer
   sync_floor       a jitted function of the token alone, synced: one dispatch and one wait
   host_chosen      the chained loop with every token chosen on the host by a callback from
                    the loop (`host_choice`: the logits' argmax)
@@ -133,6 +135,17 @@ def measure(config, params, per_layer: bool, steps: int, warmup: int, unpack=Non
     rows["jit_queued"] = _per_step(threaded(jitted), steps, warmup, False)
     args_only = jax.jit(lambda p, s, t: (t + 1, s), donate_argnums=1)
     rows["args_only"] = _per_step(threaded(args_only), steps, warmup, True)
+    weights_only = jax.jit(lambda p, t: t + 1)
+    rows["args_weights_only"] = _per_step(lambda: weights_only(params, tokens), steps, warmup,
+                                          True)
+    if per_layer:  # the same cache bytes as one stacked buffer pair
+        other = {"state": engine.init_state(1, state.valid.shape[1], BF16, per_layer=False)}
+
+        def stacked_cache():
+            out, other["state"] = args_only(params, other["state"], tokens)
+            return out, other["state"]
+        rows["args_stacked_cache"] = _per_step(stacked_cache, steps, warmup, True)
+        del other
     floor = jax.jit(lambda t: t + 1)
     rows["sync_floor"] = _per_step(lambda: floor(tokens), steps, warmup, True)
     per, _, holder["state"] = time_loop(step, params, holder["state"], tokens, steps)
