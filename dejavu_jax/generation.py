@@ -25,6 +25,7 @@ from dejavu_jax import model
 from dejavu_jax.config import ModelConfig
 from dejavu_jax.host_choice import Chooser, host_chosen, raise_failed_choice
 from dejavu_jax.inputs import check_token_ids
+from dejavu_jax.params import ModelParams, check_fits
 from dejavu_jax.sampling import SamplingConfig, sample
 
 
@@ -94,12 +95,15 @@ def _steps_and_sample(engine, params, state, tokens, sampling, key, n, choose):
     return out, finite, tokens, state, key
 
 
+def _model_params(params):
+    """The ModelParams inside engine params (the params themselves, or a tuple's part)."""
+    return next(p for p in jax.tree.leaves(params, is_leaf=lambda n: isinstance(n, ModelParams))
+                if isinstance(p, ModelParams))
+
+
 def _unstacked(params) -> bool:
     """Whether the model weights inside engine params are unstacked (per-layer tuple)."""
-    from dejavu_jax.params import ModelParams
-    model_params = next(p for p in jax.tree.leaves(
-        params, is_leaf=lambda n: isinstance(n, ModelParams)) if isinstance(p, ModelParams))
-    return isinstance(model_params.layers, tuple)
+    return isinstance(_model_params(params).layers, tuple)
 
 
 @dataclasses.dataclass
@@ -185,6 +189,7 @@ def generate_tokens(engine: Engine, params, prompts: Sequence[Sequence[int]],
         raise ValueError("no prompts: give at least one")
     for row, p in enumerate(prompts):
         check_token_ids(p, config.vocab_size, f"prompt {row}", "[time]")
+    check_fits(config, _model_params(params))
     if stop_ids is None:
         stop_ids = config.stop_token_ids
     ids, mask = left_pad(prompts, config.pad_token_id or 0)

@@ -15,7 +15,7 @@ from flax import struct
 from dejavu_jax import ops
 from dejavu_jax.config import ModelConfig
 from dejavu_jax.inputs import check_mask, check_prompt, check_step_tokens, check_token_ids, checked
-from dejavu_jax.params import OPT_POSITION_OFFSET, ModelParams, scan_layers
+from dejavu_jax.params import OPT_POSITION_OFFSET, ModelParams, check_fits, scan_layers
 
 F32 = jnp.float32
 
@@ -170,8 +170,9 @@ def logits(config: ModelConfig, params: ModelParams, input_ids,
 
     Raises ValueError for ids outside [0, vocab_size) (checked when concrete: traced ids
     must be in range), non-integer ids, a mask not shaped like the ids, or more tokens
-    than OPT's learned positions.
+    than OPT's learned positions, and for params of other shapes than the config's.
     """
+    check_fits(config, params)
     check_token_ids(input_ids, config.vocab_size)
     input_ids = jnp.asarray(input_ids, jnp.int32)
     check_positions(config, input_ids.shape[-1])

@@ -129,6 +129,32 @@ def model_shapes(config: ModelConfig) -> dict[str, tuple[int, ...] | None]:
     }
 
 
+def check_fits(config: ModelConfig, params: ModelParams) -> None:
+    """ValueError naming the first weight whose shape is not `config`'s (the embedding, the
+    layer count, each layer's weights, stacked or per layer): params made for another
+    model are refused here, not deep inside the forward."""
+    def refuse(what, got, want):
+        raise ValueError(f"the params do not fit {config.name}: {what} has shape {got}, "
+                         f"the config gives {want}")
+
+    for name, shape in model_shapes(config).items():
+        got = getattr(params, name)
+        if shape is not None and got is not None and tuple(got.shape) != shape:
+            refuse(name, tuple(got.shape), shape)
+    layers = params.layers
+    per_layer = isinstance(layers, tuple)
+    n = len(layers) if per_layer else jax.tree.leaves(layers)[0].shape[0]
+    if n != config.n_layers:
+        raise ValueError(f"the params do not fit {config.name}: {n} layers, the config "
+                         f"gives {config.n_layers}")
+    first = layers[0] if per_layer else layers
+    for name, shape in layer_shapes(config).items():
+        got = getattr(first, name)
+        want = None if shape is None else shape[1:] if per_layer else shape
+        if want is not None and got is not None and tuple(got.shape) != want:
+            refuse(f"layer weight {name}", tuple(got.shape), want)
+
+
 @functools.partial(jax.jit, static_argnames=("shape", "dtype", "scale", "norm_scale"))
 def _random_leaf(key: jax.Array, shape: tuple[int, ...], dtype, scale: float,
                  norm_scale: bool) -> jax.Array:

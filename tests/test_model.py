@@ -290,6 +290,23 @@ def test_non_finite_logits_stop_generation_at_their_token(chunk):
                             stop_ids=[], chunk=chunk)
 
 
+def test_params_of_another_model_are_refused_by_name():
+    """Params whose shapes are not the config's (another preset's, a layer short) are one
+    ValueError naming the weight, from logits and from generate_tokens."""
+    opt, llama = dj.preset("opt-tiny"), dj.preset("llama-tiny")
+    llama_params = dj.init_params(llama, jax.random.key(0), jnp.float32)
+    with pytest.raises(ValueError, match="do not fit opt-tiny: embed has shape"):
+        dj.logits(opt, llama_params, [[1, 2, 3]])
+    per_layer = unstack_layers(llama_params)
+    short = per_layer.replace(layers=per_layer.layers[:-1])
+    with pytest.raises(ValueError, match=f"{llama.n_layers - 1} layers"):
+        generate_tokens(dense_engine(llama), short, [[1, 2, 3]], 2)
+    wide = llama.replace(ffn=llama.ffn * 2)
+    with pytest.raises(ValueError, match="layer weight w_in has shape"):
+        dj.logits(wide, llama_params, [[1, 2, 3]])
+    assert np.isfinite(np.asarray(dj.logits(llama, llama_params, [[1, 2, 3]]))).all()
+
+
 def test_llama3_rope_scaling_changes_the_logits():
     """The llama-rope3 fixture matches transformers only with its frequency scaling: the
     same weights under plain RoPE give other logits (the parity tests above are not weak)."""
