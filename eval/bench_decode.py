@@ -521,8 +521,8 @@ def measure_rows(config, params, preds, contexts, mlp_densities, head_densities,
             mask = jnp.ones_like(prompt)
             tokens = jnp.full((batch,), 42, jnp.int32)
             free = device_free_bytes()
-            need = state_bytes(dense, batch, max_len, init_kwargs)
-            if free is not None and need > free:  # spares the allocator's long retries
+            need = None if free is None else state_bytes(dense, batch, max_len, init_kwargs)
+            if need is not None and need > free:  # spares the allocator's long retries
                 log(f"SKIPPED {label} ctx={ctx} batch={batch}: its K/V cache needs "
                     f"{need / 1e9:.1f} GB beside the weights, the device has "
                     f"{free / 1e9:.1f} GB free")
