@@ -22,8 +22,10 @@ Each with the per-layer buffers `generate` decodes with (`params.decode_layout`)
 layer taking static slices of the stacked arrays (`stacked-unrolled`: as few arrays to
 hand over as stacked, as static a program as per-layer); with `--packed`, per layer with
 the small arrays (norms, biases) packed into one stacked array per field
-(`packed_params`: the large weights per layer, a few buffers in all for the rest). The
-run opens with `eval.kernel_parity` on the GPU.
+(`packed_params`: the large weights per layer, a few buffers in all for the rest); with
+`--stacked-cache`, per-layer weights and the K/V cache as one stacked pair of buffers
+(`per-layer-stacked-cache`: every row, the real step included, with 2 cache buffers
+handed over instead of 2 per layer). The run opens with `eval.kernel_parity` on the GPU.
 """
 
 from __future__ import annotations
@@ -171,6 +173,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--stacked", action="store_true", help="also the stacked layers")
     p.add_argument("--packed", action="store_true",
                    help="also the per-layer layout with its small arrays packed")
+    p.add_argument("--stacked-cache", action="store_true",
+                   help="also per-layer weights with the K/V cache stacked")
     p.add_argument("--out", type=Path, required=True)
     add_parity_argument(p)
     args = p.parse_args(argv)
@@ -188,6 +192,8 @@ def main(argv: list[str] | None = None) -> int:
         if args.packed:
             layouts.append(("per-layer-packed", pack_small(per_layer_params), True,
                             unpack_small))
+        if args.stacked_cache:
+            layouts.append(("per-layer-stacked-cache", per_layer_params, False, None))
         if args.stacked:
             layouts += [("stacked", stacked, False, None),
                         ("stacked-unrolled", stacked, False, None)]

@@ -87,6 +87,14 @@ def _check_greedy_path_logits(config, params, ref, per_layer=False):
                                                jnp.asarray([token], jnp.int32))
 
 
+@pytest.mark.parametrize("name", ["opt-preln", "llama-gqa"])
+def test_per_layer_weights_decode_with_a_stacked_cache(name):
+    """Per-layer weights with the K/V cache as one stacked pair (as
+    `eval.dispatch_overhead --stacked-cache` hands them over) decode HF's greedy logits."""
+    config, params, ref = _load(name)
+    _check_greedy_path_logits(config, unstack_layers(params), ref, per_layer=False)
+
+
 def test_gemma3_fixture_exercises_every_switch():
     """The Gemma 3 fixture's config is what its config.json says, and dropping any one of
     its switches (sliding windows, per-type RoPE, query scale, post-norms, soft-cap,
