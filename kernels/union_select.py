@@ -26,7 +26,7 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
 from ._common import check_array, next_pow2, resolve_impl
-from .top_k import KEY_BITS, local_top_k_shape, score_keys
+from .top_k import kth_keys, local_top_k_shape, score_keys
 
 
 def union_local_shape(B: int, n: int, k: int, chunk: int) -> tuple[int, int, int, int]:
@@ -82,19 +82,9 @@ def _union_kernel(s_ref, o_ref, *, B, Bp, n, c, kc, cap, cap_last, P, block):
 
 def rows_chosen(key: jax.Array, k: int) -> jax.Array:
     """Each row's k largest keys of ``key [R, block]`` (ties to the lower lane) as a bool
-    mask: a 16-step binary search over key values, run for the R rows at once. Lanes
-    outside a row's scores hold key -1."""
-    R = key.shape[0]
-
-    def halve(_, bounds):                # per row: count(key >= lo) >= k > count(>= hi)
-        lo, hi = bounds
-        mid = (lo + hi) // 2
-        enough = jnp.sum((key >= mid[:, None]).astype(jnp.int32), axis=1) >= k
-        return jnp.where(enough, mid, lo), jnp.where(enough, hi, mid)
-
-    kth, _ = lax.fori_loop(0, KEY_BITS, halve,
-                           (jnp.zeros((R,), jnp.int32),
-                            jnp.full((R,), 1 << KEY_BITS, jnp.int32)))
+    mask, the R rows' k-th keys searched at once (:func:`.top_k.kth_keys`). Lanes outside
+    a row's scores hold key -1."""
+    kth = kth_keys(key, k)
     above = key > kth[:, None]
     tie = key == kth[:, None]
     room = k - jnp.sum(above.astype(jnp.int32), axis=1)
