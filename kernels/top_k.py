@@ -19,7 +19,6 @@ a chunk of the scores, instead of one program doing 16 dependent counting passes
 from __future__ import annotations
 
 import functools
-import os
 
 import jax
 import jax.numpy as jnp
@@ -55,53 +54,22 @@ def _top_k_kernel(s_ref, o_ref, *, n: int, k: int, block: int):
     plgpu.store(o_ref.at[_ranked_slots(key, k)], ids)
 
 
-# How the k-th key is searched for: "binary" (one count per step, 16 steps) or "ternary"
-# (two counts packed in one int32 sum per step, 11 steps). Read once, at import.
-KEY_SEARCH = os.environ.get("DEJAVU_KEY_SEARCH", "binary")
-PACKED_COUNT_LANES = 1 << 15   # a count packed in an int32's upper half stays below 2**15
-
-
-def ternary_steps(width: int = 1 << KEY_BITS) -> int:
-    """Steps of :func:`kth_keys`' ternary search that shrink a range of `width` keys to one
-    (the widest third each time)."""
-    steps = 0
-    while width > 1:
-        width, steps = max((width + 2) // 3, width - (2 * width + 2) // 3), steps + 1
-    return steps
-
-
 def kth_keys(key: jax.Array, k: int) -> jax.Array:
     """The k-th largest key along the last axis of ``key`` (int32 keys in [0, 2**16), -1
-    for lanes to ignore; at least k lanes not ignored): one value per leading index.
-
-    Either search keeps count(key >= lo) >= k > count(key >= hi) until hi = lo + 1: a
-    binary one, or (`KEY_SEARCH` "ternary", blocks below 2**15 lanes) one that counts at
-    two marks per step, both counts in one int32 sum (the upper mark's shifted by 16)."""
+    for lanes to ignore; at least k lanes not ignored): one value per leading index. A
+    16-step binary search over key values keeps count(key >= lo) >= k > count(key >= hi),
+    one count per step."""
     lead = key.shape[:-1]
-    lo = jnp.zeros(lead, jnp.int32)
-    hi = jnp.full(lead, 1 << KEY_BITS, jnp.int32)
-    count = lambda x: jnp.sum(x.astype(jnp.int32), axis=-1)
     at = (lambda m: m[..., None]) if key.ndim > 1 else (lambda m: m)   # a mark per row
 
     def halve(_, bounds):
         lo, hi = bounds
         mid = (lo + hi) // 2
-        enough = count(key >= at(mid)) >= k
+        enough = jnp.sum((key >= at(mid)).astype(jnp.int32), axis=-1) >= k
         return jnp.where(enough, mid, lo), jnp.where(enough, hi, mid)
 
-    def third(_, bounds):
-        lo, hi = bounds
-        width = hi - lo
-        m1, m2 = lo + (width + 2) // 3, lo + (2 * width + 2) // 3
-        packed = jnp.sum((key >= at(m1)).astype(jnp.int32)
-                         + ((key >= at(m2)).astype(jnp.int32) << 16), axis=-1)
-        upper, lower = (packed >> 16) >= k, (packed & 0xFFFF) >= k
-        return (jnp.where(upper, m2, jnp.where(lower, m1, lo)),
-                jnp.where(upper, hi, jnp.where(lower, m2, m1)))
-
-    if KEY_SEARCH == "ternary" and key.shape[-1] < PACKED_COUNT_LANES:
-        return lax.fori_loop(0, ternary_steps(), third, (lo, hi))[0]
-    return lax.fori_loop(0, KEY_BITS, halve, (lo, hi))[0]
+    bounds = (jnp.zeros(lead, jnp.int32), jnp.full(lead, 1 << KEY_BITS, jnp.int32))
+    return lax.fori_loop(0, KEY_BITS, halve, bounds)[0]
 
 
 def _ranked_slots(key, k: int):
