@@ -499,3 +499,22 @@ def test_a_cache_larger_than_the_free_memory_is_skipped_unrun(tmp_path, monkeypa
     assert [r["batch"] for r in rows] == [1]
     assert math.isfinite(rows[0]["ms_loop"]) and rows[0]["ms_loop"] > 0
     assert "SKIPPED opt-tiny stacked ctx=16 batch=4" in (out / "bench_decode.log").read_text()
+
+
+def test_dispatch_overhead_times_every_layout(tmp_path):
+    """`eval.dispatch_overhead` on tiny OPT: one row per layout (per-layer, small arrays
+    packed, stacked K/V cache), every timing finite and positive, fewer buffers packed."""
+    from dejavu_jax.eval import dispatch_overhead
+    assert dispatch_overhead.main(["--models", "opt-tiny", "--packed", "--stacked-cache",
+                                   "--steps", "1", "--warmup", "0", "--out",
+                                   str(tmp_path)]) == 0
+    result = json.loads((tmp_path / "dispatch_overhead.json").read_text())
+    rows = {r["layout"]: r for r in result["rows"]}
+    assert set(rows) == {"per-layer", "per-layer-packed", "per-layer-stacked-cache"}
+    timings = ("chained", "compiled_synced", "jit_synced", "jit_queued", "args_only",
+               "args_weights_only", "sync_floor", "host_chosen", "callback_floor")
+    for row in rows.values():
+        assert all(np.isfinite(row[t]) and row[t] > 0 for t in timings), row
+    assert rows["per-layer"]["args_stacked_cache"] > 0
+    assert rows["per-layer-packed"]["leaves"] < rows["per-layer"]["leaves"]
+    assert result["meta"]["code_fingerprint"]
