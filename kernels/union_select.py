@@ -6,7 +6,7 @@ launch does it, with a program per chunk of the scores holding all B rows of its
 
 1. each row's chunk maps to 16-bit keys (the scores' bfloat16 truncation, as in
    :mod:`.top_k`), and a 16-step binary search over key values, run for the B rows at
-   once, finds each row's ``k_c``-th largest key;
+   once (:func:`.top_k.kth_keys`), finds each row's ``k_c``-th largest key;
 2. a lane is a member when some row chooses it (its keys above that row's k-th, then
    ties in lane order);
 3. the chunk writes ``cap_c = min(c, B * k_c)`` ids in ascending order: its members, and
@@ -21,7 +21,6 @@ import functools
 
 import jax
 import jax.numpy as jnp
-from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
