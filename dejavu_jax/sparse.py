@@ -789,6 +789,12 @@ def sparse_layers(config: ModelConfig, scfg: SparseConfig, params: ModelParams,
     planned = scfg
     for start, stop, dense, k_mlp, k_heads, mode in planned.layer_runs(config, x.shape[0]):
         scfg = planned_config(planned, mode)
+        if dense and _dense_in_place(config, scfg, params, x.shape[0], reduce):
+            x, prev_input, io = _fused_segment(
+                config, scfg, params, every_unit, None, x, io, step,
+                every_unit(None, start, x, config.ffn, config.n_heads), start, stop,
+                config.ffn, config.n_heads, unrolled)
+            continue
         if dense or scfg.oracle:
             oracle_k = None if dense else (k_mlp, k_heads)
 
@@ -833,6 +839,22 @@ def sparse_layers(config: ModelConfig, scfg: SparseConfig, params: ModelParams,
         x, io, _, prev_input = _layer_loop(sparse_body, (x, io, idx, prev_input), start, stop,
                                            unrolled)
     return x, io
+
+
+def every_unit(params, layer, x, k_mlp: int, k_heads: int):
+    """A Selector of every neuron and query head (`k_mlp`, `k_heads` of them)."""
+    return jnp.arange(k_mlp, dtype=jnp.int32), jnp.arange(k_heads, dtype=jnp.int32)
+
+
+def _dense_in_place(config: ModelConfig, scfg: SparseConfig, params: ModelParams,
+                    batch: int, reduce) -> bool:
+    """Whether a dense segment runs through the sparse kernels with every unit selected:
+    over stacked weights at batch 1 on the Pallas paths, where the kernels read each layer
+    in place and XLA's dense products would copy its slice of the stack first."""
+    from dejavu_jax.kernels._common import resolve_impl
+    return (not isinstance(params.layers, tuple) and batch == 1 and reduce is None
+            and config.pre_norm and not config.post_norms and params.layers.wq is not None
+            and resolve_impl(scfg.impl) != "reference")
 
 
 def planned_config(scfg: SparseConfig, mode: str | None) -> SparseConfig:

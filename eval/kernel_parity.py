@@ -203,7 +203,8 @@ TIE_SLACK = 2.0 ** -6  # two bfloat16 key steps
 @contextlib.contextmanager
 def _recording_layer_sets(log: list, ordered: bool = True):
     """Record, for every layer the decode step traces while inside, (layer, its input
-    row, neuron ids, KV-group ids); dense layers record no ids. One host callback per
+    row, neuron ids, KV-group ids); dense layers, and layers that select every unit (how
+    dense layers run over stacked weights), record no ids. One host callback per
     layer and token (unordered ones may come in any order within a step)."""
     real_sparse, real_dense = sparse._fused_sparse_layer, sparse._dense_layer
 
@@ -212,7 +213,8 @@ def _recording_layer_sets(log: list, ordered: bool = True):
                            jnp.asarray(layer), x[0], *sets, ordered=ordered)
 
     def fused(config, scfg, view, io, layer, x, neurons, groups, *args, **kw):
-        record(layer, x, neurons, groups)
+        every_unit = neurons.shape[-1] == config.ffn and groups.shape[-1] == config.n_heads
+        record(layer, x, *(() if every_unit else (neurons, groups)))  # a dense layer in place
         return real_sparse(config, scfg, view, io, layer, x, neurons, groups, *args, **kw)
 
     def dense(config, view, io, layer, x, *args, **kw):

@@ -539,6 +539,43 @@ def test_unrolled_layers_equal_stacked_scan():
                                            stop_ids=[]).tokens
 
 
+@pytest.mark.parametrize("preset", ["opt-tiny", "llama-tiny"])
+def test_stacked_dense_layers_run_in_place_through_the_kernels(preset, monkeypatch):
+    """Over stacked weights at batch 1 on the Pallas paths (here the interpreter) the dense
+    layers run through the sparse kernels with every unit selected, reading the stack in
+    place: no XLA dense layer runs, the MLP kernel gets every neuron, and the logits are
+    the dense model's (every layer dense) and the per-layer layout's (MLP 0.3 / heads 0.5
+    after 2 dense layers, which XLA runs)."""
+    from dejavu_jax.eval.bench_decode import random_sets
+    from dejavu_jax.params import unstack_layers
+    config = dj.preset(preset)
+    params = dj.init_params(config, jax.random.key(11), jnp.float32, std=0.1)
+    dense_layer_calls, mlp_rows = [], []
+    real_dense, real_mlp = sparse._dense_layer, sparse.kernels.sparse_mlp
+    monkeypatch.setattr(sparse, "_dense_layer",
+                        lambda *a, **kw: dense_layer_calls.append(a[3]) or real_dense(*a, **kw))
+    monkeypatch.setattr(sparse.kernels, "sparse_mlp",
+                        lambda *a, **kw: mlp_rows.append(a[5].shape[-1]) or real_mlp(*a, **kw))
+
+    all_dense = sparse.sparse_config(config, 1.0, 1.0, dense_layers=config.n_layers,
+                                     impl="interpret")
+    for dense_logits, stacked_logits in _run_both(config, params, all_dense,
+                                                  _full_sets(config), [[5, 9, 14, 3]], 4):
+        assert_finite_close(stacked_logits, dense_logits, atol=2e-5)
+    assert not dense_layer_calls
+    assert mlp_rows and set(mlp_rows) == {config.ffn}
+
+    scfg = sparse.sparse_config(config, 0.3, 0.5, dense_layers=2, impl="interpret")
+    sets = random_sets(config, scfg, seed=1)
+    mlp_rows.clear()
+    stacked = _run_both(config, params, scfg, sets, [[5, 9, 14, 3]], 4)
+    assert not dense_layer_calls and config.ffn in mlp_rows
+    unrolled = _run_both(config, unstack_layers(params), scfg, sets, [[5, 9, 14, 3]], 4)
+    assert dense_layer_calls     # the per-layer layout runs XLA's dense layers
+    for (_, a), (_, b) in zip(stacked, unrolled):
+        assert_finite_close(a, b, atol=2e-5)
+
+
 def test_kernel_configs_reach_the_kernels(monkeypatch):
     """SparseConfig.attn_config / mlp_config are the configs the step's kernels receive."""
     from dejavu_jax import kernels
