@@ -186,6 +186,12 @@ def test_sparse_decode_step_lowers(preset, batch, split, stacked):
     # whose first product rides in the MLP norm's launch (2 rows of 2 heads each: every
     # head, so the projection is XLA's)
     assert ("gather_matvec_layer_norm" in text) == (batch > 1)
+    # the dense layer: XLA's products over per-layer weights; over stacked ones the kernels
+    # with every unit selected, reading the stack in place (no XLA product of a layer's
+    # MLP weights, which would copy its slice out of the stack first)
+    products = [line for line in text.splitlines() if "stablehlo.dot_general" in line]
+    mlp_weights = f"tensor<{config.ffn}x{config.hidden}xbf16>"
+    assert any(mlp_weights in line for line in products) == (not stacked)
 
 
 @pytest.mark.parametrize("preset", ["opt-tiny", "llama-tiny"])
