@@ -791,8 +791,8 @@ def sparse_layers(config: ModelConfig, scfg: SparseConfig, params: ModelParams,
         scfg = planned_config(planned, mode)
         if dense and _dense_in_place(config, scfg, params, x.shape[0], reduce):
             x, prev_input, io = _fused_segment(
-                config, scfg, params, every_unit, None, x, io, step,
-                every_unit(None, start, x, config.ffn, config.n_heads), start, stop,
+                config, scfg, params, _every_unit, None, x, io, step,
+                _every_unit(None, start, x, config.ffn, config.n_heads), start, stop,
                 config.ffn, config.n_heads, unrolled)
             continue
         if dense or scfg.oracle:
@@ -841,7 +841,7 @@ def sparse_layers(config: ModelConfig, scfg: SparseConfig, params: ModelParams,
     return x, io
 
 
-def every_unit(params, layer, x, k_mlp: int, k_heads: int):
+def _every_unit(params, layer, x, k_mlp: int, k_heads: int):
     """A Selector of every neuron and query head (`k_mlp`, `k_heads` of them)."""
     return jnp.arange(k_mlp, dtype=jnp.int32), jnp.arange(k_heads, dtype=jnp.int32)
 
