@@ -947,7 +947,8 @@ class PredictorSelector:
 
     def __init__(self, group_size: int, union_capacity=None, method: str = "exact",
                  impl: str | None = None, ride_mlp_launches: bool = True,
-                 row_heads: bool = True, batch_kernels: bool = True):
+                 row_heads: bool = True, batch_kernels: bool = True,
+                 batch_heads_in_fc1: bool = False):
         from dejavu_jax.sparse_variants import TOP_K_VARIANTS
         if method not in SELECT_METHODS + TOP_K_VARIANTS:
             raise ValueError(f"unknown selection method {method!r}; choose from "
@@ -957,6 +958,7 @@ class PredictorSelector:
         self.ride_mlp_launches = ride_mlp_launches
         self.row_heads = row_heads
         self.batch_kernels = batch_kernels
+        self.batch_heads_in_fc1 = batch_heads_in_fc1
         self.shared = False   # one set for a whole batch: `shared_batch`
 
     def shared_batch(self) -> "PredictorSelector":
@@ -1045,10 +1047,11 @@ class PredictorSelector:
         are the sets of calling the selector."""
         from dejavu_jax.kernels.batch_predictor_select import batch_selection_parts_after
         p = pred_params
-        score, select_of = batch_selection_parts_after(
+        first, then_of = batch_selection_parts_after(
             h_parts, p.b1, p.w2_mlp, p.b2_mlp, p.w2_heads, p.b2_heads,
-            jnp.asarray(layer, jnp.int32), k_mlp, k_heads, activation=p.activation)
-        return Riders((score,), lambda outs: [select_of(outs[0][0])])
+            jnp.asarray(layer, jnp.int32), k_mlp, k_heads, activation=p.activation,
+            heads_first=self.batch_heads_in_fc1)
+        return Riders(first, lambda outs: [then_of(outs)])
 
     def splits(self, pred_params, batch: int) -> bool:
         """Whether a decode step may run this selector split across the layer."""

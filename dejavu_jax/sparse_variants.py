@@ -17,6 +17,9 @@ measured against (docs/kernels.md, "What was tried"):
   XLA_BATCH             a --select suffix: a batch scores and selects through XLA (the
                         layer's predictors sliced out, small fusions) instead of
                         `kernels.batch_predictor_select`'s three launches
+  HEADS_IN_FC1          a --select suffix: a batch's heads are selected in the fc1 launch
+                        (beside the score product) instead of the fc2 launch, which then
+                        holds the union's chunk programs alone
   without_kv_recompute  missing-KV recomputation off (inexact: isolates its cost)
 """
 
@@ -30,7 +33,8 @@ TOP_K_VARIANTS = ("threshold", "radix", "chunked", "packed")
 APART = "-apart"
 UNION_HEADS = "-union-heads"
 XLA_BATCH = "-xla-batch"
-SUFFIXES = (APART, UNION_HEADS, XLA_BATCH)
+HEADS_IN_FC1 = "-heads-in-fc1"
+SUFFIXES = (APART, UNION_HEADS, XLA_BATCH, HEADS_IN_FC1)
 
 
 def _split_name(name: str) -> tuple[str, set[str]]:
@@ -78,8 +82,9 @@ def variant_selector(group_size: int, name: str, impl: str | None = None,
 
     The method picks each row's top-k as `sparse.predictor_selector` does for the public
     ones; the suffix `APART` keeps a split selector out of the MLP's launches,
-    `UNION_HEADS` gives a batch the union of its rows' heads, and `XLA_BATCH` has a batch
-    select through XLA.
+    `UNION_HEADS` gives a batch the union of its rows' heads, `XLA_BATCH` has a batch
+    select through XLA, and `HEADS_IN_FC1` moves a batch's heads selection into fc1's
+    launch.
     """
     if not is_selector_name(name):
         raise ValueError(f"unknown selection method {name!r}; choose from "
@@ -89,7 +94,8 @@ def variant_selector(group_size: int, name: str, impl: str | None = None,
     return sparse.PredictorSelector(group_size, union_capacity, method, impl,
                                     ride_mlp_launches=APART not in suffixes,
                                     row_heads=UNION_HEADS not in suffixes,
-                                    batch_kernels=XLA_BATCH not in suffixes)
+                                    batch_kernels=XLA_BATCH not in suffixes,
+                                    batch_heads_in_fc1=HEADS_IN_FC1 in suffixes)
 
 
 def without_kv_recompute(scfg: sparse.SparseConfig) -> sparse.SparseConfig:

@@ -32,8 +32,9 @@
    logits and K cache.
    ("batch-select") A 3-row decode on tiny OPT with the union policy and the local
    method, its selection riding in the step's launches (the first product in the MLP
-   norm's or the q/k/v projection's, the rest in the MLP's): the reference step replaying
-   the sets it chose gives its logits and K cache.
+   norm's or the q/k/v projection's, the rest in the MLP's; the heads' program in fc2's
+   launch, and in fc1's as the benchmark variant `-heads-in-fc1` runs it): the reference
+   step replaying the sets it chose gives its logits and K cache.
 
 7. ("threshold") Activation-sparse decode (`kernels.threshold_matvec` on input-major
    weights, thresholds dropping about 40% of every site) on tiny Llama (the up projection
@@ -52,6 +53,7 @@ import argparse
 import contextlib
 import dataclasses
 import functools
+import itertools
 import json
 import time
 import sys
@@ -65,7 +67,7 @@ from dejavu_jax import config as config_lib
 from dejavu_jax import sparse
 from dejavu_jax.eval.bench_decode import random_sets
 from dejavu_jax.params import init_params, unstack_layers
-from dejavu_jax.sparse_variants import APART, variant_selector
+from dejavu_jax.sparse_variants import APART, HEADS_IN_FC1, variant_selector
 
 
 @functools.cache
@@ -336,12 +338,15 @@ def _batch_step_sets(log: list, n_layers: int):
 # rows' heads whose union is every head (the first product of the selection rides in the
 # MLP norm's launch) and fewer (in the q/k/v projection's launch)
 BATCH_SELECT_HEADS = (0.5, 0.25)
+# the selection as the step runs it, and the benchmark variant with the heads in fc1's launch
+BATCH_SELECT_METHODS = ("local", "local" + HEADS_IN_FC1)
 
 
 def batch_select_rows(impl: str, steps: int) -> list[dict]:
     """("batch-select") A 3-row sparse decode on tiny OPT (unrolled layers) with decode-form
     predictors, the union policy and the local method, the selection riding in the
-    step's other launches (`sparse.PredictorSelector.batch_riders`): the reference step
+    step's other launches (`sparse.PredictorSelector.batch_riders`; `BATCH_SELECT_METHODS`:
+    the heads' program in the fc2 launch, and in the fc1 launch): the reference step
     replaying the sets the kernel path chose gives its logits and K cache. The sets
     themselves are checked against their reference by check 5 ("predictor"); reported,
     not checked: how many equal the reference path's and the logits' difference from it.
@@ -353,11 +358,11 @@ def batch_select_rows(impl: str, steps: int) -> list[dict]:
     preds = decode_predictors(random_predictors(config, 16, jax.random.key(1)))
     rows = []
     with jax.default_matmul_precision("highest"):
-        for heads in BATCH_SELECT_HEADS:
+        for heads, name in itertools.product(BATCH_SELECT_HEADS, BATCH_SELECT_METHODS):
             scfg = dataclasses.replace(sparse.sparse_config(config, 0.1, heads, dense_layers=1,
                                                             kv_window=4), batch_policy="union")
             ref_scfg = dataclasses.replace(scfg, impl="reference")
-            select = variant_selector(1, "local", impl=impl)
+            select = variant_selector(1, name, impl=impl)
             rides = select.rides_batch(preds, 3, scfg.mlp_k[-1], impl)
             log: list = []
             got = _decode(config, dataclasses.replace(scfg, impl=impl), unstack_layers(params),
@@ -373,7 +378,7 @@ def batch_select_rows(impl: str, steps: int) -> list[dict]:
                 (x for pair in got_sets for x in pair),
                 (x for pair in _batch_step_sets(ref_log, config.n_layers) for x in pair)))
             rows.append(dict(check="batch-select", preset="opt-tiny", batch=3, heads=heads,
-                             rides=bool(rides), steps=steps,
+                             select=name, rides=bool(rides), steps=steps,
                              logits=float(np.abs(got[0] - replay[0]).max()),
                              k_cache=float(np.abs(got[1] - replay[1]).max()),
                              sets_equal=f"{equal}/{2 * steps}",

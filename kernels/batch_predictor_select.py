@@ -80,56 +80,80 @@ def _hidden_rows_loader(act_refs, r, valid, rows, *, nds, B, Bp, r_mlp, r_all, a
     return jnp.where(ok, _rounded(a, dtype), 0.0)
 
 
-def _select_body(pids, layer_ref, sp_ref, b2m_ref, h_ref, b1_ref, w2h_ref, b2h_ref, om_ref,
-                 oh_ref, *, B, n_sp, F, c, kc, cap, cap_last, C, block, nds, r_mlp, r_heads,
-                 rhp, H, Hp, k_heads, activation, dtype):
+def _union_body(pids, layer_ref, sp_ref, b2m_ref, om_ref, *, B, n_sp, F, c, kc, cap,
+                cap_last, C, block):
+    """Chunk program p < C: the union of the rows' local top-k of its chunk."""
     f32 = jnp.float32
     p = pids[0]
     layer = layer_ref[0]
+    brow = jnp.arange(next_pow2(B), dtype=jnp.int32)
+    lane = jnp.arange(block, dtype=jnp.int32)
+    ids = p * c + lane
+    valid = (lane < c) & (ids < F)
+    ok = (brow < B)[:, None] & valid[None, :]
+    s = plgpu.load(b2m_ref.at[layer * F + ids], mask=valid, other=0).astype(f32)[None, :]
+    for i in range(n_sp):
+        s = s + plgpu.load(sp_ref.at[i, brow[:, None], ids[None, :]], mask=ok, other=0.0)
+    key = jnp.where(ok, score_keys(s), -1)
+    cap_p = cap + (cap_last - cap) * (p == C - 1).astype(jnp.int32)
+    slot = union_slots(rows_chosen(key, kc), valid, cap_p)
+    plgpu.store(om_ref.at[p * cap + slot], ids, mask=slot < cap_p)
+
+
+def _heads_body(layer_ref, h_ref, b1_ref, w2h_ref, b2h_ref, oh_ref, *, B, nds, r_mlp, r_heads,
+                rhp, H, Hp, k_heads, activation, dtype):
+    """The heads' program: every row's head scores and its exact top-k heads."""
+    f32 = jnp.float32
+    layer = layer_ref[0]
+    brow = jnp.arange(batch_pad(B), dtype=jnp.int32)   # >= 16 rows for the product
+    live = brow < B
+    j = jnp.arange(rhp, dtype=jnp.int32)
+    jm = j < r_heads
+    ok = live[:, None] & jm[None, :]
+    col = r_mlp + j
+    h = plgpu.load(h_ref.at[0, brow[:, None], col[None, :]], mask=ok, other=0.0)
+    for s in range(1, nds):
+        h = h + plgpu.load(h_ref.at[s, brow[:, None], col[None, :]], mask=ok, other=0.0)
+    h = h + plgpu.load(b1_ref.at[layer * (r_mlp + r_heads) + col], mask=jm,
+                       other=0).astype(f32)[None, :]
+    a = jnp.where(ok, _rounded(activation_fn(ACTIVATIONS[activation])(h), dtype), 0.0)
+    hc = jnp.arange(Hp, dtype=jnp.int32)
+    hm = hc < H
+    w = plgpu.load(w2h_ref.at[(layer * r_heads + j)[:, None], hc[None, :]],
+                   mask=jm[:, None] & hm[None, :], other=0)
+    scores = mma(a, w) + plgpu.load(b2h_ref.at[layer * H + hc], mask=hm,
+                                    other=0).astype(f32)[None, :]
+    chosen = rows_chosen(jnp.where(live[:, None] & hm[None, :], score_keys(scores), -1),
+                         k_heads)
+    slot = jnp.where(chosen, jnp.cumsum(chosen.astype(jnp.int32), axis=1),
+                     k_heads + jnp.cumsum(jnp.logical_not(chosen).astype(jnp.int32),
+                                          axis=1)) - 1     # distinct lanes, distinct slots
+    plgpu.store(oh_ref.at[brow[:, None], slot],
+                jnp.broadcast_to(hc[None, :], (brow.shape[0], Hp)),
+                mask=live[:, None] & (slot < k_heads))
+
+
+def _select_body(pids, layer_ref, sp_ref, b2m_ref, h_ref, b1_ref, w2h_ref, b2h_ref, om_ref,
+                 oh_ref, *, union, heads):
+    p = pids[0]
+    C = union["C"]
 
     @pl.when(p < C)
     def _():
-        brow = jnp.arange(next_pow2(B), dtype=jnp.int32)
-        lane = jnp.arange(block, dtype=jnp.int32)
-        ids = p * c + lane
-        valid = (lane < c) & (ids < F)
-        ok = (brow < B)[:, None] & valid[None, :]
-        s = plgpu.load(b2m_ref.at[layer * F + ids], mask=valid, other=0).astype(f32)[None, :]
-        for i in range(n_sp):
-            s = s + plgpu.load(sp_ref.at[i, brow[:, None], ids[None, :]], mask=ok, other=0.0)
-        key = jnp.where(ok, score_keys(s), -1)
-        cap_p = cap + (cap_last - cap) * (p == C - 1).astype(jnp.int32)
-        slot = union_slots(rows_chosen(key, kc), valid, cap_p)
-        plgpu.store(om_ref.at[p * cap + slot], ids, mask=slot < cap_p)
+        _union_body(pids, layer_ref, sp_ref, b2m_ref, om_ref, **union)
 
     @pl.when(p == C)
     def _():
-        brow = jnp.arange(batch_pad(B), dtype=jnp.int32)   # >= 16 rows for the product
-        live = brow < B
-        j = jnp.arange(rhp, dtype=jnp.int32)
-        jm = j < r_heads
-        ok = live[:, None] & jm[None, :]
-        col = r_mlp + j
-        h = plgpu.load(h_ref.at[0, brow[:, None], col[None, :]], mask=ok, other=0.0)
-        for s in range(1, nds):
-            h = h + plgpu.load(h_ref.at[s, brow[:, None], col[None, :]], mask=ok, other=0.0)
-        h = h + plgpu.load(b1_ref.at[layer * (r_mlp + r_heads) + col], mask=jm,
-                           other=0).astype(f32)[None, :]
-        a = jnp.where(ok, _rounded(activation_fn(ACTIVATIONS[activation])(h), dtype), 0.0)
-        hc = jnp.arange(Hp, dtype=jnp.int32)
-        hm = hc < H
-        w = plgpu.load(w2h_ref.at[(layer * r_heads + j)[:, None], hc[None, :]],
-                       mask=jm[:, None] & hm[None, :], other=0)
-        scores = mma(a, w) + plgpu.load(b2h_ref.at[layer * H + hc], mask=hm,
-                                        other=0).astype(f32)[None, :]
-        chosen = rows_chosen(jnp.where(live[:, None] & hm[None, :], score_keys(scores), -1),
-                             k_heads)
-        slot = jnp.where(chosen, jnp.cumsum(chosen.astype(jnp.int32), axis=1),
-                         k_heads + jnp.cumsum(jnp.logical_not(chosen).astype(jnp.int32),
-                                              axis=1)) - 1     # distinct lanes, distinct slots
-        plgpu.store(oh_ref.at[brow[:, None], slot],
-                    jnp.broadcast_to(hc[None, :], (brow.shape[0], Hp)),
-                    mask=live[:, None] & (slot < k_heads))
+        _heads_body(layer_ref, h_ref, b1_ref, w2h_ref, b2h_ref, oh_ref, **heads)
+
+
+def _heads_part_body(pids, layer_ref, h_ref, b1_ref, w2h_ref, b2h_ref, oh_ref, *, heads):
+    _heads_body(layer_ref, h_ref, b1_ref, w2h_ref, b2h_ref, oh_ref, **heads)
+
+
+def _union_part_body(pids, layer_ref, sp_ref, b2m_ref, heads_in_ref, om_ref, oh_ref, *,
+                     union):
+    _union_body(pids, layer_ref, sp_ref, b2m_ref, om_ref, **union)   # heads: aliased through
 
 
 def batch_union_shape(B: int, F: int, k_mlp: int, chunk: int = 2048) -> int:
@@ -174,26 +198,65 @@ def score_part(h_parts, b1, w2_mlp, layer, B: int, *, activation: str = "none"
     return dataclasses.replace(part, name="batch_predictor_scores")
 
 
+def _union_settings(B: int, F: int, k_mlp: int, n_sp: int, chunk: int) -> dict:
+    """The static settings of the chunk programs (`_union_body`)."""
+    C, c, kc, cap = union_local_shape(B, F, k_mlp, chunk)
+    return dict(B=B, n_sp=n_sp, F=F, c=c, kc=kc, cap=cap,
+                cap_last=last_chunk_cap(B, F, k_mlp, chunk), C=C, block=next_pow2(c))
+
+
+def _heads_settings(h_parts, b1, w2_heads, k_heads: int, activation: str) -> dict:
+    """The static settings of the heads' program (`_heads_body`)."""
+    r_heads, H = w2_heads.shape[1:]
+    return dict(B=h_parts.shape[1], nds=h_parts.shape[0], r_mlp=b1.shape[1] - r_heads,
+                r_heads=r_heads, rhp=max(16, next_pow2(r_heads)), H=H,
+                Hp=max(16, next_pow2(H)), k_heads=k_heads, activation=activation,
+                dtype=w2_heads.dtype)
+
+
 def select_part(score_parts, h_parts, b1, b2_mlp, w2_heads, b2_heads, layer, k_mlp: int,
                 k_heads: int, *, activation: str = "none", chunk: int = 2048) -> LaunchPart:
     """Step 3 as a :class:`~.launch.LaunchPart` of ``C + 1`` programs; its outputs are the
     union's neuron ids and the rows' head ids ``[B, k_heads]``."""
     L, F = b2_mlp.shape
     r_heads, H = w2_heads.shape[1:]
-    r_mlp = b1.shape[1] - r_heads
     B = score_parts.shape[1]
-    C, c, kc, cap = union_local_shape(B, F, k_mlp, chunk)
-    body = functools.partial(
-        _select_body, B=B, n_sp=score_parts.shape[0], F=F, c=c, kc=kc, cap=cap,
-        cap_last=last_chunk_cap(B, F, k_mlp, chunk), C=C,
-        block=next_pow2(c), nds=h_parts.shape[0], r_mlp=r_mlp, r_heads=r_heads,
-        rhp=max(16, next_pow2(r_heads)), H=H, Hp=max(16, next_pow2(H)), k_heads=k_heads,
-        activation=activation, dtype=w2_heads.dtype)
+    union = _union_settings(B, F, k_mlp, score_parts.shape[0], chunk)
+    body = functools.partial(_select_body, union=union,
+                             heads=_heads_settings(h_parts, b1, w2_heads, k_heads, activation))
     inputs = (_layer_array(layer), score_parts, b2_mlp.reshape(-1), h_parts, b1.reshape(-1),
               w2_heads.reshape(L * r_heads, H), b2_heads.reshape(-1))
     out_shape = (jax.ShapeDtypeStruct((union_local_size(B, F, k_mlp, chunk),), jnp.int32),
                  jax.ShapeDtypeStruct((B, k_heads), jnp.int32))
-    return LaunchPart(body, (C + 1,), inputs, out_shape, name="batch_predictor_select")
+    return LaunchPart(body, (union["C"] + 1,), inputs, out_shape,
+                      name="batch_predictor_select")
+
+
+def heads_part(h_parts, b1, w2_heads, b2_heads, layer, k_heads: int, *,
+               activation: str = "none") -> LaunchPart:
+    """The heads' program of :func:`select_part` as a part of its own (one program, output
+    the rows' head ids ``[B, k_heads]``), to ride in another launch than the union's."""
+    L, r_heads, H = w2_heads.shape
+    heads = _heads_settings(h_parts, b1, w2_heads, k_heads, activation)
+    inputs = (_layer_array(layer), h_parts, b1.reshape(-1), w2_heads.reshape(L * r_heads, H),
+              b2_heads.reshape(-1))
+    out_shape = (jax.ShapeDtypeStruct((h_parts.shape[1], k_heads), jnp.int32),)
+    return LaunchPart(functools.partial(_heads_part_body, heads=heads), (1,), inputs,
+                      out_shape, name="batch_predictor_heads")
+
+
+def union_part(score_parts, b2_mlp, layer, k_mlp: int, head_ids, *,
+               chunk: int = 2048) -> LaunchPart:
+    """The chunk programs of :func:`select_part` alone (``C`` programs); its outputs are the
+    union's neuron ids and ``head_ids`` (from :func:`heads_part`), handed through."""
+    L, F = b2_mlp.shape
+    B = score_parts.shape[1]
+    union = _union_settings(B, F, k_mlp, score_parts.shape[0], chunk)
+    inputs = (_layer_array(layer), score_parts, b2_mlp.reshape(-1), head_ids)
+    out_shape = (jax.ShapeDtypeStruct((union_local_size(B, F, k_mlp, chunk),), jnp.int32),
+                 jax.ShapeDtypeStruct(head_ids.shape, jnp.int32))
+    return LaunchPart(functools.partial(_union_part_body, union=union), (union["C"],), inputs,
+                      out_shape, aliases={3: 1}, name="batch_predictor_union")
 
 
 def select_warps_default(B: int, F: int, k_mlp: int, chunk: int = 2048) -> int:
@@ -248,12 +311,14 @@ def _validate(x_rms, w1t, b1, w2_mlp, b2_mlp, w2_heads, b2_heads, k_mlp, k_heads
 
 def batch_selection_parts_after(h_parts, b1, w2_mlp, b2_mlp, w2_heads, b2_heads, layer,
                                 k_mlp: int, k_heads: int, *, activation: str = "none",
-                                chunk: int = 2048):
+                                chunk: int = 2048, heads_first: bool = False):
     """:func:`batch_predictor_select`'s steps 2 and 3 as launch parts for other kernels'
     launches (the sparse MLP's, `kernels.sparse_mlp.Riders`), from the first product's fp32
     partials ``[P, B, >= R]`` (:func:`first_product`, or the same product riding in another
-    launch): the score product's part, and a function of its output (the score partials)
-    giving the selection's part, whose outputs are (union neuron ids, head ids [B, k_heads])."""
+    launch): ``(first parts, then_of)``, the parts of the first launch (the score product)
+    and a function of their outputs giving the part of the second launch, whose outputs are
+    (union neuron ids, head ids [B, k_heads]). heads_first: the heads' program rides in
+    the first launch (:func:`heads_part`) and the second holds the chunk programs alone."""
     B = h_parts.shape[1]
     if not 2 <= B <= 64:
         raise ValueError(f"batch selection takes 2..64 rows, got {B}")
@@ -261,9 +326,14 @@ def batch_selection_parts_after(h_parts, b1, w2_mlp, b2_mlp, w2_heads, b2_heads,
         raise ValueError(f"first product partials {h_parts.shape} must be [P, B, >= "
                          f"{b1.shape[1]}]")
     score = score_part(h_parts, b1, w2_mlp, layer, B, activation=activation)
-    return score, lambda score_parts: select_part(
-        score_parts, h_parts, b1, b2_mlp, w2_heads, b2_heads, layer, int(k_mlp),
-        int(k_heads), activation=activation, chunk=chunk)
+    if heads_first:
+        heads = heads_part(h_parts, b1, w2_heads, b2_heads, layer, int(k_heads),
+                           activation=activation)
+        return (score, heads), lambda outs: union_part(outs[0][0], b2_mlp, layer, int(k_mlp),
+                                                       outs[1][0], chunk=chunk)
+    return (score,), lambda outs: select_part(
+        outs[0][0], h_parts, b1, b2_mlp, w2_heads, b2_heads, layer, int(k_mlp), int(k_heads),
+        activation=activation, chunk=chunk)
 
 
 def batch_predictor_select(x_rms, w1t, b1, w2_mlp, b2_mlp, w2_heads, b2_heads, layer,

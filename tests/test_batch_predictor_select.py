@@ -79,22 +79,24 @@ def test_batch_select_rejects_bad_inputs():
                                k_mlp=3, k_heads=2)
 
 
-@pytest.mark.parametrize("ride,mlp,heads", [(True, 0.1, 0.5), (True, 0.1, 0.25),
-                                            (False, 0.1, 0.5), (True, 0.2, 0.5)])
-def test_a_batch_step_selects_in_the_kernels(ride, mlp, heads, monkeypatch):
+@pytest.mark.parametrize("ride,mlp,heads,heads_first", [
+    (True, 0.1, 0.5, False), (True, 0.1, 0.25, False), (False, 0.1, 0.5, False),
+    (True, 0.2, 0.5, False), (True, 0.1, 0.5, True), (True, 0.1, 0.25, True)])
+def test_a_batch_step_selects_in_the_kernels(ride, mlp, heads, heads_first, monkeypatch):
     """A batch decode step with decode-form predictors and the "local" method selects
     through the batch kernels, riding in other launches (the first product in the q/k/v
     projection's, or where the rows' heads project densely, 3 rows at heads 0.5, in the
     MLP norm's; the rest in the sparse MLP's) or in launches of their own (always where
-    the union runs the masked dense MLP: 3 rows at 0.2 fill 0.6 of it); the interpreted
-    kernels give the logits of the jnp reference's sets."""
+    the union runs the masked dense MLP: 3 rows at 0.2 fill 0.6 of it), the heads' program
+    in the fc2 launch or (heads_first, a benchmark variant) in the fc1 launch; the
+    interpreted kernels give the logits of the jnp reference's sets."""
     import dataclasses
 
     import dejavu_jax as dj
     from dejavu_jax import sparse
     from dejavu_jax.eval.bench_decode import random_predictors
     from dejavu_jax.kernels import batch_predictor_select as module
-    from dejavu_jax.sparse_variants import APART, variant_selector
+    from dejavu_jax.sparse_variants import APART, HEADS_IN_FC1, variant_selector
     from dejavu_jax.train.predictor_model import decode_predictors
     from conftest import assert_finite_close
     config = dj.preset("opt-tiny").replace(n_layers=3)
@@ -105,7 +107,7 @@ def test_a_batch_step_selects_in_the_kernels(ride, mlp, heads, monkeypatch):
         batch_policy="union")
     k_mlp = scfg.mlp_k[-1]
     seen = []
-    for name in ("batch_predictor_select", "batch_selection_parts_after"):
+    for name in ("batch_predictor_select", "batch_selection_parts_after", "heads_part"):
         real = getattr(module, name)
         monkeypatch.setattr(module, name, lambda *a, _r=real, _n=name, **kw:
                             seen.append((_n, kw.get("impl", "interpret"))) or _r(*a, **kw))
@@ -115,8 +117,8 @@ def test_a_batch_step_selects_in_the_kernels(ride, mlp, heads, monkeypatch):
     ids = jnp.asarray([[5, 9, 14, 3], [7, 7, 2, 11], [1, 30, 6, 8]])
     logits = {}
     for impl in ("interpret", "reference"):
-        select = variant_selector(config.group_size, "local" if ride else "local" + APART,
-                                  impl=impl)
+        name = "local" + ("" if ride else APART) + (HEADS_IN_FC1 if heads_first else "")
+        select = variant_selector(config.group_size, name, impl=impl)
         assert select.selects_batch_in_kernels(preds, 3, k_mlp)
         assert not select.selects_batch_in_kernels(preds, 1, k_mlp)
         assert select.rides_batch(preds, 3, k_mlp, scfg.impl) == (ride and impl == "interpret")
@@ -132,6 +134,7 @@ def test_a_batch_step_selects_in_the_kernels(ride, mlp, heads, monkeypatch):
     riding = ride and mlp < 0.2
     kernel_path = "batch_selection_parts_after" if riding else "batch_predictor_select"
     assert (kernel_path, "interpret") in seen
+    assert (("heads_part", "interpret") in seen) == (riding and heads_first)
     in_norm = riding and 3 * scfg.head_k[-1] >= config.n_heads
     assert (("in the norm launch", "interpret") in seen) == in_norm
     assert_finite_close(logits["interpret"], logits["reference"], atol=1e-5, rtol=1e-5)

@@ -118,7 +118,9 @@ def test_batch_select_check_replays_the_chosen_sets(monkeypatch, tmp_path, moved
     monkeypatch.setattr(kernel_parity, "BATCH_SELECT_HEADS", (0.5,))
     code = kernel_parity.main(["--impl", "interpret", "--checks", "batch-select", "--steps",
                                "1", "--out", str(tmp_path)])
-    (row,) = json.loads((tmp_path / "kernel_parity.json").read_text())["rows"]
-    assert row["rides"]
+    rows = json.loads((tmp_path / "kernel_parity.json").read_text())["rows"]
+    assert [r["select"] for r in rows] == list(kernel_parity.BATCH_SELECT_METHODS)
     assert code == (1 if moved else 0)
-    assert (row["logits"] > 1e-3) == bool(moved)
+    for row in rows:   # the heads selected in the fc2 launch, and in the fc1 launch
+        assert row["rides"]
+        assert (row["logits"] > 1e-3) == bool(moved)

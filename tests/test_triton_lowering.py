@@ -194,6 +194,32 @@ def test_sparse_decode_step_lowers(preset, batch, split, stacked):
     assert any(mlp_weights in line for line in products) == (not stacked)
 
 
+def test_batch_heads_selected_in_the_fc1_launch_lower():
+    """The benchmark variant with a batch's heads selected beside the score product: the
+    fc1 launch holds the heads' program, the fc2 launch the union's chunk programs alone."""
+    from dejavu_jax.eval.bench_decode import random_predictors
+    from dejavu_jax.params import unstack_layers
+    from dejavu_jax.sparse_variants import variant_selector
+    from dejavu_jax.train.predictor_model import decode_predictors
+    config = dj.preset("opt-tiny")
+    params = unstack_layers(dj.init_params(config, jax.random.key(0), BF16))
+    scfg = dataclasses.replace(sparse.sparse_config(config, 0.1, 0.25, dense_layers=1,
+                                                    impl="pallas"), batch_policy="union")
+    preds = decode_predictors(random_predictors(config, 16, jax.random.key(1)))
+    launches = {}
+    for name in ("local", "local-heads-in-fc1"):
+        eng = sparse.sparse_engine(config, scfg, variant_selector(config.group_size, name,
+                                                                 impl="pallas"))
+        state = jax.eval_shape(lambda: eng.init_state(2, 32, BF16, per_layer=True))
+        text = lowers(eng.step, (params, preds), state, jnp.zeros((2,), jnp.int32))
+        launches[name] = set(re.findall(r'\bname = "([^"]+)"', text))
+    assert {"batch_predictor_scores_gather_matvec",
+            "batch_predictor_select_gather_matvec_t"} <= launches["local"]
+    assert {"batch_predictor_scores_batch_predictor_heads_gather_matvec",
+            "batch_predictor_union_gather_matvec_t"} <= launches["local-heads-in-fc1"]
+    assert "batch_predictor_select_gather_matvec_t" not in launches["local-heads-in-fc1"]
+
+
 @pytest.mark.parametrize("preset", ["opt-tiny", "llama-tiny"])
 def test_dense_decode_step_lowers(preset, monkeypatch):
     """The dense decode step as a GPU runs it: `kernels._common.resolve_impl` picks Pallas
