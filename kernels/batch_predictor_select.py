@@ -80,12 +80,10 @@ def _hidden_rows_loader(act_refs, r, valid, rows, *, nds, B, Bp, r_mlp, r_all, a
     return jnp.where(ok, _rounded(a, dtype), 0.0)
 
 
-def _union_body(pids, layer_ref, sp_ref, b2m_ref, om_ref, *, B, n_sp, F, c, kc, cap,
-                cap_last, C, block):
+def _union_body(p, layer, sp_ref, b2m_ref, om_ref, *, B, n_sp, F, c, kc, cap, cap_last, C,
+                block):
     """Chunk program p < C: the union of the rows' local top-k of its chunk."""
     f32 = jnp.float32
-    p = pids[0]
-    layer = layer_ref[0]
     brow = jnp.arange(next_pow2(B), dtype=jnp.int32)
     lane = jnp.arange(block, dtype=jnp.int32)
     ids = p * c + lane
@@ -100,11 +98,10 @@ def _union_body(pids, layer_ref, sp_ref, b2m_ref, om_ref, *, B, n_sp, F, c, kc, 
     plgpu.store(om_ref.at[p * cap + slot], ids, mask=slot < cap_p)
 
 
-def _heads_body(layer_ref, h_ref, b1_ref, w2h_ref, b2h_ref, oh_ref, *, B, nds, r_mlp, r_heads,
-                rhp, H, Hp, k_heads, activation, dtype):
+def _heads_body(layer, h_ref, b1_ref, w2h_ref, b2h_ref, oh_ref, *, B, nds, r_mlp, r_heads, rhp,
+                H, Hp, k_heads, activation, dtype):
     """The heads' program: every row's head scores and its exact top-k heads."""
     f32 = jnp.float32
-    layer = layer_ref[0]
     brow = jnp.arange(batch_pad(B), dtype=jnp.int32)   # >= 16 rows for the product
     live = brow < B
     j = jnp.arange(rhp, dtype=jnp.int32)
@@ -136,24 +133,24 @@ def _heads_body(layer_ref, h_ref, b1_ref, w2h_ref, b2h_ref, oh_ref, *, B, nds, r
 def _select_body(pids, layer_ref, sp_ref, b2m_ref, h_ref, b1_ref, w2h_ref, b2h_ref, om_ref,
                  oh_ref, *, union, heads):
     p = pids[0]
-    C = union["C"]
+    layer = layer_ref[0]
 
-    @pl.when(p < C)
+    @pl.when(p < union["C"])
     def _():
-        _union_body(pids, layer_ref, sp_ref, b2m_ref, om_ref, **union)
+        _union_body(p, layer, sp_ref, b2m_ref, om_ref, **union)
 
-    @pl.when(p == C)
+    @pl.when(p == union["C"])
     def _():
-        _heads_body(layer_ref, h_ref, b1_ref, w2h_ref, b2h_ref, oh_ref, **heads)
+        _heads_body(layer, h_ref, b1_ref, w2h_ref, b2h_ref, oh_ref, **heads)
 
 
 def _heads_part_body(pids, layer_ref, h_ref, b1_ref, w2h_ref, b2h_ref, oh_ref, *, heads):
-    _heads_body(layer_ref, h_ref, b1_ref, w2h_ref, b2h_ref, oh_ref, **heads)
+    _heads_body(layer_ref[0], h_ref, b1_ref, w2h_ref, b2h_ref, oh_ref, **heads)
 
 
 def _union_part_body(pids, layer_ref, sp_ref, b2m_ref, heads_in_ref, om_ref, oh_ref, *,
                      union):
-    _union_body(pids, layer_ref, sp_ref, b2m_ref, om_ref, **union)   # heads: aliased through
+    _union_body(pids[0], layer_ref[0], sp_ref, b2m_ref, om_ref, **union)   # heads: aliased
 
 
 def batch_union_shape(B: int, F: int, k_mlp: int, chunk: int = 2048) -> int:
