@@ -96,6 +96,9 @@ class SparseConfig:
     (`dejavu_jax.activation_sparsity`: TEAL's input channels, CATS' gate): the sites
     thresholded in the sparse layers; the engine's selector params are then the
     thresholds [L, len(SITES)] (`threshold_config`).
+    layer_unroll: over stacked weights, the layers one `lax.scan` iteration runs (its
+    `unroll`; True: every layer of a segment inlined, no device loop). More layers per
+    iteration pay fewer loop turns for a longer compile.
     _kv_recompute: benchmark-only (`sparse_variants.without_kv_recompute`).
     """
 
@@ -113,8 +116,13 @@ class SparseConfig:
     batch_dense_mlp: float = 0.5
     threshold_sites: tuple[str, ...] = ()
     batch_layers: tuple[str, ...] = ()
+    layer_unroll: int | bool = 1
 
     def __post_init__(self):
+        if not (self.layer_unroll is True or (isinstance(self.layer_unroll, int)
+                                              and self.layer_unroll >= 1)):
+            raise ValueError(f"layer_unroll must be True or an integer >= 1, got "
+                             f"{self.layer_unroll!r}")
         if len(self.mlp_k) != len(self.head_k):
             raise ValueError("mlp_k and head_k must have one entry per layer")
         if self.kv_window < 1:
@@ -762,13 +770,15 @@ def _next_layer(layer, n_layers: int):
     return jnp.minimum(jnp.asarray(layer, jnp.int32) + 1, n_layers - 1)
 
 
-def _layer_loop(body, carry, start: int, stop: int, unrolled: bool):
-    """lax.scan over traced layer ids start..stop-1, or a Python loop over static ids."""
-    if unrolled:
+def _layer_loop(body, carry, start: int, stop: int, unrolled: bool, unroll: int | bool = 1):
+    """lax.scan over traced layer ids start..stop-1 (`unroll` layers per iteration), or a
+    Python loop over static ids (per-layer weights, or `unroll` True)."""
+    if unrolled or unroll is True:
         for layer in range(start, stop):
             carry, _ = body(carry, layer)
         return carry
-    return jax.lax.scan(body, carry, jnp.arange(start, stop, dtype=jnp.int32))[0]
+    return jax.lax.scan(body, carry, jnp.arange(start, stop, dtype=jnp.int32),
+                        unroll=unroll)[0]
 
 
 def sparse_layers(config: ModelConfig, scfg: SparseConfig, params: ModelParams,
@@ -805,7 +815,7 @@ def sparse_layers(config: ModelConfig, scfg: SparseConfig, params: ModelParams,
                 return (x_next, io, x), None
 
             x, io, prev_input = _layer_loop(dense_body, (x, io, prev_input), start, stop,
-                                            unrolled)
+                                            unrolled, scfg.layer_unroll)
             continue
         if scfg.threshold_sites:
             def threshold_body(carry, layer):
@@ -815,7 +825,7 @@ def sparse_layers(config: ModelConfig, scfg: SparseConfig, params: ModelParams,
                 return (x_next, io, x), None
 
             x, io, prev_input = _layer_loop(threshold_body, (x, io, prev_input), start, stop,
-                                            unrolled)
+                                            unrolled, scfg.layer_unroll)
             continue
 
         first = start if unrolled else jnp.asarray(start, jnp.int32)
@@ -837,7 +847,7 @@ def sparse_layers(config: ModelConfig, scfg: SparseConfig, params: ModelParams,
             return (x_next, io, idx_next, x), None
 
         x, io, _, prev_input = _layer_loop(sparse_body, (x, io, idx, prev_input), start, stop,
-                                           unrolled)
+                                           unrolled, scfg.layer_unroll)
     return x, io
 
 
@@ -897,7 +907,7 @@ def _fused_segment(config, scfg, params, select, selector_params, x, io, step, i
         return (x_next, io, idx_next, x_in), None
 
     x, io, _, last_input = _layer_loop(sparse_body, (x.astype(F32), io, idx, x.astype(F32)),
-                                       start, stop, unrolled)
+                                       start, stop, unrolled, scfg.layer_unroll)
     return x, last_input, io
 
 

@@ -621,7 +621,7 @@ def measure_rows(config, params, preds, contexts, mlp_densities, head_densities,
                                 mode="sparse", mlp=md, heads=hdn,
                                 indices=(kind + config_label(kernel_cfg)
                                          + " (dense engine)" * as_dense),
-                                **({"kernel_config": {key: cfg if isinstance(cfg, str)
+                                **({"kernel_config": {key: cfg if isinstance(cfg, (str, int))
                                                       else dataclasses.asdict(cfg)
                                                       for key, cfg in kernel_cfg.items()}}
                                    if kernel_cfg else {}))
@@ -661,6 +661,8 @@ def config_label(kernel_configs) -> str:
     for key, cfg in (kernel_configs or {}).items():
         if key == "batch_policy":
             fields.append(f"policy={cfg}")
+        elif key == "layer_unroll":
+            fields.append(f"unroll={'all' if cfg is True else cfg}")
         elif cfg is not None:
             default = type(cfg)()
             fields += [f"{CONFIG_PREFIX[key]}{f.name}={getattr(cfg, f.name)}"
@@ -669,11 +671,13 @@ def config_label(kernel_configs) -> str:
     return f" [{','.join(fields)}]" if fields else ""
 
 
-def parse_kernel_configs(attn: str, mlp: str, batch_policies: str = "dense") -> list[dict]:
+def parse_kernel_configs(attn: str, mlp: str, batch_policies: str = "dense",
+                         layer_unrolls: str = "1") -> list[dict]:
     """SparseConfig fields for each sparse-row variant, from --attn-config / --mlp-config:
     '/'-separated variants of "field=value,..." ("base": the defaults); every attention
     variant with every MLP variant, each under every comma-separated --batch-policy
-    (`sparse.BATCH_POLICIES`; "dense", the engine's default, adds no field)."""
+    (`sparse.BATCH_POLICIES`; "dense", the engine's default, adds no field) and
+    --layer-unroll (`SparseConfig.layer_unroll`: integers, or "all")."""
     from dejavu_jax.kernels import AttnConfig, MLPConfig
     from dejavu_jax.kernels.bench_step_parts import parse_variants
     choices = []
@@ -685,8 +689,14 @@ def parse_kernel_configs(attn: str, mlp: str, batch_policies: str = "dense") -> 
     if unknown or not policies:
         raise ValueError(f"--batch-policy: unknown {unknown or batch_policies!r}; choose "
                          f"from {', '.join((*sparse.BATCH_POLICIES, MEASURED))}")
-    return [{**a, **m, **({} if p == "dense" else {"batch_policy": p})}
-            for p in policies for a in choices[0] for m in choices[1]]
+    unrolls = []
+    for text in (u.strip() for u in layer_unrolls.split(",") if u.strip()):
+        if text != "all" and not (text.isdigit() and int(text) >= 1):
+            raise ValueError(f"--layer-unroll: {text!r} is not an integer >= 1 or 'all'")
+        unrolls.append(True if text == "all" else int(text))
+    return [{**a, **m, **({} if p == "dense" else {"batch_policy": p}),
+             **({} if u is not True and u == 1 else {"layer_unroll": u})}
+            for p in policies for a in choices[0] for m in choices[1] for u in unrolls or [1]]
 
 
 def run_model(name, contexts, mlp_densities, head_densities, batches, rank, dense_layers,
@@ -942,6 +952,10 @@ def main(argv=None) -> int:
                         "a per-layer plan from timed steps (dejavu_jax.batch_plan)")
     p.add_argument("--layouts", default="unrolled",
                    help="stacked (lax.scan over stacked layers), unrolled, or both")
+    p.add_argument("--layer-unroll", default="1",
+                   help="comma list of sparse rows' SparseConfig.layer_unroll over stacked "
+                        "weights, one row each: layers per scan iteration, or 'all' (every "
+                        "layer inlined, no device loop)")
     p.add_argument("--select", default="exact",
                    help="comma list of predictor top-k methods, one row each: exact, local, "
                         "or the slower variants of dejavu_jax.sparse_variants (threshold, "
@@ -1011,7 +1025,7 @@ def main(argv=None) -> int:
                 f"-apart)")
     try:
         kernel_configs = parse_kernel_configs(args.attn_config, args.mlp_config,
-                                              args.batch_policy)
+                                              args.batch_policy, args.layer_unroll)
     except ValueError as e:
         p.error(str(e))
     hf_modes = [m for m in modes if m in bench_hf.HF_MODES]

@@ -539,6 +539,25 @@ def test_unrolled_layers_equal_stacked_scan():
                                            stop_ids=[]).tokens
 
 
+def test_layer_unroll_keeps_the_logits():
+    """Over stacked weights, a scan of 2 layers per iteration and every layer inlined
+    (`layer_unroll` 2 and True) give the one-layer scan's logits; 0 and False are refused."""
+    from dejavu_jax.eval.bench_decode import random_sets
+    config = dj.preset("llama-tiny")
+    params = dj.init_params(config, jax.random.key(5), jnp.float32, std=0.1)
+    scfg = sparse.sparse_config(config, 0.3, 0.5, dense_layers=1)
+    sets = random_sets(config, scfg, seed=2)
+    base = _run_both(config, params, scfg, sets, [[5, 9, 14, 3]], 3)
+    for unroll in (2, True):
+        got = _run_both(config, params, dataclasses.replace(scfg, layer_unroll=unroll), sets,
+                        [[5, 9, 14, 3]], 3)
+        for (_, a), (_, b) in zip(base, got):
+            assert_finite_close(b, a, atol=1e-6)
+    for bad in (0, False):
+        with pytest.raises(ValueError, match="layer_unroll"):
+            dataclasses.replace(scfg, layer_unroll=bad)
+
+
 @pytest.mark.parametrize("preset", ["opt-tiny", "llama-tiny"])
 def test_stacked_dense_layers_run_in_place_through_the_kernels(preset, monkeypatch):
     """Over stacked weights at batch 1 on the Pallas paths (here the interpreter) the dense

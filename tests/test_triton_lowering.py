@@ -150,14 +150,15 @@ def test_norms_top_k_and_predictor_select_lower():
                z(L, F, dtype=F32), z(L, r, H), z(L, H, dtype=F32))
 
 
-@pytest.mark.parametrize("preset,batch,split,stacked", [("opt-tiny", 1, True, False),
-                                                        ("opt-tiny", 2, False, False),
-                                                        ("llama-tiny", 1, False, False),
-                                                        ("opt-tiny", 1, True, True)])
-def test_sparse_decode_step_lowers(preset, batch, split, stacked):
+@pytest.mark.parametrize("preset,batch,split,stacked,unroll", [
+    ("opt-tiny", 1, True, False, 1), ("opt-tiny", 2, False, False, 1),
+    ("llama-tiny", 1, False, False, 1), ("opt-tiny", 1, True, True, 1),
+    ("opt-tiny", 1, True, True, True)])
+def test_sparse_decode_step_lowers(preset, batch, split, stacked, unroll):
     """The whole sparse decode step on the GPU path: dense layers, fused norms, windowed
     attention, residual-accumulating launches, the split predictor; per-layer weights or
-    stacked ones (a scan, kernels indexing all layers' weights by global ids)."""
+    stacked ones (a scan, kernels indexing all layers' weights by global ids, or with
+    `layer_unroll` True every layer inlined: no device loop)."""
     from dejavu_jax.eval.bench_decode import random_predictors
     from dejavu_jax.params import unstack_layers
     from dejavu_jax.train.predictor_model import decode_predictors
@@ -167,7 +168,8 @@ def test_sparse_decode_step_lowers(preset, batch, split, stacked):
         params = unstack_layers(params)
     # batch_policy "kernels": a batch would otherwise run XLA's dense layers
     scfg = dataclasses.replace(sparse.sparse_config(config, 0.25, 0.5, dense_layers=1,
-                                                    impl="pallas"), batch_policy="kernels")
+                                                    impl="pallas"), batch_policy="kernels",
+                               layer_unroll=unroll)
     preds = decode_predictors(random_predictors(config, 16, jax.random.key(1)))
     select = sparse.predictor_selector(config.group_size, method="local", impl="pallas")
     assert select.splits(preds, batch) == split
@@ -192,6 +194,7 @@ def test_sparse_decode_step_lowers(preset, batch, split, stacked):
     products = [line for line in text.splitlines() if "stablehlo.dot_general" in line]
     mlp_weights = f"tensor<{config.ffn}x{config.hidden}xbf16>"
     assert any(mlp_weights in line for line in products) == (not stacked)
+    assert ("stablehlo.while" in text) == (stacked and unroll is not True)
 
 
 def test_batch_heads_selected_in_the_fc1_launch_lower():
