@@ -97,8 +97,9 @@ class SparseConfig:
     thresholded in the sparse layers; the engine's selector params are then the
     thresholds [L, len(SITES)] (`threshold_config`).
     layer_unroll: over stacked weights, the layers one `lax.scan` iteration runs (its
-    `unroll`; True: every layer of a segment inlined, no device loop). More layers per
-    iteration pay fewer loop turns for a longer compile.
+    `unroll`; True: every layer of a segment inlined, no device loop). None: 4 on a GPU,
+    where it measured fastest (opt-13b's sparse step chained 4.46 ms against 4.68 at 1,
+    4.50 at 2 and 4.66 inlined; docs/benchmarks.md), else 1.
     _kv_recompute: benchmark-only (`sparse_variants.without_kv_recompute`).
     """
 
@@ -116,11 +117,11 @@ class SparseConfig:
     batch_dense_mlp: float = 0.5
     threshold_sites: tuple[str, ...] = ()
     batch_layers: tuple[str, ...] = ()
-    layer_unroll: int | bool = 1
+    layer_unroll: int | bool | None = None
 
     def __post_init__(self):
-        if not (self.layer_unroll is True or (isinstance(self.layer_unroll, int)
-                                              and self.layer_unroll >= 1)):
+        if not (self.layer_unroll is None or self.layer_unroll is True
+                or (isinstance(self.layer_unroll, int) and self.layer_unroll >= 1)):
             raise ValueError(f"layer_unroll must be True or an integer >= 1, got "
                              f"{self.layer_unroll!r}")
         if len(self.mlp_k) != len(self.head_k):
@@ -149,6 +150,12 @@ class SparseConfig:
                                  f"{len(self.mlp_k)} layers")
             if self.batch_policy != "union":
                 raise ValueError("batch_layers plans the union; set batch_policy 'union'")
+
+    def scan_unroll(self) -> int | bool:
+        """`layer_unroll` with None resolved for the default backend."""
+        if self.layer_unroll is not None:
+            return self.layer_unroll
+        return 4 if jax.default_backend() == "gpu" else 1
 
     def refresh_groups(self, config: ModelConfig) -> int:
         """KV groups refreshed per token (see `kv_refresh`)."""
@@ -815,7 +822,7 @@ def sparse_layers(config: ModelConfig, scfg: SparseConfig, params: ModelParams,
                 return (x_next, io, x), None
 
             x, io, prev_input = _layer_loop(dense_body, (x, io, prev_input), start, stop,
-                                            unrolled, scfg.layer_unroll)
+                                            unrolled, scfg.scan_unroll())
             continue
         if scfg.threshold_sites:
             def threshold_body(carry, layer):
@@ -825,7 +832,7 @@ def sparse_layers(config: ModelConfig, scfg: SparseConfig, params: ModelParams,
                 return (x_next, io, x), None
 
             x, io, prev_input = _layer_loop(threshold_body, (x, io, prev_input), start, stop,
-                                            unrolled, scfg.layer_unroll)
+                                            unrolled, scfg.scan_unroll())
             continue
 
         first = start if unrolled else jnp.asarray(start, jnp.int32)
@@ -847,7 +854,7 @@ def sparse_layers(config: ModelConfig, scfg: SparseConfig, params: ModelParams,
             return (x_next, io, idx_next, x), None
 
         x, io, _, prev_input = _layer_loop(sparse_body, (x, io, idx, prev_input), start, stop,
-                                           unrolled, scfg.layer_unroll)
+                                           unrolled, scfg.scan_unroll())
     return x, io
 
 
@@ -907,7 +914,7 @@ def _fused_segment(config, scfg, params, select, selector_params, x, io, step, i
         return (x_next, io, idx_next, x_in), None
 
     x, io, _, last_input = _layer_loop(sparse_body, (x.astype(F32), io, idx, x.astype(F32)),
-                                       start, stop, unrolled, scfg.layer_unroll)
+                                       start, stop, unrolled, scfg.scan_unroll())
     return x, last_input, io
 
 

@@ -672,12 +672,13 @@ def config_label(kernel_configs) -> str:
 
 
 def parse_kernel_configs(attn: str, mlp: str, batch_policies: str = "dense",
-                         layer_unrolls: str = "1") -> list[dict]:
+                         layer_unrolls: str = "") -> list[dict]:
     """SparseConfig fields for each sparse-row variant, from --attn-config / --mlp-config:
     '/'-separated variants of "field=value,..." ("base": the defaults); every attention
     variant with every MLP variant, each under every comma-separated --batch-policy
     (`sparse.BATCH_POLICIES`; "dense", the engine's default, adds no field) and
-    --layer-unroll (`SparseConfig.layer_unroll`: integers, or "all")."""
+    --layer-unroll (`SparseConfig.layer_unroll`: integers, or "all"; none given: the
+    engine's default, no field)."""
     from dejavu_jax.kernels import AttnConfig, MLPConfig
     from dejavu_jax.kernels.bench_step_parts import parse_variants
     choices = []
@@ -695,8 +696,9 @@ def parse_kernel_configs(attn: str, mlp: str, batch_policies: str = "dense",
             raise ValueError(f"--layer-unroll: {text!r} is not an integer >= 1 or 'all'")
         unrolls.append(True if text == "all" else int(text))
     return [{**a, **m, **({} if p == "dense" else {"batch_policy": p}),
-             **({} if u is not True and u == 1 else {"layer_unroll": u})}
-            for p in policies for a in choices[0] for m in choices[1] for u in unrolls or [1]]
+             **({} if u is None else {"layer_unroll": u})}
+            for p in policies for a in choices[0] for m in choices[1]
+            for u in unrolls or [None]]
 
 
 def run_model(name, contexts, mlp_densities, head_densities, batches, rank, dense_layers,
@@ -952,10 +954,10 @@ def main(argv=None) -> int:
                         "a per-layer plan from timed steps (dejavu_jax.batch_plan)")
     p.add_argument("--layouts", default="unrolled",
                    help="stacked (lax.scan over stacked layers), unrolled, or both")
-    p.add_argument("--layer-unroll", default="1",
+    p.add_argument("--layer-unroll", default="",
                    help="comma list of sparse rows' SparseConfig.layer_unroll over stacked "
                         "weights, one row each: layers per scan iteration, or 'all' (every "
-                        "layer inlined, no device loop)")
+                        "layer inlined, no device loop); default: the engine's")
     p.add_argument("--select", default="exact",
                    help="comma list of predictor top-k methods, one row each: exact, local, "
                         "or the slower variants of dejavu_jax.sparse_variants (threshold, "

@@ -264,8 +264,8 @@ def test_kernel_config_flags_parse_and_label_the_rows(tmp_path):
         " [attn.out_block_rows=16,mlp.num_stages=3]"]
     assert bench_decode.config_label({}) == ""
     unrolls = bench_decode.parse_kernel_configs("", "", "dense", "1,4,all")
-    assert unrolls == [{}, {"layer_unroll": 4}, {"layer_unroll": True}]
-    assert [bench_decode.config_label(c) for c in unrolls] == ["", " [unroll=4]",
+    assert unrolls == [{"layer_unroll": 1}, {"layer_unroll": 4}, {"layer_unroll": True}]
+    assert [bench_decode.config_label(c) for c in unrolls] == [" [unroll=1]", " [unroll=4]",
                                                                 " [unroll=all]"]
     with pytest.raises(SystemExit):
         bench_decode.main(["--attn-config", "no_such_field=1", "--out", str(tmp_path)])

@@ -548,6 +548,7 @@ def test_layer_unroll_keeps_the_logits():
     scfg = sparse.sparse_config(config, 0.3, 0.5, dense_layers=1)
     sets = random_sets(config, scfg, seed=2)
     base = _run_both(config, params, scfg, sets, [[5, 9, 14, 3]], 3)
+    assert scfg.scan_unroll() == 1     # the default off a GPU
     for unroll in (2, True):
         got = _run_both(config, params, dataclasses.replace(scfg, layer_unroll=unroll), sets,
                         [[5, 9, 14, 3]], 3)
