@@ -339,7 +339,10 @@ def _window_step(config: ModelConfig, scfg: SparseConfig, step: dict) -> dict:
     back = (slot - jnp.arange(W, dtype=jnp.int32)) % W          # tokens before the current
     slots = slot - back
     slots_c = jnp.maximum(slots, 0)
-    out = {"slots": slots_c, "row_valid": valid[:, slots_c] & (slots >= 0)[None],
+    # the masks the kernels read are int32, converted here once per step, not per layer
+    out = {"slots": slots_c,
+           "row_valid": (valid[:, slots_c] & (slots >= 0)[None]).astype(jnp.int32),
+           "valid_i32": valid.astype(jnp.int32),
            "current": slot % W, "refresh": None, "cos": None, "sin": None}
     n_refresh = scfg.refresh_groups(config)
     if n_refresh:
@@ -348,6 +351,14 @@ def _window_step(config: ModelConfig, scfg: SparseConfig, step: dict) -> dict:
     if config.rotary:  # the window rows' positions; each layer takes its own RoPE tables
         out["positions"] = jnp.maximum(step["positions"][:, None] - back[None], 0)
     return out
+
+
+def _attended_slots(config: ModelConfig, layer, step: dict) -> jax.Array:
+    """`layer_valid` as the int32 [B, S] mask the attention kernels take: a layer without a
+    sliding window shares the step's, converted once per step."""
+    if not config.has_sliding_layers and "window" in step:
+        return step["window"]["valid_i32"]
+    return layer_valid(config, layer, step).astype(jnp.int32)
 
 
 def _missing_kv_window(config: ModelConfig, view, io: _LayerIO, layer, win: dict, ring):
@@ -443,7 +454,7 @@ def _sparse_attention(config, scfg, view, io: _LayerIO, layer, y, heads, step,
         y.astype(lp_flat["wq"].dtype), lp_flat["wq"], lp_flat["bq"], lp_flat["wk"],
         lp_flat["bk"], lp_flat["wv"], lp_flat["bv"], lp_flat["wo"], view.lp.bo,
         k_in, v_in, slot, head_idx, head_mask=head_mask, rope=rope,
-        kv_mask=layer_valid(config, layer, step),
+        kv_mask=_attended_slots(config, layer, step),
         impl=scfg.impl, window=window, residual=residual, extra_segments=extra_segments,
         config=scfg.attn_config, **norms)
     out, k_out, v_out = res[:3]
@@ -628,7 +639,7 @@ def _row_heads_attention(config, scfg, view, io: _LayerIO, layer, y, heads, step
                                              n_groups=config.n_kv_heads)
     k_in, v_in, ids = _kernel_caches(config, view, io, layer, groups)
     heads_out, k_out, v_out = kernels.row_head_attention(
-        q, k_in, v_in, step["slot"], mask, kv_mask=layer_valid(config, layer, step),
+        q, k_in, v_in, step["slot"], mask, kv_mask=_attended_slots(config, layer, step),
         group_ids=ids, impl=scfg.impl, config=scfg.attn_config)
     io = _with_kernel_caches(view, io, layer, k_out, v_out)
     out = ops.out_project(lp, heads_out)

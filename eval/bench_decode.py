@@ -277,15 +277,16 @@ def time_decode(step, params, state, tokens, warmup: int, steps: int):
     return float(np.median(times)), float(np.percentile(times, 90)), state
 
 
-def time_loop(step_fn, params, state, tokens, steps: int, choose=None):
+def time_loop(step_fn, params, state, tokens, steps: int, choose=None,
+              compiler_options=None):
     """(seconds per step, compile seconds, state) with `steps` decode steps chained inside
     one jitted `lax.fori_loop`, the state donated: no host round trip between tokens (each
     step feeds the argmax of its logits to the next), or with `choose` each token picked on
-    the host by a callback from the loop (`host_choice`). Compiled ahead of time, run once
-    to warm, then timed once."""
+    the host by a callback from the loop (`host_choice`). Compiled ahead of time (with
+    XLA's `compiler_options`, if given), run once to warm, then timed once."""
     t = time.perf_counter()
     run = jax.jit(chained_loop(step_fn, steps, choose), donate_argnums=1).lower(
-        params, state, tokens).compile()
+        params, state, tokens).compile(compiler_options)
     compile_s = time.perf_counter() - t
     state, out = run(params, state, tokens)
     jax.block_until_ready(state)
@@ -391,7 +392,8 @@ def _timed_prefill(engine, params, prompt, mask, state, fresh, reps: int, prefil
 def measure_engine(engine, params, prompt, mask, tokens, max_len: int, warmup: int,
                    steps: int, init_kwargs: dict, prefill_reps: int = 3,
                    prefill_cache: dict | None = None, loop_only: bool = False,
-                   context: int | None = None, host_choice: bool = False) -> dict:
+                   context: int | None = None, host_choice: bool = False,
+                   compiler_options: dict | None = None) -> dict:
     """Timings of one engine at one (context, batch).
 
     Prefill, step and device loop are compiled ahead of time, and each compile is timed
@@ -409,6 +411,9 @@ def measure_engine(engine, params, prompt, mask, tokens, max_len: int, warmup: i
     context: a context longer than the prompt, held after the prefill (`held_context`).
     host_choice: also ms_host, the device loop with each token picked on the host by a
     callback (`host_choice.host_argmax`): a serving loop that chooses on the host.
+    compiler_options: XLA options for the step's and the loop's compiles; the row then
+    also holds `logits_vs_base`, the largest |logit| difference between one step compiled
+    with them and one compiled without, from the same state, and the largest |logit|.
     """
     batch = prompt.shape[0]
 
@@ -424,25 +429,42 @@ def measure_engine(engine, params, prompt, mask, tokens, max_len: int, warmup: i
                                prefill_cache, res)
     if context is not None and context > prompt.shape[1]:
         state = held_context(state, context)
+    if compiler_options:
+        res["logits_vs_base"] = logits_against_base(engine, params, state, tokens,
+                                                    compiler_options)
     if loop_only:
         res.update(compile_step_s=0.0, step_peak_bytes=None, ms=None, p90_ms=None)
     else:
         t = time.perf_counter()
-        step = jax.jit(engine.step, donate_argnums=1).lower(params, state, tokens).compile()
+        step = jax.jit(engine.step, donate_argnums=1).lower(params, state, tokens).compile(
+            compiler_options)
         res["compile_step_s"] = time.perf_counter() - t
         res["step_peak_bytes"] = compiled_peak_bytes(step)
         med, p90, state = time_decode(step, params, state, tokens, warmup, steps)
         res.update(ms=med * 1e3, p90_ms=p90 * 1e3)
     per_step, res["compile_loop_s"], state = time_loop(engine.step, params, state, tokens,
-                                                       steps)
+                                                       steps, None, compiler_options)
     res["ms_loop"] = per_step * 1e3
     if host_choice:
-        per_step, _, state = time_loop(engine.step, params, state, tokens, steps, host_argmax)
+        per_step, _, state = time_loop(engine.step, params, state, tokens, steps, host_argmax,
+                                       compiler_options)
         res["ms_host"] = per_step * 1e3
     res["compile_s"] = res["compile_prefill_s"] + res["compile_step_s"] + res["compile_loop_s"]
     res["peak_bytes"] = device_peak_bytes()
     del state
     return res
+
+
+def logits_against_base(engine, params, state, tokens, compiler_options: dict
+                        ) -> list[float]:
+    """[largest |logit| difference, largest |logit|] between one step compiled with
+    `compiler_options` and one without, both from `state` (not donated)."""
+    base = jax.jit(engine.step).lower(params, state, tokens).compile()
+    other = jax.jit(engine.step).lower(params, state, tokens).compile(compiler_options)
+    a, b = base(params, state, tokens)[0], other(params, state, tokens)[0]
+    if not bool(jnp.isfinite(a).all() & jnp.isfinite(b).all()):
+        raise FloatingPointError("a step's logits are not finite")
+    return [float(jnp.max(jnp.abs(a - b))), float(jnp.max(jnp.abs(a)))]
 
 
 def time_generate(engine, params, prompt, new_tokens: int, chunks=(8, 1)) -> dict:
@@ -528,12 +550,13 @@ def measure_rows(config, params, preds, contexts, mlp_densities, head_densities,
                     f"{free / 1e9:.1f} GB free")
                 continue
 
-            def measure(what, engine, engine_params):
+            def measure(what, engine, engine_params, compiler_options=None):
                 try:
                     res = measure_engine(engine, engine_params, prompt, mask, tokens, max_len,
                                          warmup, steps, init_kwargs, prefill_reps,
                                          prefill_cache, loop_only, context=ctx,
-                                         host_choice=host_choice)
+                                         host_choice=host_choice,
+                                         compiler_options=compiler_options)
                     if generate_tokens and ("dense" in what or "predictor" in what):
                         res.update(time_generate(engine, engine_params, prompt,
                                                  generate_tokens))
@@ -585,9 +608,11 @@ def measure_rows(config, params, preds, contexts, mlp_densities, head_densities,
                                 continue
                             seen.add(same)
                         measured = policy == MEASURED
+                        compile_opts = kernel_cfg.get(COMPILE_OPTIONS)
                         scfg = dataclasses.replace(
                             base_cfg, **{k: v for k, v in kernel_cfg.items()
-                                         if not (measured and k == "batch_policy")})
+                                         if not (measured and k == "batch_policy")
+                                         and k != COMPILE_OPTIONS})
                         run_cfg = (without_kv_recompute(scfg)
                                    if kind.endswith("no-kv-recompute") else scfg)
                         what = f"mlp={md} heads={hdn} {kind}{config_label(kernel_cfg)}"
@@ -608,7 +633,7 @@ def measure_rows(config, params, preds, contexts, mlp_densities, head_densities,
                             res = measure(what, dense, fuse_qkv(params))
                         else:
                             res = measure(what, sparse_engine(run_cfg, select),
-                                          (params, sel_params))
+                                          (params, sel_params), compile_opts)
                         bar.update()
                         if res is not None and plan is not None:
                             res["batch_plan"] = {"layers": list(plan.layers), "ms": plan.ms,
@@ -621,7 +646,7 @@ def measure_rows(config, params, preds, contexts, mlp_densities, head_densities,
                                 mode="sparse", mlp=md, heads=hdn,
                                 indices=(kind + config_label(kernel_cfg)
                                          + " (dense engine)" * as_dense),
-                                **({"kernel_config": {key: cfg if isinstance(cfg, (str, int))
+                                **({"kernel_config": {key: cfg if isinstance(cfg, (str, int, dict))
                                                       else dataclasses.asdict(cfg)
                                                       for key, cfg in kernel_cfg.items()}}
                                    if kernel_cfg else {}))
@@ -663,6 +688,8 @@ def config_label(kernel_configs) -> str:
             fields.append(f"policy={cfg}")
         elif key == "layer_unroll":
             fields.append(f"unroll={'all' if cfg is True else cfg}")
+        elif key == COMPILE_OPTIONS:
+            fields += [f"xla.{name}={value}" for name, value in cfg.items()]
         elif cfg is not None:
             default = type(cfg)()
             fields += [f"{CONFIG_PREFIX[key]}{f.name}={getattr(cfg, f.name)}"
@@ -671,14 +698,42 @@ def config_label(kernel_configs) -> str:
     return f" [{','.join(fields)}]" if fields else ""
 
 
+COMPILE_OPTIONS = "compile_options"
+
+
+def parse_compile_options(text: str) -> list[dict | None]:
+    """--compile-options: '/'-separated sets of XLA options, each "name=value+name=value"
+    ("base": none). Values "true" / "false" are booleans, integers are integers, anything
+    else (an empty value too) a string."""
+    def value(v: str):
+        if v in ("true", "false"):
+            return v == "true"
+        return int(v) if v.lstrip("-").isdigit() else v
+
+    sets = []
+    for variant in (v.strip() for v in text.split("/") if v.strip()):
+        if variant == "base":
+            sets.append(None)
+            continue
+        options = {}
+        for pair in variant.split("+"):
+            name, eq, v = pair.partition("=")
+            if not eq or not name.strip().startswith("xla_"):
+                raise ValueError(f"--compile-options: {pair!r} is not xla_<option>=value")
+            options[name.strip()] = value(v.strip())
+        sets.append(options)
+    return sets
+
+
 def parse_kernel_configs(attn: str, mlp: str, batch_policies: str = "dense",
-                         layer_unrolls: str = "") -> list[dict]:
+                         layer_unrolls: str = "", compile_options: str = "") -> list[dict]:
     """SparseConfig fields for each sparse-row variant, from --attn-config / --mlp-config:
     '/'-separated variants of "field=value,..." ("base": the defaults); every attention
     variant with every MLP variant, each under every comma-separated --batch-policy
     (`sparse.BATCH_POLICIES`; "dense", the engine's default, adds no field) and
     --layer-unroll (`SparseConfig.layer_unroll`: integers, or "all"; none given: the
-    engine's default, no field)."""
+    engine's default, no field) and --compile-options set (`parse_compile_options`; the
+    key `COMPILE_OPTIONS`, absent for "base")."""
     from dejavu_jax.kernels import AttnConfig, MLPConfig
     from dejavu_jax.kernels.bench_step_parts import parse_variants
     choices = []
@@ -695,10 +750,12 @@ def parse_kernel_configs(attn: str, mlp: str, batch_policies: str = "dense",
         if text != "all" and not (text.isdigit() and int(text) >= 1):
             raise ValueError(f"--layer-unroll: {text!r} is not an integer >= 1 or 'all'")
         unrolls.append(True if text == "all" else int(text))
+    option_sets = parse_compile_options(compile_options) or [None]
     return [{**a, **m, **({} if p == "dense" else {"batch_policy": p}),
-             **({} if u is None else {"layer_unroll": u})}
+             **({} if u is None else {"layer_unroll": u}),
+             **({} if o is None else {COMPILE_OPTIONS: o})}
             for p in policies for a in choices[0] for m in choices[1]
-            for u in unrolls or [None]]
+            for u in unrolls or [None] for o in option_sets]
 
 
 def run_model(name, contexts, mlp_densities, head_densities, batches, rank, dense_layers,
@@ -958,6 +1015,11 @@ def main(argv=None) -> int:
                    help="comma list of sparse rows' SparseConfig.layer_unroll over stacked "
                         "weights, one row each: layers per scan iteration, or 'all' (every "
                         "layer inlined, no device loop); default: the engine's")
+    p.add_argument("--compile-options", default="",
+                   help="'/'-separated sets of XLA compile options for the sparse rows' "
+                        "step and loop, one row each, e.g. 'base/xla_gpu_enable_command_"
+                        "buffer=' ('+' joins options of one set); each row also checks its "
+                        "logits against a step compiled without them")
     p.add_argument("--select", default="exact",
                    help="comma list of predictor top-k methods, one row each: exact, local, "
                         "or the slower variants of dejavu_jax.sparse_variants (threshold, "
@@ -1027,7 +1089,8 @@ def main(argv=None) -> int:
                 f"-apart)")
     try:
         kernel_configs = parse_kernel_configs(args.attn_config, args.mlp_config,
-                                              args.batch_policy, args.layer_unroll)
+                                              args.batch_policy, args.layer_unroll,
+                                              args.compile_options)
     except ValueError as e:
         p.error(str(e))
     hf_modes = [m for m in modes if m in bench_hf.HF_MODES]

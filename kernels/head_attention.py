@@ -113,7 +113,8 @@ class KVWindow:
     written, written_base, row_valid: the bitmap form of ``need`` (give these or
       ``need``): ``written [B, N, S]`` bool marks the cache entries that hold their K/V,
       head h's entries in row ``written_base + h`` (an int32 scalar, may be traced);
-      ``row_valid [B, W]`` bool marks the window rows that may be written. An entry is
+      ``row_valid [B, W]`` bool (or int32, nonzero) marks the window rows that may be
+      written. An entry is
       needed when its row is valid and its bit is clear; the attention launch computes
       that itself and sets the bits of what it writes, so the call returns the updated
       bitmap (no XLA op before or after). A head in both ``head_idx`` and ``extra_ids``
@@ -307,7 +308,7 @@ def window_need(window: KVWindow, ids) -> jax.Array:
     rows = jnp.asarray(window.written_base, jnp.int32) + ids.astype(jnp.int32)
     held = window.written[jnp.arange(B)[:, None, None], rows[None, :, None],
                           window.slots[None, None, :]]
-    return ~held & window.row_valid[:, None, :]
+    return ~held & window.row_valid.astype(bool)[:, None, :]
 
 
 def window_past_flags(window: KVWindow, ids) -> jax.Array:

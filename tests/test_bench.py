@@ -287,6 +287,32 @@ def test_kernel_config_variants_are_rows_of_one_run(tmp_path):
                    "fixed [mlp.num_stages=3]": 3}
 
 
+def test_compile_option_sets_parse_label_and_check_their_logits(tmp_path):
+    """--compile-options: typed values, one row per set, each compared with a base compile."""
+    sets = bench_decode.parse_compile_options(
+        "base/xla_gpu_enable_command_buffer=/xla_a=true+xla_b=-3+xla_c=SKIP_TEMP")
+    assert sets == [None, {"xla_gpu_enable_command_buffer": ""},
+                    {"xla_a": True, "xla_b": -3, "xla_c": "SKIP_TEMP"}]
+    grid = bench_decode.parse_kernel_configs("", "", "dense", "", "base/xla_a=false")
+    assert grid == [{}, {"compile_options": {"xla_a": False}}]
+    assert bench_decode.config_label(grid[1]) == " [xla.xla_a=False]"
+    with pytest.raises(ValueError, match="xla_<option>=value"):
+        bench_decode.parse_compile_options("enable_fast_math=1")
+    out = tmp_path / "options"
+    assert bench_decode.main([
+        "--models", "opt-tiny", "--contexts", "8", "--steps", "1", "--warmup", "1",
+        "--prefill-reps", "1", "--mlp", "0.5", "--heads", "0.5", "--modes", "sparse",
+        "--select", "local", "--layouts", "stacked",
+        "--compile-options", "base/xla_cpu_enable_fast_math=false", "--out", str(out)]) == 0
+    rows = json.loads((out / "bench_decode.json").read_text())["rows"]
+    assert [r["indices"] for r in rows] == [
+        "predictor-local", "predictor-local [xla.xla_cpu_enable_fast_math=False]"]
+    assert "logits_vs_base" not in rows[0]
+    diff, largest = rows[1]["logits_vs_base"]
+    assert largest > 0 and diff <= 1e-5 * largest   # a math option that changes nothing here
+    assert rows[1]["ms"] > 0 and rows[1]["ms_loop"] > 0
+
+
 def test_step_parts_config_variants_parse():
     from dejavu_jax.kernels.bench_step_parts import parse_variants
     from dejavu_jax.kernels.head_attention import AttnConfig
