@@ -45,7 +45,9 @@ def trace_kernels(trace_dir: str) -> dict:
     """Per-kernel device time from the newest perfetto trace under `trace_dir`.
 
     Returns {"kernels": {name: [count, total_us]}, "span_us": first start to last end,
-    "busy_us": summed kernel time, "processes": device process names seen}.
+    "busy_us": summed kernel time, "processes": device process names seen, "host": {name:
+    [count, total_us]} of the host's traced spans (the runtime's own: dispatch, thunks,
+    command buffer launches and updates; nested spans each count)}.
     """
     files = sorted(glob.glob(os.path.join(trace_dir, "**", "perfetto_trace.json.gz"),
                              recursive=True), key=os.path.getmtime)
@@ -58,9 +60,15 @@ def trace_kernels(trace_dir: str) -> dict:
              if e.get("ph") == "M" and e.get("name") == "process_name"}
     device_pids = {pid for pid, n in names.items() if "GPU" in n or "gpu" in n or "TPU" in n}
     kernels = collections.defaultdict(lambda: [0, 0.0])
+    host = collections.defaultdict(lambda: [0, 0.0])
     starts, ends, ordered = [], [], []
     for e in events:
-        if e.get("ph") != "X" or e.get("pid") not in device_pids:
+        if e.get("ph") != "X":
+            continue
+        if e.get("pid") not in device_pids:
+            h = host[e.get("name", "?")]
+            h[0] += 1
+            h[1] += float(e.get("dur", 0.0))
             continue
         k = kernels[e.get("name", "?")]
         k[0] += 1
@@ -71,7 +79,7 @@ def trace_kernels(trace_dir: str) -> dict:
     return {"kernels": dict(kernels), "span_us": (max(ends) - min(starts)) if starts else 0.0,
             "busy_us": sum(v[1] for v in kernels.values()),
             "processes": sorted(names[p] for p in device_pids),
-            "ordered": [(n, d) for _, n, d in sorted(ordered)]}
+            "ordered": [(n, d) for _, n, d in sorted(ordered)], "host": dict(host)}
 
 
 def layer_sequence(ordered: list, anchor: str) -> list:
@@ -248,6 +256,9 @@ def profile_mode(config, params, mode, args, out: Path, log, prepared=None) -> d
                device_busy_ms_per_token=summary["busy_us"] / n / 1e3,
                categories={k: dict(launches=v[0], us=v[1]) for k, v in cats.items()},
                top_kernels=[dict(name=nm[:120], launches=c, us=us) for nm, c, us in per_token[:60]],
+               device_idle_ms_per_token=(summary["span_us"] - summary["busy_us"]) / n / 1e3,
+               host_spans=[dict(name=nm[:120], count=c / n, us=us / n) for nm, (c, us) in
+                           sorted(summary["host"].items(), key=lambda kv: -kv[1][1])[:40]],
                processes=summary["processes"],
                # sparse layers only: their attention launch happens once per layer
                layer_sequence=(layer_sequence(summary["ordered"], once_per_layer(

@@ -447,6 +447,32 @@ def test_profile_layer_sequence_is_one_middle_layer():
     assert all(n not in ("logits", "dense") for n, _ in seq)
 
 
+def test_trace_summary_splits_device_kernels_from_host_spans(tmp_path):
+    """trace_kernels: kernels from the device process, the host's spans apart, span and
+    busy time from the device's events alone."""
+    import gzip
+    from dejavu_jax.eval.profile_decode import trace_kernels
+    events = [
+        {"ph": "M", "name": "process_name", "pid": 1, "args": {"name": "/device:GPU:0"}},
+        {"ph": "M", "name": "process_name", "pid": 2, "args": {"name": "/host:CPU"}},
+        {"ph": "X", "pid": 1, "name": "fc1", "ts": 10.0, "dur": 4.0},
+        {"ph": "X", "pid": 1, "name": "fc2", "ts": 20.0, "dur": 6.0},
+        {"ph": "X", "pid": 1, "name": "fc1", "ts": 30.0, "dur": 4.0},
+        {"ph": "X", "pid": 2, "name": "Execute", "ts": 0.0, "dur": 50.0},
+        {"ph": "X", "pid": 2, "name": "Update", "ts": 1.0, "dur": 7.0},
+        {"ph": "X", "pid": 2, "name": "Update", "ts": 9.0, "dur": 3.0},
+    ]
+    folder = tmp_path / "plugins" / "profile" / "run"
+    folder.mkdir(parents=True)
+    with gzip.open(folder / "perfetto_trace.json.gz", "wt") as f:
+        json.dump({"traceEvents": events}, f)
+    got = trace_kernels(str(tmp_path))
+    assert got["kernels"] == {"fc1": [2, 8.0], "fc2": [1, 6.0]}
+    assert got["host"] == {"Execute": [1, 50.0], "Update": [2, 10.0]}
+    assert got["span_us"] == 24.0 and got["busy_us"] == 14.0
+    assert got["processes"] == ["/device:GPU:0"]
+
+
 def test_kernel_bench_cli_takes_model_names_and_fractions(tmp_path, capsys):
     """kernels.bench speaks the project's vocabulary: opt-30b, densities as fractions."""
     from dejavu_jax.kernels import bench as kernel_bench
