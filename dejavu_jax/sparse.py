@@ -790,13 +790,17 @@ def _next_layer(layer, n_layers: int):
 
 def _layer_loop(body, carry, start: int, stop: int, unrolled: bool, unroll: int | bool = 1):
     """lax.scan over traced layer ids start..stop-1 (`unroll` layers per iteration), or a
-    Python loop over static ids (per-layer weights, or `unroll` True)."""
+    Python loop over static ids (per-layer weights, or `unroll` True).
+
+    A segment of no more layers than `unroll` still loops one layer per iteration: inlined,
+    it would join the step's first command buffer, whose launch the device waits for when
+    the host synchronises every step (docs/benchmarks.md)."""
     if unrolled or unroll is True:
         for layer in range(start, stop):
             carry, _ = body(carry, layer)
         return carry
     return jax.lax.scan(body, carry, jnp.arange(start, stop, dtype=jnp.int32),
-                        unroll=unroll)[0]
+                        unroll=unroll if stop - start > unroll else 1)[0]
 
 
 def sparse_layers(config: ModelConfig, scfg: SparseConfig, params: ModelParams,
