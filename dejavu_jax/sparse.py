@@ -310,12 +310,15 @@ class _LayerIO(struct.PyTreeNode):
 class _LayerView(struct.PyTreeNode):
     """One layer's weights: `lp` (LayerParams without the layer axis), `flat` (the weights
     kernels index: per-layer arrays when unrolled, all layers flattened when stacked) and
-    `base`, the layer offset of unit ids into `flat` (0 when unrolled)."""
+    `base`, the layer offset of unit ids into `flat` (0 when unrolled). `offset_ids`: the
+    neuron and query-head ids the layer gets already hold that offset (its selection wrote
+    them so, `PredictorSelector.finish`), and no XLA op adds it per layer."""
 
     lp: object
     flat: dict
     base: jax.Array | int
     unrolled: bool = struct.field(pytree_node=False, default=False)
+    offset_ids: bool = struct.field(pytree_node=False, default=False)
 
 
 _KERNEL_WEIGHTS = ("wq", "bq", "wk", "bk", "wv", "bv", "wo", "w_in", "b_in", "w_gate", "w_out_t")
@@ -406,7 +409,7 @@ def _kernel_caches(config, view, io: _LayerIO, layer, groups):
         return cache_layer(io.k, layer), cache_layer(io.v, layer), groups
     B, S, hd = io.written.shape[0], io.written.shape[-1], config.head_dim
     return (io.k.reshape(B, -1, S, hd), io.v.reshape(B, -1, S, hd),
-            layer * config.n_kv_heads + groups)
+            groups if view.offset_ids else layer * config.n_kv_heads + groups)
 
 
 def _with_kernel_caches(view, io: _LayerIO, layer, k_out, v_out) -> _LayerIO:
@@ -483,7 +486,7 @@ def _sparse_mlp(config, scfg, view, y, neurons, residual=None, riders=None, dens
     lp_flat = view.flat
     out = kernels.sparse_mlp(
         y.astype(lp_flat["w_in"].dtype), lp_flat["w_in"], lp_flat["b_in"],
-        lp_flat["w_out_t"], view.lp.b_out, view.base * F + neurons,
+        lp_flat["w_out_t"], view.lp.b_out, neurons if view.offset_ids else view.base * F + neurons,
         activation=config.activation, w_gate=lp_flat["w_gate"],
         impl=scfg.impl, residual=residual, riders=riders, config=scfg.mlp_config)
     if riders is not None:
@@ -907,6 +910,11 @@ def _fused_segment(config, scfg, params, select, selector_params, x, io, step, i
              and k_mlp < config.ffn)   # every neuron: nothing to rank (`PredictorSelector._top`)
     ride = (not split and hasattr(select, "rides_batch")
             and select.rides_batch(selector_params, x.shape[0], k_mlp, scfg.impl))
+    # over stacked weights the split selection writes the ids offset into the flattened
+    # weights, sparing the scan two XLA launches per layer
+    offset_ids = split and not unrolled
+    if offset_ids:
+        idx = (idx[0] + start * config.ffn, idx[1] + start * config.n_heads)
 
     def sparse_body(carry, layer):
         x, io, (neurons, heads), _ = carry
@@ -916,15 +924,16 @@ def _fused_segment(config, scfg, params, select, selector_params, x, io, step, i
             if split:
                 return (select.first_segment(selector_params, nxt, x_rms),
                         lambda parts: select.finish(selector_params, nxt, parts, k_mlp,
-                                                    k_heads, scfg.impl))
+                                                    k_heads, scfg.impl, offset_ids))
             if ride and x_rms is not None and mlp_kernels:
                 return (select.first_segment(selector_params, nxt, x_rms),
                         lambda parts: select.batch_riders(selector_params, nxt, parts,
                                                                 k_mlp, k_heads))
             return select(selector_params, nxt, x_in, k_mlp, k_heads)
 
+        view = _layer_view(params, layer).replace(offset_ids=offset_ids)
         x_next, x_in, io, idx_next = _fused_sparse_layer(
-            config, scfg, _layer_view(params, layer), io, layer, x, neurons, heads, step,
+            config, scfg, view, io, layer, x, neurons, heads, step,
             lookahead, selector_params.w1t.dtype if split or ride else None)
         return (x_next, io, idx_next, x_in), None
 
@@ -1100,20 +1109,27 @@ class PredictorSelector:
         return Segment(pred_params.w1t.reshape(L * r, d),
                        jnp.asarray(layer, jnp.int32).reshape(1), r, x=x_rms)
 
-    def finish(self, pred_params, layer, h_parts, k_mlp, k_heads, impl=None):
+    def finish(self, pred_params, layer, h_parts, k_mlp, k_heads, impl=None,
+               offset_ids: bool = False):
         """(neuron ids, query-head ids) from the first product's partials, or where the
         step's kernels (`impl`) and the selector's run on the Pallas paths, with
         `ride_mlp_launches`, the `kernels.sparse_mlp.Riders` that select inside the MLP's
         launches: the score product beside fc1, the selection ahead of fc2, whose outputs
-        are those ids."""
+        are those ids. `offset_ids`: the ids offset by the layer's rows in the stacked
+        weights flattened over layers (layer * F + neuron, layer * H + head)."""
         from dejavu_jax.kernels.predictor_select import predictor_select, selection_parts
         p = pred_params
         args = (h_parts, p.b1, p.w2_mlp, p.b2_mlp, p.w2_heads, p.b2_heads, layer, k_mlp,
                 k_heads)
         if self.ride_mlp_launches and self._both_pallas(impl):
-            score, select_of = selection_parts(*args, activation=p.activation)
+            score, select_of = selection_parts(*args, activation=p.activation,
+                                               offset_ids=offset_ids)
             return Riders((score,), lambda outs: [select_of(outs[0][0])])
-        return predictor_select(*args, activation=p.activation, impl=self.impl)
+        neurons, heads = predictor_select(*args, activation=p.activation, impl=self.impl)
+        if offset_ids:
+            neurons = neurons + layer * p.b2_mlp.shape[1]
+            heads = heads + layer * p.b2_heads.shape[1]
+        return neurons, heads
 
 
 def shared_scores(logits: jax.Array, weights: jax.Array | None = None) -> jax.Array:

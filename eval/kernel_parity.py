@@ -216,7 +216,10 @@ def _recording_layer_sets(log: list, ordered: bool = True):
 
     def fused(config, scfg, view, io, layer, x, neurons, groups, *args, **kw):
         every_unit = neurons.shape[-1] == config.ffn and groups.shape[-1] == config.n_heads
-        record(layer, x, *(() if every_unit else (neurons, groups)))  # a dense layer in place
+        sets = (neurons, groups)
+        if view.offset_ids:   # recorded as the layer's own ids
+            sets = (neurons - layer * config.ffn, groups - layer * config.n_heads)
+        record(layer, x, *(() if every_unit else sets))  # a dense layer in place
         return real_sparse(config, scfg, view, io, layer, x, neurons, groups, *args, **kw)
 
     def dense(config, view, io, layer, x, *args, **kw):
@@ -254,9 +257,10 @@ def _per_step_sets(log: list, n_layers: int):
     return out
 
 
-# the GPU's layout with the selection riding in the MLP launches, and the stacked scan with
+# the selection riding in the MLP launches over per-layer weights and over stacked ones
+# (where it writes the ids offset into the flattened layers), and the stacked scan with
 # launches of its own (a layout does not change which sets are chosen)
-SPLIT_VARIANTS = ((True, "unrolled"), (False, "stacked"))
+SPLIT_VARIANTS = ((True, "unrolled"), (True, "stacked"), (False, "stacked"))
 
 
 def split_rows(impl: str, steps: int, variants=None) -> list[dict]:

@@ -83,7 +83,7 @@ def _hidden_loader(act_refs, r, valid, rows, *, nds, r_mlp, r_all, activation, d
 
 def _select_body(pids, layer_ref, sp_ref, b2m_ref, h_ref, b1_ref, w2h_ref, b2h_ref, om_ref,
                  oh_ref, *, n_sp, F, c, kc, C, block, nds, r_mlp, r_heads, rhp, H, Hp, k_heads,
-                 activation, dtype):
+                 activation, dtype, offset_ids):
     f32 = jnp.float32
     p = pids[0]
     layer = layer_ref[0]
@@ -97,7 +97,8 @@ def _select_body(pids, layer_ref, sp_ref, b2m_ref, h_ref, b1_ref, w2h_ref, b2h_r
         for i in range(n_sp):
             s = s + plgpu.load(sp_ref.at[i, 0, ids], mask=valid, other=0.0)
         slots = _ranked_slots(jnp.where(valid, score_keys(s), -1), kc)
-        plgpu.store(om_ref.at[p * kc + slots], ids, mask=slots < kc)
+        plgpu.store(om_ref.at[p * kc + slots], ids + layer * F if offset_ids else ids,
+                    mask=slots < kc)
 
     @pl.when(p == C)
     def _():
@@ -117,7 +118,8 @@ def _select_body(pids, layer_ref, sp_ref, b2m_ref, h_ref, b1_ref, w2h_ref, b2h_r
         scores = jnp.sum(a[:, None] * w, axis=0)
         scores = scores + plgpu.load(b2h_ref.at[layer * H + hc], mask=hm, other=0).astype(f32)
         slots = _ranked_slots(jnp.where(hm, score_keys(scores), -1), k_heads)
-        plgpu.store(oh_ref.at[slots], hc, mask=slots < k_heads)
+        plgpu.store(oh_ref.at[slots], hc + layer * H if offset_ids else hc,
+                    mask=slots < k_heads)
 
 
 def score_part(h_parts, b1, w2_mlp, layer, *, activation: str = "none", row_blocks: int = 2,
@@ -137,10 +139,12 @@ def score_part(h_parts, b1, w2_mlp, layer, *, activation: str = "none", row_bloc
 
 
 def select_part(score_parts, h_parts, b1, b2_mlp, w2_heads, b2_heads, layer, k_mlp: int,
-                k_heads: int, *, activation: str = "none", chunk: int = 2048) -> LaunchPart:
+                k_heads: int, *, activation: str = "none", chunk: int = 2048,
+                offset_ids: bool = False) -> LaunchPart:
     """The selection (step 2 of :func:`predictor_select`) as a :class:`~.launch.LaunchPart`
     of ``C + 1`` programs; its outputs are the neuron ids ``[C * kc]`` and head ids
-    ``[k_heads]``."""
+    ``[k_heads]``, with ``offset_ids`` offset by the layer's rows in the stacked weights
+    flattened over layers (``layer * F + neuron``, ``layer * H + head``)."""
     L, F = b2_mlp.shape
     r_heads, H = w2_heads.shape[1:]
     r_mlp = b1.shape[1] - r_heads
@@ -150,7 +154,7 @@ def select_part(score_parts, h_parts, b1, b2_mlp, w2_heads, b2_heads, layer, k_m
         _select_body, n_sp=score_parts.shape[0], F=F, c=c, kc=kc, C=C, block=block,
         nds=h_parts.shape[0], r_mlp=r_mlp, r_heads=r_heads, rhp=max(16, next_pow2(r_heads)),
         H=H, Hp=max(16, next_pow2(H)), k_heads=k_heads, activation=activation,
-        dtype=w2_heads.dtype)
+        dtype=w2_heads.dtype, offset_ids=offset_ids)
     inputs = (_layer_array(layer), score_parts, b2_mlp.reshape(-1), h_parts, b1.reshape(-1),
               w2_heads.reshape(L * r_heads, H), b2_heads.reshape(-1))
     out_shape = (jax.ShapeDtypeStruct((C * kc,), jnp.int32),
@@ -206,16 +210,19 @@ def _validate(h_parts, b1, w2_mlp, b2_mlp, w2_heads, b2_heads, k_mlp, k_heads, a
 
 
 def selection_parts(h_parts, b1, w2_mlp, b2_mlp, w2_heads, b2_heads, layer, k_mlp: int,
-                    k_heads: int, *, activation: str = "none", chunk: int = 2048):
+                    k_heads: int, *, activation: str = "none", chunk: int = 2048,
+                    offset_ids: bool = False):
     """:func:`predictor_select` as launch parts for other kernels' launches: the score
     product's part, and a function of its output (the score partials) giving the
-    selection's part, whose outputs are (neuron ids, head ids). Same arguments and checks
-    as :func:`predictor_select`; the parts run with their host launches' warps."""
+    selection's part, whose outputs are (neuron ids, head ids), with ``offset_ids`` offset
+    by the layer's rows in the flattened stacked weights (:func:`select_part`). Same
+    arguments and checks as :func:`predictor_select`; the parts run with their host
+    launches' warps."""
     _validate(h_parts, b1, w2_mlp, b2_mlp, w2_heads, b2_heads, k_mlp, k_heads, activation)
     score = score_part(h_parts, b1, w2_mlp, layer, activation=activation)
     return score, lambda score_parts: select_part(
         score_parts, h_parts, b1, b2_mlp, w2_heads, b2_heads, layer, int(k_mlp),
-        int(k_heads), activation=activation, chunk=chunk)
+        int(k_heads), activation=activation, chunk=chunk, offset_ids=offset_ids)
 
 
 def predictor_select(h_parts, b1, w2_mlp, b2_mlp, w2_heads, b2_heads, layer, k_mlp: int,

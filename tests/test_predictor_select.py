@@ -73,6 +73,27 @@ def test_predictor_select_equals_numpy(rng, impl, F, H, r_mlp, r_heads, k_mlp, k
         np.testing.assert_array_equal(np.asarray(heads), want_h)
 
 
+def test_selection_parts_offset_ids_into_the_flattened_layers(rng):
+    """The riding selection's parts with offset_ids write layer * F + neuron and
+    layer * H + head: the numpy sets, offset."""
+    from dejavu_jax.kernels.launch import launch
+    from dejavu_jax.kernels.predictor_select import selection_parts
+    L, P, F, H, r_mlp, r_heads, k_mlp, k_heads = 3, 2, 300, 12, 16, 8, 31, 3
+    args = tuple(jnp.asarray(a, F32) for a in (
+        rng.standard_normal((P, 1, r_mlp + r_heads + 5)),
+        rng.standard_normal((L, r_mlp + r_heads)), rng.standard_normal((L, r_mlp, F)),
+        rng.standard_normal((L, F)), rng.standard_normal((L, r_heads, H)),
+        rng.standard_normal((L, H))))
+    for layer in (1, L - 1):
+        score, select_of = selection_parts(*args, jnp.int32(layer), k_mlp, k_heads,
+                                           activation="relu", chunk=128, offset_ids=True)
+        (parts,), = launch([score], interpret=True)
+        (neurons, heads), = launch([select_of(parts)], interpret=True)
+        want_n, want_h = _numpy_sets(*args, layer, k_mlp, k_heads, "relu", 128)
+        np.testing.assert_array_equal(np.asarray(neurons), want_n + layer * F)
+        np.testing.assert_array_equal(np.asarray(heads), want_h + layer * H)
+
+
 def test_predictor_select_rejects_bad_inputs():
     L, r, F, H = 2, 4, 32, 6
     good = dict(h_parts=jnp.zeros((1, 1, 2 * r)), b1=jnp.zeros((L, 2 * r)),
@@ -120,6 +141,13 @@ def test_split_predictor_step_equals_the_called_selector(impl, dtype, ride, pres
 
     finished = []
     orig_finish = split.finish
+    F, H = config.ffn, config.n_heads
+
+    def record(l, n, g):
+        # over stacked weights the split sets come offset into the flattened weights
+        n, g, l = np.asarray(n), np.asarray(g), int(l)
+        assert n.min() >= l * F and n.max() < (l + 1) * F and g.min() >= l * H
+        finished.append((l, n - l * F, g - l * H))
 
     ridden = []  # layers whose selection rides in the MLP launches, in trace order
 
@@ -128,9 +156,7 @@ def test_split_predictor_step_equals_the_called_selector(impl, dtype, ride, pres
         if isinstance(sets, Riders):  # recorded where the fc2 launch returns them
             ridden.append(layer)
             return sets
-        jax.debug.callback(
-            lambda l, n, g: finished.append((int(l), np.asarray(n), np.asarray(g))),
-            layer, *sets)
+        jax.debug.callback(record, layer, *sets)
         return sets
 
     split.finish = recording_finish
@@ -139,9 +165,7 @@ def test_split_predictor_step_equals_the_called_selector(impl, dtype, ride, pres
     def recording_mlp(*args, riders=None, **kw):
         out = orig_mlp(*args, riders=riders, **kw)
         if riders is not None:  # the sets the fc2 launch selected, for layer ridden[-1]
-            jax.debug.callback(
-                lambda l, n, g: finished.append((int(l), np.asarray(n), np.asarray(g))),
-                ridden[-1], *out[1][0])
+            jax.debug.callback(record, ridden[-1], *out[1][0])
         return out
 
     monkeypatch.setattr(sparse, "_sparse_mlp", recording_mlp)

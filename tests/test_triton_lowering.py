@@ -194,6 +194,11 @@ def test_sparse_decode_step_lowers(preset, batch, split, stacked, unroll):
     products = [line for line in text.splitlines() if "stablehlo.dot_general" in line]
     mlp_weights = f"tensor<{config.ffn}x{config.hidden}xbf16>"
     assert any(mlp_weights in line for line in products) == (not stacked)
+    if stacked and split:   # the selection writes ids offset into the flattened weights:
+        # no XLA add of the carried sets to the layer's offset inside the loop
+        for k in (scfg.mlp_k[-1], scfg.head_k[-1]):
+            assert not [line for line in text.splitlines() if "stablehlo.add" in line
+                        and "iterArg" in line and f"tensor<{k}xi32>" in line]
     # one device loop per segment (the dense layer, the sparse ones), also where a segment
     # has no more layers than a scan turn runs (inlined, it would delay the step's start)
     assert text.count("stablehlo.while") == (2 if stacked and unroll is not True else 0)
