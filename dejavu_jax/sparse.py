@@ -320,6 +320,17 @@ class _LayerView(struct.PyTreeNode):
     unrolled: bool = struct.field(pytree_node=False, default=False)
     offset_ids: bool = struct.field(pytree_node=False, default=False)
 
+    def flat_ids(self, ids: jax.Array, per_layer: int) -> jax.Array:
+        """Unit ids of this layer (`per_layer` units each) as rows of `flat`."""
+        return ids if self.offset_ids else self.base * per_layer + ids
+
+
+def _offset_sets(sets, layer, n_neurons: int, n_heads: int):
+    """(neuron ids, query-head ids) of `layer` offset into the weights flattened over
+    layers: layer * n_neurons + neuron, layer * n_heads + head."""
+    neurons, heads = sets
+    return neurons + layer * n_neurons, heads + layer * n_heads
+
 
 _KERNEL_WEIGHTS = ("wq", "bq", "wk", "bk", "wv", "bv", "wo", "w_in", "b_in", "w_gate", "w_out_t")
 
@@ -409,7 +420,7 @@ def _kernel_caches(config, view, io: _LayerIO, layer, groups):
         return cache_layer(io.k, layer), cache_layer(io.v, layer), groups
     B, S, hd = io.written.shape[0], io.written.shape[-1], config.head_dim
     return (io.k.reshape(B, -1, S, hd), io.v.reshape(B, -1, S, hd),
-            groups if view.offset_ids else layer * config.n_kv_heads + groups)
+            view.flat_ids(groups, config.n_kv_heads))
 
 
 def _with_kernel_caches(view, io: _LayerIO, layer, k_out, v_out) -> _LayerIO:
@@ -486,7 +497,7 @@ def _sparse_mlp(config, scfg, view, y, neurons, residual=None, riders=None, dens
     lp_flat = view.flat
     out = kernels.sparse_mlp(
         y.astype(lp_flat["w_in"].dtype), lp_flat["w_in"], lp_flat["b_in"],
-        lp_flat["w_out_t"], view.lp.b_out, neurons if view.offset_ids else view.base * F + neurons,
+        lp_flat["w_out_t"], view.lp.b_out, view.flat_ids(neurons, F),
         activation=config.activation, w_gate=lp_flat["w_gate"],
         impl=scfg.impl, residual=residual, riders=riders, config=scfg.mlp_config)
     if riders is not None:
@@ -914,7 +925,7 @@ def _fused_segment(config, scfg, params, select, selector_params, x, io, step, i
     # weights, sparing the scan two XLA launches per layer
     offset_ids = split and not unrolled
     if offset_ids:
-        idx = (idx[0] + start * config.ffn, idx[1] + start * config.n_heads)
+        idx = _offset_sets(idx, start, config.ffn, config.n_heads)
 
     def sparse_body(carry, layer):
         x, io, (neurons, heads), _ = carry
@@ -1125,11 +1136,10 @@ class PredictorSelector:
             score, select_of = selection_parts(*args, activation=p.activation,
                                                offset_ids=offset_ids)
             return Riders((score,), lambda outs: [select_of(outs[0][0])])
-        neurons, heads = predictor_select(*args, activation=p.activation, impl=self.impl)
+        sets = predictor_select(*args, activation=p.activation, impl=self.impl)
         if offset_ids:
-            neurons = neurons + layer * p.b2_mlp.shape[1]
-            heads = heads + layer * p.b2_heads.shape[1]
-        return neurons, heads
+            sets = _offset_sets(sets, layer, p.b2_mlp.shape[1], p.b2_heads.shape[1])
+        return sets
 
 
 def shared_scores(logits: jax.Array, weights: jax.Array | None = None) -> jax.Array:
