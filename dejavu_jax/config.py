@@ -193,8 +193,13 @@ def from_hf_config(hf: dict, name: str = "custom") -> ModelConfig:
         return _opt_from_hf(hf, name)
     if model_type in ("llama", "mistral", "qwen2"):
         return _llama_from_hf(hf, name)
-    if model_type == "gemma3":
-        return _gemma3_from_hf({**hf.get("text_config", {}), "model_type": "gemma3_text"}, name)
+    if model_type == "gemma3":  # its special ids may sit at the top level only
+        text = {**{k: hf[k] for k in ("bos_token_id", "pad_token_id") if k in hf},
+                **hf.get("text_config", {}), "model_type": "gemma3_text"}
+        eos = _as_list(text.get("eos_token_id")) + _as_list(hf.get("eos_token_id"))
+        if eos:  # the text model's end ids and the top level's (an end-of-turn id)
+            text["eos_token_id"] = list(dict.fromkeys(eos))
+        return _gemma3_from_hf(text, name)
     if model_type == "gemma3_text":
         return _gemma3_from_hf(hf, name)
     raise ValueError(
@@ -259,6 +264,11 @@ def _sliding_layers(hf: dict, n_layers: int, pattern: int | None = None) -> tupl
     if hf.get("model_type") == "mistral" and hf.get("sliding_window"):
         return (True,) * n_layers
     return ()
+
+
+def _as_list(value) -> list:
+    """A config's id or list of ids as a list (empty for None)."""
+    return list(value) if isinstance(value, list) else [] if value is None else [value]
 
 
 def _first(value):
@@ -359,7 +369,15 @@ def _llama_from_hf(hf: dict, name: str) -> ModelConfig:
     )
 
 
+# Gemma3TextConfig's defaults for the shapes, which multimodal checkpoints may leave out
+# (gemma-3-4b's text_config lists neither its heads nor its KV heads)
+_GEMMA3_TEXT_DEFAULTS = {"hidden_size": 2304, "intermediate_size": 9216,
+                         "num_hidden_layers": 26, "num_attention_heads": 8,
+                         "num_key_value_heads": 4}
+
+
 def _gemma3_from_hf(hf: dict, name: str) -> ModelConfig:
+    hf = {**_GEMMA3_TEXT_DEFAULTS, **hf}
     act = hf.get("hidden_activation", hf.get("hidden_act", "gelu_pytorch_tanh"))
     if act != "gelu_pytorch_tanh":
         raise ValueError(f"gemma3 hidden_activation {act!r} is not supported (model {name!r})")

@@ -183,3 +183,54 @@ def test_a_renamed_checkpoint_keeps_its_fingerprint_and_stop_ids(tmp_path):
     (moved / "config.json").write_text(json.dumps(cfg))
     (moved / "generation_config.json").write_text(json.dumps({"eos_token_id": [5, 7]}))
     assert read_config(moved).stop_token_ids == [2, 5, 7]
+
+
+def test_gemma3_multimodal_config_takes_the_text_defaults_of_transformers():
+    """A multimodal Gemma 3 `config.json` (gemma-3-4b-it's) lists only the text settings
+    that differ from Gemma3TextConfig's defaults, and its end-of-turn id at the top level:
+    the config read equals what transformers fills in."""
+    from transformers import Gemma3Config
+    hf = {"architectures": ["Gemma3ForConditionalGeneration"], "model_type": "gemma3",
+          "boi_token_index": 255999, "eoi_token_index": 256000, "eos_token_id": [1, 106],
+          "image_token_index": 262144, "mm_tokens_per_image": 256,
+          "text_config": {"hidden_size": 2560, "intermediate_size": 10240,
+                          "model_type": "gemma3_text", "num_hidden_layers": 34,
+                          "rope_scaling": {"factor": 8.0, "rope_type": "linear"},
+                          "sliding_window": 1024}}
+    text = Gemma3Config(text_config=dict(hf["text_config"])).text_config
+    config = dj.config.from_hf_config(hf)
+    assert (config.n_heads, config.n_kv_heads) == (text.num_attention_heads,
+                                                    text.num_key_value_heads) == (8, 4)
+    assert (config.hidden, config.ffn, config.n_layers, config.head_dim, config.vocab_size) \
+        == (text.hidden_size, text.intermediate_size, text.num_hidden_layers, text.head_dim,
+            text.vocab_size)
+    assert config.sliding_layers == tuple(t == "sliding_attention" for t in text.layer_types)
+    assert config.sliding_window == text.sliding_window == 1024
+    assert config.rope_linear_factor == text.rope_parameters["full_attention"]["factor"] == 8
+    assert np.isclose(config.attention_scale, text.query_pre_attn_scalar ** -0.5)
+    assert config.stop_token_ids == [1, 106]
+
+
+def test_gemma3_multimodal_checkpoint_loads_its_text_model(tmp_path):
+    """The Gemma 3 fixture saved as a multimodal checkpoint (text tensors under
+    `model.language_model.`, vision tensors beside them, the end-of-turn id at the top
+    level) gives transformers' logits of the text model and stops at both end ids."""
+    src = HF / "gemma3"
+    d = tmp_path / "gemma3-multimodal"
+    d.mkdir()
+    tensors = {("model.language_model." + k[len("model."):] if k.startswith("model.") else k): v
+               for k, v in load_file(src / "model.safetensors").items()}
+    tensors["model.vision_tower.vision_model.encoder.layers.0.mlp.fc1.weight"] = \
+        np.ones((4, 4), np.float32)
+    save_file(tensors, d / "model.safetensors")
+    text = json.loads((src / "config.json").read_text())
+    (d / "config.json").write_text(json.dumps({"model_type": "gemma3", "eos_token_id": [1, 106],
+                                               "text_config": text, "vision_config": {}}))
+    ref = np.load(src / "reference.npz")
+    config, params = dj.load_pretrained(d, progress=False)
+    got = np.asarray(dj.logits(config, params, ref["input_ids"], ref["attention_mask"]))
+    real = ref["attention_mask"].astype(bool)
+    want = ref["logits"][real]
+    assert np.isfinite(got).all()
+    assert np.abs(got[real] - want).max() < 1e-4 * np.abs(want).max()
+    assert config.stop_token_ids == [text["eos_token_id"], 106]
