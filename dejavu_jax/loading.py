@@ -248,10 +248,11 @@ def _resolve_directory(path_or_id: str | os.PathLike) -> Path:
             return Path(snapshot_download(
                 text, allow_patterns=["*.json", "*.safetensors", "*.bin", "*.txt",
                                       "tokenizer*", "vocab*", "merges*"]))
-        except Exception as e:  # network errors come in many types
+        except Exception as e:  # network errors come in many types, and many lines
+            reason = (str(e).strip().splitlines() or [""])[0]
             raise CheckpointError(
                 f"{text!r} is not a local path, and downloading it from the Hugging Face hub "
-                f"failed: {type(e).__name__}: {e}") from None
+                f"failed: {type(e).__name__}: {reason}") from None
     raise CheckpointError(f"{path_or_id}: no such file or directory")
 
 

@@ -400,3 +400,20 @@ def test_task_continuation_past_opts_learned_positions(word_tokenizer, tmp_path,
                                     str(word_tokenizer), "--tasks", str(task),
                                     "--no-progress"], capsys)
     assert "'long'" in last and "200 tokens" in last and "128 tokens" in last, last
+
+
+def test_a_failed_hub_download_is_one_line(monkeypatch, capsys, no_loading):
+    """A hub id that cannot be fetched (the hub library's errors span several lines, as
+    its connection error without network does): stderr holds one `error:` line."""
+    import huggingface_hub
+
+    def unreachable(repo_id, **kwargs):
+        raise OSError(f"Got: ConnectError for {repo_id}\nAn error happened while trying "
+                      "to locate the files on the Hub.")
+
+    monkeypatch.setattr(huggingface_hub, "snapshot_download", unreachable)
+    with pytest.raises(SystemExit) as exit_:
+        generate.main(["--model", "someorg/somemodel", "--prompt-ids", "2,3"])
+    err = capsys.readouterr().err
+    assert exit_.value.code == 2 and err.count("\n") == 1, err
+    assert err.startswith("error: 'someorg/somemodel'") and "ConnectError" in err, err
