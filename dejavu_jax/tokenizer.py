@@ -45,13 +45,21 @@ def _readable(load, path: Path):
                               f"{reason})") from None
 
 
+def _gguf_has_tokenizer(path: Path) -> bool:
+    """Whether a GGUF file holds a vocabulary (a file may hold the weights alone)."""
+    from dejavu_jax.gguf_loader import gguf_metadata
+    return "tokenizer.ggml.model" in gguf_metadata(path)
+
+
 def default_tokenizer_for(config: ModelConfig, model_path: Path | None):
     """The tokenizer that goes with a model: its own files, else OPT's shared tokenizer.
 
     Returns None when none can be found (callers then work on token ids only).
     """
     if model_path is not None:
-        if model_path.suffix == ".gguf" or has_tokenizer(model_path):
+        if model_path.suffix == ".gguf" and _gguf_has_tokenizer(model_path):
+            return load_tokenizer(model_path)
+        if has_tokenizer(model_path):
             return load_tokenizer(model_path)
     if config.family == "opt" and has_tokenizer(opt_tokenizer_dir()):
         return load_tokenizer(opt_tokenizer_dir())

@@ -450,3 +450,66 @@ def test_gguf_of_a_tiny_hf_model_loads_as_the_hf_checkpoint(tmp_path, name):
     real = ref["attention_mask"].astype(bool)
     err = np.abs(out[real] - ref["logits"][real]).max()
     assert err <= 1e-4 * np.abs(ref["logits"][real]).max(), err
+
+
+def _numpy_llama_greedy(sd, prompt, n_new):
+    """Greedy ids of the tiny CFG Llama `sd` (HF layout, float64 numpy): RMSNorm, rotate-half
+    RoPE (theta 1e4), grouped-query causal attention, SwiGLU, the untied head."""
+    c = CFG
+    hd, H, Hk = c["head_dim"], c["heads"], c["kv_heads"]
+
+    def rms(x, w):
+        return x / np.sqrt((x * x).mean(-1, keepdims=True) + 1e-5) * w
+
+    def rope(x, pos):  # x [T, heads, hd]
+        inv = 1.0 / 10000.0 ** (np.arange(0, hd, 2) / hd)
+        ang = np.concatenate([pos[:, None] * inv] * 2, -1)[:, None]
+        rot = np.concatenate([-x[..., hd // 2:], x[..., :hd // 2]], -1)
+        return x * np.cos(ang) + rot * np.sin(ang)
+
+    ids = list(prompt)
+    for _ in range(n_new):
+        T = len(ids)
+        pos = np.arange(T, dtype=np.float64)
+        x = sd["model.embed_tokens.weight"][ids]
+        for i in range(c["layers"]):
+            p = f"model.layers.{i}."
+            y = rms(x, sd[p + "input_layernorm.weight"])
+            q = rope((y @ sd[p + "self_attn.q_proj.weight"].T).reshape(T, H, hd), pos)
+            k = rope((y @ sd[p + "self_attn.k_proj.weight"].T).reshape(T, Hk, hd), pos)
+            v = (y @ sd[p + "self_attn.v_proj.weight"].T).reshape(T, Hk, hd)
+            k, v = np.repeat(k, H // Hk, axis=1), np.repeat(v, H // Hk, axis=1)
+            s = np.einsum("thd,shd->hts", q, k) / np.sqrt(hd)
+            s = np.where(np.tril(np.ones((T, T), bool)), s, -np.inf)
+            a = np.exp(s - s.max(-1, keepdims=True))
+            a /= a.sum(-1, keepdims=True)
+            o = np.einsum("hts,shd->thd", a, v).reshape(T, H * hd)
+            x = x + o @ sd[p + "self_attn.o_proj.weight"].T
+            y = rms(x, sd[p + "post_attention_layernorm.weight"])
+            g = y @ sd[p + "mlp.gate_proj.weight"].T
+            x = x + (g / (1 + np.exp(-g)) * (y @ sd[p + "mlp.up_proj.weight"].T)) \
+                @ sd[p + "mlp.down_proj.weight"].T
+        logits = rms(x[-1], sd["model.norm.weight"]) @ sd["lm_head.weight"].T
+        top2 = np.sort(logits)[-2:]
+        assert top2[1] - top2[0] > 1e-3 * np.abs(logits).max()  # no near-tie
+        ids.append(int(np.argmax(logits)))
+    return ids[len(prompt):]
+
+
+def test_generate_runs_a_gguf_without_a_tokenizer_on_prompt_ids(tmp_path, capsys):
+    """A GGUF that holds weights but no vocabulary is a model without a tokenizer, as a
+    checkpoint folder without tokenizer files is: `generate --prompt-ids` decodes it,
+    and --prompt asks for a tokenizer in one error line."""
+    from dejavu_jax import generate
+    sd = _hf_weights(seed=4)
+    path = _write_gguf(tmp_path / "weights-only.gguf", sd)
+    assert "tokenizer.ggml.model" not in gl.gguf_metadata(path)
+    assert generate.main(["--model", str(path), "--prompt-ids", "5,17,40,3",
+                          "--max-new-tokens", "5"]) == 0
+    out = capsys.readouterr().out
+    want = _numpy_llama_greedy(sd, [5, 17, 40, 3], 5)
+    assert f"[0] generated ids: {','.join(map(str, want))}" in out, out
+    with pytest.raises(SystemExit) as exit_:
+        generate.main(["--model", str(path), "--prompt", "hello"])
+    err = capsys.readouterr().err
+    assert exit_.value.code == 2 and err.startswith("error: no tokenizer found"), err
