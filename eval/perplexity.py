@@ -190,6 +190,12 @@ def perplexity(config, mode: EvalMode, params, pred_params, ids, window: int = 1
     return result
 
 
+def default_window(config, n_lead: int) -> int:
+    """Tokens per window when --window is not given: 1024, or fewer where the model's
+    positions must hold the `n_lead` leading ids and the window."""
+    return max(1, min(1024, config.max_positions - n_lead))
+
+
 def text_source(text: str) -> str:
     """An argparse type for --text: an existing file, or hf:NAME[:CONFIG[:SPLIT]]."""
     if text.startswith("hf:"):
@@ -208,8 +214,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--text", type=text_source, help="text file, or hf:NAME[:CONFIG[:SPLIT]] "
                    "(default: WikiText-2 raw test from the data folder, $DEJAVU_DATA)")
     p.add_argument("--window", type=cli.positive_int,
-                   help="tokens per window (default 1024, or an OPT model's learned "
-                        "positions if fewer)")
+                   help="tokens per window (default 1024, or the model's positions if "
+                        "fewer)")
     p.add_argument("--stride", type=cli.positive_int,
                    help="tokens between window starts, at most --window (default half the "
                         "window, at most 512)")
@@ -259,9 +265,8 @@ def main(argv: list[str] | None = None) -> int:
         cli.fail(f"the text has {len(ids)} token(s); perplexity needs at least 2")
     common.check_ids(ids, config, "the tokenized text")
     lead = leading_special_ids(tok)
-    if args.window is None:   # an OPT model's learned positions hold the lead and the window
-        args.window = (min(1024, config.max_positions - len(lead)) if config.family == "opt"
-                       else 1024)
+    if args.window is None:
+        args.window = default_window(config, len(lead))
     if args.stride is None:
         args.stride = max(1, min(512, args.window // 2))
     if args.stride > args.window:

@@ -226,9 +226,9 @@ def _bucket(n: int) -> int:
 
 
 def scored_length(config, max_len: int = 1024) -> int:
-    """Tokens one request is scored on at most: `max_len`, or an OPT model's learned
-    positions if fewer."""
-    return min(max_len, config.max_positions) if config.family == "opt" else max_len
+    """Tokens one request is scored on at most: `max_len`, or the model's positions
+    (`max_position_embeddings`, as lm-eval truncates) if fewer."""
+    return min(max_len, config.max_positions)
 
 
 def score_requests(config, mode: EvalMode, params, pred_params, requests, batch_tokens=4096,
@@ -237,7 +237,7 @@ def score_requests(config, mode: EvalMode, params, pred_params, requests, batch_
     """(log-likelihood [N], all-greedy [N]) of each (context, continuation) token pair.
 
     Requests are sorted by length and batched in a few padded shapes (one compile each).
-    A request longer than `max_len` tokens (or an OPT model's learned positions) keeps its
+    A request longer than `max_len` tokens (or the model's positions) keeps its
     last ones, as lm-eval-harness truncates. A continuation longer than that is an error.
     mesh: params placed on it (`common.load_weights`); rows split over its "data" axis.
     """

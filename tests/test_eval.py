@@ -376,6 +376,34 @@ def test_requests_past_opts_learned_positions_keep_their_last_tokens():
                                  [(ids[:10], ids[10:])], 128)
 
 
+def test_requests_past_a_rotary_models_positions_keep_their_last_tokens():
+    """A Llama with 24 positions of context is scored, as lm-eval truncates to the
+    config's max_position_embeddings, on the last 25 tokens of a 40-token request: the
+    log-likelihood of the dense logits of that tail."""
+    config, params = _small_llama()
+    config = config.replace(max_positions=24)
+    ids = np.random.default_rng(5).integers(3, config.vocab_size, 40).tolist()
+    context, continuation = ids[:37], ids[37:]
+    loglik, _ = tasks_mod.score_requests(config, ss.make_mode(config, "dense"), params, None,
+                                         [(context, continuation)], 128)
+    tail = ids[-25:]
+    logits = np.asarray(dj.logits(config, params, [tail[:-1]])[0], np.float64)
+    logp = logits - logits.max(-1, keepdims=True)
+    logp -= np.log(np.exp(logp).sum(-1, keepdims=True))
+    want = sum(logp[21 + i, continuation[i]] for i in range(3))
+    assert np.isfinite(loglik[0])
+    assert abs(loglik[0] - want) <= 1e-4 * abs(want)
+
+
+def test_default_perplexity_window_fits_the_models_positions():
+    """The default window is 1024 tokens, or fewer where the model's context (with the
+    tokenizer's leading ids before each window) is shorter, for rotary models too."""
+    llama = dj.preset("llama-tiny")
+    assert ppl_mod.default_window(llama, 0) == 1024
+    assert ppl_mod.default_window(llama.replace(max_positions=128), 1) == 127
+    assert ppl_mod.default_window(dj.preset("opt-tiny").replace(max_positions=512), 1) == 511
+
+
 EXPECTED_COUNTS = {"copa": 100, "piqa": 1838, "openbookqa": 500, "winogrande": 1267,
                    "lambada": 5153, "hellaswag": 10042, "rte": 277}
 
