@@ -137,7 +137,7 @@ def plan_for(config: ModelConfig, scfg, select, params, batch: int, context: int
     state = engine.init_state(batch, -(-slots // 64) * 64,
                               jax.tree.leaves(model_params)[0].dtype,
                               per_layer=isinstance(model_params.layers, tuple))
-    tokens = jnp.full((batch,), config.pad_token_id or 0, jnp.int32)
+    tokens = jnp.full((batch,), config.padding_id, jnp.int32)
     plan, state = measure_batch_plan(config, union, select, params,
                                      held_context(state, context), tokens, log=log)
     del state

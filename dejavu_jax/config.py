@@ -141,6 +141,14 @@ class ModelConfig:
         return self.embed_dim != self.hidden
 
     @property
+    def padding_id(self) -> int:
+        """The id that fills left padding: pad_token_id when it lies inside the vocabulary
+        (a config may name one past the embedding, or none), else 0. Padding is masked, but
+        an id outside the embedding would give NaN rows that reach the masked products."""
+        pad = self.pad_token_id
+        return pad if pad is not None and 0 <= pad < self.vocab_size else 0
+
+    @property
     def stop_token_ids(self) -> list[int]:
         """Every id that ends a sequence: the eos id and the config's further ones."""
         first = [] if self.eos_token_id is None else [self.eos_token_id]

@@ -192,7 +192,7 @@ def generate_tokens(engine: Engine, params, prompts: Sequence[Sequence[int]],
     check_fits(config, _model_params(params))
     if stop_ids is None:
         stop_ids = config.stop_token_ids
-    ids, mask = left_pad(prompts, config.pad_token_id or 0)
+    ids, mask = left_pad(prompts, config.padding_id)
     B, T = ids.shape
     dtype = cache_dtype or jax.tree.leaves(params)[0].dtype
     chunk = min(chunk, max(max_new_tokens - 1, 1))

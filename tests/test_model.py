@@ -153,6 +153,20 @@ def test_left_padded_batch_generates_like_single_prompts():
         assert batch.tokens[row] == alone.tokens[0]
 
 
+@pytest.mark.parametrize("pad", ["vocab_size", -1, None])
+def test_a_pad_id_outside_the_vocabulary_still_pads(pad):
+    """A config whose pad_token_id lies outside the embedding (or is absent) pads the
+    batch with an id inside it: the padded row generates Hugging Face's greedy ids of its
+    prompt alone, with finite logits."""
+    config, params, ref = _load("llama-gqa")
+    config = config.replace(pad_token_id=config.vocab_size if pad == "vocab_size" else pad)
+    prompt = ref["prompt_ids"].tolist()
+    longer = [5, 9, 14, 3, 7, 11, 4, 8, 20, 30]
+    result = generate_tokens(dense_engine(config), params, [longer, prompt],
+                             max_new_tokens=len(ref["generated_ids"]), stop_ids=[])
+    assert result.tokens[1] == ref["generated_ids"].tolist()
+
+
 def test_generation_stops_at_eos():
     config = dj.preset("opt-tiny")
     params = dj.init_params(config, jax.random.key(0), jnp.float32, std=0.2)
