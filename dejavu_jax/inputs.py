@@ -91,12 +91,18 @@ def check_prompt(input_ids, attention_mask, vocab_size: int, state=None) -> None
 
 
 def check_step_tokens(tokens, vocab_size: int, state=None) -> None:
-    """Checks for a decode step: tokens [B] in the vocabulary, one per row of the state."""
+    """Checks for a decode step: tokens [B] in the vocabulary, one per row of the state,
+    and, when the state's next slot is concrete, a free cache slot to write."""
     check_token_ids(tokens, vocab_size, "tokens", "[batch]")
     valid = getattr(state, "valid", None)
     if valid is not None and np.shape(tokens)[0] != valid.shape[0]:
         raise ValueError(f"tokens has {np.shape(tokens)[0]} rows; the decode state has "
                          f"{valid.shape[0]}")
+    slot = getattr(state, "slot", None)
+    if valid is not None and slot is not None and not is_traced(slot) \
+            and int(_host_blocks(slot)[0]) >= valid.shape[1]:
+        raise ValueError(f"the decode state's cache is full ({valid.shape[1]} slots): "
+                         "make the state with a larger max_len")
 
 
 def checked(jitted, check):

@@ -106,3 +106,29 @@ def test_prompts_that_do_not_fit_the_state():
         model.prefill(config, params, ids, np.ones_like(ids), state)
     with pytest.raises(ValueError, match="tokens has 2 rows; the decode state has 1"):
         model.decode_step(config, params, state, jnp.array([1, 2]))
+
+
+@pytest.mark.parametrize("engine", ["decode_step", "oracle engine"])
+def test_a_step_past_the_states_cache_is_refused(engine):
+    """A decode state of 8 cache slots holds a 6-token prompt and two steps, whose logits
+    are the full forward's; the step that would write slot 8 raises instead of
+    overwriting the last slot (which gave other logits, silently)."""
+    config, params = _model()
+    ids = np.array([[2, 5, 9, 14, 3, 7, 11, 4]], np.int32)
+    full = np.asarray(dj.logits(config, params, ids))[0]
+    if engine == "decode_step":
+        state = model.init_state(config, 1, 8, jnp.float32)
+        _, state = model.prefill(config, params, ids[:, :6], np.ones((1, 6), np.int32), state)
+        step = functools.partial(model.decode_step, config, params)
+    else:
+        scfg = sparse.sparse_config(config, 1.0, 1.0, dense_layers=0, oracle=True)
+        oracle = sparse.sparse_engine(config, scfg, sparse.no_selector)
+        state = oracle.init_state(1, 8, jnp.float32, per_layer=False)
+        _, state = oracle.prefill((params, None), ids[:, :6], np.ones((1, 6), np.int32), state)
+        step = functools.partial(oracle.step, (params, None))
+    for t in (6, 7):
+        logits, state = step(state, jnp.asarray(ids[:, t]))
+        assert np.isfinite(np.asarray(logits)).all()
+        np.testing.assert_allclose(np.asarray(logits)[0], full[t], atol=1e-4 * np.abs(full).max())
+    with pytest.raises(ValueError, match="cache.*8 slots"):
+        step(state, jnp.array([5]))
