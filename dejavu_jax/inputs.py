@@ -105,6 +105,15 @@ def check_step_tokens(tokens, vocab_size: int, state=None) -> None:
                          "make the state with a larger max_len")
 
 
+def check_next_positions(positions, limit: int, what: str = "positions") -> None:
+    """Raise ValueError when concrete position ids [B] of the next tokens reach `limit`
+    (an OPT model's learned positions end there); traced ones are not checked."""
+    if is_traced(positions):
+        return
+    if max(int(b.max()) for b in _host_blocks(positions)) >= limit:
+        raise ValueError(f"the next token would pass the model's {limit} {what}")
+
+
 def checked(jitted, check):
     """`jitted` (a jax.jit function) behind `check(*args, **kwargs)`, which runs first on
     the concrete arguments of every call; `.lower` and `.trace` stay the jitted ones."""

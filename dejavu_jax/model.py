@@ -10,11 +10,13 @@ import functools
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from flax import struct
 
 from dejavu_jax import ops
 from dejavu_jax.config import ModelConfig
-from dejavu_jax.inputs import check_mask, check_prompt, check_step_tokens, check_token_ids, checked
+from dejavu_jax.inputs import (check_mask, check_next_positions, check_prompt,
+                               check_step_tokens, check_token_ids, checked, is_traced)
 from dejavu_jax.params import OPT_POSITION_OFFSET, ModelParams, check_fits, scan_layers
 
 F32 = jnp.float32
@@ -164,6 +166,13 @@ def check_positions(config: ModelConfig, length: int) -> None:
                          "learned positions")
 
 
+def check_step_positions(config: ModelConfig, state: DecodeState) -> None:
+    """ValueError when a decode step's tokens would sit past an OPT model's learned
+    positions (checked when the state's positions are concrete)."""
+    if config.family == "opt":
+        check_next_positions(state.positions, config.max_positions, "learned positions")
+
+
 def logits(config: ModelConfig, params: ModelParams, input_ids,
            attention_mask=None) -> jax.Array:
     """Full-sequence float32 logits [B, T, V] for token ids [B, T] (mask: 1 = real token).
@@ -206,10 +215,13 @@ def prefill_fn(config: ModelConfig, params: ModelParams, input_ids: jax.Array,
     """Dense forward over left-padded prompts [B, T] with mask [B, T] (1 = token).
 
     Fills cache slots 0..T-1 for every head and returns (last-position logits [B, V],
-    the state ready for decoding at slot T). Ids must lie in [0, vocab_size): concrete ids
-    are checked (ValueError), traced ones are the caller's contract (`dejavu_jax.inputs`).
+    the state ready for decoding at slot T). Ids must lie in [0, vocab_size), and an OPT
+    prompt within its learned positions: concrete ids are checked (ValueError), traced ones
+    are the caller's contract (`dejavu_jax.inputs`).
     """
     check_prompt(input_ids, attention_mask, config.vocab_size, state)
+    if not is_traced(input_ids):  # traced: a benchmark may time OPT's shapes past them
+        check_positions(config, input_ids.shape[1])
     T = input_ids.shape[1]
     hidden, (k, v), _ = sequence_forward(config, params, input_ids, attention_mask)
     logits_last = unembed(config, params, hidden[:, -1])
@@ -229,7 +241,8 @@ def prefill_fn(config: ModelConfig, params: ModelParams, input_ids: jax.Array,
 
 prefill = checked(
     jax.jit(prefill_fn, static_argnums=0, donate_argnums=(4,)),
-    lambda config, params, ids, mask, state: check_prompt(ids, mask, config.vocab_size, state))
+    lambda config, params, ids, mask, state: (check_prompt(ids, mask, config.vocab_size, state),
+                                              check_positions(config, np.shape(ids)[1])))
 prefill.__doc__ = """Jitted `prefill_fn` (the state donated), after a check of concrete ids."""
 
 
@@ -344,10 +357,12 @@ def decode_step_fn(config: ModelConfig, params: ModelParams, state: DecodeState,
     """One cached decode step for tokens [B]: returns (logits [B, V] fp32, new state).
 
     Pure and unjitted; `decode_step` is the jitted form with the state donated. Tokens must
-    lie in [0, vocab_size): concrete ones are checked (ValueError), traced ones are the
-    caller's contract (`dejavu_jax.inputs`).
+    lie in [0, vocab_size), with a free cache slot and (OPT) a learned position left:
+    concrete ones are checked (ValueError), traced ones are the caller's contract
+    (`dejavu_jax.inputs`).
     """
     check_step_tokens(tokens, config.vocab_size, state)
+    check_step_positions(config, state)
     x = embed(config, params, tokens, state.positions)
     x, state = decode_layers(config, params, x, state)
     return unembed(config, params, x), state
@@ -355,6 +370,7 @@ def decode_step_fn(config: ModelConfig, params: ModelParams, state: DecodeState,
 
 decode_step = checked(
     jax.jit(decode_step_fn, static_argnums=0, donate_argnums=(2,)),
-    lambda config, params, state, tokens: check_step_tokens(tokens, config.vocab_size, state))
+    lambda config, params, state, tokens: (check_step_tokens(tokens, config.vocab_size, state),
+                                           check_step_positions(config, state)))
 decode_step.__doc__ = """Jitted `decode_step_fn`, after a check of concrete tokens; the
 state's cache buffers are updated in place."""

@@ -214,7 +214,10 @@ def profile_mode(config, params, mode, args, out: Path, log, prepared=None) -> d
 
         def fresh():
             st = model.init_state(config, B, max_len, BF16, per_layer=unrolled)
-            return model.prefill(config, params, prompt, mask, st)[1]
+            # the jitted prefill itself: an OPT context past the learned positions times
+            # the shapes (`model.prefill` would refuse it)
+            return jax.jit(model.prefill_fn, static_argnums=0, donate_argnums=4)(
+                config, params, prompt, mask, st)[1]
     else:
         eng, extra = eng
         step_fn, run_params = eng.step, extra if prepared else (params, extra)

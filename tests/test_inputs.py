@@ -132,3 +132,31 @@ def test_a_step_past_the_states_cache_is_refused(engine):
         np.testing.assert_allclose(np.asarray(logits)[0], full[t], atol=1e-4 * np.abs(full).max())
     with pytest.raises(ValueError, match="cache.*8 slots"):
         step(state, jnp.array([5]))
+
+
+@pytest.mark.parametrize("engine", ["model", "oracle engine"])
+def test_prefill_and_steps_past_opts_learned_positions_are_refused(engine):
+    """OPT's position embedding ends at max_positions (128 here): a prompt of 128 tokens
+    prefills to the full forward's logits, a longer one raises, and so does the step
+    whose token would sit at position 128 (both gave NaN logits)."""
+    config, params = _model()
+    P = config.max_positions
+    ids = np.random.default_rng(1).integers(3, config.vocab_size, (1, P + 1)).astype(np.int32)
+    full = np.asarray(dj.logits(config, params, ids[:, :P]))[0, -1]
+    if engine == "model":
+        state = lambda: model.init_state(config, 1, P + 64, jnp.float32)  # noqa: E731
+        prefill = functools.partial(model.prefill, config, params)
+        step = functools.partial(model.decode_step, config, params)
+    else:
+        scfg = sparse.sparse_config(config, 1.0, 1.0, dense_layers=0, oracle=True)
+        oracle = sparse.sparse_engine(config, scfg, sparse.no_selector)
+        state = lambda: oracle.init_state(1, P + 64, jnp.float32, per_layer=False)  # noqa
+        prefill = functools.partial(oracle.prefill, (params, None))
+        step = functools.partial(oracle.step, (params, None))
+    with pytest.raises(ValueError, match=f"{P + 1} tokens exceed the model's {P} learned"):
+        prefill(ids, np.ones_like(ids), state())
+    logits, st = prefill(ids[:, :P], np.ones((1, P), np.int32), state())
+    assert np.isfinite(np.asarray(logits)).all()
+    np.testing.assert_allclose(np.asarray(logits)[0], full, atol=1e-4 * np.abs(full).max())
+    with pytest.raises(ValueError, match=f"pass the model's {P} learned positions"):
+        step(st, jnp.array([5]))
