@@ -215,7 +215,7 @@ def prefill_fn(config: ModelConfig, params: ModelParams, input_ids: jax.Array,
     """Dense forward over left-padded prompts [B, T] with mask [B, T] (1 = token).
 
     Fills cache slots 0..T-1 for every head and returns (last-position logits [B, V],
-    the state ready for decoding at slot T). Ids must lie in [0, vocab_size), and an OPT
+    the state ready for decoding at slot T; a used state forgets what it held). Ids must lie in [0, vocab_size), and an OPT
     prompt within its learned positions: concrete ids are checked (ValueError), traced ones
     are the caller's contract (`dejavu_jax.inputs`).
     """
@@ -233,7 +233,9 @@ def prefill_fn(config: ModelConfig, params: ModelParams, input_ids: jax.Array,
 
     new_state = DecodeState(
         k=fill(state.k, k), v=fill(state.v, v),
-        valid=jax.lax.dynamic_update_slice(state.valid, attention_mask.astype(bool), (0, 0)),
+        # the prompt's slots only: entries a used state held past them are not attended
+        valid=jax.lax.dynamic_update_slice(jnp.zeros_like(state.valid),
+                                           attention_mask.astype(bool), (0, 0)),
         slot=jnp.asarray(T, jnp.int32),
         positions=jnp.sum(attention_mask, axis=-1).astype(jnp.int32))
     return logits_last, new_state

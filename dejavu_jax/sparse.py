@@ -290,7 +290,7 @@ def sparse_prefill_fn(config: ModelConfig, params: tuple, input_ids, attention_m
     T = input_ids.shape[1]
     mask = jnp.broadcast_to(attention_mask.astype(bool)[:, None, None, :],
                             (input_ids.shape[0], config.n_layers, config.n_kv_heads, T))
-    written = jax.lax.dynamic_update_slice(state.written, mask, (0, 0, 0, 0))
+    written = jax.lax.dynamic_update_slice(jnp.zeros_like(state.written), mask, (0, 0, 0, 0))
     return logits, SparseState(dense=dense, written=written, history=state.history)
 
 

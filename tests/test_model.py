@@ -167,6 +167,36 @@ def test_a_pad_id_outside_the_vocabulary_still_pads(pad):
     assert result.tokens[1] == ref["generated_ids"].tolist()
 
 
+@pytest.mark.parametrize("engine", ["dense", "oracle"])
+def test_prefill_into_a_used_state_forgets_its_earlier_tokens(engine):
+    """A decode state that already holds a longer sequence, prefilled with a new prompt,
+    decodes Hugging Face's greedy ids of that prompt alone: the earlier cache entries
+    past the prompt are not attended to."""
+    from dejavu_jax import sparse
+    config, params, ref = _load("llama-gqa")
+    if engine == "dense":
+        eng, engine_params = dense_engine(config), params
+    else:
+        scfg = sparse.sparse_config(config, 1.0, 1.0, dense_layers=0, oracle=True)
+        eng, engine_params = sparse.sparse_engine(config, scfg, sparse.no_selector), (params, None)
+    prefill, step = jax.jit(eng.prefill), jax.jit(eng.step)
+
+    def greedy(state, prompt, n):
+        logits, state = prefill(engine_params, prompt, np.ones_like(prompt), state)
+        out = [int(np.argmax(logits[0]))]
+        for _ in range(n - 1):
+            logits, state = step(engine_params, state, jnp.asarray([out[-1]], jnp.int32))
+            assert np.isfinite(np.asarray(logits)).all()
+            out.append(int(np.argmax(logits[0])))
+        return out, state
+
+    earlier = np.arange(3, 23, dtype=np.int32)[None]
+    _, used = greedy(eng.init_state(1, 64, jnp.float32), earlier, 8)
+    prompt = ref["prompt_ids"][None].astype(np.int32)
+    got, _ = greedy(used, prompt, len(ref["generated_ids"]))
+    assert got == ref["generated_ids"].tolist()
+
+
 def test_generation_stops_at_eos():
     config = dj.preset("opt-tiny")
     params = dj.init_params(config, jax.random.key(0), jnp.float32, std=0.2)
