@@ -338,9 +338,19 @@ def decode_layer(config: ModelConfig, lp, x: jax.Array, k_all, v_all, layer, ste
     return x, box["k"], box["v"]
 
 
+def check_cache_layout(params: ModelParams, state: DecodeState) -> None:
+    """ValueError when a per-layer cache (`init_state(..., per_layer=True)`) meets stacked
+    weights, whose layer loop cannot index it."""
+    if isinstance(state.k, tuple) and not isinstance(params.layers, tuple):
+        raise ValueError("a per-layer cache (init_state(..., per_layer=True)) decodes with "
+                         "per-layer weights (params.unstack_layers); stacked weights take "
+                         "a stacked cache")
+
+
 def decode_layers(config: ModelConfig, params: ModelParams, x: jax.Array,
                   state: DecodeState):
     """All layers for one new token per row: x [B, d] -> (x, state) with the cache updated."""
+    check_cache_layout(params, state)
     valid = jax.lax.dynamic_update_slice(
         state.valid, jnp.ones((state.valid.shape[0], 1), bool), (0, state.slot))
     step = {"slot": state.slot, "positions": state.positions, "valid": valid}

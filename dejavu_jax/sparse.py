@@ -36,9 +36,9 @@ from dejavu_jax.config import ModelConfig
 from dejavu_jax.inputs import check_step_tokens
 from dejavu_jax.kernels.batch_predictor_select import first_product_part
 from dejavu_jax.kernels.sparse_mlp import Riders
-from dejavu_jax.model import (DecodeState, cache_layer, check_step_positions, decode_layer,
-                              dense_attention, embed, head_output_norms, layer_valid,
-                              set_cache_layer, unembed)
+from dejavu_jax.model import (DecodeState, cache_layer, check_cache_layout,
+                              check_step_positions, decode_layer, dense_attention, embed,
+                              head_output_norms, layer_valid, set_cache_layer, unembed)
 from dejavu_jax.params import ModelParams, has_fused_qkv
 
 F32 = jnp.float32
@@ -965,6 +965,7 @@ def sparse_step_fn(config: ModelConfig, scfg: SparseConfig, select: Selector,
     check_step_tokens(tokens, config.vocab_size, state.dense)
     check_step_positions(config, state.dense)
     params, selector_params = params
+    check_cache_layout(params, state.dense)
     if has_fused_qkv(params):
         raise ValueError("the sparse step gathers heads from wq/wk/wv: pass params without "
                          "params.fuse_qkv (it is for the dense engine)")

@@ -160,3 +160,27 @@ def test_prefill_and_steps_past_opts_learned_positions_are_refused(engine):
     np.testing.assert_allclose(np.asarray(logits)[0], full, atol=1e-4 * np.abs(full).max())
     with pytest.raises(ValueError, match=f"pass the model's {P} learned positions"):
         step(st, jnp.array([5]))
+
+
+def test_a_per_layer_cache_needs_per_layer_weights():
+    """init_state(per_layer=True) pairs with per-layer weights (`unstack_layers`), whose
+    step gives the full forward's logits; with stacked weights decode_step raises a
+    ValueError saying so (not a tracer error from inside the scan)."""
+    from dejavu_jax.params import unstack_layers
+    config, params = _model()
+    ids = np.array([[2, 5, 9, 14, 3, 7]], np.int32)
+    full = np.asarray(dj.logits(config, params, ids))[0]
+    per_layer = lambda: model.init_state(config, 1, 16, jnp.float32, per_layer=True)  # noqa
+    unstacked = unstack_layers(params)
+    _, state = model.prefill(config, unstacked, ids[:, :5], np.ones((1, 5), np.int32),
+                             per_layer())
+    with pytest.raises(ValueError, match="per-layer cache"):
+        model.decode_step(config, params, state, jnp.asarray(ids[:, 5]))
+    scfg = sparse.sparse_config(config, 0.5, 1.0, dense_layers=1, oracle=True)
+    oracle = sparse.sparse_engine(config, scfg, sparse.no_selector)
+    with pytest.raises(ValueError, match="per-layer cache"):
+        oracle.step((params, None), oracle.init_state(1, 16, jnp.float32, per_layer=True),
+                    jnp.asarray(ids[:, 5]))
+    logits, _ = model.decode_step(config, unstacked, state, jnp.asarray(ids[:, 5]))
+    assert np.isfinite(np.asarray(logits)).all()
+    np.testing.assert_allclose(np.asarray(logits)[0], full[5], atol=1e-4 * np.abs(full).max())
