@@ -246,6 +246,9 @@ def main(argv: list[str] | None = None) -> int:
             model.check_positions(known, args.window)
         except ValueError as e:
             cli.fail(f"--window {args.window}: {e}")
+        if args.window > known.max_positions:  # rotary models: past their context
+            cli.fail(f"--window {args.window}: the model has {known.max_positions} positions "
+                     "of context")
     if args.stride is not None and args.stride > (args.window or 1024):
         cli.fail(f"--stride {args.stride} is larger than --window {args.window or 1024}")
     try:

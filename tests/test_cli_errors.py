@@ -390,6 +390,28 @@ def test_perplexity_window_defaults_to_opts_learned_positions(word_tokenizer, tm
     assert default["perplexity"] == named["perplexity"]
 
 
+def test_perplexity_window_fits_a_rotary_models_positions(word_tokenizer, tmp_path, capsys):
+    """A Llama checkpoint with 128 positions of context and a 300-token text: no --window
+    gives windows of 128 (stride 64) and a finite perplexity; --window 200 is one error
+    line before the weights load."""
+    llama = FIXTURE.parent / "llama-gqa"
+    text = tmp_path / "t.txt"
+    text.write_text(" ".join(f"w{1 + (7 * i) % 500}" for i in range(300)))
+    argv = ["--model", str(llama), "--tokenizer", str(word_tokenizer), "--text", str(text),
+            "--no-progress"]
+    out = tmp_path / "r.json"
+    assert perplexity.main(argv + ["--out", str(out)]) == 0
+    result = json.loads(out.read_text())
+    assert (result["window"], result["stride"], result["tokens"]) == (128, 64, 299)
+    assert math.isfinite(result["perplexity"])
+    monkeypatch = pytest.MonkeyPatch()
+    with monkeypatch.context() as m:
+        for target, name in ((common, "load_weights"), (loading, "load_pretrained")):
+            m.setattr(target, name, lambda *a, **k: pytest.fail("weights loaded"))
+        last = _error_line(perplexity.main, argv + ["--window", "200"], capsys)
+    assert "--window 200" in last and "128 positions" in last, last
+
+
 def test_task_continuation_past_opts_learned_positions(word_tokenizer, tmp_path, capsys):
     """A task whose continuation (200 tokens) is longer than the OPT checkpoint's 128
     learned positions: one error line naming the task, before any scoring."""
