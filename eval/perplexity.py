@@ -54,6 +54,9 @@ def load_text(source: str | None) -> str:
     test split: the data folder's file, else through `datasets` when the hub is reachable,
     else MissingDataError saying how to provide it."""
     if source and source.startswith("hf:"):
+        if not hub_offline() and not hub_reachable():  # offline: the datasets cache only
+            raise ConnectionError(f"{source}: the Hugging Face hub is not reachable (pass "
+                                  "--text FILE)")
         from datasets import load_dataset
         name, config, split = (source[3:].split(":") + [None, "test"])[:3]
         rows = load_dataset(name, config, split=split or "test")
@@ -64,12 +67,18 @@ def load_text(source: str | None) -> str:
     return path.read_text(encoding="utf-8").replace("\r\n", "\n")
 
 
+def hub_offline() -> bool:
+    """Whether HF_HUB_OFFLINE or HF_DATASETS_OFFLINE is set (the libraries then read their
+    caches only)."""
+    return any(os.environ.get(v, "").lower() in ("1", "true", "yes")
+               for v in ("HF_HUB_OFFLINE", "HF_DATASETS_OFFLINE"))
+
+
 def hub_reachable(timeout: float = 3.0) -> bool:
     """Whether the Hugging Face hub (`HF_ENDPOINT`, default huggingface.co) accepts a
     connection within `timeout` seconds; False at once when HF_HUB_OFFLINE or
     HF_DATASETS_OFFLINE is set. Spares a machine without network the libraries' retries."""
-    if any(os.environ.get(v, "").lower() in ("1", "true", "yes")
-           for v in ("HF_HUB_OFFLINE", "HF_DATASETS_OFFLINE")):
+    if hub_offline():
         return False
     url = urllib.parse.urlsplit(os.environ.get("HF_ENDPOINT", "https://huggingface.co"))
     port = url.port or (80 if url.scheme == "http" else 443)

@@ -439,3 +439,20 @@ def test_a_failed_hub_download_is_one_line(monkeypatch, capsys, no_loading):
     err = capsys.readouterr().err
     assert exit_.value.code == 2 and err.count("\n") == 1, err
     assert err.startswith("error: 'someorg/somemodel'") and "ConnectError" in err, err
+
+
+def test_an_hf_text_with_the_hub_unreachable_fails_at_once(tmp_path, monkeypatch, capsys,
+                                                           no_loading):
+    """--text hf:NAME with no hub answering (a closed local port as the endpoint): one
+    error line at once naming the source, not the dataset library's retries."""
+    import time
+    monkeypatch.delenv("HF_HUB_OFFLINE", raising=False)
+    monkeypatch.delenv("HF_DATASETS_OFFLINE", raising=False)
+    monkeypatch.setenv("HF_ENDPOINT", "http://127.0.0.1:9")
+    start = time.perf_counter()
+    with pytest.raises(SystemExit) as exit_:
+        perplexity.main(["--preset", "opt-tiny", "--text", "hf:wikitext:wikitext-2-raw-v1"])
+    err = capsys.readouterr().err
+    assert exit_.value.code == 2 and err.count("\n") == 1, err
+    assert time.perf_counter() - start < 10
+    assert err.startswith("error: hf:wikitext:wikitext-2-raw-v1") and "not reachable" in err, err
