@@ -330,7 +330,7 @@ def _opt_from_hf(hf: dict, name: str) -> ModelConfig:
 
 def _llama_from_hf(hf: dict, name: str) -> ModelConfig:
     act = hf.get("hidden_act", "silu")
-    if act != "silu":
+    if act not in ("silu", "swish"):  # transformers' "swish" is SiLU
         raise ValueError(f"{hf['model_type']} hidden_act {act!r} is not supported "
                          f"(model {name!r})")
     hidden = hf["hidden_size"]

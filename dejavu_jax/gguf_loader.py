@@ -356,6 +356,9 @@ def load_gguf(path) -> tuple[dict, dict[str, np.ndarray]]:
 # Qwen2's split before byte-level BPE (as in its tokenizer.json)
 _QWEN2_SPLIT = (r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}|"
                 r" ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+")
+# Llama 3's: as Qwen2's, but digits in runs of up to three
+_LLAMA3_SPLIT = _QWEN2_SPLIT.replace(r"\p{N}|", r"\p{N}{1,3}|")
+_LLAMA3_NAMES = ("llama-bpe", "llama3", "llama-v3", "smaug-bpe")  # llama.cpp's names for it
 _CONTROL, _USER_DEFINED, _BYTE = 3, 4, 6  # llama.cpp token types
 
 
@@ -366,14 +369,15 @@ def _pre_tokenizer(pre: str | None):
     byte_level = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True)
     if pre == "smollm":  # SmolLM/SmolLM2: every digit on its own, then the GPT-2 split
         return pre_tokenizers.Sequence([pre_tokenizers.Digits(individual_digits=True), byte_level])
-    if pre == "qwen2":
+    if pre == "qwen2" or pre in _LLAMA3_NAMES:
+        split = _QWEN2_SPLIT if pre == "qwen2" else _LLAMA3_SPLIT
         return pre_tokenizers.Sequence([
-            pre_tokenizers.Split(Regex(_QWEN2_SPLIT), behavior="isolated"),
+            pre_tokenizers.Split(Regex(split), behavior="isolated"),
             pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)])
     if pre in (None, "default", "gpt2", "gpt-2"):
         return byte_level
     raise GGUFLoadError(f"tokenizer pre-tokenizer {pre!r} is not supported "
-                        "(supported: smollm, qwen2, gpt2, default)")
+                        f"(supported: smollm, qwen2, {', '.join(_LLAMA3_NAMES)}, gpt2, default)")
 
 
 def _byte_level_bpe(reader, path, tokens, vocab):
@@ -457,7 +461,8 @@ def tokenizer_from_gguf(path):
         return tokens[idx] if idx is not None and 0 <= idx < len(tokens) else None
 
     bos = special("bos_token_id")
-    if _get(reader, "tokenizer.ggml.add_bos_token", False) and bos is not None:
+    # unset, llama.cpp prepends BOS for SentencePiece vocabularies and not for byte-level BPE
+    if _get(reader, "tokenizer.ggml.add_bos_token", model == "llama") and bos is not None:
         tok.post_processor = processors.TemplateProcessing(
             single=f"{bos} $A", pair=f"{bos} $A {bos} $B", special_tokens=[(bos, vocab[bos])])
     kwargs = dict(bos_token=bos, eos_token=special("eos_token_id"),

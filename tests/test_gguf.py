@@ -218,7 +218,7 @@ def test_tokenizer_tiny(tmp_path):
     assert "<|im_start|>" in tok.chat_template
 
 
-def _tiny_sentencepiece(w):
+def _tiny_sentencepiece(w, add_bos_key=True):
     """A tiny SentencePiece vocabulary as llama.cpp writes Gemma's ("llama" model): pieces
     with scores (a higher score merges first), control and byte tokens, no space prefix."""
     tokens = ["<unk>", "<s>", "</s>", "\u2581", "t", "h", "e", "c", "a", "he", "the",
@@ -230,7 +230,8 @@ def _tiny_sentencepiece(w):
     w.add_token_types(types)
     w.add_token_scores(scores)
     w.add_unk_token_id(0)
-    w.add_add_bos_token(True)
+    if add_bos_key:
+        w.add_add_bos_token(True)
     w.add_add_space_prefix(False)
 
 
@@ -244,6 +245,44 @@ def test_tokenizer_tiny_sentencepiece(tmp_path):
     assert tok.convert_ids_to_tokens(ids) == ["<s>", "the", "\u2581cat", "<0x21>"]
     assert tok.decode(ids, skip_special_tokens=True) == "the cat!"
     assert tok.bos_token_id == 1 and tok.eos_token_id == 2
+
+
+def _tiny_llama3_bpe(w, pre="llama-bpe"):
+    """A tiny byte-level vocabulary with Llama 3's pre-tokenizer and merges that would join
+    a run of four digits, and no add_bos_token key."""
+    from transformers.convert_slow_tokenizer import bytes_to_unicode
+
+    byte_syms = list(bytes_to_unicode().values())
+    merged = ["12", "123", "1234", "Ġt", "he", "Ġthe"]
+    tokens = ["<|begin_of_text|>", "<|end_of_text|>"] + byte_syms + merged
+    w.add_tokenizer_model("gpt2")
+    w.add_tokenizer_pre(pre)
+    w.add_token_list(tokens)
+    w.add_token_types([3, 3] + [1] * (len(tokens) - 2))
+    w.add_token_merges(["1 2", "12 3", "123 4", "Ġ t", "h e", "Ġt he"])
+
+
+@pytest.mark.parametrize("pre", ["llama-bpe", "smaug-bpe"])
+def test_tokenizer_llama3_splits_digits_in_threes(tmp_path, pre):
+    """Llama 3's pre-tokenizer cuts a run of digits into pieces of at most three before
+    the merges (so "1234" stays two pieces although a merge joins all four); a byte-level
+    vocabulary without an add_bos_token key adds no BOS, as llama.cpp does."""
+    import functools
+    p = _write_gguf(tmp_path / "m.gguf", _hf_weights(),
+                    tokenizer=functools.partial(_tiny_llama3_bpe, pre=pre))
+    tok = gl.tokenizer_from_gguf(p)
+    ids = tok("the 1234")["input_ids"]
+    assert tok.convert_ids_to_tokens(ids) == ["t", "he", "Ġ", "123", "4"]
+    assert tok.decode(ids) == "the 1234"
+
+
+def test_tokenizer_sentencepiece_adds_bos_when_the_file_does_not_say(tmp_path):
+    """A SentencePiece vocabulary without tokenizer.ggml.add_bos_token gets <s> first, as
+    llama.cpp defaults for SentencePiece."""
+    import functools
+    p = _write_gguf(tmp_path / "m.gguf", _hf_weights(),
+                    tokenizer=functools.partial(_tiny_sentencepiece, add_bos_key=False))
+    assert gl.tokenizer_from_gguf(p)("the cat!")["input_ids"] == [1, 10, 13, 14]
 
 
 def test_tokenizer_rejects_other_models(tmp_path):

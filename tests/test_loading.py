@@ -161,6 +161,22 @@ def test_mistral_sliding_window_applies_to_every_layer(window):
         assert config.sliding_layers == (True,) * config.n_layers
 
 
+def test_swish_is_read_as_silu(tmp_path):
+    """transformers' `hidden_act: "swish"` is SiLU: the Llama fixture with its config saying
+    "swish" gives the logits transformers recorded for it."""
+    d = _copy("llama-gqa", tmp_path)
+    cfg = json.loads((d / "config.json").read_text())
+    assert cfg.get("hidden_act", "silu") == "silu"
+    (d / "config.json").write_text(json.dumps(dict(cfg, hidden_act="swish")))
+    config, params = dj.load_pretrained(d, dtype=jnp.float32, progress=False)
+    ref = np.load(d / "reference.npz")
+    real = ref["attention_mask"].astype(bool)
+    out = np.asarray(dj.logits(config, params, ref["input_ids"], ref["attention_mask"]))[real]
+    want = ref["logits"][real]
+    assert np.isfinite(out).all() and np.abs(want).max() > 1.0
+    assert np.abs(out - want).max() <= 1e-4 * np.abs(want).max()
+
+
 def test_a_renamed_checkpoint_keeps_its_fingerprint_and_stop_ids(tmp_path):
     """The fingerprint (what profiles and predictors are checked against) does not depend
     on the folder's name; artifacts holding the older whole-config hash still fit; every
