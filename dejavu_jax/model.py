@@ -215,9 +215,9 @@ def prefill_fn(config: ModelConfig, params: ModelParams, input_ids: jax.Array,
     """Dense forward over left-padded prompts [B, T] with mask [B, T] (1 = token).
 
     Fills cache slots 0..T-1 for every head and returns (last-position logits [B, V],
-    the state ready for decoding at slot T; a used state forgets what it held). Ids must lie in [0, vocab_size), and an OPT
-    prompt within its learned positions: concrete ids are checked (ValueError), traced ones
-    are the caller's contract (`dejavu_jax.inputs`).
+    the state ready for decoding at slot T; a used state forgets what it held). Ids must lie
+    in [0, vocab_size), and an OPT prompt within its learned positions: concrete ids are
+    checked (ValueError), traced ones are the caller's contract (`dejavu_jax.inputs`).
     """
     check_prompt(input_ids, attention_mask, config.vocab_size, state)
     if not is_traced(input_ids):  # traced: a benchmark may time OPT's shapes past them
