@@ -446,6 +446,18 @@ def speed_lines(result: GenerationResult, batch: int, engine_name: str) -> str:
                       "decode steps)")
 
 
+def model_tokenizer(args, config, model_path):
+    """The model's own tokenizer (`default_tokenizer_for`); with --prompt-ids one that
+    cannot be read is left out (ids in, ids out) with a note, not an error."""
+    try:
+        return default_tokenizer_for(config, model_path)
+    except CheckpointError as e:
+        if not args.prompt_ids:
+            raise
+        print(f"note: {e}; generating from --prompt-ids without a tokenizer", file=sys.stderr)
+        return None
+
+
 def main(argv: list[str] | None = None) -> int:
     """Run the CLI; returns the process exit status (2 with one `error:` line for bad
     arguments or input files)."""
@@ -457,7 +469,7 @@ def main(argv: list[str] | None = None) -> int:
         check_prompt_ids(args, config, label)
         scfg, predictors = sparse_settings(args, config)
         tokenizer = (load_tokenizer(args.tokenizer) if args.tokenizer
-                     else default_tokenizer_for(config, model_path))
+                     else model_tokenizer(args, config, model_path))
         prompts = prompts_for(args, config, tokenizer)
         params = load_params(args, config, model_path, mesh)
         if scfg is not None and scfg.threshold_sites and mesh is None:

@@ -552,3 +552,24 @@ def test_generate_runs_a_gguf_without_a_tokenizer_on_prompt_ids(tmp_path, capsys
         generate.main(["--model", str(path), "--prompt", "hello"])
     err = capsys.readouterr().err
     assert exit_.value.code == 2 and err.startswith("error: no tokenizer found"), err
+
+
+def test_generate_runs_prompt_ids_past_a_tokenizer_it_cannot_build(tmp_path, capsys):
+    """A GGUF whose vocabulary names a pre-tokenizer this loader lacks still decodes
+    --prompt-ids (with a note); --prompt ends in one error line naming the pre-tokenizer."""
+    import functools
+    from dejavu_jax import generate
+    sd = _hf_weights(seed=5)
+    path = _write_gguf(tmp_path / "other-vocab.gguf", sd,
+                       tokenizer=functools.partial(_tiny_llama3_bpe, pre="tekken"))
+    assert generate.main(["--model", str(path), "--prompt-ids", "5,17,40,3",
+                          "--max-new-tokens", "5"]) == 0
+    captured = capsys.readouterr()
+    want = _numpy_llama_greedy(sd, [5, 17, 40, 3], 5)
+    assert f"[0] generated ids: {','.join(map(str, want))}" in captured.out, captured.out
+    assert "'tekken' is not supported" in captured.err
+    with pytest.raises(SystemExit) as exit_:
+        generate.main(["--model", str(path), "--prompt", "hello"])
+    err = capsys.readouterr().err
+    assert exit_.value.code == 2 and err.startswith("error: ") and "'tekken'" in err, err
+    assert len(err.strip().splitlines()) == 1, err
