@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import os
+import socket
+import urllib.parse
 from pathlib import Path
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
@@ -24,6 +26,28 @@ def cache_root() -> Path:
 def opt_tokenizer_dir() -> Path:
     """The offline OPT tokenizer (Hugging Face format) in the data folder."""
     return data_root() / "tokenizers" / "opt"
+
+
+def hub_offline() -> bool:
+    """Whether HF_HUB_OFFLINE or HF_DATASETS_OFFLINE is set (the libraries then read their
+    caches only)."""
+    return any(os.environ.get(v, "").lower() in ("1", "true", "yes")
+               for v in ("HF_HUB_OFFLINE", "HF_DATASETS_OFFLINE"))
+
+
+def hub_reachable(timeout: float = 3.0) -> bool:
+    """Whether the Hugging Face hub (`HF_ENDPOINT`, default huggingface.co) accepts a
+    connection within `timeout` seconds; False at once when HF_HUB_OFFLINE or
+    HF_DATASETS_OFFLINE is set. Spares a machine without network the libraries' retries."""
+    if hub_offline():
+        return False
+    url = urllib.parse.urlsplit(os.environ.get("HF_ENDPOINT", "https://huggingface.co"))
+    port = url.port or (80 if url.scheme == "http" else 443)
+    try:
+        socket.create_connection((url.hostname, port), timeout).close()
+        return True
+    except (OSError, ValueError):
+        return False
 
 
 class MissingDataError(FileNotFoundError):

@@ -23,11 +23,8 @@ from __future__ import annotations
 import argparse
 import functools
 import math
-import os
-import socket
 import sys
 import time
-import urllib.parse
 from collections.abc import Sequence
 from pathlib import Path
 
@@ -36,7 +33,7 @@ import numpy as np
 from dejavu_jax import cli, model
 from dejavu_jax.eval import common
 from dejavu_jax.eval.sparse_scoring import EvalMode, token_scores
-from dejavu_jax.paths import data_file, data_root
+from dejavu_jax.paths import data_file, data_root, hub_offline, hub_reachable
 from dejavu_jax.tokenizer import leading_special_ids
 
 
@@ -65,28 +62,6 @@ def load_text(source: str | None) -> str:
         return wikitext2_from_hub()
     path = Path(source) if source else wikitext2_path()
     return path.read_text(encoding="utf-8").replace("\r\n", "\n")
-
-
-def hub_offline() -> bool:
-    """Whether HF_HUB_OFFLINE or HF_DATASETS_OFFLINE is set (the libraries then read their
-    caches only)."""
-    return any(os.environ.get(v, "").lower() in ("1", "true", "yes")
-               for v in ("HF_HUB_OFFLINE", "HF_DATASETS_OFFLINE"))
-
-
-def hub_reachable(timeout: float = 3.0) -> bool:
-    """Whether the Hugging Face hub (`HF_ENDPOINT`, default huggingface.co) accepts a
-    connection within `timeout` seconds; False at once when HF_HUB_OFFLINE or
-    HF_DATASETS_OFFLINE is set. Spares a machine without network the libraries' retries."""
-    if hub_offline():
-        return False
-    url = urllib.parse.urlsplit(os.environ.get("HF_ENDPOINT", "https://huggingface.co"))
-    port = url.port or (80 if url.scheme == "http" else 443)
-    try:
-        socket.create_connection((url.hostname, port), timeout).close()
-        return True
-    except (OSError, ValueError):
-        return False
 
 
 def wikitext2_from_hub() -> str:

@@ -231,11 +231,28 @@ def test_unreachable_dataset_is_a_clear_corpus_error(monkeypatch, tmp_path):
         corpus_lib.dataset_to_file("no-such-dataset-xyz/abc")
 
 
+def test_a_dataset_with_the_hub_unreachable_fails_at_once(monkeypatch, tmp_path):
+    """No hub answering (a closed local port as the endpoint) and not offline: one
+    CorpusError at once, not the download libraries' retries."""
+    import time
+
+    from dejavu_jax.train import corpus as corpus_lib
+    monkeypatch.setenv("DEJAVU_CACHE", str(tmp_path))
+    monkeypatch.delenv("HF_HUB_OFFLINE", raising=False)
+    monkeypatch.delenv("HF_DATASETS_OFFLINE", raising=False)
+    monkeypatch.setenv("HF_ENDPOINT", "http://127.0.0.1:9")
+    start = time.perf_counter()
+    with pytest.raises(corpus_lib.CorpusError, match="not reachable.*--corpus"):
+        corpus_lib.dataset_to_file("some/corpus")
+    assert time.perf_counter() - start < 10
+
+
 def test_dataset_rows_are_written_to_a_cached_corpus_file(monkeypatch, tmp_path):
     import datasets
 
     from dejavu_jax.train import corpus as corpus_lib
     monkeypatch.setenv("DEJAVU_CACHE", str(tmp_path))
+    monkeypatch.setenv("HF_DATASETS_OFFLINE", "1")   # the datasets cache (here, the fake)
     rows = [{"text": "first line of a document\n"}, {"text": "second document"}]
     calls = []
 

@@ -15,7 +15,7 @@ from typing import Iterator
 
 import numpy as np
 
-from dejavu_jax.paths import data_root
+from dejavu_jax.paths import data_root, hub_offline, hub_reachable
 
 CHARS_PER_TOKEN = 6  # generous: English BPE averages about 4 characters per token
 
@@ -116,13 +116,18 @@ def dataset_to_file(spec: str, max_chars: int = 50_000_000) -> Path:
     target = cache_root() / "corpora" / (spec.replace("/", "__").replace(":", "--") + ".txt")
     if target.is_file():
         return target
+    if not hub_offline() and not hub_reachable():  # offline: the datasets cache only
+        raise CorpusError(f"dataset {spec!r}: the Hugging Face hub is not reachable (pass "
+                          "--corpus FILE)")
     try:
         import datasets
         ds = datasets.load_dataset(name, config or None, split=split or "train", streaming=True)
     except ImportError:
         raise CorpusError("reading a Hugging Face dataset needs the `datasets` package") from None
     except Exception as e:  # hub and dataset errors come in many types
-        raise CorpusError(f"dataset {spec!r}: cannot load it ({type(e).__name__}: {e})") from None
+        reason = (str(e).strip().splitlines() or [""])[0]
+        raise CorpusError(f"dataset {spec!r}: cannot load it ({type(e).__name__}: "
+                          f"{reason})") from None
     target.parent.mkdir(parents=True, exist_ok=True)
     part = target.with_suffix(".part")
     written = 0
