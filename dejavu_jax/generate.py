@@ -446,6 +446,12 @@ def speed_lines(result: GenerationResult, batch: int, engine_name: str) -> str:
                       "decode steps)")
 
 
+def finished_text(tokenizer, ids) -> str:
+    """The text of generated ids without the replacement characters of a character whose
+    bytes the last tokens only began (a stream never shows those either)."""
+    return tokenizer.decode(ids, skip_special_tokens=True).rstrip("\ufffd")
+
+
 def model_tokenizer(args, config, model_path):
     """The model's own tokenizer (`default_tokenizer_for`); with --prompt-ids one that
     cannot be read is left out (ids in, ids out) with a note, not an error."""
@@ -514,7 +520,7 @@ def main(argv: list[str] | None = None) -> int:
         sys.stdout.write("\n")
     for row, out in enumerate(result.tokens):
         if not stream and tokenizer is not None:
-            print(f"[{row}] {shown_texts[row]}{tokenizer.decode(out, skip_special_tokens=True)}")
+            print(f"[{row}] {shown_texts[row]}{finished_text(tokenizer, out)}")
         if args.print_ids or tokenizer is None:
             print(f"[{row}] generated ids: {','.join(map(str, out))}")
     if plan is not None and plan.all_dense:

@@ -573,3 +573,19 @@ def test_generate_runs_prompt_ids_past_a_tokenizer_it_cannot_build(tmp_path, cap
     err = capsys.readouterr().err
     assert exit_.value.code == 2 and err.startswith("error: ") and "'tekken'" in err, err
     assert len(err.strip().splitlines()) == 1, err
+
+
+def test_printed_text_leaves_out_a_character_the_last_token_only_began(tmp_path):
+    """Generation can stop between the two bytes of "é": the printed text ends before it,
+    as the stream does; once both bytes are there it is printed."""
+    from transformers.convert_slow_tokenizer import bytes_to_unicode
+
+    from dejavu_jax.generate import finished_text
+    tok = gl.tokenizer_from_gguf(_write_gguf(tmp_path / "m.gguf", _hf_weights(),
+                                             tokenizer=_tiny_bpe))
+    sym = bytes_to_unicode()
+    first, second = (tok.convert_tokens_to_ids(sym[b]) for b in "é".encode())
+    the = tok("the")["input_ids"]
+    assert tok.decode(the + [first]).endswith("\ufffd")
+    assert finished_text(tok, the + [first]) == "the"
+    assert finished_text(tok, the + [first, second]) == "theé"
