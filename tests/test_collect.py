@@ -265,3 +265,27 @@ def test_dataset_rows_are_written_to_a_cached_corpus_file(monkeypatch, tmp_path)
     assert calls == [("some/corpus", "en", "validation", True)]
     assert path.read_text() == "first line of a document\nsecond document\n"
     assert corpus_lib.dataset_to_file("some/corpus:en:validation") == path and len(calls) == 1
+
+
+def test_windows_past_the_model_positions_or_vocabulary_are_refused(tmp_path, corpus):
+    """A window longer than an OPT model's learned positions gave non-finite records, and
+    a tokenizer with ids past the embedding recorded clamped rows: both are errors before
+    any shard is written; a window that fits records finite values."""
+    c = config_lib.preset("opt-tiny").replace(max_positions=WINDOW - 1)
+    params = init_params(c, jax.random.key(0), np.float32)
+    kw = dict(tokens=46, batch=2, progress=False, log=lambda s: None)
+    with pytest.raises(ValueError, match=f"{WINDOW - 1} positions"):
+        collect_lib.collect(c, params, CharTokenizer(), corpus, tmp_path / "long",
+                            window=WINDOW, **kw)
+    assert not list((tmp_path / "long").glob("shard_*"))
+    m = collect_lib.collect(c, params, CharTokenizer(), corpus, tmp_path / "fits",
+                            window=WINDOW - 1, **kw)
+    _, arrays = _read_all(tmp_path / "fits")
+    assert m["complete"] and arrays["attn_in"].shape[1] == m["tokens"] >= 46
+    assert np.isfinite(arrays["attn_in"].astype(np.float32)).all()
+    small = config_lib.preset("opt-tiny").replace(vocab_size=100)  # CharTokenizer: ids to 502
+    small_params = init_params(small, jax.random.key(0), np.float32)
+    with pytest.raises(ValueError, match=r"outside the vocabulary.*\[0, 100\)"):
+        collect_lib.collect(small, small_params, CharTokenizer(), corpus, tmp_path / "vocab",
+                            window=WINDOW, **kw)
+    assert not list((tmp_path / "vocab").glob("shard_*"))

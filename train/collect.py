@@ -25,6 +25,7 @@ from tqdm.auto import tqdm
 from dejavu_jax import cli
 from dejavu_jax import config as config_lib
 from dejavu_jax.config import ModelConfig
+from dejavu_jax.inputs import check_token_ids
 from dejavu_jax.model import sequence_forward
 from dejavu_jax.params import ModelParams, init_params
 from dejavu_jax.train import corpus as corpus_lib
@@ -109,13 +110,17 @@ def collect(config: ModelConfig, params: ModelParams, tokenizer, files: list[Pat
     """Record `tokens` tokens of corpus windows into `out`; returns the final manifest.
 
     Resumes from a partial manifest written by the same settings; raises RecordsError
-    when `out` holds records made with different settings.
+    when `out` holds records made with different settings, ValueError for a window longer
+    than the model's positions or corpus ids outside its vocabulary.
     """
     mlp_rule = mlp_rule or rec.default_mlp_rule(config.activation)
     bos = config.bos_token_id
     per_window = window - (bos is not None)  # the BOS position is not recorded
     if per_window < 1:
         raise ValueError(f"window {window} is too short")
+    if window > config.max_positions:  # OPT's learned positions end there (NaN records)
+        raise ValueError(f"window {window} is longer than the model's "
+                         f"{config.max_positions} positions")
     n_windows = -(-tokens // per_window)
     shard_windows = max(1, shard_tokens // per_window)
     shard_windows -= shard_windows % batch if shard_windows > batch else 0
@@ -175,6 +180,10 @@ def collect(config: ModelConfig, params: ModelParams, tokenizer, files: list[Pat
         parts = []
         for b in range(0, len(wins), batch):
             chunk = np.stack(wins[b:b + batch])
+            try:  # ids past the embedding would be clamped into other tokens' rows
+                check_token_ids(chunk, config.vocab_size, "the tokenized corpus")
+            except ValueError as e:
+                raise ValueError(f"{e}: the tokenizer does not fit the model") from None
             real = len(chunk)
             if real < batch:  # keep one compiled shape: pad with copies, drop their records
                 chunk = np.concatenate([chunk, np.repeat(chunk[-1:], batch - real, 0)])
