@@ -75,6 +75,29 @@ def test_lookahead_pairing_in_batches(tmp_path):
     assert data_lib.mlp_inputs(b)[:, :, 0].max(1).tolist() == [100, 101, 102]
 
 
+
+def test_records_with_non_finite_values_are_refused(tmp_path, capsys):
+    """Records holding NaN (a model whose activations were not finite) trained NaN
+    predictors, saved with NaN metrics; now training stops with one error line and writes
+    nothing. The same records made finite train to a finite loss."""
+    arrays = planted(n=1024)
+    bad = dict(arrays, attn_in=arrays["attn_in"].copy())
+    bad["attn_in"][1, 700:760] = np.nan  # layer 1 of some tokens of the second shard
+    tc = trainer.TrainConfig(rank=8, epochs=1, batch_size=128, max_val_tokens=128)
+    records = write_records(tmp_path / "bad", bad)
+    with pytest.raises(ValueError, match="not finite"):
+        trainer.train(records, tc, progress=False, log=lambda s: None)
+    with pytest.raises(SystemExit) as exit_:
+        trainer.main(["--records", str(tmp_path / "bad"), "--out", str(tmp_path / "p"),
+                      "--epochs", "1", "--batch-size", "128", "--no-output-metric",
+                      "--no-progress"])
+    assert exit_.value.code == 2 and "not finite" in capsys.readouterr().err
+    assert not (tmp_path / "p").exists()
+    _, summary, _ = trainer.train(write_records(tmp_path / "good", arrays), tc,
+                                  progress=False, log=lambda s: None)
+    assert np.isfinite(summary["history"][0]["train_loss"])
+
+
 @pytest.fixture(scope="module")
 def trained(tmp_path_factory):
     root = tmp_path_factory.mktemp("planted")

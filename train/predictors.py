@@ -175,7 +175,8 @@ def initial_params(records: rec.Records, tc: TrainConfig, head_rule: rec.LabelRu
 
 
 def train(records: rec.Records, tc: TrainConfig, progress: bool = True, log=print):
-    """Train predictors on `records`; returns (best params, training summary dict)."""
+    """Train predictors on `records`; returns (best params, training summary dict).
+    ValueError when a step's loss is not finite (records holding NaN or inf)."""
     if tc.activation not in ACTIVATIONS:
         raise ValueError(f"unknown activation {tc.activation!r}; known: {ACTIVATIONS}")
     head_rule = rec.LabelRule.parse(tc.head_rule)
@@ -214,6 +215,10 @@ def train(records: rec.Records, tc: TrainConfig, progress: bool = True, log=prin
                 params, opt_state, data_lib.mlp_inputs(b), b.x_heads, b.mlp_label,
                 b.head_norm, pw)
             loss = float(loss)
+            if not math.isfinite(loss):  # NaN weights would be saved with NaN metrics
+                raise ValueError(f"{records.root}: the training loss is not finite ({loss}) "
+                                 f"in epoch {epoch + 1}: the records hold NaN or inf values "
+                                 "(record them again), or --lr is too large")
             if losses or epoch:  # the first step compiles; keep it out of the throughput
                 train_seconds += time.perf_counter() - t0
                 trained_tokens += tc.batch_size
