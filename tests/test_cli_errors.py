@@ -219,6 +219,13 @@ CASES = [
     ("profile-corrupt-tokenizer", profile.main, ["--corpus", "CORPUS", "--model", "FIXTURE",
                                                  "--tokenizer", "BADTOK"],
      ["BADTOK", "not a readable tokenizer"]),
+    # OPT's learned positions end at 128: a longer window scored NaN and wrote its profile
+    ("profile-window-past-positions", profile.main, ["--corpus", "CORPUS", "--model",
+                                                     "FIXTURE", "--window", "200"],
+     ["--window 200", "128 positions"]),
+    # the search ran for minutes, then its file could not be written
+    ("profile-out-folder", profile.main, ["--corpus", "CORPUS", "--model", "FIXTURE", "--out",
+                                          "EMPTY"], ["--out", "EMPTY", "is a folder"]),
 ]
 
 

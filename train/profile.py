@@ -230,8 +230,9 @@ def build_parser() -> argparse.ArgumentParser:
                         "included (default 0.01 = 1%%)")
     p.add_argument("--calibration-tokens", type=cli.positive_int, default=2048)
     p.add_argument("--search-tokens", type=cli.positive_int, default=4096)
-    p.add_argument("--window", type=window_length, default=256,
-                   help="tokens per calibration and search window, at least 2 (default 256)")
+    p.add_argument("--window", type=window_length,
+                   help="tokens per calibration and search window, at least 2 (default 256, "
+                        "or the model's positions if fewer)")
     p.add_argument("--corpus", action="append",
                    help="calibration text: file, folder or glob, repeatable (default: the "
                         "shared corpus, <data root>/corpus/*.txt)")
@@ -252,7 +253,8 @@ def build_parser() -> argparse.ArgumentParser:
 def main(argv: list[str] | None = None) -> int:
     """Run the CLI; returns the exit status (2 with one `error:` line for bad input)."""
     args = build_parser().parse_args(argv)
-    from dejavu_jax.eval import python_source
+    from dejavu_jax.eval import common, python_source
+    common.check_out_path(None if args.out is None else str(args.out))
     from dejavu_jax.paths import cache_root
     from dejavu_jax.sparsity_profile import ProfileError
     from dejavu_jax.train.corpus import CorpusError, default_corpus, resolve_files
@@ -262,7 +264,6 @@ def main(argv: list[str] | None = None) -> int:
             files += python_source.stdlib_files("calibration")
     except (CorpusError, FileNotFoundError) as e:
         cli.fail(str(e))
-    from dejavu_jax.eval import common
     from dejavu_jax.fetch_model import FetchError, resolve_model
     try:
         source = resolve_model(args.model or "smollm2-135m")
@@ -274,6 +275,11 @@ def main(argv: list[str] | None = None) -> int:
         config = read_config(source)
     except CheckpointError as e:
         cli.fail(str(e).splitlines()[0])
+    if args.window is None:
+        args.window = max(2, min(256, config.max_positions))
+    elif args.window > config.max_positions:  # past OPT's learned positions: NaN scores
+        cli.fail(f"--window {args.window} is longer than the model's {config.max_positions} "
+                 "positions")
     method = args.method or ("teal+cats" if config.gated_mlp else "teal")
     try:
         method_sites(config, method)
