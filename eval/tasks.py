@@ -160,6 +160,19 @@ def task_name(path: Path) -> str:
     return path.name.split(".")[0]
 
 
+def result_names(names: list[str]) -> dict[str, str]:
+    """{task name or path: the name its results go under}: `task_name`, or the file's path
+    when an earlier file of another folder has that name (a file given twice keeps one)."""
+    out, files = {}, {}
+    for t in names:
+        path = task_path(t)
+        name = task_name(path)
+        if files.setdefault(name, path.resolve()) != path.resolve():
+            name = str(path)
+        out[t] = name
+    return out
+
+
 def load_task(name_or_path: str, limit: int | None = None) -> list[Item]:
     """The items of a task file (format recognised from the file), the first `limit`.
     A missing file raises FileNotFoundError (`check_task`), one in no known format
@@ -332,9 +345,9 @@ def evaluate(config, mode: EvalMode, params, pred_params, prepared: dict, batch_
 def prepare(tok, task_names: list[str], limit: int | None) -> dict:
     """{task name: (items, token pairs)} for task names or paths."""
     out = {}
-    for t in task_names:
+    for t, name in result_names(task_names).items():
         items = load_task(t, limit)
-        out[task_name(task_path(t))] = (items, encode_items(tok, items))
+        out[name] = (items, encode_items(tok, items))
     return out
 
 
@@ -363,9 +376,9 @@ def load_tasks(names: list[str], limit: int | None) -> dict[str, list[Item]]:
     if not names:
         cli.fail("--tasks names no task")
     out = {}
-    for t in names:
+    for t, name in result_names(names).items():
         try:
-            out[task_name(task_path(t))] = load_task(t, limit)
+            out[name] = load_task(t, limit)
         except OSError as e:
             cli.fail(str(e))
         except (ValueError, KeyError) as e:  # JSON, a field, an index: a row is malformed

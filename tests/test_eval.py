@@ -353,6 +353,36 @@ def test_multiple_choice_and_greedy_pick_the_planted_answer(tmp_path):
     assert hits.tolist() == [True, False]
 
 
+
+def test_task_files_of_one_name_in_two_folders_are_both_scored(tmp_path):
+    """Two task files named alike (a/planted.jsonl, b/planted.jsonl): the second replaced
+    the first in the results; now each is scored under its own name, with the accuracy
+    each gets alone."""
+    config, params = _small_llama()
+    query = "the cat sat on the mat and"
+    letters = np.arange(ord("a"), ord("z") + 1)
+    planted = "".join(map(chr, _greedy_ids(config, params, [ord(c) for c in query + " "], 6,
+                                           letters)))
+    other = "".join(map(chr, np.random.default_rng(3).choice(letters, 6)))
+    paths = []
+    for folder, golds in (("a", [0, 0]), ("b", [1])):  # a: the planted answer; b: the other
+        (tmp_path / folder).mkdir()
+        paths.append(tmp_path / folder / "planted.jsonl")
+        paths[-1].write_text("\n".join(json.dumps({"query": query, "choices": [planted, other],
+                                                   "gold": g}) for g in golds))
+    mode = ss.make_mode(config, "dense")
+    alone = [tasks_mod.evaluate(config, mode, params, None, tasks_mod.prepare(
+        _CharTokenizer(), [str(p)], None), batch_tokens=128)["tasks"]["planted"]
+        for p in paths]
+    assert [r["acc"] for r in alone] == [1.0, 0.0] and [r["items"] for r in alone] == [2, 1]
+    names = [str(p) for p in paths] + [str(paths[0])]  # the same file twice is scored once
+    prepared = tasks_mod.prepare(_CharTokenizer(), names, None)
+    assert list(prepared) == ["planted", str(paths[1])]
+    assert list(tasks_mod.load_tasks(names, None)) == ["planted", str(paths[1])]
+    res = tasks_mod.evaluate(config, mode, params, None, prepared, batch_tokens=128)["tasks"]
+    assert res == {"planted": alone[0], str(paths[1]): alone[1]}
+
+
 def test_requests_past_opts_learned_positions_keep_their_last_tokens():
     """An OPT model with 24 learned positions: a 40-token request is scored on its last
     25 tokens (24 inputs), like the dense logits of that tail, finite; a continuation
