@@ -285,7 +285,7 @@ def sparse_prefill_fn(config: ModelConfig, params: tuple, input_ids, attention_m
     on the SparseConfig (beyond the state's shapes), so sparse engines of one model share it.
     """
     from dejavu_jax.model import prefill_fn
-    params = params[0]
+    params = engine_params(params)[0]
     logits, dense = prefill_fn(config, params, input_ids, attention_mask, state.dense)
     T = input_ids.shape[1]
     mask = jnp.broadcast_to(attention_mask.astype(bool)[:, None, None, :],
@@ -964,7 +964,9 @@ def sparse_step_fn(config: ModelConfig, scfg: SparseConfig, select: Selector,
     """
     check_step_tokens(tokens, config.vocab_size, state.dense)
     check_step_positions(config, state.dense)
-    params, selector_params = params
+    params, selector_params = engine_params(params)
+    if isinstance(select, PredictorSelector):
+        check_predictors(config, selector_params)
     check_cache_layout(params, state.dense)
     if has_fused_qkv(params):
         raise ValueError("the sparse step gathers heads from wq/wk/wv: pass params without "
@@ -981,6 +983,38 @@ def sparse_step_fn(config: ModelConfig, scfg: SparseConfig, select: Selector,
                             positions=dense.positions + 1)
     return unembed(config, params, x), SparseState(dense=new_dense, written=io.written,
                                                    history=io.history)
+
+
+def engine_params(params) -> tuple:
+    """(model params, selector params) of a sparse engine's params; ValueError for others
+    (model params alone)."""
+    if not (isinstance(params, (tuple, list)) and len(params) == 2
+            and isinstance(params[0], ModelParams)):
+        raise ValueError(f"a sparse engine's params are (model params, selector params): "
+                         f"(params, predictors), (params, None) for the oracle; got "
+                         f"{type(params).__name__}")
+    return tuple(params)
+
+
+def check_predictors(config: ModelConfig, pred_params) -> None:
+    """ValueError unless trained predictors (either form, `train.predictor_model`) score
+    every layer's neurons and query heads of `config` from its hidden size."""
+    from dejavu_jax.train.predictor_model import DecodePredictors, PredictorParams
+    if isinstance(pred_params, DecodePredictors):
+        w1, w2m, w2h = pred_params.w1t, pred_params.w2_mlp, pred_params.w2_heads
+        L, d = w1.shape[0], w1.shape[2]
+    elif isinstance(pred_params, PredictorParams):
+        w1, w2m, w2h = pred_params.mlp.w1, pred_params.mlp.w2, pred_params.heads.w2
+        L, d = w1.shape[:2]
+    else:
+        raise ValueError(f"the predictor selector needs predictors (train.predict."
+                         f"load_predictors), got {type(pred_params).__name__}")
+    got = (L, d, w2m.shape[-1], w2h.shape[-1])
+    want = (config.n_layers, config.hidden, config.ffn, config.n_heads)
+    if got != want:
+        raise ValueError(f"the predictors score {got[0]} layers of {got[2]} neurons and "
+                         f"{got[3]} heads from {got[1]} inputs; {config.name} has "
+                         f"{want[0]}, {want[2]}, {want[3]} and {want[1]}")
 
 
 # the measured-best top-k methods (docs/kernels.md); the slower ones the benchmarks compare

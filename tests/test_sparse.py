@@ -514,6 +514,36 @@ def test_sparse_step_refuses_fused_qkv():
         generate_tokens(eng, (fuse_qkv(params), _full_sets(config)), [[5, 9]], 2, stop_ids=[])
 
 
+
+@pytest.mark.parametrize("decode_form", [False, True], ids=["trained-form", "decode-form"])
+def test_predictors_of_other_shapes_or_none_are_refused(decode_form):
+    """Predictors made for OPT-tiny (256 neurons) on a Llama of 160 neurons gave tokens
+    from sets past the weights; no predictors, or model params alone, raised an
+    AttributeError or TypeError from inside the step. Each is a ValueError now, and
+    predictors of the model's own shapes at density 1 decode as the dense engine does."""
+    from dejavu_jax.eval.bench_decode import random_predictors
+    from dejavu_jax.train.predictor_model import decode_predictors
+
+    def preds(config):
+        p = random_predictors(config, 8, jax.random.key(2))
+        return decode_predictors(p) if decode_form else p
+
+    config = dj.preset("llama-tiny").replace(n_layers=3)
+    params = dj.init_params(config, jax.random.key(1), jnp.float32, std=0.1)
+    select = sparse.predictor_selector(config.group_size)
+    eng = sparse.sparse_engine(config, _full_sparse(config), select)
+    want = generate_tokens(dense_engine(config), params, [[5, 9, 14]], 4, stop_ids=[]).tokens
+    got = generate_tokens(eng, (params, preds(config)), [[5, 9, 14]], 4, stop_ids=[]).tokens
+    assert got == want and len(got[0]) == 4
+    other = preds(dj.preset("opt-tiny").replace(n_layers=3))  # d 64 and 4 heads, F 256
+    with pytest.raises(ValueError, match="256 neurons.*160"):
+        generate_tokens(eng, (params, other), [[5, 9, 14]], 4, stop_ids=[])
+    with pytest.raises(ValueError, match="needs predictors"):
+        generate_tokens(eng, (params, None), [[5, 9, 14]], 4, stop_ids=[])
+    with pytest.raises(ValueError, match=r"\(model params, selector params\)"):
+        generate_tokens(eng, params, [[5, 9, 14]], 4, stop_ids=[])
+
+
 def test_unrolled_layers_equal_stacked_scan():
     from dejavu_jax.params import unstack_layers
     config = dj.preset("llama-tiny")
