@@ -192,6 +192,10 @@ def generate_tokens(engine: Engine, params, prompts: Sequence[Sequence[int]],
     check_fits(config, _model_params(params))
     if stop_ids is None:
         stop_ids = config.stop_token_ids
+    else:
+        stop_ids = list(stop_ids)
+        if stop_ids:
+            check_token_ids(stop_ids, config.vocab_size, "stop_ids", "[batch]")
     ids, mask = left_pad(prompts, config.padding_id)
     B, T = ids.shape
     dtype = cache_dtype or jax.tree.leaves(params)[0].dtype
@@ -201,7 +205,7 @@ def generate_tokens(engine: Engine, params, prompts: Sequence[Sequence[int]],
     slots = max(cache_length(config, T, max_new_tokens), T + 1 + calls * chunk)
     state = engine.init_state(B, -(-slots // 64) * 64, dtype, per_layer=_unstacked(params))
     key = jax.random.key(seed)
-    stop = np.asarray(list(stop_ids), np.int64)
+    stop = np.asarray(stop_ids, np.int64)
     done = np.zeros(B, bool)
     out: list[list[int]] = [[] for _ in range(B)]
 

@@ -25,10 +25,11 @@ from __future__ import annotations
 
 import dataclasses
 import math
-from typing import Callable, Sequence
+from typing import Callable
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from flax import struct
 
 from dejavu_jax import kernels, ops
@@ -194,13 +195,18 @@ class SparseConfig:
 
 
 def _per_layer(value, n_layers: int, name: str) -> list[float]:
-    values = list(value) if isinstance(value, Sequence) else [float(value)] * n_layers
+    if isinstance(value, (str, bytes)):
+        raise ValueError(f"{name} must be a number or one number per layer, got {value!r}")
+    one = np.ndim(value) == 0
+    values = [value] * n_layers if one else list(np.asarray(value).reshape(-1))
     if len(values) != n_layers:
         raise ValueError(f"{name} has {len(values)} entries for {n_layers} layers")
     for v in values:
-        if not 0.0 < v <= 1.0:
+        if isinstance(v, (bool, np.bool_)) or not isinstance(v, (int, float, np.number)):
+            raise ValueError(f"{name} values must be numbers, got {v!r}")
+        if not 0.0 < float(v) <= 1.0:
             raise ValueError(f"{name} values must be in (0, 1], got {v}")
-    return values
+    return [float(v) for v in values]
 
 
 def default_dense_layers(n_layers: int) -> int:
@@ -219,6 +225,10 @@ def sparse_config(config: ModelConfig, mlp_density=0.1, head_density=0.5,
     """
     L = config.n_layers
     dense_layers = default_dense_layers(L) if dense_layers is None else dense_layers
+    if isinstance(dense_layers, (bool, np.bool_)) or not isinstance(dense_layers,
+                                                                    (int, np.integer)):
+        raise ValueError(f"dense_layers must be a whole number of layers, got {dense_layers!r}")
+    dense_layers = int(dense_layers)
     mlp = _per_layer(mlp_density, L, "mlp_density")
     heads = _per_layer(head_density, L, "head_density")
     if not 0 <= dense_layers <= L:
@@ -1238,8 +1248,11 @@ def fixed_selector(sets, layer, x, k_mlp, k_heads):
 
 
 def no_selector(params, layer, x, k_mlp, k_heads):
-    """The Selector of all-dense and oracle configs, which select inside the layer."""
-    raise AssertionError("this SparseConfig selects inside the layer; no selector is called")
+    """The Selector of all-dense, oracle and threshold configs, which select inside the
+    layer; a config with predicted layers raises ValueError when its step calls it."""
+    raise ValueError("this SparseConfig predicts its sets: build the engine with "
+                     "predictor_selector(...) and (params, predictors), or use "
+                     "sparse_config(..., oracle=True) with no_selector")
 
 
 def sparse_engine(config: ModelConfig, scfg: SparseConfig, select: Selector):

@@ -330,6 +330,9 @@ def test_generate_tokens_takes_an_id_array_and_refuses_malformed_arguments():
         generate_tokens(engine, params, rows, 2.5)
     with pytest.raises(ValueError, match="stop_ids must be a sequence"):
         generate_tokens(engine, params, rows, 2, stop_ids=5)
+    for stop in ([2.5], [config.vocab_size], [-1]):   # ids no token can match
+        with pytest.raises(ValueError, match="stop_ids"):
+            generate_tokens(engine, params, rows, 2, stop_ids=stop)
 
 
 @pytest.mark.parametrize("chunk", [1, 8])

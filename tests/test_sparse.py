@@ -339,6 +339,25 @@ def test_sparse_config_validation():
         scfg = sparse.sparse_config(config.replace(n_layers=L), 0.1, 0.5)
         assert scfg.dense_layers == dense
         assert scfg.mlp_k == (256,) * dense + (26,) * (L - dense)
+    # a numpy array of densities is one per layer; text, flags and fractional layer counts
+    # are refused
+    arr = sparse.sparse_config(config, np.asarray([1.0, 0.5, 0.25, 0.1]), 0.5, dense_layers=0)
+    assert arr.mlp_k == (256, 128, 64, 26)
+    for bad in (dict(mlp_density="0.5"), dict(mlp_density=True), dict(head_density=[0.5, "1"]),
+                dict(dense_layers=1.5), dict(dense_layers=True)):
+        with pytest.raises(ValueError, match="density|dense_layers"):
+            sparse.sparse_config(config, **{"mlp_density": 0.5, **bad})
+
+
+def test_predicted_sets_without_a_predictor_selector_are_one_clear_error():
+    """A config that predicts its sets, built with no_selector, fails at its first step
+    with a ValueError saying what to pass, not an AssertionError."""
+    config = dj.preset("opt-tiny")
+    params = dj.init_params(config, jax.random.key(0), jnp.float32)
+    engine = sparse.sparse_engine(config, sparse.sparse_config(config, 0.5, 1.0),
+                                  sparse.no_selector)
+    with pytest.raises(ValueError, match="predictor_selector"):
+        generate_tokens(engine, (params, None), [[2, 5, 6]], max_new_tokens=3)
 
 
 def test_a_set_of_every_neuron_runs_the_dense_mlp(monkeypatch):

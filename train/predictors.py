@@ -175,8 +175,9 @@ def initial_params(records: rec.Records, tc: TrainConfig, head_rule: rec.LabelRu
 
 
 def train(records: rec.Records, tc: TrainConfig, progress: bool = True, log=print):
-    """Train predictors on `records`; returns (best params, training summary dict).
-    ValueError when a step's loss is not finite (records holding NaN or inf)."""
+    """Train predictors on `records`; returns (best params, training summary dict, the
+    validation set they were scored on). ValueError when a step's loss is not finite
+    (records holding NaN or inf)."""
     if tc.activation not in ACTIVATIONS:
         raise ValueError(f"unknown activation {tc.activation!r}; known: {ACTIVATIONS}")
     head_rule = rec.LabelRule.parse(tc.head_rule)
