@@ -383,16 +383,22 @@ def test_task_files_of_one_name_in_two_folders_are_both_scored(tmp_path):
     assert res == {"planted": alone[0], str(paths[1]): alone[1]}
 
 
-def test_requests_past_opts_learned_positions_keep_their_last_tokens():
-    """An OPT model with 24 learned positions: a 40-token request is scored on its last
-    25 tokens (24 inputs), like the dense logits of that tail, finite; a continuation
+@pytest.mark.parametrize("family", ["opt", "llama"])
+def test_requests_past_the_models_positions_keep_their_last_tokens(family):
+    """A model with 24 positions (OPT's learned ones; a Llama's context, as lm-eval
+    truncates to max_position_embeddings): a 40-token request is scored on its last 25
+    tokens (24 inputs), like the dense logits of that tail, finite; for OPT a continuation
     longer than the positions is refused."""
-    config = dj.preset("opt-tiny").replace(max_positions=24)
-    params = dj.init_params(config, jax.random.key(3), jnp.float32, std=0.1)
-    rng = np.random.default_rng(4)
-    ids = rng.integers(3, config.vocab_size, 40).tolist()
+    if family == "opt":
+        config = dj.preset("opt-tiny").replace(max_positions=24)
+        params = dj.init_params(config, jax.random.key(3), jnp.float32, std=0.1)
+    else:
+        config, params = _small_llama()
+        config = config.replace(max_positions=24)
+    mode = ss.make_mode(config, "dense")
+    ids = np.random.default_rng(4).integers(3, config.vocab_size, 40).tolist()
     context, continuation = ids[:37], ids[37:]
-    loglik, _ = tasks_mod.score_requests(config, ss.make_mode(config, "dense"), params, None,
+    loglik, _ = tasks_mod.score_requests(config, mode, params, None,
                                          [(context, continuation)], 128)
     tail = ids[-25:]
     logits = np.asarray(dj.logits(config, params, [tail[:-1]])[0], np.float64)
@@ -401,28 +407,9 @@ def test_requests_past_opts_learned_positions_keep_their_last_tokens():
     want = sum(logp[21 + i, continuation[i]] for i in range(3))
     assert np.isfinite(loglik[0])
     assert abs(loglik[0] - want) <= 1e-4 * abs(want)
-    with pytest.raises(ValueError, match="continuation of 30 tokens"):
-        tasks_mod.score_requests(config, ss.make_mode(config, "dense"), params, None,
-                                 [(ids[:10], ids[10:])], 128)
-
-
-def test_requests_past_a_rotary_models_positions_keep_their_last_tokens():
-    """A Llama with 24 positions of context is scored, as lm-eval truncates to the
-    config's max_position_embeddings, on the last 25 tokens of a 40-token request: the
-    log-likelihood of the dense logits of that tail."""
-    config, params = _small_llama()
-    config = config.replace(max_positions=24)
-    ids = np.random.default_rng(5).integers(3, config.vocab_size, 40).tolist()
-    context, continuation = ids[:37], ids[37:]
-    loglik, _ = tasks_mod.score_requests(config, ss.make_mode(config, "dense"), params, None,
-                                         [(context, continuation)], 128)
-    tail = ids[-25:]
-    logits = np.asarray(dj.logits(config, params, [tail[:-1]])[0], np.float64)
-    logp = logits - logits.max(-1, keepdims=True)
-    logp -= np.log(np.exp(logp).sum(-1, keepdims=True))
-    want = sum(logp[21 + i, continuation[i]] for i in range(3))
-    assert np.isfinite(loglik[0])
-    assert abs(loglik[0] - want) <= 1e-4 * abs(want)
+    if family == "opt":
+        with pytest.raises(ValueError, match="continuation of 30 tokens"):
+            tasks_mod.score_requests(config, mode, params, None, [(ids[:10], ids[10:])], 128)
 
 
 def test_default_perplexity_window_fits_the_models_positions():
