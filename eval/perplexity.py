@@ -258,10 +258,14 @@ def main(argv: list[str] | None = None) -> int:
         args.stride = max(1, min(512, args.window // 2))
     if args.stride > args.window:
         cli.fail(f"--stride {args.stride} is larger than --window {args.window}")
-    try:   # the tokenizer's leading ids come before every window
-        model.check_positions(config, min(args.window, len(ids) - 1) + len(lead))
+    length = min(args.window, len(ids) - 1) + len(lead)   # leading ids before every window
+    try:
+        model.check_positions(config, length)
     except ValueError as e:
         cli.fail(f"--window {args.window} and {len(lead)} leading id(s): {e}")
+    if length > config.max_positions:   # rotary models: past their context
+        cli.fail(f"--window {args.window} and {len(lead)} leading id(s) pass the model's "
+                 f"{config.max_positions} positions of context")
     result = perplexity(config, mode, params, pred, ids, args.window, args.stride,
                         args.batch_tokens, args.dense_prefix, not args.no_progress, mesh,
                         lead=lead)

@@ -419,6 +419,30 @@ def test_perplexity_window_fits_a_rotary_models_positions(word_tokenizer, tmp_pa
     assert "--window 200" in last and "128 positions" in last, last
 
 
+def test_perplexity_window_and_leading_ids_fit_a_rotary_models_positions(tmp_path, capsys):
+    """A tokenizer that puts a BOS before every window (as Gemma's does): on a Llama with
+    128 positions the default window is 127 and scores finitely; --window 128, with the
+    BOS 129 positions, is one error line."""
+    from tokenizers import Tokenizer, models, pre_tokenizers, processors
+    from transformers import PreTrainedTokenizerFast
+    tok = Tokenizer(models.WordLevel({f"w{i}": i for i in range(1024)}, unk_token="w0"))
+    tok.pre_tokenizer = pre_tokenizers.Whitespace()
+    tok.post_processor = processors.TemplateProcessing(single="w1 $A",
+                                                       special_tokens=[("w1", 1)])
+    folder = tmp_path / "bos-words"
+    PreTrainedTokenizerFast(tokenizer_object=tok, bos_token="w1").save_pretrained(folder)
+    text = tmp_path / "t.txt"
+    text.write_text(" ".join(f"w{2 + (7 * i) % 500}" for i in range(300)))
+    argv = ["--model", str(FIXTURE.parent / "llama-gqa"), "--tokenizer", str(folder),
+            "--text", str(text), "--no-progress"]
+    out = tmp_path / "r.json"
+    assert perplexity.main(argv + ["--out", str(out)]) == 0
+    result = json.loads(out.read_text())
+    assert result["window"] == 127 and math.isfinite(result["perplexity"])
+    last = _error_line(perplexity.main, argv + ["--window", "128"], capsys)
+    assert "--window 128 and 1 leading id(s)" in last and "128 positions" in last, last
+
+
 def test_task_continuation_past_opts_learned_positions(word_tokenizer, tmp_path, capsys):
     """A task whose continuation (200 tokens) is longer than the OPT checkpoint's 128
     learned positions: one error line naming the task, before any scoring."""
