@@ -33,6 +33,12 @@ class ArgumentParser(argparse.ArgumentParser):
         fail(message)
 
 
+def first_line(error: BaseException) -> str:
+    """The first line of an error's message: a library's multi-line message (retries,
+    hints) shortened to fit a one-line `error: ...`."""
+    return (str(error).strip().splitlines() or [""])[0]
+
+
 def _number(text: str, kind, what: str):
     try:
         return kind(text)

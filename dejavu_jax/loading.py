@@ -19,6 +19,7 @@ import numpy as np
 from tqdm.auto import tqdm
 
 from dejavu_jax.checkpoint_files import CheckpointError, TensorSource, open_tensors
+from dejavu_jax.cli import first_line
 from dejavu_jax.config import ModelConfig, from_hf_config
 from dejavu_jax.params import LayerParams, ModelParams, layer_shapes, model_shapes
 
@@ -249,7 +250,7 @@ def _resolve_directory(path_or_id: str | os.PathLike) -> Path:
                 text, allow_patterns=["*.json", "*.safetensors", "*.bin", "*.txt",
                                       "tokenizer*", "vocab*", "merges*"]))
         except Exception as e:  # network errors come in many types, and many lines
-            reason = (str(e).strip().splitlines() or [""])[0]
+            reason = first_line(e)
             raise CheckpointError(
                 f"{text!r} is not a local path, and downloading it from the Hugging Face hub "
                 f"failed: {type(e).__name__}: {reason}") from None

@@ -6,6 +6,7 @@ import os
 from pathlib import Path
 
 from dejavu_jax.checkpoint_files import CheckpointError
+from dejavu_jax.cli import first_line
 from dejavu_jax.config import ModelConfig
 from dejavu_jax.paths import opt_tokenizer_dir
 
@@ -40,7 +41,7 @@ def _readable(load, path: Path):
     except CheckpointError:
         raise
     except Exception as e:  # the libraries' own errors: Exception, ValueError, OSError, ...
-        reason = (str(e).strip().splitlines() or [""])[0]
+        reason = first_line(e)
         raise CheckpointError(f"{path}: not a readable tokenizer ({type(e).__name__}: "
                               f"{reason})") from None
 

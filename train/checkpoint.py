@@ -15,6 +15,7 @@ import jax
 import jax.numpy as jnp
 import orbax.checkpoint as ocp
 
+from dejavu_jax.cli import first_line
 from dejavu_jax.config import ModelConfig
 from dejavu_jax.train.predictor_model import Predictor, PredictorParams
 
@@ -105,7 +106,7 @@ def load_predictors(directory: str | os.PathLike,
     try:
         params = checkpointer.restore(directory / "params", abstract)
     except Exception as e:  # orbax and tensorstore: FileNotFoundError, ValueError, ...
-        reason = (str(e).strip().splitlines() or [""])[0]
+        reason = first_line(e)
         raise PredictorCheckpointError(f"{directory / 'params'}: cannot restore the "
                                        f"predictors ({_brief(reason)})") from None
     finally:

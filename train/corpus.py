@@ -15,6 +15,7 @@ from typing import Iterator
 
 import numpy as np
 
+from dejavu_jax.cli import first_line
 from dejavu_jax.paths import data_root, hub_offline, hub_reachable
 
 CHARS_PER_TOKEN = 6  # generous: English BPE averages about 4 characters per token
@@ -125,7 +126,7 @@ def dataset_to_file(spec: str, max_chars: int = 50_000_000) -> Path:
     except ImportError:
         raise CorpusError("reading a Hugging Face dataset needs the `datasets` package") from None
     except Exception as e:  # hub and dataset errors come in many types
-        reason = (str(e).strip().splitlines() or [""])[0]
+        reason = first_line(e)
         raise CorpusError(f"dataset {spec!r}: cannot load it ({type(e).__name__}: "
                           f"{reason})") from None
     target.parent.mkdir(parents=True, exist_ok=True)
