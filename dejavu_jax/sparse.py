@@ -1010,16 +1010,10 @@ def check_predictors(config: ModelConfig, pred_params) -> None:
     """ValueError unless trained predictors (either form, `train.predictor_model`) score
     every layer's neurons and query heads of `config` from its hidden size."""
     from dejavu_jax.train.predictor_model import DecodePredictors, PredictorParams
-    if isinstance(pred_params, DecodePredictors):
-        w1, w2m, w2h = pred_params.w1t, pred_params.w2_mlp, pred_params.w2_heads
-        L, d = w1.shape[0], w1.shape[2]
-    elif isinstance(pred_params, PredictorParams):
-        w1, w2m, w2h = pred_params.mlp.w1, pred_params.mlp.w2, pred_params.heads.w2
-        L, d = w1.shape[:2]
-    else:
+    if not isinstance(pred_params, (DecodePredictors, PredictorParams)):
         raise ValueError(f"the predictor selector needs predictors (train.predict."
                          f"load_predictors), got {type(pred_params).__name__}")
-    got = (L, d, w2m.shape[-1], w2h.shape[-1])
+    got = pred_params.dims
     want = (config.n_layers, config.hidden, config.ffn, config.n_heads)
     if got != want:
         raise ValueError(f"the predictors score {got[0]} layers of {got[2]} neurons and "

@@ -39,6 +39,12 @@ class PredictorParams:
     heads: Predictor
     activation: str = struct.field(pytree_node=False, default="none")
 
+    @property
+    def dims(self) -> tuple[int, int, int, int]:
+        """(layers, input width, neurons, query heads) the predictors score."""
+        L, d = self.mlp.w1.shape[:2]
+        return L, d, self.mlp.w2.shape[-1], self.heads.w2.shape[-1]
+
 
 def rms_normalise(x: jax.Array, eps: float = 1e-6) -> jax.Array:
     """x / rms(x) over the last axis, in fp32."""
@@ -102,6 +108,12 @@ class DecodePredictors:
     w2_heads: jax.Array  # [L, r_heads, H]
     b2_heads: jax.Array  # [L, H]
     activation: str = struct.field(pytree_node=False, default="none")
+
+    @property
+    def dims(self) -> tuple[int, int, int, int]:
+        """(layers, input width, neurons, query heads) the predictors score."""
+        L, _, d = self.w1t.shape
+        return L, d, self.w2_mlp.shape[-1], self.w2_heads.shape[-1]
 
 
 def decode_predictors(pred: PredictorParams) -> DecodePredictors:
