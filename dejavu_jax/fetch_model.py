@@ -139,7 +139,7 @@ def main(argv: list[str] | None = None) -> int:
         try:
             print(fetch(name))
         except (FetchError, OSError) as e:
-            cli.fail(str(e).strip().splitlines()[0])
+            cli.fail(cli.first_line(e))
     return 0
 
 

@@ -204,7 +204,7 @@ def model_config(args):
     try:
         path = fetch_smollm2()
     except RuntimeError as e:
-        cli.fail(str(e).splitlines()[0] + " (see `python -m dejavu_jax.fetch_model`)")
+        cli.fail(cli.first_line(e) + " (see `python -m dejavu_jax.fetch_model`)")
     return read_config(path), path, "SmolLM2-135M-Instruct (Q4_1 GGUF, dequantised)"
 
 

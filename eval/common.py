@@ -122,7 +122,7 @@ def model_path(args) -> Path | None:
             return Path(resolve_model(args.model))  # a registered name: its cached file
         return fetch_smollm2()
     except RuntimeError as e:
-        cli.fail(str(e).splitlines()[0] + " (see `python -m dejavu_jax.fetch_model`)")
+        cli.fail(cli.first_line(e) + " (see `python -m dejavu_jax.fetch_model`)")
 
 
 def model_config(args):

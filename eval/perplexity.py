@@ -75,7 +75,7 @@ def wikitext2_from_hub() -> str:
     try:
         return load_text("hf:wikitext:wikitext-2-raw-v1:test")
     except Exception as e:  # ImportError, or a network error (which come in many types)
-        reason = f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}"
+        reason = f"{type(e).__name__}: {cli.first_line(e)}"
         data_file(WIKITEXT2, "WikiText-2", f", or pass --text FILE (`datasets` could not "
                   f"fetch it: {reason})")
         raise

@@ -274,7 +274,7 @@ def main(argv: list[str] | None = None) -> int:
     try:
         config = read_config(source)
     except CheckpointError as e:
-        cli.fail(str(e).splitlines()[0])
+        cli.fail(cli.first_line(e))
     if args.window is None:
         args.window = max(2, min(256, config.max_positions))
     elif args.window > config.max_positions:  # past OPT's learned positions: NaN scores
@@ -303,7 +303,7 @@ def main(argv: list[str] | None = None) -> int:
     try:
         _, params = load_pretrained(source, dtype=jnp.float32)
     except CheckpointError as e:
-        cli.fail(str(e).splitlines()[0])
+        cli.fail(cli.first_line(e))
     log = lambda s: print(s, file=sys.stderr)  # noqa: E731
     params = gate_weighted(config, params, windows[:n_calib], args.rows,
                                method_sites(config, method))
