@@ -194,16 +194,8 @@ def test_unknown_tensor(tmp_path):
 
 def _tiny_bpe(w):
     """A tiny byte-level BPE vocab: <|endoftext|>, <|im_start|>, 256 byte symbols, a few merges."""
-    from transformers.convert_slow_tokenizer import bytes_to_unicode
-
-    byte_syms = list(bytes_to_unicode().values())
-    merged = ["Ġt", "he", "Ġthe", "Ġc", "Ġca", "Ġcat"]
-    tokens = ["<|endoftext|>", "<|im_start|>"] + byte_syms + merged
-    w.add_tokenizer_model("gpt2")
-    w.add_tokenizer_pre("smollm")
-    w.add_token_list(tokens)
-    w.add_token_types([3, 3] + [1] * (len(tokens) - 2))
-    w.add_token_merges(["Ġ t", "h e", "Ġt he", "Ġ c", "Ġc a", "Ġca t"])
+    _byte_level_vocab(w, ["<|endoftext|>", "<|im_start|>"],
+                      ["Ġ t", "h e", "Ġt he", "Ġ c", "Ġc a", "Ġca t"], "smollm")
     w.add_chat_template("{% for m in messages %}<|im_start|>{{ m['content'] }}{% endfor %}")
 
 
@@ -247,19 +239,25 @@ def test_tokenizer_tiny_sentencepiece(tmp_path):
     assert tok.bos_token_id == 1 and tok.eos_token_id == 2
 
 
-def _tiny_llama3_bpe(w, pre="llama-bpe"):
-    """A tiny byte-level vocabulary with Llama 3's pre-tokenizer and merges that would join
-    a run of four digits, and no add_bos_token key."""
+def _byte_level_vocab(w, specials, merges, pre):
+    """A byte-level BPE vocabulary: control tokens `specials`, the 256 byte symbols, then
+    one token per merge ("a b" -> "ab"), with the pre-tokenizer name `pre`."""
     from transformers.convert_slow_tokenizer import bytes_to_unicode
 
-    byte_syms = list(bytes_to_unicode().values())
-    merged = ["12", "123", "1234", "Ġt", "he", "Ġthe"]
-    tokens = ["<|begin_of_text|>", "<|end_of_text|>"] + byte_syms + merged
+    tokens = (list(specials) + list(bytes_to_unicode().values())
+              + [m.replace(" ", "") for m in merges])
     w.add_tokenizer_model("gpt2")
     w.add_tokenizer_pre(pre)
     w.add_token_list(tokens)
-    w.add_token_types([3, 3] + [1] * (len(tokens) - 2))
-    w.add_token_merges(["1 2", "12 3", "123 4", "Ġ t", "h e", "Ġt he"])
+    w.add_token_types([3] * len(specials) + [1] * (len(tokens) - len(specials)))
+    w.add_token_merges(merges)
+
+
+def _tiny_llama3_bpe(w, pre="llama-bpe"):
+    """A tiny byte-level vocabulary with Llama 3's pre-tokenizer and merges that would join
+    a run of four digits, and no add_bos_token key."""
+    _byte_level_vocab(w, ["<|begin_of_text|>", "<|end_of_text|>"],
+                      ["1 2", "12 3", "123 4", "Ġ t", "h e", "Ġt he"], pre)
 
 
 @pytest.mark.parametrize("pre", ["llama-bpe", "smaug-bpe"])
