@@ -386,8 +386,10 @@ def _attended_slots(config: ModelConfig, layer, step: dict) -> jax.Array:
     return layer_valid(config, layer, step).astype(jnp.int32)
 
 
-def _missing_kv_window(config: ModelConfig, view, io: _LayerIO, layer, win: dict, ring):
-    """The KVWindow for this layer (selected + refresh groups, `ring` its [B, W, d] inputs).
+def _missing_kv_window(config: ModelConfig, view, io: _LayerIO, layer, win: dict, ring,
+                       ring_row0=None):
+    """The KVWindow for this layer (selected + refresh groups, `ring` its [B, W, d] inputs,
+    or with `ring_row0` every layer's rings [B, L * W, d], this layer's from that row).
 
     It carries the whole bitmap (`written` viewed as [B, L * Hk, S]): the attention finds
     the missing entries there and sets what it writes, so no XLA op runs around it."""
@@ -399,7 +401,8 @@ def _missing_kv_window(config: ModelConfig, view, io: _LayerIO, layer, win: dict
     if "positions" in win:  # this layer's RoPE (Gemma 3's sliding layers have their own)
         cos, sin = ops.layer_rope_tables(config, win["positions"], layer)
     return kernels.KVWindow(
-        x=ring, current=win["current"],
+        x=ring, x_row0=None if ring_row0 is None else jnp.asarray(ring_row0, jnp.int32),
+        current=win["current"],
         extra_ids=None if win["refresh"] is None else base + win["refresh"],
         need=None, slots=win["slots"], cos=cos, sin=sin,
         written=io.written.reshape(B, L * Hk, S),
@@ -415,12 +418,15 @@ def _history_rows(io: _LayerIO, layer, slot, W: int):
     return io.history.reshape(B, L * W, d), layer * W + slot % W
 
 
-def _with_history_rows(io: _LayerIO, layer, rows) -> tuple[_LayerIO, jax.Array]:
-    """io holding the updated buffer of `_history_rows`, and the layer's ring [B, W, d]."""
+def _with_history_rows(io: _LayerIO, layer, rows):
+    """(io holding the updated buffer of `_history_rows`, the rings holding the layer's,
+    the layer's first row in them): per-layer rings [B, W, d] and None, or stacked ones
+    as the buffer [B, L * W, d] (read in place, no slice copied) and layer * W."""
     if isinstance(io.history, tuple):
-        return io.replace(history=io.history[:layer] + (rows,) + io.history[layer + 1:]), rows
-    history = rows.reshape(io.history.shape)
-    return io.replace(history=history), history[:, layer]
+        return (io.replace(history=io.history[:layer] + (rows,) + io.history[layer + 1:]),
+                rows, None)
+    W = io.history.shape[2]
+    return io.replace(history=rows.reshape(io.history.shape)), rows, layer * W
 
 
 def _kernel_caches(config, view, io: _LayerIO, layer, groups):
@@ -457,10 +463,10 @@ def _sparse_attention(config, scfg, view, io: _LayerIO, layer, y, heads, step,
         rows, row = _history_rows(io, layer, slot, W)
         history_rows = jax.lax.dynamic_update_slice(
             rows, y.astype(rows.dtype)[:, None, :], (0, row, 0))
-    io, ring = _with_history_rows(io, layer, history_rows)
+    io, ring, ring_row0 = _with_history_rows(io, layer, history_rows)
     window = None
     if scfg._kv_recompute:
-        window = _missing_kv_window(config, view, io, layer, step["window"], ring)
+        window = _missing_kv_window(config, view, io, layer, step["window"], ring, ring_row0)
     rope = None
     if config.rotary:
         rope = ops.layer_rope_tables(config, step["positions"], layer)
@@ -775,7 +781,7 @@ def _fused_sparse_layer(config, scfg, view, io, layer, x, neurons, heads, step, 
     nxt = lookahead(x, rms, not dense_mlp)
     split = isinstance(nxt, tuple) and callable(nxt[1])
     if dense_projection:  # batches only
-        io, _ = _with_history_rows(io, layer, rest[-1])  # keep the norm's ring write
+        io = _with_history_rows(io, layer, rest[-1])[0]  # keep the norm's ring write
         if dense_attention_part:
             out, io = _dense_batch_attention(config, view, io, layer, y, step)
         else:

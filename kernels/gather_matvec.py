@@ -92,6 +92,11 @@ class Segment:
     and leaves the others unwritten (the missing-KV window once nothing is missing).
     mask: optional ``[K]`` int32 or bool: an id whose entry is 0 is skipped, its rows are
     not read and its outputs are 0 (a GQA group's unselected query heads).
+    x_row0, x_span = (n, stride): ``x`` holds ``stride`` rows per batch row, of which the
+    segment's input is the ``n`` starting at row ``x_row0`` ([1] int32, may be traced),
+    read in place: the segment has ``(x.shape[0] // stride) * n`` input rows, row ``r``
+    being ``x``'s row ``(r // n) * stride + x_row0 + r % n`` (one layer's window rows in
+    every layer's rings).
     """
     w: jax.Array
     ids: jax.Array
@@ -103,6 +108,8 @@ class Segment:
     current: jax.Array | None = None
     window: int = 0
     mask: jax.Array | None = None
+    x_row0: jax.Array | None = None
+    x_span: tuple[int, int] = (0, 0)
 
     @property
     def n_rows(self) -> int:
@@ -110,8 +117,22 @@ class Segment:
 
 
 jax.tree_util.register_dataclass(Segment, data_fields=["w", "ids", "x", "past_flags", "current",
-                                                       "mask"],
-                                 meta_fields=["rows_per_id", "block_rows", "block_d", "window"])
+                                                       "mask", "x_row0"],
+                                 meta_fields=["rows_per_id", "block_rows", "block_d", "window",
+                                              "x_span"])
+
+
+def segment_input(seg: Segment, x: jax.Array) -> jax.Array:
+    """A segment's input rows ``[B_s, d]`` as the kernel reads them (``x``: the call's
+    shared input, used when the segment brings none); copies where ``x_row0`` maps them."""
+    xs = x if seg.x is None else seg.x
+    if seg.x_row0 is None:
+        return xs
+    n, stride = seg.x_span
+    d = xs.shape[-1]
+    rows = xs.reshape(-1, stride, d)
+    row0 = jnp.asarray(seg.x_row0, jnp.int32).reshape(())
+    return lax.dynamic_slice_in_dim(rows, row0, n, axis=1).reshape(-1, d)
 
 
 def _check_window(seg: Segment, rows: int) -> None:
@@ -146,7 +167,7 @@ def segment_reference(seg: Segment, x: jax.Array) -> jax.Array:
     """jnp reference of one segment's :func:`gather_matvec` result, as one partial
     ``[1, B_s, n_rows]`` fp32 (``x`` is used when the segment brings no input). It
     computes every row, also those a windowed segment's kernel may leave unwritten."""
-    xs = (x if seg.x is None else seg.x).astype(jnp.float32)
+    xs = segment_input(seg, x).astype(jnp.float32)
     w = seg.w[segment_rows(seg)].astype(jnp.float32)
     if seg.mask is not None:
         keep = jnp.repeat(seg.mask.astype(bool), seg.rows_per_id)
@@ -173,6 +194,15 @@ def check_segment(seg: Segment, x: jax.Array) -> None:
         check_array("segment x", seg.x, ndim=2, floating=True)
         if seg.x.shape[1] != x.shape[1]:
             raise ValueError(f"segment x has width {seg.x.shape[1]}, expected {x.shape[1]}")
+    if seg.x_row0 is not None:
+        n, stride = seg.x_span
+        rows = (x if seg.x is None else seg.x).shape[0]
+        if not 1 <= n <= stride or rows % stride:
+            raise ValueError(f"x_span={seg.x_span} must be (n, stride) with 1 <= n <= stride "
+                             f"and stride dividing the input's {rows} rows")
+        if jnp.size(seg.x_row0) != 1:
+            raise ValueError(f"x_row0 must be one row index, got shape "
+                             f"{jnp.shape(seg.x_row0)}")
 
 
 def _gather_matvec_body(pids, *refs, seg_meta, d, bd, chunks):
@@ -181,7 +211,8 @@ def _gather_matvec_body(pids, *refs, seg_meta, d, bd, chunks):
     i, j = pids
 
     first = 0
-    for s, (start, nb, m, n_rows, B, Bp, bk, bd_s, W, masked, n_refs) in enumerate(seg_meta):
+    for s, (start, nb, m, n_rows, B, Bp, bk, bd_s, W, masked, x_map, n_refs) in enumerate(
+            seg_meta):
         x_ref, ids_ref, w_ref, *skip_refs = in_refs[first:first + n_refs]
         first += n_refs
         o_ref = out_refs[s]
@@ -189,7 +220,17 @@ def _gather_matvec_body(pids, *refs, seg_meta, d, bd, chunks):
         @pl.when((i >= start) & (i < start + nb))
         def _(x_ref=x_ref, ids_ref=ids_ref, w_ref=w_ref, o_ref=o_ref, skip_refs=skip_refs,
               start=start, m=m, n_rows=n_rows, B=B, Bp=Bp, bk=bk, bd_s=bd_s, W=W,
-              masked=masked):
+              masked=masked, x_map=x_map):
+            if x_map is not None:
+                *skip_refs, row0_ref = skip_refs
+                n_x, stride, x_rows = x_map
+                row0 = row0_ref[0]
+
+                def x_row(r):   # the input's row r in x (clamped: masked rows read nothing)
+                    return jnp.minimum((r // n_x) * stride + row0 + r % n_x, x_rows - 1)
+            else:
+                def x_row(r):
+                    return r
             kk = jnp.arange(bk, dtype=jnp.int32)
             local = (i - start) * bk + kk
             valid = local < n_rows
@@ -210,10 +251,10 @@ def _gather_matvec_body(pids, *refs, seg_meta, d, bd, chunks):
                     w = plgpu.load(w_ref.at[rows[:, None], cols[None, :]],
                                    mask=valid[:, None] & cm[None, :], other=0)
                     if Bq == 1:
-                        xv = plgpu.load(x_ref.at[0, cols], mask=cm, other=0)
+                        xv = plgpu.load(x_ref.at[x_row(0), cols], mask=cm, other=0)
                         prod = w.astype(jnp.float32) * xv.astype(jnp.float32)[None, :]
                         return acc + jnp.sum(prod, axis=1)
-                    xb = plgpu.load(x_ref.at[brow[:, None], cols[None, :]],
+                    xb = plgpu.load(x_ref.at[x_row(brow)[:, None], cols[None, :]],
                                     mask=bmask[:, None] & cm[None, :], other=0)
                     return acc + mma(xb, w, trans_b=True)
 
@@ -282,7 +323,12 @@ def gather_matvec_part(x: jax.Array, segments: Sequence[Segment], *, block_rows:
         xs = x if seg.x is None else seg.x
         if xs.ndim != 2 or xs.shape[1] != d:
             raise ValueError(f"segment input has shape {xs.shape}; expected [B, {d}]")
+        x_map = None
         B = xs.shape[0]
+        if seg.x_row0 is not None:
+            n_x, stride = seg.x_span
+            x_map = (n_x, stride, xs.shape[0])
+            B = (xs.shape[0] // stride) * n_x
         Bp = batch_pad(B)
         bk = seg.block_rows or block_rows
         bk = bk if Bp == 1 else max(16, bk)
@@ -299,8 +345,10 @@ def gather_matvec_part(x: jax.Array, segments: Sequence[Segment], *, block_rows:
             _check_window(seg, B)
             refs += [seg.past_flags.astype(jnp.int32),
                      jnp.asarray(seg.current, jnp.int32).reshape(1)]
+        if x_map is not None:
+            refs.append(jnp.asarray(seg.x_row0, jnp.int32).reshape(1))
         seg_meta.append((start, nb, seg.rows_per_id, seg.n_rows, B, Bp, bk, bd_s, W,
-                         seg.mask is not None, len(refs)))
+                         seg.mask is not None, x_map, len(refs)))
         outs.append(jax.ShapeDtypeStruct((nds, B, nb * bk), jnp.float32))
         args += refs
         start += nb

@@ -119,6 +119,10 @@ class KVWindow:
       that itself and sets the bits of what it writes, so the call returns the updated
       bitmap (no XLA op before or after). A head in both ``head_idx`` and ``extra_ids``
       is written once.
+    x_row0: ``x`` then holds more rows per batch row than the window (``[B, R, d]``, say
+      every layer's rings): the window's W rows (W = the length of ``slots``) start at
+      row ``x_row0`` (an int32 scalar, may be traced) and are read in place; None: ``x``
+      is the window ``[B, W, d]``.
     """
     x: jax.Array
     current: jax.Array
@@ -130,6 +134,7 @@ class KVWindow:
     written: jax.Array | None = None
     written_base: jax.Array | None = None
     row_valid: jax.Array | None = None
+    x_row0: jax.Array | None = None
 
 
 # ----------------------------------------------------------------------------
@@ -291,6 +296,14 @@ def _validate(x, wq, bq, wk, bk, wv, bv, wo, bo, k_cache, v_cache, pos, head_idx
 # reference
 # ----------------------------------------------------------------------------
 
+def window_inputs(window: KVWindow) -> jax.Array:
+    """The window's input rows ``[B, W, d]`` (a slice of ``x`` where ``x_row0`` is given)."""
+    if window.x_row0 is None:
+        return window.x
+    return lax.dynamic_slice_in_dim(window.x, jnp.asarray(window.x_row0, jnp.int32),
+                                    window.slots.shape[0], axis=1)
+
+
 def window_heads(head_idx, window: KVWindow):
     """The KV heads a window recomputes: ``concat(head_idx, window.extra_ids)``."""
     head_idx = head_idx.astype(jnp.int32)
@@ -314,7 +327,7 @@ def window_need(window: KVWindow, ids) -> jax.Array:
 def window_past_flags(window: KVWindow, ids) -> jax.Array:
     """``[n]`` int32: 1 for the KV heads ``ids`` that need some window row other than the
     current token's, in any batch row."""
-    W = window.x.shape[1]
+    W = window.slots.shape[0]
     past = jnp.arange(W, dtype=jnp.int32) != jnp.asarray(window.current, jnp.int32)
     need = window_need(window, ids) & past[None, None, :]
     return jnp.any(need, axis=(0, 2)).astype(jnp.int32)
@@ -353,7 +366,7 @@ def _window_kv_reference(wk, bk, wv, bv, ids, window: KVWindow, k_norm=None,
                          norm_eps: float = 1e-6):
     f32 = jnp.float32
     hi = lax.Precision.HIGHEST
-    xs = window.x.astype(f32)
+    xs = window_inputs(window).astype(f32)
 
     def proj(w, b):
         t = jnp.einsum("bwd,nkd->bnwk", xs, w[ids].astype(f32), precision=hi)
@@ -957,9 +970,13 @@ def head_sparse_attention_pallas(x, wq, bq, wk, bk, wv, bv, wo, bo, k_cache, v_c
     if window is not None:
         # K/V read the window's rows (the current token's among them); q keeps x's rows
         kv_ids = window_heads(head_idx, window)
-        W = window.x.shape[1]
-        x_rows = window.x.reshape(B * W, d).astype(x.dtype)
+        W = window.slots.shape[0]
+        R = window.x.shape[1]
+        x_rows = window.x.reshape(B * R, d).astype(x.dtype)
         kv_opts = dict(block_rows=cfg.window_block_rows, block_d=min(bd, tile_d(B * W)))
+        if window.x_row0 is not None:   # the window's rows read in place among x's
+            kv_opts.update(x_row0=jnp.asarray(window.x_row0, jnp.int32).reshape(1),
+                           x_span=(W, R))
         if batch_pad(B) > 1:
             # a batch's window is many rows: multiply the earlier ones only for heads
             # that miss some entry there (one XLA fusion finds them)
@@ -1092,6 +1109,12 @@ def _validate_window(window, x, k_cache, head_idx, rope):
         raise ValueError(f"window.x must be [B, W, d] = [{B}, W, {d}], got "
                          f"{tuple(window.x.shape)}")
     W = window.x.shape[1]
+    if window.x_row0 is not None:   # x holds more rows; the window is the slots' length
+        W = window.slots.shape[0]
+        check_array("window.x_row0", window.x_row0, shape=())
+        if W > window.x.shape[1]:
+            raise ValueError(f"window.x has {window.x.shape[1]} rows per batch row, fewer "
+                             f"than the window's {W}")
     check_array("window.current", window.current, shape=())
     if not jnp.issubdtype(window.current.dtype, jnp.integer):
         raise TypeError(f"window.current must be an integer scalar, got {window.current.dtype}")

@@ -16,7 +16,7 @@ from conftest import assert_finite_close
 
 from dejavu_jax.kernels import AttnConfig, head_sparse_attention, sparse_mlp
 from dejavu_jax.kernels._common import activation_fn, resolve_impl
-from dejavu_jax.kernels.gather_matvec import Segment, gather_matvec
+from dejavu_jax.kernels.gather_matvec import Segment, check_segment, gather_matvec
 from dejavu_jax.kernels.sparse_mlp import MLPConfig
 
 BF16 = jnp.bfloat16
@@ -169,6 +169,29 @@ def test_gather_matvec_windowed_segment_skips_unflagged_past_rows(rng):
         with pytest.raises(ValueError, match=match):
             gather_matvec(jnp.zeros((1, d), F32), [dataclasses.replace(seg, **bad)],
                           block_d=32, interpret=True)
+
+
+def test_gather_matvec_segment_reads_its_rows_in_place(rng):
+    """x_row0 / x_span: the segment's input is rows row0..row0+n-1 of each batch row's
+    stride rows of x, read in place (the other rows NaN: none is read); one batch row takes
+    the vector path's loads, several the tensor-core path's."""
+    d, n, stride, m = 48, 4, 12, 8
+    w = rng.standard_normal((5 * m, d))
+    ids = np.asarray([3, 0, 4], np.int32)
+    rows = (ids[:, None] * m + np.arange(m)).reshape(-1)
+    for batch, n_rows in ((1, 1), (3, n)):
+        x = np.full((batch * stride, d), np.nan)
+        inputs = rng.standard_normal((batch, n_rows, d))
+        x.reshape(batch, stride, d)[:, 5:5 + n_rows] = inputs
+        seg = Segment(jnp.asarray(w, F32), jnp.asarray(ids), m, x=jnp.asarray(x, F32),
+                      x_row0=jnp.asarray([5], jnp.int32), x_span=(n_rows, stride))
+        (p,) = gather_matvec(jnp.zeros((1, d), F32), [seg], block_rows=16, block_d=16,
+                             d_chunks=1, interpret=True)
+        got = np.asarray(p).sum(0)[:, :rows.size]
+        want = inputs.reshape(-1, d) @ w[rows].T
+        assert_finite_close(got, want, rtol=1e-5, atol=1e-5)
+    with pytest.raises(ValueError, match="x_span"):
+        check_segment(dataclasses.replace(seg, x_span=(n, 5)), jnp.zeros((1, d), F32))
 
 
 def test_gather_matvec_segment_with_its_own_block_d(rng):
@@ -369,7 +392,7 @@ def test_window_recompute_writes_needed_entries_then_attends(rng, impl, ring_shi
     split boundary) and a key mask with holes, one of them on a needed window entry
     (written, not attended). bitmap: the same needs given as a written-entries bitmap
     (rows offset by a base, unrelated bits random), which must come back with exactly the
-    needed entries set."""
+    needed entries set, and whose window rows are read in place among other layers'."""
     from dejavu_jax.kernels import KVWindow
     r = lambda *s: rng.standard_normal(s)
     hidx = rng.permutation(n_kv)[:Kh].astype(np.int32)
@@ -434,9 +457,14 @@ def test_window_recompute_writes_needed_entries_then_attends(rng, impl, ring_shi
         want_written = written.copy()
         for b, i, w in zip(*np.nonzero(need)):
             want_written[b, base + ids[i], slots[w]] = True
+        # and the window's rows read in place from every layer's rings (rows W..2W-1 of
+        # 3W per batch row; the other layers' rows NaN, so reading one would show)
+        rings = np.full((B, 3 * W, d), np.nan)
+        rings[:, W:2 * W] = ring(xs)
         window = dataclasses.replace(window, need=None, written=jnp.asarray(written),
                                      written_base=jnp.int32(base),
-                                     row_valid=jnp.asarray(ring(row_valid, 1)))
+                                     row_valid=jnp.asarray(ring(row_valid, 1)),
+                                     x=f(rings), x_row0=jnp.int32(W))
     rope_arg = None if cos is None else (f(cos[:, -1]), f(sin[:, -1]))
     config = AttnConfig(block_s=4, seq_splits=4) if split else None
     out, k2, v2, *rest = head_sparse_attention(

@@ -194,6 +194,10 @@ def test_sparse_decode_step_lowers(preset, batch, split, stacked, unroll):
     products = [line for line in text.splitlines() if "stablehlo.dot_general" in line]
     mlp_weights = f"tensor<{config.ffn}x{config.hidden}xbf16>"
     assert any(mlp_weights in line for line in products) == (not stacked)
+    if stacked:   # the window's rows are read in place among every layer's rings
+        W, d = scfg.kv_window, config.hidden
+        assert not re.findall(rf"stablehlo\.(?:dynamic_)?slice[^\n]*-> "
+                              rf"tensor<{batch}x1x{W}x{d}xbf16>$", text, re.M)
     if stacked and split:   # the selection writes ids offset into the flattened weights:
         # no XLA add of the carried sets to the layer's offset inside the loop
         for k in (scfg.mlp_k[-1], scfg.head_k[-1]):
