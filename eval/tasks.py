@@ -64,8 +64,18 @@ def join(context: str, choice: str) -> str:
 
 
 def _read_jsonl(path: Path) -> list[dict]:
+    """The rows of a JSON-lines file; ValueError naming the file's line that is not JSON."""
+    rows = []
     with open(path, encoding="utf-8") as f:
-        return [json.loads(line) for line in f if line.strip()]
+        for number, line in enumerate(f, 1):
+            if not line.strip():
+                continue
+            try:
+                rows.append(json.loads(line))
+            except json.JSONDecodeError as e:
+                raise ValueError(f"{path}: line {number} is not JSON ({e.msg} at column "
+                                 f"{e.colno})") from None
+    return rows
 
 
 def _field(row, key: str, kind: str, path: Path, index: int):
@@ -73,6 +83,9 @@ def _field(row, key: str, kind: str, path: Path, index: int):
     ("int", not a bool): ValueError naming the file, the row (1-based) and the field."""
     if not isinstance(row, dict):
         raise ValueError(f"{path}: row {index + 1} is not a JSON object")
+    if key not in row:
+        raise ValueError(f"{path}: row {index + 1} has no field {key!r} (the first row's "
+                         "fields set the file's format)")
     value = row[key]
     ok = {"str": isinstance(value, str),
           "strs": isinstance(value, list) and all(isinstance(v, str) for v in value),
@@ -117,18 +130,44 @@ def _hellaswag_items(path: Path) -> list[Item]:
         raise ValueError(f"{path}: {len(lines)} lines is not a multiple of 6")
     items = []
     for i in range(0, len(lines), 6):
-        ctx, gold, endings = lines[i], int(lines[i + 1]), lines[i + 2:i + 6]
+        ctx, endings = lines[i], lines[i + 2:i + 6]
+        try:
+            gold = int(lines[i + 1])
+        except ValueError:
+            raise ValueError(f"{path}: line {i + 2}: the gold index {lines[i + 1][:40]!r} is "
+                             "not an integer (6 lines per item: context, gold index, 4 "
+                             "endings)") from None
         items.append(Item(tuple((ctx, join(ctx, e)) for e in endings), gold, "choice"))
     return items
 
 
 def _rte_items(path: Path) -> list[Item]:
+    """RTE items of a tab-separated file with a header naming sentence1, sentence2 and
+    label; ValueError naming the line of a row with another number of fields or a label
+    that is not an integer."""
     with open(path, encoding="utf-8", newline="") as f:
-        rows = list(csv.DictReader(f, delimiter="\t", quoting=csv.QUOTE_NONE))
-    items = []
-    for r in rows:
-        ctx = f"{r['sentence1']}\nQuestion: {r['sentence2']} True or False?\nAnswer:"
-        items.append(Item(((ctx, " True"), (ctx, " False")), int(r["label"]), "choice"))
+        reader = csv.reader(f, delimiter="\t", quoting=csv.QUOTE_NONE)
+        header = next(reader, [])
+        missing = [k for k in ("sentence1", "sentence2", "label") if k not in header]
+        if missing:
+            raise ValueError(f"{path}: the header line has no column {', '.join(missing)} "
+                             f"(it has {header})")
+        items = []
+        for fields in reader:
+            if not fields:
+                continue
+            where = f"{path}: line {reader.line_num}"
+            if len(fields) != len(header):
+                raise ValueError(f"{where} has {len(fields)} tab-separated fields, the header "
+                                 f"{len(header)}")
+            r = dict(zip(header, fields))
+            try:
+                label = int(r["label"])
+            except ValueError:
+                raise ValueError(f"{where}: label {r['label']!r} is not an integer "
+                                 "(0 = entailment, 1 = not)") from None
+            ctx = f"{r['sentence1']}\nQuestion: {r['sentence2']} True or False?\nAnswer:"
+            items.append(Item(((ctx, " True"), (ctx, " False")), label, "choice"))
     return items
 
 
@@ -176,8 +215,8 @@ def result_names(names: list[str]) -> dict[str, str]:
 def load_task(name_or_path: str, limit: int | None = None) -> list[Item]:
     """The items of a task file (format recognised from the file), the first `limit`.
     A missing file raises FileNotFoundError (`check_task`), one in no known format
-    ValueError (or KeyError for a row without a field its format needs), an item that
-    cannot be scored ValueError (`check_item`)."""
+    ValueError naming the line or row (a row without a field its format needs too), one
+    without items ValueError, an item that cannot be scored ValueError (`check_item`)."""
     path = check_task(name_or_path)
     if path.suffix == ".tsv":
         items = _rte_items(path)
@@ -185,6 +224,8 @@ def load_task(name_or_path: str, limit: int | None = None) -> list[Item]:
         items = _hellaswag_items(path)
     else:
         items = _jsonl_items(_read_jsonl(path), path)
+    if not items:
+        raise ValueError(f"{path}: no items in the file")
     items = items[:limit] if limit else items
     for i, item in enumerate(items):
         check_item(item, path, i)

@@ -74,6 +74,19 @@ def _tasks(tmp: Path) -> dict:
         path = tmp / f"{name.lower()}.jsonl"
         path.write_text(json.dumps(first.get(name, good)) + "\n" + json.dumps(row) + "\n")
         out[name] = str(path)
+    rte = "sentence1\tsentence2\tlabel\tidx\nA man runs.\tA person runs.\t0\t0\n"
+    shapes = {"rteshort.tsv": rte + "A dog.\tAn animal.\n",
+              "rtewide.tsv": rte + "A dog.\tAn animal.\t1\t1\textra\n",
+              "rtelabel.tsv": rte + "A dog.\tAn animal.\tentailment\t1\n",
+              "rteheader.tsv": rte.split("\n")[0] + "\n",
+              "hsempty.txt": "",
+              "hsgold.txt": "Ctx\nx\na\nb\nc\nd\n",
+              "jsonline.jsonl": json.dumps(good) + "\n\n{not json\n",
+              "mixed.jsonl": json.dumps(good) + "\n" + json.dumps({"context": "a",
+                                                                  "continuation": "b"}) + "\n"}
+    for file, text in shapes.items():
+        (tmp / file).write_text(text)
+        out[file.split(".")[0].upper()] = str(tmp / file)
     return out
 
 
@@ -211,6 +224,24 @@ CASES = [
      ["CHOICESTEXT", "row 2", "'choices' must be a list of strings"]),
     ("tasks-empty-context", tasks.main, ["--preset", "opt-tiny", "--tasks", "EMPTYCTX"],
      ["EMPTYCTX", "item 2", "empty context"]),
+    # a row short of the header's fields ended in a TypeError traceback; a wider one, or
+    # an empty task (which failed after loading, blaming the tokenizer), scored silently
+    ("tasks-rte-short-row", tasks.main, ["--preset", "opt-tiny", "--tasks", "RTESHORT"],
+     ["RTESHORT", "line 3", "2 tab-separated fields", "header 4"]),
+    ("tasks-rte-wide-row", tasks.main, ["--preset", "opt-tiny", "--tasks", "RTEWIDE"],
+     ["RTEWIDE", "line 3", "5 tab-separated fields"]),
+    ("tasks-rte-text-label", tasks.main, ["--preset", "opt-tiny", "--tasks", "RTELABEL"],
+     ["RTELABEL", "line 3", "'entailment' is not an integer"]),
+    ("tasks-rte-header-only", tasks.main, ["--preset", "opt-tiny", "--tasks", "RTEHEADER"],
+     ["RTEHEADER", "no items"]),
+    ("tasks-hellaswag-empty", tasks.main, ["--preset", "opt-tiny", "--tasks", "HSEMPTY"],
+     ["HSEMPTY", "no items"]),
+    ("tasks-hellaswag-gold", tasks.main, ["--preset", "opt-tiny", "--tasks", "HSGOLD"],
+     ["HSGOLD", "line 2", "'x' is not an integer"]),
+    ("tasks-jsonl-bad-line", tasks.main, ["--preset", "opt-tiny", "--tasks", "JSONLINE"],
+     ["JSONLINE", "line 3 is not JSON"]),
+    ("tasks-jsonl-mixed-rows", tasks.main, ["--preset", "opt-tiny", "--tasks", "MIXED"],
+     ["MIXED", "row 2 has no field 'query'"]),
     ("profile-window-1", profile.main, ["--window", "1"], ["--window", "got 1"]),
     ("profile-no-config", profile.main, ["--corpus", "CORPUS", "--model", "EMPTY"],
      ["EMPTY", "config.json"]),
