@@ -82,12 +82,30 @@ def check_prompt(input_ids, attention_mask, vocab_size: int, state=None) -> None
     a decode state (`.valid` [B, S]), its batch of B rows and room for the T tokens."""
     check_token_ids(input_ids, vocab_size)
     check_mask(attention_mask, np.shape(input_ids))
+    check_left_padded(attention_mask)
     valid = getattr(state, "valid", None)
     if valid is not None:
         (B, T), (Bs, S) = np.shape(input_ids), valid.shape
         if B != Bs or T > S:
             raise ValueError(f"prompts [{B}, {T}] do not fit a decode state of {Bs} rows and "
                              f"{S} cache slots")
+
+
+def check_left_padded(attention_mask) -> None:
+    """Raise ValueError unless a concrete prompt mask [B, T] holds only 0 and 1 and every
+    row ends with a real token: a prefill returns the last column's logits, which for a
+    right-padded or empty row would be a padding position's. Traced masks are not checked."""
+    if is_traced(attention_mask):
+        return
+    for block in _host_blocks(attention_mask):
+        block = block.astype(np.int64)
+        if ((block != 0) & (block != 1)).any():
+            raise ValueError("attention_mask must hold 0 (padding) and 1 (token) only, got "
+                             f"{sorted(set(np.unique(block).tolist()) - {0, 1})[:3]}")
+        rows = np.flatnonzero(block[:, -1] == 0)
+        if rows.size:
+            raise ValueError(f"attention_mask row {int(rows[0])} ends with padding: prompts "
+                             "must be left-padded, with a token in the last column")
 
 
 def check_step_tokens(tokens, vocab_size: int, state=None) -> None:

@@ -184,3 +184,35 @@ def test_a_per_layer_cache_needs_per_layer_weights():
     logits, _ = model.decode_step(config, unstacked, state, jnp.asarray(ids[:, 5]))
     assert np.isfinite(np.asarray(logits)).all()
     np.testing.assert_allclose(np.asarray(logits)[0], full[5], atol=1e-4 * np.abs(full).max())
+
+
+@pytest.mark.parametrize("engine", ["model", "oracle engine"])
+def test_a_prefill_mask_must_be_left_padded(engine):
+    """A prefill returns the last column's logits: for left-padded prompts those are Hugging
+    Face's at each row's last token; a row that ends with padding (right-padded or empty),
+    or a mask value other than 0 and 1, raises instead of returning a padding position's
+    logits."""
+    config, params = _model()
+    ref = np.load(FIXTURE / "reference.npz")
+    ids, mask = ref["input_ids"], ref["attention_mask"]  # row 1 left-padded by 5
+    B, T = ids.shape
+    if engine == "model":
+        state = lambda: model.init_state(config, B, 32, jnp.float32)  # noqa: E731
+        prefill = functools.partial(model.prefill, config, params)
+    else:
+        scfg = sparse.sparse_config(config, 1.0, 1.0, dense_layers=0, oracle=True)
+        oracle = sparse.sparse_engine(config, scfg, sparse.no_selector)
+        state = lambda: oracle.init_state(B, 32, jnp.float32, per_layer=False)  # noqa
+        prefill = functools.partial(oracle.prefill, (params, None))
+    logits, _ = prefill(ids, mask, state())
+    want = ref["logits"][:, -1]
+    assert np.isfinite(np.asarray(logits)).all()
+    np.testing.assert_allclose(np.asarray(logits), want, atol=1e-4 * np.abs(want).max())
+    pads = int((mask[1] == 0).sum())
+    right = np.concatenate([ids[1, pads:], ids[1, :pads]])  # the same row, padded after
+    with pytest.raises(ValueError, match="row 1 ends with padding.*left-padded"):
+        prefill(np.stack([ids[0], right]), mask[:, ::-1].copy(), state())
+    with pytest.raises(ValueError, match="row 0 ends with padding"):
+        prefill(ids, np.stack([np.zeros(T, np.int32), mask[1]]), state())
+    with pytest.raises(ValueError, match="0 .* and 1 .* only, got \\[2\\]"):
+        prefill(ids, mask * 2, state())
