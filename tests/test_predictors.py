@@ -274,3 +274,46 @@ def test_cli_end_to_end(tmp_path, capsys):
     params, manifest = load_predictors(tmp_path / "p", config_lib.preset("opt-tiny"))
     assert manifest["lookahead"] and len(manifest["per_layer"]) == 4
     assert 0 < manifest["per_layer"][1]["mlp"]["output_captured"] <= 1
+
+
+def test_records_without_training_windows_are_refused(tmp_path, capsys):
+    """One window per shard: validation took it all and training read an empty sample
+    (NaN statistics, then `cannot convert float NaN to integer`); now one error line."""
+    records = write_records(tmp_path / "r", planted(n=2 * PER_WINDOW), n_shards=2)
+    tc = trainer.TrainConfig(rank=8, epochs=1, batch_size=8)
+    with pytest.raises(rec.RecordsError, match="16 tokens, all of them held out"):
+        trainer.train(records, tc, progress=False, log=lambda s: None)
+    with pytest.raises(SystemExit) as exit_:
+        trainer.main(["--records", str(tmp_path / "r"), "--out", str(tmp_path / "p"),
+                      "--no-output-metric", "--no-progress"])
+    err = capsys.readouterr().err
+    assert exit_.value.code == 2 and "held out for validation" in err
+    assert "Traceback" not in err and "NaN" not in err and not (tmp_path / "p").exists()
+
+
+@pytest.mark.parametrize("flag, k, words", [("--k-mlp", F + 1, f"have {F} MLP neurons"),
+                                            ("--k-heads", H + 1, f"have {H} query heads")])
+def test_evaluation_k_past_the_layer_is_refused(tmp_path, capsys, flag, k, words):
+    """An evaluation k above the layer's units was cut to all of them, so every metric
+    read recall 1.0; now one error line naming the flag and the count."""
+    write_records(tmp_path / "r", planted(n=256))
+    with pytest.raises(SystemExit) as exit_:
+        trainer.main(["--records", str(tmp_path / "r"), "--out", str(tmp_path / "p"),
+                      flag, str(k), "--no-output-metric", "--no-progress"])
+    last = capsys.readouterr().err.strip().splitlines()[-1]
+    assert exit_.value.code == 2 and last == f"error: {flag} {k}: the model's layers {words}"
+    assert not (tmp_path / "p").exists()
+
+
+def test_one_step_run_reports_its_wall_throughput(tmp_path, capsys):
+    """A run of one step has no timed step after the compiling one: it printed
+    `training 0.0 tokens/s`; now the wall figure, labelled."""
+    write_records(tmp_path / "r", planted(n=512), n_shards=1)
+    assert trainer.main(["--records", str(tmp_path / "r"), "--out", str(tmp_path / "p"),
+                         "--epochs", "1", "--batch-size", "256", "--rank", "4",
+                         "--no-output-metric", "--no-progress"]) == 0
+    last = capsys.readouterr().out.strip().splitlines()[-1]
+    _, manifest = load_predictors(tmp_path / "p")
+    wall = manifest["training"]["throughput"]["wall_tokens_per_s"]
+    assert manifest["training"]["throughput"]["tokens"] == 0 and wall > 0
+    assert f"training {wall} tokens/s wall (one step, which compiled)" in last

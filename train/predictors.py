@@ -174,6 +174,14 @@ def initial_params(records: rec.Records, tc: TrainConfig, head_rule: rec.LabelRu
     return params, weights, actives
 
 
+def check_k(tc: TrainConfig, ffn: int, n_heads: int) -> None:
+    """ValueError when an evaluation k asks for more units than a layer has."""
+    for flag, k, n, what in (("--k-mlp", tc.k_mlp, ffn, "MLP neurons"),
+                             ("--k-heads", tc.k_heads, n_heads, "query heads")):
+        if k is not None and k > n:
+            raise ValueError(f"{flag} {k}: the model's layers have {n} {what}")
+
+
 def train(records: rec.Records, tc: TrainConfig, progress: bool = True, log=print):
     """Train predictors on `records`; returns (best params, training summary dict, the
     validation set they were scored on). ValueError when a step's loss is not finite
@@ -181,9 +189,17 @@ def train(records: rec.Records, tc: TrainConfig, progress: bool = True, log=prin
     if tc.activation not in ACTIVATIONS:
         raise ValueError(f"unknown activation {tc.activation!r}; known: {ACTIVATIONS}")
     head_rule = rec.LabelRule.parse(tc.head_rule)
+    F, H = records.ffn, records.n_heads
+    check_k(tc, F, H)
+    train_tokens = [data_lib.split_tokens(records, s, tc.val_fraction)[0]
+                    for s in range(len(records.shards))]
+    if train_tokens[0] == 0:  # the first shard gives the input statistics
+        raise rec.RecordsError(
+            f"{records.root}: its first shard has {records.manifest['shards'][0]['tokens']} "
+            f"tokens, all of them held out for validation (--val-fraction "
+            f"{tc.val_fraction}); collect more windows")
     rng = np.random.default_rng(tc.seed)
     params, pos_weight, actives = initial_params(records, tc, head_rule, rng)
-    F, H = records.ffn, records.n_heads
     k_mlp = min(F, tc.k_mlp or math.ceil(1.5 * actives[0]))
     k_heads = min(H, tc.k_heads or math.ceil(1.5 * actives[1]))
     val = data_lib.validation_set(records, tc.lookahead, tc.val_fraction, tc.max_val_tokens)
@@ -194,10 +210,8 @@ def train(records: rec.Records, tc: TrainConfig, progress: bool = True, log=prin
     best = jax.tree.map(jnp.copy, params)  # the step donates `params`
     best_recall = [np.full(records.n_layers, -1.0), np.full(records.n_layers, -1.0)]
     history, stale, stop_reason = [], 0, f"reached --epochs {tc.epochs}"
-    n_train = sum(data_lib.split_tokens(records, s, tc.val_fraction)[0]
-                  for s in range(len(records.shards)))
-    steps_per_epoch = sum(data_lib.split_tokens(records, s, tc.val_fraction)[0]
-                          // tc.batch_size for s in range(len(records.shards)))
+    n_train = sum(train_tokens)
+    steps_per_epoch = sum(n // tc.batch_size for n in train_tokens)
     if steps_per_epoch == 0:
         raise rec.RecordsError(f"{records.root}: fewer training tokens per shard than "
                                f"--batch-size {tc.batch_size}")
@@ -459,8 +473,10 @@ def main(argv: list[str] | None = None) -> int:
     print(format_table(per_layer))
     print(f"summary: {manifest['summary']}")
     t = summary["throughput"]
+    speed = (f"{t['tokens_per_s']} tokens/s" if t["tokens"] else
+             f"{t['wall_tokens_per_s']} tokens/s wall (one step, which compiled)")
     print(f"stopped after {summary['epochs_run']} epochs ({summary['stop_reason']}); "
-          f"training {t['tokens_per_s']} tokens/s; saved to {args.out}")
+          f"training {speed}; saved to {args.out}")
     return 0
 
 
