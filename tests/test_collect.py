@@ -289,3 +289,32 @@ def test_windows_past_the_model_positions_or_vocabulary_are_refused(tmp_path, co
         collect_lib.collect(small, small_params, CharTokenizer(), corpus, tmp_path / "vocab",
                             window=WINDOW, **kw)
     assert not list((tmp_path / "vocab").glob("shard_*"))
+
+
+def test_a_long_line_gives_a_window_per_window_sized_piece(tmp_path):
+    """A corpus of one long line gave one window (a chunk per line end), so collection and
+    profiling reported the corpus run out after a window; now the line past its first
+    window's share (2 x 6 characters per token) is cut after spaces into more windows,
+    each reading its own text."""
+    line = "".join(f"x{i:04d} " for i in range(100))  # 600 characters, one line
+    (tmp_path / "one.txt").write_text(line)
+    windows = list(corpus_lib.token_windows(CharTokenizer(), [tmp_path / "one.txt"], 8, 0,
+                                            None))
+    texts = sorted("".join(chr(t - 3) for t in w) for w in windows)
+    starts = [0] + list(range(96, 600 - 48 + 1, 48))  # ten 48-character pieces after 96
+    assert texts == sorted(line[s:s + 8] for s in starts)
+    assert texts[0] == "x0000 x0" and len(texts) == 11
+
+
+def test_lines_shorter_than_three_windows_give_the_same_windows_as_before(corpus):
+    """Every chunk of a corpus of short lines is under 3 x the window's characters, so no
+    piece is added: the windows (and records made before) stay the same."""
+    min_chars = WINDOW * corpus_lib.CHARS_PER_TOKEN
+    chunks = corpus_lib.corpus_chunks(corpus, WINDOW)
+    assert max(map(len, chunks)) < 3 * min_chars
+    assert all(corpus_lib.overflow(c, min_chars) == [] for c in chunks)
+    order = np.random.default_rng(5).permutation(len(chunks))
+    tok = CharTokenizer()
+    expected = [tok([chunks[i]])["input_ids"][0][:WINDOW] for i in order]
+    got = list(corpus_lib.token_windows(tok, corpus, WINDOW, 5, None))
+    assert [w.tolist() for w in got] == expected

@@ -3,7 +3,9 @@
 Each file is cut at line boundaries into chunks long enough for one window; the chunks
 of all files are shuffled together (so a short run still samples every file) and each
 is tokenised into one window: an optional BOS token followed by the chunk's first
-tokens. Chunks too short for a window are skipped.
+tokens. Chunks too short for a window are skipped. A chunk far longer than one window
+(a long line) gives more windows: its text past the first window's generous share is cut
+at spaces into further pieces, which follow all the chunks, shuffled among themselves.
 """
 
 from __future__ import annotations
@@ -67,6 +69,20 @@ def chunks(text: str, min_chars: int) -> list[str]:
     return out
 
 
+def overflow(chunk: str, min_chars: int) -> list[str]:
+    """The pieces of `chunk` past its first 2 * min_chars characters (which its own window
+    reads from), cut after whitespace, each at least min_chars long and not blank."""
+    out, start = [], 2 * min_chars
+    while len(chunk) - start >= min_chars:
+        end = start + min_chars
+        while end < len(chunk) and not chunk[end - 1].isspace():
+            end += 1
+        if chunk[start:end].strip():
+            out.append(chunk[start:end])
+        start = end
+    return out
+
+
 def corpus_chunks(files: list[Path], window: int) -> list[str]:
     """All chunks of all files; raises CorpusError when the corpus has no usable text."""
     if not files:
@@ -89,10 +105,13 @@ def token_windows(tokenizer, files: list[Path], window: int, seed: int,
     With bos_id, each window is [bos] + window-1 corpus tokens.
     """
     texts = corpus_chunks(files, window)
-    order = np.random.default_rng(seed).permutation(len(texts))
+    rng = np.random.default_rng(seed)
+    order = rng.permutation(len(texts))
+    extra = [p for t in texts for p in overflow(t, window * CHARS_PER_TOKEN)]
+    picks = [texts[i] for i in order] + [extra[i] for i in rng.permutation(len(extra))]
     body = window - (bos_id is not None)
-    for start in range(0, len(order), batch):
-        picked = [texts[i] for i in order[start:start + batch]]
+    for start in range(0, len(picks), batch):
+        picked = picks[start:start + batch]
         encoded = tokenizer(picked, add_special_tokens=False)["input_ids"]
         for ids in encoded:
             if len(ids) < body:
