@@ -255,9 +255,16 @@ def _rope_llama3(params: dict | None, legacy_scaling) -> tuple[float, ...] | Non
 
 
 def _sliding_layers(hf: dict, n_layers: int, pattern: int | None = None) -> tuple[bool, ...]:
-    """Per-layer sliding flags from `layer_types`; else every layer but each `pattern`-th
-    (Gemma 3); else Qwen2's `use_sliding_window` (layers from `max_window_layers` on); else
-    every layer of a Mistral with a `sliding_window`."""
+    """Per-layer sliding flags as transformers reads them: a Llama has none; a Mistral slides
+    on every layer when it has a `sliding_window` (4096 when the key is absent), whatever
+    `layer_types` says; Qwen2 and Gemma 3 follow `layer_types`, else Gemma 3 slides on every
+    layer but each `pattern`-th, and Qwen2 with `use_sliding_window` from
+    `max_window_layers` on."""
+    model_type = hf.get("model_type")
+    if model_type == "llama":
+        return ()
+    if model_type == "mistral":
+        return (True,) * n_layers if _window(hf) else ()
     types = hf.get("layer_types")
     if types:
         unknown = set(types) - {"sliding_attention", "full_attention"}
@@ -266,12 +273,18 @@ def _sliding_layers(hf: dict, n_layers: int, pattern: int | None = None) -> tupl
         return tuple(t == "sliding_attention" for t in types)
     if pattern:
         return tuple(bool((i + 1) % pattern) for i in range(n_layers))
-    if hf.get("use_sliding_window") and hf.get("sliding_window"):
-        start = hf.get("max_window_layers", 0)
+    if model_type == "qwen2" and _window(hf):
+        start = hf.get("max_window_layers", 28)
         return tuple(i >= start for i in range(n_layers))
-    if hf.get("model_type") == "mistral" and hf.get("sliding_window"):
-        return (True,) * n_layers
     return ()
+
+
+def _window(hf: dict) -> int | None:
+    """The sliding window of a Mistral or Qwen2 config as transformers reads it: the
+    default 4096 when the key is absent; for Qwen2, None unless `use_sliding_window`."""
+    if hf.get("model_type") == "qwen2" and not hf.get("use_sliding_window", False):
+        return None
+    return hf.get("sliding_window", 4096)
 
 
 def _as_list(value) -> list:
@@ -344,6 +357,9 @@ def _llama_from_hf(hf: dict, name: str) -> ModelConfig:
                          f"supported (model {name!r})")
     n_layers = hf["num_hidden_layers"]
     sliding = _sliding_layers(hf, n_layers)
+    if any(sliding) and _window(hf) is None:
+        raise ValueError(f"layer_types has sliding layers but the config has no sliding window "
+                         f"(use_sliding_window false or sliding_window null; model {name!r})")
     return ModelConfig(
         family="qwen2" if qwen2 else "llama",
         vocab_size=hf["vocab_size"],
@@ -366,7 +382,7 @@ def _llama_from_hf(hf: dict, name: str) -> ModelConfig:
         rope_theta=theta,
         rope_linear_factor=factor,
         rope_llama3=llama3,
-        sliding_window=hf.get("sliding_window") if any(sliding) else None,
+        sliding_window=_window(hf) if any(sliding) else None,
         sliding_layers=sliding if any(sliding) else (),
         tie_embeddings=hf.get("tie_word_embeddings", False),
         bos_token_id=hf.get("bos_token_id"),

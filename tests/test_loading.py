@@ -161,6 +161,73 @@ def test_mistral_sliding_window_applies_to_every_layer(window):
         assert config.sliding_layers == (True,) * config.n_layers
 
 
+def _edit_config(directory, **changes):
+    cfg = json.loads((directory / "config.json").read_text())
+    for key, value in changes.items():
+        if value is None:
+            cfg.pop(key, None)
+        else:
+            cfg[key] = value
+    (directory / "config.json").write_text(json.dumps(cfg))
+
+
+@pytest.mark.parametrize("name,layer_types", [
+    ("mistral-window", ["full_attention"] * 3),
+    ("llama-gqa", ["sliding_attention", "full_attention", "sliding_attention"])])
+def test_layer_types_are_ignored_where_transformers_ignores_them(tmp_path, name, layer_types):
+    """Mistral slides on every layer and Llama on none whatever `layer_types` says (their
+    transformers models never read it): with it added, the fixture's logits are still
+    Hugging Face's."""
+    d = _copy(name, tmp_path)
+    _edit_config(d, layer_types=layer_types,
+                 **({} if name == "mistral-window" else {"sliding_window": 4}))
+    config, params = dj.load_pretrained(d, dtype=jnp.float32, progress=False)
+    ref = np.load(d / "reference.npz")
+    real = ref["attention_mask"].astype(bool)
+    out = np.asarray(dj.logits(config, params, ref["input_ids"], ref["attention_mask"]))
+    want = ref["logits"][real]
+    assert np.isfinite(out[real]).all()
+    np.testing.assert_allclose(out[real], want, atol=1e-4 * np.abs(want).max())
+
+
+@pytest.mark.parametrize("hf", [
+    dict(model_type="mistral"),
+    dict(model_type="mistral", sliding_window=None),
+    dict(model_type="qwen2", use_sliding_window=True, max_window_layers=2),
+    dict(model_type="qwen2", use_sliding_window=True, sliding_window=7),
+    dict(model_type="qwen2", sliding_window=7),
+], ids=["mistral-default", "mistral-none", "qwen2-default", "qwen2-7", "qwen2-off"])
+def test_sliding_windows_read_as_transformers_reads_them(hf):
+    """Keys a config.json leaves out take transformers' defaults (Mistral's and Qwen2's
+    window 4096, Qwen2's max_window_layers 28): the sliding layers and window are those of
+    transformers' own config class."""
+    from transformers import MistralConfig, Qwen2Config
+    base = dict(vocab_size=64, hidden_size=32, intermediate_size=48, num_attention_heads=2,
+                num_hidden_layers=30)
+    raw = {**base, **hf}
+    config = dj.config.from_hf_config(raw)
+    kwargs = {k: v for k, v in raw.items() if k != "model_type"}
+    theirs = (MistralConfig if hf["model_type"] == "mistral" else Qwen2Config)(**kwargs)
+    types = getattr(theirs, "layer_types", None) or \
+        ["sliding_attention" if theirs.sliding_window else "full_attention"] * 30
+    want = tuple(t == "sliding_attention" for t in types)
+    assert config.sliding_layers == (want if any(want) else ())
+    assert config.sliding_window == (theirs.sliding_window if any(want) else None)
+
+
+def test_qwen2_sliding_layers_without_a_window_are_refused(tmp_path):
+    """Sliding `layer_types` with `use_sliding_window` false leave transformers' Qwen2 no
+    window to apply (it fails); the load is refused naming the switch."""
+    d = _copy("qwen2", tmp_path)
+    _edit_config(d, layer_types=["full_attention", "sliding_attention", "sliding_attention"],
+                 sliding_window=4)
+    with pytest.raises(CheckpointError, match="use_sliding_window"):
+        dj.load_pretrained(d, progress=False)
+    _edit_config(d, use_sliding_window=True)
+    config, _ = dj.load_pretrained(d, progress=False)
+    assert config.sliding_layers == (False, True, True) and config.sliding_window == 4
+
+
 def test_swish_is_read_as_silu(tmp_path):
     """transformers' `hidden_act: "swish"` is SiLU: the Llama fixture with its config saying
     "swish" gives the logits transformers recorded for it."""
