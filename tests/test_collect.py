@@ -318,3 +318,33 @@ def test_lines_shorter_than_three_windows_give_the_same_windows_as_before(corpus
     expected = [tok([chunks[i]])["input_ids"][0][:WINDOW] for i in order]
     got = list(corpus_lib.token_windows(tok, corpus, WINDOW, 5, None))
     assert [w.tolist() for w in got] == expected
+
+
+def test_overwrite_deletes_only_a_records_folder(tmp_path, capsys, corpus, monkeypatch):
+    """--overwrite removed whatever folder --out named, notes and all; now a folder with
+    anything but records is refused before the model loads, and so is an --out that is a
+    file. A records folder, a half-written shard included, is still one to replace."""
+    monkeypatch.setattr(collect_lib.ModelSource, "load",
+                        lambda self: pytest.fail("the model loaded before --out was checked"))
+    folder = tmp_path / "mine"
+    (folder / "sub").mkdir(parents=True)
+    (folder / "notes.txt").write_text("keep me")
+    (folder / "manifest.json").write_text("{}")
+    argv = ["--preset", "opt-tiny", "--corpus", str(corpus[0]), "--window", "16",
+            "--no-progress", "--overwrite"]
+    for out, words in [(folder, "holds 2 entries that are not records (notes.txt, sub)"),
+                       (corpus[0], "is a file")]:
+        with pytest.raises(SystemExit) as exit_:
+            collect_lib.main(argv + ["--out", str(out)])
+        last = capsys.readouterr().err.strip().splitlines()[-1]
+        assert exit_.value.code == 2 and last.startswith(f"error: --out {out}") and words in last
+    assert (folder / "notes.txt").read_text() == "keep me" and (folder / "sub").is_dir()
+    c = config_lib.preset("opt-tiny")
+    params = init_params(c, jax.random.key(0), np.float32)
+    records = tmp_path / "records"
+    collect_lib.collect(c, params, CharTokenizer(), corpus, records, tokens=46, window=WINDOW,
+                        batch=2, shard_tokens=23, progress=False, log=lambda s: None)
+    (records / "shard_00009.tmp").mkdir()
+    assert sorted(p.name for p in records.iterdir()) == [
+        "manifest.json", "shard_00000", "shard_00001", "shard_00009.tmp"]
+    assert rec.foreign_entries(records) == []

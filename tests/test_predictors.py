@@ -317,3 +317,22 @@ def test_one_step_run_reports_its_wall_throughput(tmp_path, capsys):
     wall = manifest["training"]["throughput"]["wall_tokens_per_s"]
     assert manifest["training"]["throughput"]["tokens"] == 0 and wall > 0
     assert f"training {wall} tokens/s wall (one step, which compiled)" in last
+
+
+def test_out_that_holds_the_records_is_refused(tmp_path, capsys, monkeypatch):
+    """--out naming the records folder replaced the records' manifest.json with the
+    predictors' (the records then unreadable); now that, and an --out that is a file, are
+    refused before training, and the records stay as they were."""
+    monkeypatch.setattr(trainer, "train", lambda *a, **k: pytest.fail("training ran"))
+    write_records(tmp_path / "r", planted(n=256))
+    before = (tmp_path / "r" / "manifest.json").read_text()
+    (tmp_path / "f.txt").write_text("x")
+    for out, words in [(tmp_path / "r", "holds records of train.collect"),
+                       (tmp_path / "f.txt", "is a file")]:
+        with pytest.raises(SystemExit) as exit_:
+            trainer.main(["--records", str(tmp_path / "r"), "--out", str(out),
+                          "--no-progress"])
+        last = capsys.readouterr().err.strip().splitlines()[-1]
+        assert exit_.value.code == 2 and last.startswith(f"error: --out {out}") and words in last
+    assert (tmp_path / "r" / "manifest.json").read_text() == before
+    assert rec.Records(tmp_path / "r").n_layers == L

@@ -293,6 +293,19 @@ def load_source(args) -> tuple[ModelSource, ModelConfig, ModelParams, object]:
     return source, config, params, tokenizer
 
 
+def check_out(out: Path, overwrite: bool) -> None:
+    """One `error:` line unless `out` can take records: not a file, and with --overwrite
+    (which deletes the folder) a folder that holds records only."""
+    if out.exists() and not out.is_dir():
+        cli.fail(f"--out {out}: is a file; give a folder for the records")
+    if overwrite and out.is_dir():
+        foreign = rec.foreign_entries(out)
+        if foreign:
+            shown = ", ".join(foreign[:3]) + (", ..." if len(foreign) > 3 else "")
+            cli.fail(f"--out {out} holds {len(foreign)} entries that are not records "
+                     f"({shown}); --overwrite deletes only a records folder")
+
+
 def main(argv: list[str] | None = None) -> int:
     """Run the CLI; returns the process exit status (2 with one `error:` line for bad
     arguments, files or data)."""
@@ -301,6 +314,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.window < 2:
         cli.fail(f"--window {args.window}: a window needs BOS and at least one text token")
     out = Path(args.out).expanduser()
+    check_out(out, args.overwrite)
     try:
         files = corpus_files(args)
         corpus_lib.corpus_chunks(files, args.window)  # fail fast, before loading weights

@@ -19,6 +19,7 @@ import functools
 import math
 import sys
 import time
+from pathlib import Path
 
 import jax
 import jax.numpy as jnp
@@ -441,11 +442,26 @@ def build_parser() -> argparse.ArgumentParser:
     return p
 
 
+def check_out(out: Path) -> None:
+    """One `error:` line unless `out` can take predictors: not a file, nor a records folder
+    (its manifest.json would be replaced)."""
+    if out.exists() and not out.is_dir():
+        cli.fail(f"--out {out}: is a file; give a folder for the predictors")
+    try:
+        holds_records = "shards" in (rec.read_manifest(out) or {}) if out.is_dir() else False
+    except rec.RecordsError:
+        holds_records = False
+    if holds_records:
+        cli.fail(f"--out {out} holds records of train.collect, whose manifest.json the "
+                 "predictors' would replace; give another folder")
+
+
 def main(argv: list[str] | None = None) -> int:
     """Run the CLI; returns the process exit status (2 with one `error:` line for bad
     arguments or records)."""
     from dejavu_jax.checkpoint_files import CheckpointError
     args = build_parser().parse_args(argv)
+    check_out(Path(args.out).expanduser())
     tc = TrainConfig(rank=args.rank, activation=args.activation, lookahead=not args.same_layer,
                      head_rule=args.head_rule, epochs=args.epochs, batch_size=args.batch_size,
                      lr=args.lr, weight_decay=args.weight_decay, stop_recall=args.stop_recall,

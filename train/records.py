@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -145,6 +146,13 @@ def write_shard(root: Path, index: int, arrays: dict[str, np.ndarray]) -> dict:
         _remove_tree(final)
     os.replace(tmp, final)
     return {"name": final.name, "tokens": int(n.pop())}
+
+
+def foreign_entries(root: Path) -> list[str]:
+    """The names in folder `root` that no records folder holds (anything but its manifest
+    and shards, finished or half-written), sorted."""
+    ok = re.compile(r"(manifest\.json|shard_\d{5})(\.tmp)?")
+    return sorted(p.name for p in root.iterdir() if not ok.fullmatch(p.name))
 
 
 def _remove_tree(path: Path):
