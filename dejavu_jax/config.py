@@ -85,6 +85,11 @@ class ModelConfig:
     def __post_init__(self):
         if self.family not in FAMILIES:
             raise ValueError(f"unknown model family {self.family!r}; supported: {FAMILIES}")
+        for field in _POSITIVE_SIZES:
+            value = getattr(self, field)
+            if isinstance(value, bool) or int(value) != value or value < 1:
+                raise ValueError(f"{field} must be a positive whole number, got {value!r}")
+        _check_numbers(self)
         if self.n_heads % self.n_kv_heads:
             raise ValueError(
                 f"n_heads={self.n_heads} is not a multiple of n_kv_heads={self.n_kv_heads}")
@@ -174,6 +179,33 @@ class ModelConfig:
     def replace(self, **changes: Any) -> "ModelConfig":
         """A copy with some fields changed."""
         return dataclasses.replace(self, **changes)
+
+
+_POSITIVE_SIZES = ("vocab_size", "hidden", "n_layers", "n_heads", "n_kv_heads", "head_dim",
+                   "ffn", "max_positions", "embed_dim")
+
+
+def _check_numbers(config: "ModelConfig") -> None:
+    """ValueError for a setting that would give NaN or constant logits (a RoPE base or
+    scaling factor <= 0, an odd rotary head_dim, a negative norm epsilon, a query scale or
+    soft-cap <= 0), naming the config.json key in parentheses where it differs."""
+    positive = {"query_scale (query_pre_attn_scalar)": config.query_scale,
+                "final_logit_softcap (final_logit_softcapping)": config.final_logit_softcap}
+    if config.rotary:
+        positive.update({"rope_theta": config.rope_theta,
+                         "rope_local_theta (rope_local_base_freq)": config.rope_local_theta,
+                         "rope_linear_factor (rope factor)": config.rope_linear_factor})
+        if config.rope_llama3 is not None:
+            positive["llama3 RoPE factor"] = config.rope_llama3[0]
+            positive["llama3 RoPE original_max_position_embeddings"] = config.rope_llama3[3]
+        if config.head_dim % 2:
+            raise ValueError(f"head_dim must be even for rotary embeddings, got "
+                             f"{config.head_dim}")
+    for what, value in positive.items():
+        if value is not None and not 0 < value < float("inf"):
+            raise ValueError(f"{what} must be positive and finite, got {value!r}")
+    if not 0 <= config.norm_eps < float("inf"):
+        raise ValueError(f"norm_eps (rms_norm_eps) must be >= 0, got {config.norm_eps!r}")
 
 
 _NOT_FINGERPRINTED = ("name", "bos_token_id", "eos_token_id", "pad_token_id",
@@ -446,7 +478,7 @@ def _gemma3_from_hf(hf: dict, name: str) -> ModelConfig:
         qk_norm=True,
         post_norms=True,
         embed_scale=hidden ** 0.5,
-        query_scale=hf.get("query_pre_attn_scalar", 256) ** -0.5,
+        query_scale=_query_scale(hf.get("query_pre_attn_scalar", 256)),
         sliding_window=hf.get("sliding_window", 4096) if any(sliding) else None,
         sliding_layers=sliding if any(sliding) else (),
         final_logit_softcap=hf.get("final_logit_softcapping"),
@@ -457,6 +489,13 @@ def _gemma3_from_hf(hf: dict, name: str) -> ModelConfig:
         pad_token_id=hf.get("pad_token_id", 0),
         name=name,
     )
+
+
+def _query_scale(scalar) -> float:
+    """Gemma's attention scale query_pre_attn_scalar ** -0.5."""
+    if not isinstance(scalar, (int, float)) or not 0 < scalar < float("inf"):
+        raise ValueError(f"query_pre_attn_scalar must be positive, got {scalar!r}")
+    return scalar ** -0.5
 
 
 def _qwen2_preset(name, hidden, n_layers, n_heads, n_kv_heads, ffn, vocab=151936,

@@ -171,6 +171,36 @@ def _edit_config(directory, **changes):
     (directory / "config.json").write_text(json.dumps(cfg))
 
 
+@pytest.mark.parametrize("name,key,value", [
+    ("llama-gqa", "rope_parameters", {"rope_type": "default", "rope_theta": 0.0}),
+    ("llama-gqa", "rope_parameters", {"rope_type": "linear", "factor": 0.0,
+                                      "rope_theta": 1e4}),
+    ("llama-rope3", "rope_parameters", {"rope_type": "llama3", "factor": 0.0,
+                                        "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+                                        "original_max_position_embeddings": 64,
+                                        "rope_theta": 5e5}),
+    ("llama-gqa", "rms_norm_eps", -1.0),
+    ("llama-gqa", "num_attention_heads", 0),
+    ("gemma3", "query_pre_attn_scalar", 0),
+    ("gemma3", "final_logit_softcapping", 0.0),
+], ids=["theta-0", "linear-0", "llama3-0", "eps", "heads-0", "query-scalar-0", "softcap-0"])
+def test_settings_that_give_nan_or_constant_logits_are_refused(tmp_path, name, key, value):
+    """A RoPE base or factor of 0, a negative norm epsilon, no heads, a query scalar or
+    logit soft-cap of 0 (NaN, a crash, or every logit 0): the load is refused naming the
+    key. The fixture as saved loads to Hugging Face's logits."""
+    d = _copy(name, tmp_path)
+    config, params = dj.load_pretrained(d, dtype=jnp.float32, progress=False)
+    ref = np.load(d / "reference.npz")
+    real = ref["attention_mask"].astype(bool)
+    out = np.asarray(dj.logits(config, params, ref["input_ids"], ref["attention_mask"]))
+    want = ref["logits"][real]
+    np.testing.assert_allclose(out[real], want, atol=1e-4 * np.abs(want).max())
+    _edit_config(d, **{key: value})
+    field = {"rope_parameters": "rope_theta|factor", "num_attention_heads": "n_heads"}
+    with pytest.raises(CheckpointError, match=field.get(key, key)):
+        dj.load_pretrained(d, progress=False)
+
+
 @pytest.mark.parametrize("name,layer_types", [
     ("mistral-window", ["full_attention"] * 3),
     ("llama-gqa", ["sliding_attention", "full_attention", "sliding_attention"])])
