@@ -448,6 +448,9 @@ def main(argv: list[str] | None = None) -> int:
         if longest > scored_length(config):
             cli.fail(f"task {name!r}: a continuation of {longest} tokens does not fit the "
                      f"{scored_length(config)} tokens the model scores at once")
+    longest = max(min(len(ctx) + len(cont), scored_length(config) + 1) - 1
+                  for _, requests in prepared.values() for ctx, cont in requests)
+    common.check_dense_prefix(args, mode, longest, "the longest request")
     result = evaluate(config, mode, params, pred, prepared, args.batch_tokens,
                       args.dense_prefix, not args.no_progress, mesh)
     result["limit"] = args.limit

@@ -518,3 +518,30 @@ def test_an_hf_text_with_the_hub_unreachable_fails_at_once(tmp_path, monkeypatch
     assert exit_.value.code == 2 and err.count("\n") == 1, err
     assert time.perf_counter() - start < 10
     assert err.startswith("error: hf:wikitext:wikitext-2-raw-v1") and "not reachable" in err, err
+
+
+def test_dense_prefix_past_every_position_is_refused(word_tokenizer, tmp_path, capsys):
+    """--dense-prefix at least the window (or the longest task request) ran every position
+    dense and reported the dense figures under the oracle's name; now one error line. One
+    position fewer scores sparsely: a figure other than the dense one."""
+    text = tmp_path / "t.txt"
+    text.write_text(" ".join(f"w{1 + (7 * i) % 500}" for i in range(100)))
+    argv = ["--model", str(FIXTURE), "--tokenizer", str(word_tokenizer), "--text", str(text),
+            "--window", "32", "--stride", "32", "--no-progress"]
+    oracle = ["--mode", "oracle", "--mlp-density", "0.25"]
+    last = _error_line(perplexity.main, argv + oracle + ["--dense-prefix", "32"], capsys)
+    assert last == ("error: --dense-prefix 32 runs all 32 positions of --window 32 dense, "
+                    "so --mode oracle would score no token sparsely"), last
+    figures = []
+    for extra in (["--dense-prefix", "31"] + oracle, []):
+        out = tmp_path / f"r{len(extra)}.json"
+        assert perplexity.main(argv + extra + ["--out", str(out)]) == 0
+        figures.append(json.loads(out.read_text())["perplexity"])
+    assert math.isfinite(figures[0]) and figures[0] != figures[1]
+    task = tmp_path / "t.jsonl"
+    task.write_text(json.dumps({"query": "w1 w2 w3", "choices": ["w4 w5", "w6"], "gold": 0})
+                    + "\n")
+    last = _error_line(tasks.main, ["--model", str(FIXTURE), "--tokenizer", str(word_tokenizer),
+                                    "--tasks", str(task), "--dense-prefix", "4", "--no-progress"]
+                       + oracle, capsys)
+    assert "--dense-prefix 4 runs all 4 positions of the longest request dense" in last, last
