@@ -186,6 +186,8 @@ def text_source(text: str) -> str:
         if not text[3:].split(":")[0]:
             raise argparse.ArgumentTypeError(f"{text!r}: hf:NAME[:CONFIG[:SPLIT]] expected")
         return text
+    if Path(text).expanduser().is_dir():
+        raise argparse.ArgumentTypeError(f"{text}: is a folder; give a text file")
     if not Path(text).expanduser().is_file():
         raise argparse.ArgumentTypeError(f"{text}: no such file")
     return text

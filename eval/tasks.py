@@ -185,6 +185,8 @@ def check_task(name_or_path: str) -> Path:
         return data_file(f"eval/tasks/{TASK_FILES[name_or_path]}", f"task {name_or_path!r}",
                          ", or pass the task file's path")
     path = Path(name_or_path)
+    if path.is_dir():
+        raise IsADirectoryError(f"{name_or_path}: is a folder; give a task file")
     if not path.is_file():
         raise FileNotFoundError(f"{name_or_path}: no such task file (known tasks: "
                                 f"{', '.join(TASK_FILES)})")
