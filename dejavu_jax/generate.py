@@ -37,9 +37,13 @@ SET_OPTIONS = ("--mlp-density", "--head-density", "--dense-layers", "--select",
 
 
 def parse_ids(text: str) -> list[int]:
-    """'2,31414,6' -> [2, 31414, 6]; an argparse type (non-negative integers)."""
+    """'2,31414,6' -> [2, 31414, 6]; an argparse type (non-negative integers; one trailing
+    comma allowed, an empty item between two is not)."""
+    items = text.replace(" ", "").removesuffix(",").split(",")
+    if len(items) > 1 and "" in items:
+        raise argparse.ArgumentTypeError(f"an empty token id between commas in {text!r}")
     try:
-        ids = [int(t) for t in text.replace(" ", "").split(",") if t]
+        ids = [int(t) for t in items if t]
     except ValueError:
         raise argparse.ArgumentTypeError(
             f"comma-separated token ids expected, got {text!r}") from None

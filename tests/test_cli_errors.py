@@ -127,6 +127,8 @@ CASES = [
      ["--mlp-density", "--sparse", "--oracle"]),
     ("gen-dense-layers", G, ["--preset", "opt-tiny", "--oracle", "--dense-layers", "9"],
      ["--dense-layers 9", "4 layers"]),
+    ("gen-ids-empty-item", G, ["--preset", "opt-tiny", "--prompt-ids", "2,,3"],
+     ["--prompt-ids", "empty token id", "'2,,3'"]),
     ("gen-id-outside-vocab", G, ["--preset", "smollm2-135m", "--prompt-ids", "2,999999999"],
      ["999999999", "vocab_size 49152"]),
     ("gen-id-outside-file-vocab", G, ["--model", "FIXTURE", "--prompt-ids", "2,600"],
