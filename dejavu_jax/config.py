@@ -247,33 +247,32 @@ def from_hf_config(hf: dict, name: str = "custom") -> ModelConfig:
         "supported: 'opt', 'llama', 'mistral', 'qwen2', 'gemma3_text', 'gemma3'")
 
 
-def _rope_kind(params: dict | None, legacy_scaling) -> tuple[str, dict]:
-    """(RoPE type, its settings) from a `rope_parameters` entry or the older
-    `rope_scaling` key."""
-    params = {**(legacy_scaling or {}), **(params or {})}
+def _rope_kind(params: dict | None) -> tuple[str, dict]:
+    """(RoPE type, its settings) of a RoPE parameters dict (`type` is the older key)."""
+    params = params or {}
     return params.get("rope_type", params.get("type")) or "default", params
 
 
-def _rope(params: dict | None, legacy_theta, legacy_scaling, default_theta: float,
-          name: str, llama3: bool = False) -> tuple[float, float]:
-    """(theta, linear factor) from a `rope_parameters` entry or the older `rope_theta` /
-    `rope_scaling` keys; default and linear RoPE, and with `llama3` Llama 3's (whose
-    settings `_rope_llama3` reads)."""
-    kind, settings = _rope_kind(params, legacy_scaling)
+def _rope(params: dict | None, legacy_theta, default_theta: float, name: str,
+          llama3: bool = False) -> tuple[float, float]:
+    """(theta, linear factor) of a RoPE parameters dict, whose missing theta is the
+    top-level `rope_theta` (else `default_theta`); default and linear RoPE, and with
+    `llama3` Llama 3's (whose settings `_rope_llama3` reads)."""
+    kind, settings = _rope_kind(params)
     known = ("default", "linear") + (("llama3",) if llama3 else ())
     if kind not in known:
         raise ValueError(f"rope type {kind!r} is not supported (model {name!r}); "
                          f"supported: {', '.join(known)}")
-    theta = (params or {}).get("rope_theta",
-                               legacy_theta if legacy_theta is not None else default_theta)
+    theta = settings.get("rope_theta",
+                         legacy_theta if legacy_theta is not None else default_theta)
     factor = settings.get("factor", 1.0) if kind == "linear" else 1.0
     return float(theta), float(factor)
 
 
-def _rope_llama3(params: dict | None, legacy_scaling) -> tuple[float, ...] | None:
+def _rope_llama3(params: dict | None) -> tuple[float, ...] | None:
     """Llama 3's RoPE settings (factor, low_freq_factor, high_freq_factor,
     original_max_position_embeddings), or None for another RoPE type."""
-    kind, settings = _rope_kind(params, legacy_scaling)
+    kind, settings = _rope_kind(params)
     if kind != "llama3":
         return None
     keys = ("factor", "low_freq_factor", "high_freq_factor",
@@ -380,9 +379,9 @@ def _llama_from_hf(hf: dict, name: str) -> ModelConfig:
                          f"(model {name!r})")
     hidden = hf["hidden_size"]
     n_heads = hf["num_attention_heads"]
-    theta, factor = _rope(hf.get("rope_parameters"), hf.get("rope_theta"),
-                          hf.get("rope_scaling"), 10000.0, name, llama3=True)
-    llama3 = _rope_llama3(hf.get("rope_parameters"), hf.get("rope_scaling"))
+    rope = hf.get("rope_scaling") or hf.get("rope_parameters")  # as transformers reads them
+    theta, factor = _rope(rope, hf.get("rope_theta"), 10000.0, name, llama3=True)
+    llama3 = _rope_llama3(rope)
     qwen2 = hf["model_type"] == "qwen2"
     if hf.get("mlp_bias"):
         raise ValueError(f"mlp_bias (biases on the gate, up and down projections) is not "
@@ -445,13 +444,13 @@ def _gemma3_from_hf(hf: dict, name: str) -> ModelConfig:
     n_layers = hf["num_hidden_layers"]
     n_heads = hf["num_attention_heads"]
     head_dim = hf.get("head_dim", 256)
+    # per layer type, as transformers reads them: `rope_scaling` updates the full-attention
+    # entry, and a flat `rope_parameters` (no per-type entries) is not read
     params = hf.get("rope_parameters") or {}
-    if params and "full_attention" not in params:  # one entry for every layer type
-        params = {"full_attention": params, "sliding_attention": params}
-    theta, factor = _rope(params.get("full_attention"), hf.get("rope_theta"),
-                          hf.get("rope_scaling"), 1_000_000.0, name)
+    full = {**(params.get("full_attention") or {}), **(hf.get("rope_scaling") or {})}
+    theta, factor = _rope(full, hf.get("rope_theta"), 1_000_000.0, name)
     local_theta, local_factor = _rope(params.get("sliding_attention"),
-                                      hf.get("rope_local_base_freq"), None, 10_000.0, name)
+                                      hf.get("rope_local_base_freq"), 10_000.0, name)
     if local_factor != 1.0:
         raise ValueError(f"scaled RoPE on sliding layers is not supported (model {name!r})")
     pattern = hf.get("sliding_window_pattern", hf.get("_sliding_window_pattern", 6))

@@ -245,6 +245,69 @@ def test_sliding_windows_read_as_transformers_reads_them(hf):
     assert config.sliding_window == (theirs.sliding_window if any(want) else None)
 
 
+def _their_rope(entry):
+    """(theta, linear factor, llama3 settings or None) of a transformers rope_parameters
+    entry."""
+    kind = entry.get("rope_type", "default")
+    llama3 = None
+    if kind == "llama3":
+        llama3 = tuple(float(entry[k]) for k in ("factor", "low_freq_factor",
+                                                  "high_freq_factor",
+                                                  "original_max_position_embeddings"))
+    return (float(entry["rope_theta"]), float(entry["factor"]) if kind == "linear" else 1.0,
+            llama3)
+
+
+LLAMA3 = {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0,
+          "high_freq_factor": 4.0, "original_max_position_embeddings": 64}
+
+
+@pytest.mark.parametrize("rope", [
+    dict(rope_scaling={"type": "linear", "factor": 2.0}, rope_theta=5e5),
+    dict(rope_scaling={"rope_type": "linear", "factor": 2.0},
+         rope_parameters={"rope_type": "default", "rope_theta": 3e4}),
+    dict(rope_scaling=LLAMA3, rope_parameters={"rope_type": "default", "rope_theta": 3e4},
+         rope_theta=7e5),
+    dict(rope_parameters={**LLAMA3, "rope_theta": 3e4}, rope_theta=7e5),
+], ids=["legacy", "scaling-over-parameters", "llama3-scaling", "parameters-theta"])
+def test_llama_rope_settings_read_as_transformers_reads_them(rope):
+    """`rope_scaling` and `rope_parameters` together, or a top-level `rope_theta`
+    besides them: the RoPE base and scaling are those of transformers' LlamaConfig."""
+    from transformers import LlamaConfig
+    raw = {**json.loads((HF / "llama-gqa" / "config.json").read_text()), **rope}
+    if "rope_parameters" not in rope:
+        raw.pop("rope_parameters")
+    config = dj.config.from_hf_config(raw)
+    theirs = LlamaConfig(**{k: v for k, v in raw.items() if k != "model_type"})
+    assert (config.rope_theta, config.rope_linear_factor, config.rope_llama3) == \
+        _their_rope(theirs.rope_parameters)
+
+
+@pytest.mark.parametrize("rope", [
+    dict(rope_parameters={"rope_type": "default", "rope_theta": 5e5}, rope_theta=2e6,
+         rope_local_base_freq=2e4),
+    dict(rope_parameters={"full_attention": {"rope_type": "default", "rope_theta": 3e6},
+                          "sliding_attention": {"rope_type": "default", "rope_theta": 3e4}},
+         rope_scaling={"rope_type": "linear", "factor": 4.0}),
+    dict(rope_scaling={"rope_type": "linear", "factor": 8.0}, rope_theta=2e6,
+         rope_local_base_freq=2e4),
+], ids=["flat-parameters", "scaling-over-parameters", "legacy"])
+def test_gemma3_rope_settings_read_as_transformers_reads_them(rope):
+    """Gemma 3's RoPE per layer type is that of transformers' Gemma3TextConfig: a flat
+    `rope_parameters` (no per-type entries) is not read, and `rope_scaling` updates the
+    full-attention entry."""
+    from transformers import Gemma3TextConfig
+    raw = {**json.loads((HF / "gemma3" / "config.json").read_text()), **rope}
+    if "rope_parameters" not in rope:
+        raw.pop("rope_parameters")
+    config = dj.config.from_hf_config(raw)
+    theirs = Gemma3TextConfig(**{k: v for k, v in raw.items() if k != "model_type"})
+    full = _their_rope(theirs.rope_parameters["full_attention"])
+    local = _their_rope(theirs.rope_parameters["sliding_attention"])
+    assert (config.rope_theta, config.rope_linear_factor) == full[:2]
+    assert (config.rope_local_theta, 1.0) == local[:2]
+
+
 def test_qwen2_sliding_layers_without_a_window_are_refused(tmp_path):
     """Sliding `layer_types` with `use_sliding_window` false leave transformers' Qwen2 no
     window to apply (it fails); the load is refused naming the switch."""
