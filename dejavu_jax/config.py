@@ -453,7 +453,7 @@ def _gemma3_from_hf(hf: dict, name: str) -> ModelConfig:
                                       hf.get("rope_local_base_freq"), 10_000.0, name)
     if local_factor != 1.0:
         raise ValueError(f"scaled RoPE on sliding layers is not supported (model {name!r})")
-    pattern = hf.get("sliding_window_pattern", hf.get("_sliding_window_pattern", 6))
+    pattern = hf.get("sliding_window_pattern", 6)  # transformers does not read the "_" key
     sliding = _sliding_layers(hf, n_layers, pattern)
     return ModelConfig(
         family="gemma3",

@@ -308,6 +308,22 @@ def test_gemma3_rope_settings_read_as_transformers_reads_them(rope):
     assert (config.rope_local_theta, 1.0) == local[:2]
 
 
+@pytest.mark.parametrize("key", ["sliding_window_pattern", "_sliding_window_pattern"])
+def test_gemma3_sliding_pattern_read_as_transformers_reads_it(key):
+    """Without `layer_types`, Gemma 3's sliding layers follow `sliding_window_pattern` as in
+    transformers' Gemma3TextConfig, which does not read the saved `_sliding_window_pattern`
+    (every 6th layer is global then)."""
+    from transformers import Gemma3TextConfig
+    raw = json.loads((HF / "gemma3" / "config.json").read_text())
+    for old in ("layer_types", "_sliding_window_pattern"):
+        raw.pop(old)
+    raw.update({key: 2, "num_hidden_layers": 8})
+    config = dj.config.from_hf_config(raw)
+    theirs = Gemma3TextConfig.from_dict({k: v for k, v in raw.items() if k != "model_type"})
+    assert config.sliding_layers == tuple(t == "sliding_attention" for t in theirs.layer_types)
+    assert config.sliding_layers != (True,) * 8 and config.sliding_layers != (False,) * 8
+
+
 def test_qwen2_sliding_layers_without_a_window_are_refused(tmp_path):
     """Sliding `layer_types` with `use_sliding_window` false leave transformers' Qwen2 no
     window to apply (it fails); the load is refused naming the switch."""
