@@ -198,7 +198,8 @@ def train(records: rec.Records, tc: TrainConfig, progress: bool = True, log=prin
         raise rec.RecordsError(
             f"{records.root}: its first shard has {records.manifest['shards'][0]['tokens']} "
             f"tokens, all of them held out for validation (--val-fraction "
-            f"{tc.val_fraction}); collect more windows")
+            f"{tc.val_fraction}); collect more windows per shard (train.collect --tokens, "
+            "--shard-tokens)")
     rng = np.random.default_rng(tc.seed)
     params, pos_weight, actives = initial_params(records, tc, head_rule, rng)
     k_mlp = min(F, tc.k_mlp or math.ceil(1.5 * actives[0]))
