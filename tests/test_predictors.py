@@ -336,3 +336,12 @@ def test_out_that_holds_the_records_is_refused(tmp_path, capsys, monkeypatch):
         assert exit_.value.code == 2 and last.startswith(f"error: --out {out}") and words in last
     assert (tmp_path / "r" / "manifest.json").read_text() == before
     assert rec.Records(tmp_path / "r").n_layers == L
+
+
+def test_a_records_folder_given_as_predictors_says_so(tmp_path):
+    """Records passed where predictors go read as `no 'shapes' entry (an incomplete
+    manifest)`; now the error says what the folder holds."""
+    write_records(tmp_path / "r", planted(n=256))
+    with pytest.raises(PredictorCheckpointError,
+                       match="holds records of train.collect, not predictors"):
+        load_predictors(tmp_path / "r")

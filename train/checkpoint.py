@@ -78,6 +78,9 @@ def load_predictors(directory: str | os.PathLike,
         raise PredictorCheckpointError(f"{path}: invalid JSON ({e})") from None
     if not isinstance(manifest, dict):
         raise PredictorCheckpointError(f"{path}: not a JSON object")
+    if "shards" in manifest:
+        raise PredictorCheckpointError(f"{directory}: holds records of train.collect, not "
+                                       "predictors (train them with train.predictors)")
     if config is not None:
         if not config.fits_fingerprint(manifest.get("config_fingerprint")):
             raise PredictorCheckpointError(
