@@ -269,12 +269,14 @@ def _rope(params: dict | None, legacy_theta, default_theta: float, name: str,
     return float(theta), float(factor)
 
 
-def _rope_llama3(params: dict | None) -> tuple[float, ...] | None:
+def _rope_llama3(params: dict | None, max_positions) -> tuple[float, ...] | None:
     """Llama 3's RoPE settings (factor, low_freq_factor, high_freq_factor,
-    original_max_position_embeddings), or None for another RoPE type."""
+    original_max_position_embeddings, by default `max_positions` as in transformers), or
+    None for another RoPE type."""
     kind, settings = _rope_kind(params)
     if kind != "llama3":
         return None
+    settings = {"original_max_position_embeddings": max_positions, **settings}
     keys = ("factor", "low_freq_factor", "high_freq_factor",
             "original_max_position_embeddings")
     missing = [k for k in keys if k not in settings]
@@ -381,7 +383,7 @@ def _llama_from_hf(hf: dict, name: str) -> ModelConfig:
     n_heads = hf["num_attention_heads"]
     rope = hf.get("rope_scaling") or hf.get("rope_parameters")  # as transformers reads them
     theta, factor = _rope(rope, hf.get("rope_theta"), 10000.0, name, llama3=True)
-    llama3 = _rope_llama3(rope)
+    llama3 = _rope_llama3(rope, hf.get("max_position_embeddings", 2048))
     qwen2 = hf["model_type"] == "qwen2"
     if hf.get("mlp_bias"):
         raise ValueError(f"mlp_bias (biases on the gate, up and down projections) is not "
@@ -447,7 +449,8 @@ def _gemma3_from_hf(hf: dict, name: str) -> ModelConfig:
     # per layer type, as transformers reads them: `rope_scaling` updates the full-attention
     # entry, and a flat `rope_parameters` (no per-type entries) is not read
     params = hf.get("rope_parameters") or {}
-    full = {**(params.get("full_attention") or {}), **(hf.get("rope_scaling") or {})}
+    full = {**(params.get("full_attention") or {"rope_type": "default"}),
+            **(hf.get("rope_scaling") or {})}
     theta, factor = _rope(full, hf.get("rope_theta"), 1_000_000.0, name)
     local_theta, local_factor = _rope(params.get("sliding_attention"),
                                       hf.get("rope_local_base_freq"), 10_000.0, name)

@@ -269,7 +269,10 @@ LLAMA3 = {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0,
     dict(rope_scaling=LLAMA3, rope_parameters={"rope_type": "default", "rope_theta": 3e4},
          rope_theta=7e5),
     dict(rope_parameters={**LLAMA3, "rope_theta": 3e4}, rope_theta=7e5),
-], ids=["legacy", "scaling-over-parameters", "llama3-scaling", "parameters-theta"])
+    dict(rope_parameters={k: v for k, v in LLAMA3.items()
+                          if k != "original_max_position_embeddings"}),
+], ids=["legacy", "scaling-over-parameters", "llama3-scaling", "parameters-theta",
+        "llama3-no-original-positions"])
 def test_llama_rope_settings_read_as_transformers_reads_them(rope):
     """`rope_scaling` and `rope_parameters` together, or a top-level `rope_theta`
     besides them: the RoPE base and scaling are those of transformers' LlamaConfig."""
@@ -291,11 +294,13 @@ def test_llama_rope_settings_read_as_transformers_reads_them(rope):
          rope_scaling={"rope_type": "linear", "factor": 4.0}),
     dict(rope_scaling={"rope_type": "linear", "factor": 8.0}, rope_theta=2e6,
          rope_local_base_freq=2e4),
-], ids=["flat-parameters", "scaling-over-parameters", "legacy"])
+    dict(rope_scaling={"type": "linear", "factor": 8.0}, rope_theta=2e6),
+], ids=["flat-parameters", "scaling-over-parameters", "legacy", "legacy-type-key"])
 def test_gemma3_rope_settings_read_as_transformers_reads_them(rope):
     """Gemma 3's RoPE per layer type is that of transformers' Gemma3TextConfig: a flat
     `rope_parameters` (no per-type entries) is not read, and `rope_scaling` updates the
-    full-attention entry."""
+    full-attention entry (whose type is "default" already, so an older `type` key in it is
+    not read)."""
     from transformers import Gemma3TextConfig
     raw = {**json.loads((HF / "gemma3" / "config.json").read_text()), **rope}
     if "rope_parameters" not in rope:
