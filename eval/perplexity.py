@@ -61,7 +61,7 @@ def load_text(source: str | None) -> str:
     if source is None and not wikitext2_path().is_file():
         return wikitext2_from_hub()
     path = Path(source) if source else wikitext2_path()
-    return path.read_text(encoding="utf-8").replace("\r\n", "\n")
+    return path.read_text(encoding="utf-8-sig").replace("\r\n", "\n")
 
 
 def wikitext2_from_hub() -> str:

@@ -66,7 +66,7 @@ def join(context: str, choice: str) -> str:
 def _read_jsonl(path: Path) -> list[dict]:
     """The rows of a JSON-lines file; ValueError naming the file's line that is not JSON."""
     rows = []
-    with open(path, encoding="utf-8") as f:
+    with open(path, encoding="utf-8-sig") as f:
         for number, line in enumerate(f, 1):
             if not line.strip():
                 continue
@@ -122,7 +122,7 @@ def _jsonl_items(rows: list[dict], path: Path) -> list[Item]:
 
 def _hellaswag_items(path: Path) -> list[Item]:
     opener = bz2.open if path.suffix == ".bz2" else open
-    with opener(path, "rt", encoding="utf-8") as f:
+    with opener(path, "rt", encoding="utf-8-sig") as f:
         lines = f.read().split("\n")
     while lines and not lines[-1].strip():
         lines.pop()
@@ -145,7 +145,7 @@ def _rte_items(path: Path) -> list[Item]:
     """RTE items of a tab-separated file with a header naming sentence1, sentence2 and
     label; ValueError naming the line of a row with another number of fields or a label
     that is not an integer."""
-    with open(path, encoding="utf-8", newline="") as f:
+    with open(path, encoding="utf-8-sig", newline="") as f:
         reader = csv.reader(f, delimiter="\t", quoting=csv.QUOTE_NONE)
         header = next(reader, [])
         missing = [k for k in ("sentence1", "sentence2", "label") if k not in header]

@@ -540,3 +540,24 @@ def test_frontier_table_picks_the_largest_skip_within_each_budget():
     assert cells[2:] == ["20.0%", "30.0%", "1%: 25.0%, +0.80%"]
     cells = [c.strip() for c in body["wiki", "oracle-mlp"].strip("|").split("|")]
     assert cells[2:] == ["40.0%", "40.0%", "–"]
+
+
+def test_files_with_a_utf8_byte_order_mark_read_as_without(tmp_path):
+    """A UTF-8 byte order mark (as Windows editors write) made a JSON-lines task's first
+    line `not JSON`, hid an RTE file's first column and went into perplexity and corpus
+    text as a character; now it is dropped."""
+    from dejavu_jax.eval import perplexity
+    from dejavu_jax.eval import tasks as tasks_mod
+    from dejavu_jax.train import corpus as corpus_lib
+    files = {"t.jsonl": json.dumps({"query": "The sky is", "choices": ["blue", "red"],
+                                    "gold": 0}) + "\n",
+             "t.tsv": "sentence1\tsentence2\tlabel\tidx\nA man runs.\tA person runs.\t0\t0\n",
+             "t.txt": "A context\n1\none\ntwo\nthree\nfour\n"}
+    for name, text in files.items():
+        (tmp_path / name).write_text(text, encoding="utf-8")
+        (tmp_path / f"bom_{name}").write_text("\ufeff" + text, encoding="utf-8")
+        plain = tasks_mod.load_task(str(tmp_path / name))
+        assert tasks_mod.load_task(str(tmp_path / f"bom_{name}")) == plain
+        assert not plain[0].pairs[0][0].startswith("\ufeff")
+        assert perplexity.load_text(str(tmp_path / f"bom_{name}")) == text
+        assert corpus_lib.read_text(tmp_path / f"bom_{name}") == text

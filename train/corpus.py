@@ -52,7 +52,7 @@ def resolve_files(patterns: list[str]) -> list[Path]:
 def read_text(path: Path) -> str:
     """A corpus file's text (UTF-8); CorpusError naming the file when it cannot be read."""
     try:
-        return path.read_text(encoding="utf-8")
+        return path.read_text(encoding="utf-8-sig")
     except (OSError, UnicodeDecodeError) as e:
         raise CorpusError(f"corpus file {path}: cannot read it as UTF-8 text ({e})") from None
 
