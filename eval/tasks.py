@@ -409,8 +409,10 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def parse_tasks(text: str) -> list[str]:
-    """Task names/paths from a comma list ('all': every known task)."""
-    return list(TASK_FILES) if text == "all" else [t for t in text.split(",") if t]
+    """Task names/paths from a comma list ('all': every known task), spaces around each
+    dropped ('copa, piqa')."""
+    names = [t.strip() for t in text.split(",") if t.strip()]
+    return list(TASK_FILES) if names == ["all"] else names
 
 
 def load_tasks(names: list[str], limit: int | None) -> dict[str, list[Item]]:

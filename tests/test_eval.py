@@ -561,3 +561,11 @@ def test_files_with_a_utf8_byte_order_mark_read_as_without(tmp_path):
         assert not plain[0].pairs[0][0].startswith("\ufeff")
         assert perplexity.load_text(str(tmp_path / f"bom_{name}")) == text
         assert corpus_lib.read_text(tmp_path / f"bom_{name}") == text
+
+
+def test_task_lists_drop_the_spaces_around_names():
+    """`--tasks "copa, piqa"` looked for a file named ' piqa'."""
+    from dejavu_jax.eval import tasks as tasks_mod
+    assert tasks_mod.parse_tasks("copa, piqa ,") == ["copa", "piqa"]
+    assert tasks_mod.parse_tasks(" all ") == list(tasks_mod.TASK_FILES)
+    assert tasks_mod.parse_tasks("a.jsonl,b.tsv") == ["a.jsonl", "b.tsv"]
