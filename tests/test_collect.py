@@ -348,3 +348,28 @@ def test_overwrite_deletes_only_a_records_folder(tmp_path, capsys, corpus, monke
     assert sorted(p.name for p in records.iterdir()) == [
         "manifest.json", "shard_00000", "shard_00001", "shard_00009.tmp"]
     assert rec.foreign_entries(records) == []
+
+
+def test_model_names_resolve_to_their_cached_checkpoint(tmp_path, monkeypatch, capsys):
+    """`--model smollm2-135m` was refused as no such file, though generate, eval and
+    train.profile take the name; now it loads the name's cached file. An unknown name is
+    one error line listing the names."""
+    from dejavu_jax import fetch_model
+    cached = tmp_path / "m.gguf"
+    monkeypatch.setattr(fetch_model, "resolve_model",
+                        lambda name: str(cached) if name == "smollm2-135m" else name)
+    loaded = []
+
+    def load(self):
+        loaded.append(self.path)
+        raise SystemExit(0)
+
+    monkeypatch.setattr(collect_lib.ModelSource, "load", load)
+    args = collect_lib.build_parser().parse_args(["--model", "smollm2-135m", "--out", "o"])
+    with pytest.raises(SystemExit):
+        collect_lib.load_source(args)
+    assert loaded == [str(cached.resolve())]
+    with pytest.raises(SystemExit) as exit_:
+        collect_lib.build_parser().parse_args(["--model", "smollm2-nope", "--out", "o"])
+    last = capsys.readouterr().err.strip().splitlines()[-1]
+    assert exit_.value.code == 2 and "smollm2-nope" in last and "smollm2-135m, " in last

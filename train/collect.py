@@ -217,6 +217,16 @@ def collect(config: ModelConfig, params: ModelParams, tokenizer, files: list[Pat
     return manifest
 
 
+def checkpoint_or_name(text: str) -> str:
+    """An argparse type for --model: a checkpoint that exists or a fetchable model's name
+    (`dejavu_jax.models_registry.MODELS`)."""
+    from dejavu_jax.models_registry import MODELS
+    if not Path(text).expanduser().exists() and text not in MODELS:
+        raise argparse.ArgumentTypeError(f"{text}: no such file or directory (nor a model "
+                                         f"name: {', '.join(MODELS)})")
+    return text
+
+
 def label_rule(text: str) -> "rec.LabelRule":
     """An argparse type for --mlp-rule."""
     try:
@@ -230,8 +240,9 @@ def build_parser() -> argparse.ArgumentParser:
     p = cli.ArgumentParser(prog="python -m dejavu_jax.train.collect", description=__doc__,
                            formatter_class=argparse.RawDescriptionHelpFormatter)
     src = p.add_mutually_exclusive_group(required=True)
-    src.add_argument("--model", type=cli.existing_path,
-                     help="checkpoint directory or .gguf file")
+    src.add_argument("--model", type=checkpoint_or_name,
+                     help="checkpoint directory, .gguf file or a fetchable model's name "
+                          "(python -m dejavu_jax.fetch_model --list)")
     src.add_argument("--preset", choices=config_lib.PRESETS, metavar="NAME",
                      help=f"random weights of a preset: {', '.join(config_lib.PRESETS)}")
     p.add_argument("--seed", type=cli.seed, default=0, help="weights seed (presets) and window "
@@ -280,7 +291,12 @@ def load_source(args) -> tuple[ModelSource, ModelConfig, ModelParams, object]:
     """(source, config, params, tokenizer) of --model / --preset (with --seed, --dtype) and
     --tokenizer, else the model's own tokenizer; exits with one `error:` line when there is
     none. A bad checkpoint raises CheckpointError."""
-    source = ModelSource(path=str(args.model.resolve()) if args.model else None,
+    from dejavu_jax.fetch_model import FetchError, resolve_model
+    try:
+        path = Path(resolve_model(args.model)).expanduser().resolve() if args.model else None
+    except FetchError as e:
+        cli.fail(cli.first_line(e))
+    source = ModelSource(path=str(path) if path else None,
                          preset=args.preset, seed=args.seed, dtype=args.dtype)
     config, params = source.load()
     if args.tokenizer:
