@@ -345,3 +345,25 @@ def test_a_records_folder_given_as_predictors_says_so(tmp_path):
     with pytest.raises(PredictorCheckpointError,
                        match="holds records of train.collect, not predictors"):
         load_predictors(tmp_path / "r")
+
+
+def test_a_missing_records_model_fails_before_training(tmp_path, capsys, monkeypatch):
+    """Records whose model file is gone trained to the end, then failed loading it for the
+    output metric and saved nothing; now one error line before training, naming the file
+    and --no-output-metric, which trains without it."""
+    write_records(tmp_path / "r", planted(n=512), n_shards=1)
+    manifest = rec.read_manifest(tmp_path / "r")
+    gone = tmp_path / "gone.gguf"
+    rec.write_manifest(tmp_path / "r", {**manifest, "model_source": {"path": str(gone)}})
+    argv = ["--records", str(tmp_path / "r"), "--out", str(tmp_path / "p"), "--epochs", "1",
+            "--batch-size", "256", "--rank", "4", "--no-progress"]
+    real_train = trainer.train
+    monkeypatch.setattr(trainer, "train", lambda *a, **k: pytest.fail("training ran"))
+    with pytest.raises(SystemExit) as exit_:
+        trainer.main(argv)
+    last = capsys.readouterr().err.strip().splitlines()[-1]
+    assert exit_.value.code == 2 and last.startswith(f"error: {gone}: the records' model")
+    assert "--no-output-metric" in last and not (tmp_path / "p").exists()
+    monkeypatch.setattr(trainer, "train", real_train)
+    assert trainer.main(argv + ["--no-output-metric"]) == 0
+    assert load_predictors(tmp_path / "p")[1]["per_layer"][0]["mlp"]["recall"] > 0

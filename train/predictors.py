@@ -473,6 +473,11 @@ def main(argv: list[str] | None = None) -> int:
     err = lambda s: print(s, file=sys.stderr)  # noqa: E731
     try:
         records = rec.Records(args.records)
+        source = records.manifest.get("model_source") or {}
+        if not args.no_output_metric and source.get("path") and not Path(
+                source["path"]).exists():
+            cli.fail(f"{source['path']}: the records' model is not there (the MLP output "
+                     "metric loads it); pass --no-output-metric to train without it")
         params, summary, val = train(records, tc, progress, log=err)
         model = None
         if not args.no_output_metric:
