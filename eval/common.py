@@ -270,13 +270,13 @@ def bytes_summary(config, mode: EvalMode, selector_params, read: float) -> dict:
             "selector_bytes": extra / total}
 
 
-def check_dense_prefix(args, mode: EvalMode, longest: int, what: str) -> None:
+def check_dense_prefix(dense_prefix: int, mode: str, longest: int, what: str) -> None:
     """One `error:` line when --dense-prefix covers every position of the longest
-    sequence scored (`longest` inputs, `what` says whose): a sparse mode would then
+    sequence scored (`longest` inputs, `what` says whose): a sparse `mode` would then
     score every token dense."""
-    if mode.name != "dense" and args.dense_prefix >= longest:
-        cli.fail(f"--dense-prefix {args.dense_prefix} runs all {longest} positions of "
-                 f"{what} dense, so --mode {mode.name} would score no token sparsely")
+    if mode != "dense" and dense_prefix >= longest:
+        cli.fail(f"--dense-prefix {dense_prefix} runs all {longest} positions of "
+                 f"{what} dense, so --mode {mode} would score no token sparsely")
 
 
 def check_ids(ids, config, what: str) -> None:

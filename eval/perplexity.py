@@ -260,7 +260,7 @@ def main(argv: list[str] | None = None) -> int:
         args.stride = max(1, min(512, args.window // 2))
     if args.stride > args.window:
         cli.fail(f"--stride {args.stride} is larger than --window {args.window}")
-    common.check_dense_prefix(args, mode, min(args.window, len(ids) - 1),
+    common.check_dense_prefix(args.dense_prefix, mode.name, min(args.window, len(ids) - 1),
                               f"--window {args.window}")
     length = min(args.window, len(ids) - 1) + len(lead)   # leading ids before every window
     try:

@@ -182,6 +182,22 @@ def build_parser() -> argparse.ArgumentParser:
     return p
 
 
+def check_measures(args, points) -> None:
+    """One `error:` line when the sweep would measure nothing (no perplexity, no tasks) or
+    --task-points names a point without tasks or outside the sweep."""
+    if args.ppl_tokens < 0 and not args.tasks:
+        cli.fail("--ppl-tokens -1 skips perplexity and --tasks names no task: nothing to "
+                 "measure")
+    if args.task_points and not args.tasks:
+        cli.fail("--task-points picks the points that get tasks, and --tasks names none")
+    keys = {(m, round(a, 4), round(h, 4)) for m, a, h in points}
+    outside = [f"{m}:{a}:{h}" for m, a, h in args.task_points
+               if (m, round(a, 4), round(h, 4)) not in keys]
+    if outside:
+        cli.fail(f"--task-points {','.join(outside)}: not a point of the sweep (--mlp, "
+                 "--heads, --modes, --points)")
+
+
 def main(argv: list[str] | None = None) -> int:
     """Run the sweep; returns the process exit status (2 with one `error:` line for bad
     arguments, files or data)."""
@@ -191,6 +207,7 @@ def main(argv: list[str] | None = None) -> int:
     out = Path(args.out)
     points = grid(args.mlp, args.heads, args.modes) + args.points
     common.check_model_args(args, {m for m, _, _ in points})
+    check_measures(args, points)
     prepared_items = tasks_mod.load_tasks(tasks_mod.parse_tasks(args.tasks), args.limit) \
         if args.tasks else {}
     text = None
@@ -200,6 +217,8 @@ def main(argv: list[str] | None = None) -> int:
         except (OSError, UnicodeDecodeError) as e:
             cli.fail(str(e))
     config = common.model_config(args)
+    if args.ppl_tokens >= 0 and args.window > config.max_positions:
+        cli.fail(f"--window {args.window}: the model has {config.max_positions} positions")
     dense_layers = 2 if args.dense_layers is None else args.dense_layers
     if dense_layers > config.n_layers:
         cli.fail(f"--dense-layers {dense_layers}: the model has {config.n_layers} layers")
@@ -210,7 +229,16 @@ def main(argv: list[str] | None = None) -> int:
     if text is not None:
         ids = tok(text, add_special_tokens=False)["input_ids"]
         ids = ids[:args.ppl_tokens] if args.ppl_tokens else ids
+        if len(ids) < 2:
+            cli.fail(f"the text has {len(ids)} token(s); perplexity needs at least 2")
         common.check_ids(ids, config, "the tokenized text")
+        n_lead = len(leading_special_ids(tok))
+        if min(args.window, len(ids) - 1) + n_lead > config.max_positions:
+            cli.fail(f"--window {args.window} and {n_lead} leading id(s) pass the model's "
+                     f"{config.max_positions} positions")
+        for mode_name in {m for m, _, _ in points}:
+            common.check_dense_prefix(args.dense_prefix, mode_name,
+                                      min(args.window, len(ids) - 1), f"--window {args.window}")
     prepared = {name: (its, tasks_mod.encode_items(tok, its))
                 for name, its in prepared_items.items()}
     task_points = {(m, round(a, 4), round(h, 4)) for m, a, h in args.task_points}

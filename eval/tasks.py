@@ -454,7 +454,7 @@ def main(argv: list[str] | None = None) -> int:
                      f"{scored_length(config)} tokens the model scores at once")
     longest = max(min(len(ctx) + len(cont), scored_length(config) + 1) - 1
                   for _, requests in prepared.values() for ctx, cont in requests)
-    common.check_dense_prefix(args, mode, longest, "the longest request")
+    common.check_dense_prefix(args.dense_prefix, mode.name, longest, "the longest request")
     result = evaluate(config, mode, params, pred, prepared, args.batch_tokens,
                       args.dense_prefix, not args.no_progress, mesh)
     result["limit"] = args.limit

@@ -191,6 +191,21 @@ CASES = [
      ["BINARY", "not UTF-8"]),
     ("sweep-density", sweep.main, ["--out", "OUT", "--mlp", "0.5,1.5"], ["--mlp", "1.5"]),
     ("sweep-mode", sweep.main, ["--out", "OUT", "--modes", "dense2"], ["--modes", "dense2"]),
+    # each ran a sweep that measured nothing asked for, or ended in a traceback
+    ("sweep-nothing-to-measure", sweep.main, ["--out", "OUT", "--modes", "oracle",
+                                              "--ppl-tokens", "-1"],
+     ["--ppl-tokens -1", "nothing to measure"]),
+    ("sweep-task-points-no-tasks", sweep.main, ["--out", "OUT", "--modes", "oracle",
+                                                "--task-points", "oracle:0.5:1.0"],
+     ["--task-points", "--tasks names none"]),
+    ("sweep-task-point-outside", sweep.main, ["--out", "OUT", "--modes", "oracle", "--mlp",
+                                              "0.5", "--tasks", "copa", "--task-points",
+                                              "oracle:0.7:1.0"],
+     ["--task-points oracle:0.7:1.0", "not a point of the sweep"]),
+    ("sweep-window-past-positions", sweep.main, ["--preset", "opt-tiny", "--out", "OUT",
+                                                 "--modes", "oracle", "--text", "CORPUS",
+                                                 "--window", "3000", "--stride", "3000"],
+     ["--window 3000", "2048 positions"]),
     ("bench-model", bench_decode.main, ["--out", "OUT", "--models", "opt-7"], ["opt-7"]),
     ("bench-steps-0", bench_decode.main, ["--out", "OUT", "--steps", "0"], ["--steps", "0"]),
     ("profile-model", profile_decode.main, ["--out", "OUT", "--model", "opt-7"], ["opt-7"]),
@@ -550,3 +565,10 @@ def test_dense_prefix_past_every_position_is_refused(word_tokenizer, tmp_path, c
                                     "--tasks", str(task), "--dense-prefix", "4", "--no-progress"]
                        + oracle, capsys)
     assert "--dense-prefix 4 runs all 4 positions of the longest request dense" in last, last
+    last = _error_line(sweep.main, ["--model", str(FIXTURE), "--tokenizer", str(word_tokenizer),
+                                    "--text", str(text), "--window", "32", "--stride", "32",
+                                    "--modes", "oracle", "--mlp", "0.25", "--dense-prefix",
+                                    "32", "--out", str(tmp_path / "sweep"), "--no-progress"],
+                       capsys)
+    assert last == ("error: --dense-prefix 32 runs all 32 positions of --window 32 dense, "
+                    "so --mode oracle would score no token sparsely"), last
