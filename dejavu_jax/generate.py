@@ -265,8 +265,9 @@ def sparse_settings(args, config):
         densities[flag] = values[0] if len(values) == 1 else values
     dense_layers = (sparse.default_dense_layers(L) if args.dense_layers is None
                     else args.dense_layers)
-    if dense_layers > L:
-        cli.fail(f"--dense-layers {dense_layers}: the model has {L} layers")
+    if dense_layers >= L:
+        cli.fail(f"--dense-layers {dense_layers}: the model has {L} layers, so none would "
+                 "run sparse")
     scfg = sparse.sparse_config(config, densities["--mlp-density"],
                                 densities["--head-density"], dense_layers=dense_layers,
                                 oracle=args.oracle)

@@ -212,8 +212,9 @@ def mode_from_args(args, config, mesh=None) -> tuple[EvalMode, object]:
         return threshold_mode(args, config, shards)
     dense_layers = (sparse.default_dense_layers(config.n_layers) if args.dense_layers is None
                     else args.dense_layers)
-    if dense_layers > config.n_layers:
-        cli.fail(f"--dense-layers {dense_layers}: the model has {config.n_layers} layers")
+    if dense_layers >= config.n_layers and args.mode != "dense":
+        cli.fail(f"--dense-layers {dense_layers}: the model has {config.n_layers} layers, so "
+                 "none would run sparse")
     try:
         mode = make_mode(config, args.mode, args.mlp_density or 1.0, args.head_density or 1.0,
                          dense_layers, shards=shards,

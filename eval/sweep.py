@@ -18,7 +18,7 @@ import json
 import sys
 from pathlib import Path
 
-from dejavu_jax import cli
+from dejavu_jax import cli, sparse
 from dejavu_jax.eval import common, perplexity as ppl_mod, tasks as tasks_mod
 from dejavu_jax.eval.sparse_scoring import EvalMode, make_mode
 from dejavu_jax.tokenizer import leading_special_ids
@@ -219,9 +219,11 @@ def main(argv: list[str] | None = None) -> int:
     config = common.model_config(args)
     if args.ppl_tokens >= 0 and args.window > config.max_positions:
         cli.fail(f"--window {args.window}: the model has {config.max_positions} positions")
-    dense_layers = 2 if args.dense_layers is None else args.dense_layers
-    if dense_layers > config.n_layers:
-        cli.fail(f"--dense-layers {dense_layers}: the model has {config.n_layers} layers")
+    dense_layers = (sparse.default_dense_layers(config.n_layers) if args.dense_layers is None
+                    else args.dense_layers)
+    if dense_layers >= config.n_layers:
+        cli.fail(f"--dense-layers {dense_layers}: the model has {config.n_layers} layers, so "
+                 "none would run sparse")
     pred = (common.load_predictor_params(common.predictors_dir(args), config)
             if any(m == "sparse" for m, _, _ in points) else None)
     config, params, tok = common.load_model(args)
