@@ -273,6 +273,9 @@ CASES = [
     ("tasks-jsonl-mixed-rows", tasks.main, ["--preset", "opt-tiny", "--tasks", "MIXED"],
      ["MIXED", "row 2 has no field 'query'"]),
     ("profile-window-1", profile.main, ["--window", "1"], ["--window", "got 1"]),
+    # a 2-token window's one input runs dense: the profile measured 0% skipped at +0%
+    ("profile-window-2", profile.main, ["--window", "2"],
+     ["--window", ">= 3", "runs dense", "got 2"]),
     ("profile-no-config", profile.main, ["--corpus", "CORPUS", "--model", "EMPTY"],
      ["EMPTY", "config.json"]),
     ("profile-hub-offline", profile.main, ["--corpus", "CORPUS", "--model", "foo/bar"],

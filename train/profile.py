@@ -206,10 +206,12 @@ def make_profile(config, params, calib: np.ndarray, search_windows: np.ndarray, 
 
 
 def window_length(text: str) -> int:
-    """An argparse type: a window of at least 2 tokens (one input and one target)."""
+    """An argparse type: a window of at least 3 tokens (its first input runs dense, as a
+    prompt does, so 2 would measure no sparse token)."""
     value = cli.positive_int(text)
-    if value < 2:
-        raise argparse.ArgumentTypeError(f"must be >= 2, got {value}")
+    if value < 3:
+        raise argparse.ArgumentTypeError(f"must be >= 3 (the first position of a window runs "
+                                         f"dense), got {value}")
     return value
 
 
@@ -231,7 +233,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--calibration-tokens", type=cli.positive_int, default=2048)
     p.add_argument("--search-tokens", type=cli.positive_int, default=4096)
     p.add_argument("--window", type=window_length,
-                   help="tokens per calibration and search window, at least 2 (default 256, "
+                   help="tokens per calibration and search window, at least 3 (default 256, "
                         "or the model's positions if fewer)")
     p.add_argument("--corpus", action="append",
                    help="calibration text: file, folder or glob, repeatable (default: the "
@@ -276,7 +278,7 @@ def main(argv: list[str] | None = None) -> int:
     except CheckpointError as e:
         cli.fail(cli.first_line(e))
     if args.window is None:
-        args.window = max(2, min(256, config.max_positions))
+        args.window = max(3, min(256, config.max_positions))
     elif args.window > config.max_positions:  # past OPT's learned positions: NaN scores
         cli.fail(f"--window {args.window} is longer than the model's {config.max_positions} "
                  "positions")
