@@ -36,6 +36,8 @@ class Engine:
     prefill(params, input_ids [B,T], mask [B,T], state) -> (logits [B,V], state)
     step(params, state, tokens [B]) -> (logits [B,V], state)
     init_state(batch, max_len, dtype, per_layer) -> state
+    check_params(params), when set, raises ValueError for params whose values the jitted
+    functions cannot check (`generate_tokens` calls it on the concrete params).
     Token ids must lie in [0, config.vocab_size): prefill and step raise ValueError for
     concrete ids outside it; traced ids (inside jit) are the caller's contract.
     """
@@ -45,6 +47,7 @@ class Engine:
     step: Callable
     init_state: Callable
     name: str = "dense"
+    check_params: Callable | None = None
 
 
 @functools.lru_cache(maxsize=None)
@@ -190,6 +193,8 @@ def generate_tokens(engine: Engine, params, prompts: Sequence[Sequence[int]],
     for row, p in enumerate(prompts):
         check_token_ids(p, config.vocab_size, f"prompt {row}", "[time]")
     check_fits(config, _model_params(params))
+    if engine.check_params is not None:
+        engine.check_params(params)
     if stop_ids is None:
         stop_ids = config.stop_token_ids
     else:

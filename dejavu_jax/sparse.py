@@ -983,6 +983,8 @@ def sparse_step_fn(config: ModelConfig, scfg: SparseConfig, select: Selector,
     params, selector_params = engine_params(params)
     if isinstance(select, PredictorSelector):
         check_predictors(config, selector_params)
+    if select is fixed_selector:
+        check_fixed_sets(config, scfg, selector_params)
     check_cache_layout(params, state.dense)
     if has_fused_qkv(params):
         raise ValueError("the sparse step gathers heads from wq/wk/wv: pass params without "
@@ -1247,6 +1249,30 @@ def fixed_selector(sets, layer, x, k_mlp, k_heads):
     return neuron_idx[layer, :k_mlp], head_idx[layer][..., :k_heads]
 
 
+def check_fixed_sets(config: ModelConfig, scfg: SparseConfig, sets) -> None:
+    """ValueError unless `fixed_selector`'s sets hold, for every sparse layer, at least its
+    k ids, and (when concrete) distinct in-range ids among the k it reads: an id past the
+    weights is clamped by the gathers, and a repeated one counts its unit twice."""
+    neuron_idx, head_idx = sets
+    for layer in range(scfg.dense_layers, config.n_layers):
+        for name, idx, k, n in (("neuron", neuron_idx, scfg.mlp_k[layer], config.ffn),
+                                ("head", head_idx, scfg.head_k[layer], config.n_heads)):
+            row = idx[layer]
+            if np.shape(row)[-1] < k:
+                raise ValueError(f"fixed {name} sets: layer {layer} has {np.shape(row)[-1]} "
+                                 f"ids, the SparseConfig reads {k}")
+            if isinstance(row, jax.core.Tracer):
+                continue
+            ids = np.asarray(row)[..., :k].reshape(-1, k)
+            bad = ids[(ids < 0) | (ids >= n)]
+            if bad.size:
+                raise ValueError(f"fixed {name} sets: layer {layer} holds id {int(bad[0])}, "
+                                 f"outside [0, {n})")
+            if any(len(set(r.tolist())) < k for r in ids):
+                raise ValueError(f"fixed {name} sets: layer {layer} repeats an id among "
+                                 f"its first {k}")
+
+
 def no_selector(params, layer, x, k_mlp, k_heads):
     """The Selector of all-dense, oracle and threshold configs, which select inside the
     layer; a config with predicted layers raises ValueError when its step calls it."""
@@ -1265,4 +1291,10 @@ def sparse_engine(config: ModelConfig, scfg: SparseConfig, select: Selector):
         prefill=functools.partial(sparse_prefill_fn, config),
         step=functools.partial(sparse_step_fn, config, scfg, select),
         init_state=functools.partial(init_sparse_state, config, scfg),
-        name="oracle" if scfg.oracle else "sparse")
+        name="oracle" if scfg.oracle else "sparse",
+        check_params=(functools.partial(_check_fixed_params, config, scfg)
+                      if select is fixed_selector else None))
+
+
+def _check_fixed_params(config: ModelConfig, scfg: SparseConfig, params) -> None:
+    check_fixed_sets(config, scfg, engine_params(params)[1])

@@ -683,3 +683,39 @@ def test_a_batch_selects_the_union_of_its_rows_sets(method):
     assert got.shape == (3 * k,) and np.all(np.diff(got) > 0) and union <= set(got.tolist())
     # heads: each row its own top 2, ascending
     np.testing.assert_array_equal(heads, np.sort(np.argsort(-head_scores, axis=1)[:, :2], 1))
+
+
+@pytest.mark.parametrize("where,value,message", [
+    ("neuron", 500, "layer 1 holds id 500, outside"), ("neuron", -1, "holds id -1"),
+    ("head", 4, "fixed head sets: layer 1 holds id 4"), ("neuron", 0, "repeats an id"),
+    ("narrow", None, "layer 1 has 40 ids, the SparseConfig reads 80")])
+def test_fixed_sets_past_the_weights_or_repeated_are_refused(where, value, message):
+    """Fixed sets of every unit decode Hugging Face's greedy logits; an id past the weights
+    (clamped by the gathers), a repeated id (its unit counted twice) or fewer ids than the
+    config's k raise ValueError from generate_tokens and the engine's step."""
+    config, params = dj.load_pretrained(HF / "llama-gqa", dtype=jnp.float32, progress=False)
+    ref = np.load(HF / "llama-gqa" / "reference.npz")
+    L = config.n_layers
+    scfg = sparse.SparseConfig((config.ffn // 2,) * L, (config.n_heads,) * L, dense_layers=1)
+    eng = sparse.sparse_engine(config, scfg, sparse.fixed_selector)
+    neurons = np.tile(np.arange(config.ffn // 2, dtype=np.int32), (L, 1))
+    heads = np.tile(np.arange(config.n_heads, dtype=np.int32), (L, 1))
+    prompt = ref["prompt_ids"][None]
+    state = eng.init_state(1, 32, jnp.float32)
+    _, state = eng.prefill((params, None), prompt, np.ones_like(prompt), state)
+    full = sparse.SparseConfig((config.ffn,) * L, (config.n_heads,) * L, dense_layers=1)
+    full_sets = (np.tile(np.arange(config.ffn, dtype=np.int32), (L, 1)), heads)
+    out = generate_tokens(sparse.sparse_engine(config, full, sparse.fixed_selector),
+                          (params, full_sets), [ref["prompt_ids"].tolist()],
+                          max_new_tokens=len(ref["generated_ids"]), stop_ids=[])
+    assert out.tokens[0] == ref["generated_ids"].tolist()
+    if where == "narrow":
+        neurons = neurons[:, :40]
+    elif where == "neuron":
+        neurons[1, 1] = value
+    else:
+        heads[1, 0] = value
+    with pytest.raises(ValueError, match=message):
+        generate_tokens(eng, (params, (neurons, heads)), [[5, 6, 7]], max_new_tokens=2)
+    with pytest.raises(ValueError, match=message):
+        eng.step((params, (neurons, heads)), state, jnp.asarray(ref["generated_ids"][:1]))
