@@ -329,6 +329,8 @@ def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     if args.window < 2:
         cli.fail(f"--window {args.window}: a window needs BOS and at least one text token")
+    if args.dataset and args.corpus:
+        cli.fail("give --corpus or --dataset, not both")
     out = Path(args.out).expanduser()
     check_out(out, args.overwrite)
     try:
