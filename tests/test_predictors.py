@@ -367,3 +367,24 @@ def test_a_missing_records_model_fails_before_training(tmp_path, capsys, monkeyp
     monkeypatch.setattr(trainer, "train", real_train)
     assert trainer.main(argv + ["--no-output-metric"]) == 0
     assert load_predictors(tmp_path / "p")[1]["per_layer"][0]["mlp"]["recall"] > 0
+
+
+def test_labels_with_no_active_unit_are_refused(tmp_path, capsys):
+    """Records labelled by a rule no neuron passes (threshold:1e9) trained with eval k 0
+    and saved NaN precision; a head rule no head passes did the same for heads. Now one
+    error line each, before training."""
+    arrays = planted(n=512)
+    silent = dict(arrays, mlp_label=np.zeros_like(arrays["mlp_label"]))
+    write_records(tmp_path / "r0", silent, n_shards=1)
+    write_records(tmp_path / "r1", arrays, n_shards=1)
+    argv = ["--out", str(tmp_path / "p"), "--epochs", "1", "--batch-size", "256",
+            "--no-output-metric", "--no-progress"]
+    for records, extra, words in [
+            ("r0", [], "no MLP neuron is labelled active in the training sample"),
+            ("r1", ["--head-rule", "threshold:1e9"],
+             "--head-rule threshold:1e9 labels no query head active")]:
+        with pytest.raises(SystemExit) as exit_:
+            trainer.main(["--records", str(tmp_path / records)] + argv + extra)
+        err = capsys.readouterr().err
+        assert exit_.value.code == 2 and words in err.strip().splitlines()[-1], err
+        assert "nan" not in err.lower() and not (tmp_path / "p").exists()

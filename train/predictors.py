@@ -202,6 +202,14 @@ def train(records: rec.Records, tc: TrainConfig, progress: bool = True, log=prin
             "--shard-tokens)")
     rng = np.random.default_rng(tc.seed)
     params, pos_weight, actives = initial_params(records, tc, head_rule, rng)
+    if actives[0] == 0:
+        rule = records.manifest.get("label_rules", {}).get("mlp")
+        raise rec.RecordsError(f"{records.root}: no MLP neuron is labelled active in the "
+                               f"training sample (label rule {rule}); collect again with "
+                               "another --mlp-rule")
+    if actives[1] == 0:
+        raise ValueError(f"--head-rule {tc.head_rule} labels no query head active in the "
+                         "training sample; choose a lower threshold or a top:FRACTION rule")
     k_mlp = min(F, tc.k_mlp or math.ceil(1.5 * actives[0]))
     k_heads = min(H, tc.k_heads or math.ceil(1.5 * actives[1]))
     val = data_lib.validation_set(records, tc.lookahead, tc.val_fraction, tc.max_val_tokens)
