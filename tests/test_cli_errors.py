@@ -227,6 +227,13 @@ CASES = [
     ("collect-corpus-missing", collect.main, ["--preset", "opt-tiny", "--out", "OUT",
                                               "--corpus", "/nonexistent.txt"],
      ["/nonexistent.txt"]),
+    # no magnitude passes a threshold of nan or inf: every label was 0
+    ("collect-rule-threshold-nan", collect.main, ["--preset", "opt-tiny", "--out", "OUT",
+                                                  "--mlp-rule", "threshold:nan"],
+     ["--mlp-rule", "'threshold:nan'"]),
+    ("train-head-rule-threshold-inf", predictors.main, ["--records", "EMPTY", "--out", "OUT",
+                                                        "--head-rule", "threshold:inf"],
+     ["--head-rule", "'threshold:inf'"]),
     ("collect-corpus-and-dataset", collect.main, ["--preset", "opt-tiny", "--out", "OUT",
                                                   "--corpus", "CORPUS", "--dataset", "wikitext"],
      ["--corpus or --dataset, not both"]),

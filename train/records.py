@@ -14,6 +14,7 @@ activations would be F/8 times larger than the packed bits).
 from __future__ import annotations
 
 import json
+import math
 import os
 import re
 from dataclasses import dataclass
@@ -48,6 +49,8 @@ class LabelRule:
             raise ValueError(f"unknown label rule {self.kind!r}")
         if self.kind in ("top", "contribution") and not 0.0 < self.value <= 1.0:
             raise ValueError(f"top fraction must be in (0, 1], got {self.value}")
+        if self.kind == "threshold" and not math.isfinite(self.value):
+            raise ValueError(f"threshold must be finite, got {self.value}")
 
     @classmethod
     def parse(cls, text: str) -> "LabelRule":
