@@ -985,6 +985,8 @@ def sparse_step_fn(config: ModelConfig, scfg: SparseConfig, select: Selector,
         check_predictors(config, selector_params)
     if select is fixed_selector:
         check_fixed_sets(config, scfg, selector_params)
+    if scfg.threshold_sites:
+        check_thresholds(config, selector_params)
     check_cache_layout(params, state.dense)
     if has_fused_qkv(params):
         raise ValueError("the sparse step gathers heads from wq/wk/wv: pass params without "
@@ -1252,7 +1254,10 @@ def fixed_selector(sets, layer, x, k_mlp, k_heads):
 def check_fixed_sets(config: ModelConfig, scfg: SparseConfig, sets) -> None:
     """ValueError unless `fixed_selector`'s sets hold, for every sparse layer, at least its
     k ids, and (when concrete) distinct in-range ids among the k it reads: an id past the
-    weights is clamped by the gathers, and a repeated one counts its unit twice."""
+    weights is clamped by the gathers, and a repeated one counts its unit twice. Oracle and
+    threshold configs select inside the layer and read no sets."""
+    if scfg.oracle or scfg.threshold_sites:
+        return
     neuron_idx, head_idx = sets
     for layer in range(scfg.dense_layers, config.n_layers):
         for name, idx, k, n in (("neuron", neuron_idx, scfg.mlp_k[layer], config.ffn),
@@ -1271,6 +1276,21 @@ def check_fixed_sets(config: ModelConfig, scfg: SparseConfig, sets) -> None:
             if any(len(set(r.tolist())) < k for r in ids):
                 raise ValueError(f"fixed {name} sets: layer {layer} repeats an id among "
                                  f"its first {k}")
+
+
+def check_thresholds(config: ModelConfig, thresholds) -> None:
+    """ValueError unless a threshold config's selector params are [L, len(SITES)] and (when
+    concrete) finite numbers >= 0, as a sparsity profile's are."""
+    from dejavu_jax.activation_sparsity import SITES
+    want = (config.n_layers, len(SITES))
+    got = None if thresholds is None else np.shape(thresholds)
+    if got != want:
+        raise ValueError(f"thresholds must be [layers, sites] = {list(want)} (sites "
+                         f"{', '.join(SITES)}), got {got}")
+    if not isinstance(thresholds, jax.core.Tracer):
+        table = np.asarray(thresholds, np.float32)
+        if not np.all(np.isfinite(table)) or np.any(table < 0):
+            raise ValueError("thresholds must be finite numbers >= 0")
 
 
 def no_selector(params, layer, x, k_mlp, k_heads):
@@ -1292,9 +1312,13 @@ def sparse_engine(config: ModelConfig, scfg: SparseConfig, select: Selector):
         step=functools.partial(sparse_step_fn, config, scfg, select),
         init_state=functools.partial(init_sparse_state, config, scfg),
         name="oracle" if scfg.oracle else "sparse",
-        check_params=(functools.partial(_check_fixed_params, config, scfg)
-                      if select is fixed_selector else None))
+        check_params=functools.partial(_check_selector_params, config, scfg, select))
 
 
-def _check_fixed_params(config: ModelConfig, scfg: SparseConfig, params) -> None:
-    check_fixed_sets(config, scfg, engine_params(params)[1])
+def _check_selector_params(config: ModelConfig, scfg: SparseConfig, select, params) -> None:
+    """The value checks of fixed sets and thresholds, on concrete engine params."""
+    selector_params = engine_params(params)[1]
+    if select is fixed_selector:
+        check_fixed_sets(config, scfg, selector_params)
+    if scfg.threshold_sites:
+        check_thresholds(config, selector_params)

@@ -719,3 +719,31 @@ def test_fixed_sets_past_the_weights_or_repeated_are_refused(where, value, messa
         generate_tokens(eng, (params, (neurons, heads)), [[5, 6, 7]], max_new_tokens=2)
     with pytest.raises(ValueError, match=message):
         eng.step((params, (neurons, heads)), state, jnp.asarray(ref["generated_ids"][:1]))
+
+
+@pytest.mark.parametrize("bad,message", [
+    (lambda z: z[:, :2], r"thresholds must be \[layers, sites\]"),
+    (lambda z: np.concatenate([z, z[:1]]), r"thresholds must be \[layers, sites\]"),
+    (lambda z: np.where(z == 0, np.nan, z), "finite numbers >= 0"),
+    (lambda z: z - 1.0, "finite numbers >= 0")], ids=["sites", "layers", "nan", "negative"])
+def test_thresholds_of_another_shape_or_not_finite_are_refused(bad, message):
+    """Zero thresholds at every site decode Hugging Face's greedy ids; a table of another
+    shape (whose missing sites or layers the gathers clamp) or with NaN or negative values
+    raises ValueError from generate_tokens and the engine's step."""
+    from dejavu_jax.activation_sparsity import SITES
+    config, params = dj.load_pretrained(HF / "llama-gqa", dtype=jnp.float32, progress=False)
+    ref = np.load(HF / "llama-gqa" / "reference.npz")
+    eng = sparse.sparse_engine(config, sparse.threshold_config(config, SITES),
+                               sparse.no_selector)
+    zeros = np.zeros((config.n_layers, len(SITES)), np.float32)
+    want = ref["generated_ids"].tolist()
+    out = generate_tokens(eng, (params, zeros), [ref["prompt_ids"].tolist()],
+                          max_new_tokens=len(want), stop_ids=[])
+    assert out.tokens[0] == want
+    prompt = ref["prompt_ids"][None]
+    state = eng.init_state(1, 32, jnp.float32)
+    _, state = eng.prefill((params, None), prompt, np.ones_like(prompt), state)
+    with pytest.raises(ValueError, match=message):
+        generate_tokens(eng, (params, bad(zeros)), [[5, 6, 7]], max_new_tokens=2)
+    with pytest.raises(ValueError, match=message):
+        eng.step((params, bad(zeros)), state, jnp.asarray(ref["generated_ids"][:1]))
