@@ -1034,6 +1034,9 @@ def check_predictors(config: ModelConfig, pred_params) -> None:
 # the measured-best top-k methods (docs/kernels.md); the slower ones the benchmarks compare
 # against are `sparse_variants.TOP_K_VARIANTS`
 SELECT_METHODS = ("exact", "local")
+# the most rows `kernels.union_select` holds in one program; a larger batch's "local"
+# union counts passes (`topk.union_top_k`) instead
+LOCAL_UNION_ROWS = 64
 
 
 class PredictorSelector:
@@ -1091,7 +1094,8 @@ class PredictorSelector:
         if scores.shape[0] > 1 and method == "local" and capacity is None:
             if k * scores.shape[0] >= scores.shape[1]:   # every unit: nothing to rank
                 return jnp.arange(scores.shape[1], dtype=jnp.int32)
-            return union_top_k_local(scores, k, impl=impl)
+            if scores.shape[0] <= LOCAL_UNION_ROWS:
+                return union_top_k_local(scores, k, impl=impl)
         if scores.shape[0] > 1 and method != "exact":
             capacity = capacity or default_union_size(scores.shape[1], k, scores.shape[0])
             return union_top_k(scores, k, capacity)
@@ -1217,8 +1221,8 @@ def predictor_selector(group_size: int,
     default (`union_capacity` sets it): "exact" through `train.predict.select_top_k`
     (per-row `lax.top_k` and a sort), "local" through `kernels.union_select` (the union
     of the rows' local top-k sets, chunk by chunk, in one launch; about min(n, k * B)
-    ids), or with a `union_capacity` through `topk.union_top_k` (counting passes, no
-    sort). A union of every unit needs no ranking at all. Heads are per row
+    ids; past `LOCAL_UNION_ROWS` rows as below), or with a `union_capacity` through
+    `topk.union_top_k` (counting passes, no sort). A union of every unit needs no ranking at all. Heads are per row
     ([B, k] ids: each row attends with its own, `kernels.head_sparse_attention`'s
     per-row masks), unless `union_capacity` gives their union a size.
     method (`SELECT_METHODS`), for a single row: "exact" (`lax.top_k`, a sort on the GPU;

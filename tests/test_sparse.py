@@ -685,6 +685,34 @@ def test_a_batch_selects_the_union_of_its_rows_sets(method):
     np.testing.assert_array_equal(heads, np.sort(np.argsort(-head_scores, axis=1)[:, :2], 1))
 
 
+def test_a_local_union_of_more_rows_than_the_union_kernel_holds():
+    """65 rows choosing "local" (`kernels.union_select` holds 64 in a program): the neuron
+    set holds every row's exact top-k at the union's static size min(F, k B), each row
+    keeps its own top head, and a batch of 65 prompts decodes under the union policy."""
+    from dejavu_jax.eval.bench_decode import random_predictors
+    from dejavu_jax.train.predict import predictor_scores
+    config = dj.preset("opt-tiny")
+    preds = random_predictors(config, 8, jax.random.key(4))
+    B, k = 65, 3
+    select = sparse.predictor_selector(config.group_size, method="local")
+    x = jax.random.normal(jax.random.key(6), (B, config.hidden))
+    neurons, heads = select(preds, 2, x, k, 1)
+    scores, head_scores = map(np.asarray, predictor_scores(preds, 2, x))
+    got = np.asarray(neurons)
+    union = set(np.argsort(-scores, axis=1)[:, :k].reshape(-1).tolist())
+    assert got.shape == (min(config.ffn, k * B),) and np.all(np.diff(got) > 0)
+    assert union <= set(got.tolist()) and got.min() >= 0 and got.max() < config.ffn
+    np.testing.assert_array_equal(np.asarray(heads)[:, 0], np.argmax(head_scores, axis=1))
+    params = dj.init_params(config, jax.random.key(1), jnp.float32, std=0.1)
+    scfg = dataclasses.replace(sparse.sparse_config(config, k / config.ffn, 0.25,
+                                                    dense_layers=1), batch_policy="union")
+    prompts = [[5 + row, 9, 14][:1 + row % 3] for row in range(B)]
+    out = generate_tokens(sparse.sparse_engine(config, scfg, select), (params, preds),
+                          prompts, 3, stop_ids=[])
+    assert [len(t) for t in out.tokens] == [3] * B
+    assert all(0 <= i < config.vocab_size for t in out.tokens for i in t)
+
+
 @pytest.mark.parametrize("where,value,message", [
     ("neuron", 500, "layer 1 holds id 500, outside"), ("neuron", -1, "holds id -1"),
     ("head", 4, "fixed head sets: layer 1 holds id 4"), ("neuron", 0, "repeats an id"),
