@@ -287,6 +287,11 @@ def _rope_llama3(params: dict | None, max_positions) -> tuple[float, ...] | None
     return tuple(float(settings[k]) for k in keys)
 
 
+# (num_key_value_heads, max_position_embeddings) of a config.json without them, as
+# transformers' LlamaConfig, MistralConfig and Qwen2Config default them (None: the query heads)
+LLAMA_FAMILY_DEFAULTS = {"llama": (None, 2048), "mistral": (8, 131_072), "qwen2": (32, 32_768)}
+
+
 def _sliding_layers(hf: dict, n_layers: int, pattern: int | None = None) -> tuple[bool, ...]:
     """Per-layer sliding flags as transformers reads them: a Llama has none; a Mistral slides
     on every layer when it has a `sliding_window` (4096 when the key is absent), whatever
@@ -383,7 +388,9 @@ def _llama_from_hf(hf: dict, name: str) -> ModelConfig:
     n_heads = hf["num_attention_heads"]
     rope = hf.get("rope_scaling") or hf.get("rope_parameters")  # as transformers reads them
     theta, factor = _rope(rope, hf.get("rope_theta"), 10000.0, name, llama3=True)
-    llama3 = _rope_llama3(rope, hf.get("max_position_embeddings", 2048))
+    kv_default, positions_default = LLAMA_FAMILY_DEFAULTS[hf["model_type"]]
+    max_positions = hf.get("max_position_embeddings", positions_default)
+    llama3 = _rope_llama3(rope, max_positions)
     qwen2 = hf["model_type"] == "qwen2"
     if hf.get("mlp_bias"):
         raise ValueError(f"mlp_bias (biases on the gate, up and down projections) is not "
@@ -399,10 +406,10 @@ def _llama_from_hf(hf: dict, name: str) -> ModelConfig:
         hidden=hidden,
         n_layers=n_layers,
         n_heads=n_heads,
-        n_kv_heads=hf.get("num_key_value_heads") or n_heads,
+        n_kv_heads=hf.get("num_key_value_heads", kv_default) or n_heads,
         head_dim=hf.get("head_dim") or hidden // n_heads,
         ffn=hf["intermediate_size"],
-        max_positions=hf.get("max_position_embeddings", 2048),
+        max_positions=max_positions,
         embed_dim=hidden,
         norm_eps=hf.get("rms_norm_eps", 1e-6),
         pre_norm=True,

@@ -431,3 +431,18 @@ def test_gemma3_multimodal_checkpoint_loads_its_text_model(tmp_path):
     assert np.isfinite(got).all()
     assert np.abs(got[real] - want).max() < 1e-4 * np.abs(want).max()
     assert config.stop_token_ids == [text["eos_token_id"], 106]
+
+
+@pytest.mark.parametrize("model_type", ["llama", "mistral", "qwen2"])
+def test_absent_kv_heads_and_positions_default_as_in_transformers(model_type):
+    """A config.json without num_key_value_heads or max_position_embeddings reads them as
+    transformers' config class of that model type defaults them."""
+    import transformers
+    cls = {"llama": transformers.LlamaConfig, "mistral": transformers.MistralConfig,
+           "qwen2": transformers.Qwen2Config}[model_type]
+    raw = dict(model_type=model_type, vocab_size=64, hidden_size=256, num_hidden_layers=2,
+               num_attention_heads=32, intermediate_size=64)
+    config = dj.config.from_hf_config(raw)
+    theirs = cls(**{k: v for k, v in raw.items() if k != "model_type"})
+    assert (config.n_kv_heads, config.max_positions) == \
+        (theirs.num_key_value_heads, theirs.max_position_embeddings)
