@@ -233,7 +233,7 @@ def test_sliding_windows_read_as_transformers_reads_them(hf):
     transformers' own config class."""
     from transformers import MistralConfig, Qwen2Config
     base = dict(vocab_size=64, hidden_size=32, intermediate_size=48, num_attention_heads=2,
-                num_hidden_layers=30)
+                num_key_value_heads=1, num_hidden_layers=30)
     raw = {**base, **hf}
     config = dj.config.from_hf_config(raw)
     kwargs = {k: v for k, v in raw.items() if k != "model_type"}
