@@ -128,8 +128,9 @@ class SparseConfig:
                              f"{self.layer_unroll!r}")
         if len(self.mlp_k) != len(self.head_k):
             raise ValueError("mlp_k and head_k must have one entry per layer")
-        if self.kv_window < 1:
-            raise ValueError(f"kv_window must be >= 1, got {self.kv_window}")
+        if (isinstance(self.kv_window, (bool, np.bool_))
+                or not isinstance(self.kv_window, (int, np.integer)) or self.kv_window < 1):
+            raise ValueError(f"kv_window must be a whole number >= 1, got {self.kv_window!r}")
         if self.batch_policy not in BATCH_POLICIES:
             raise ValueError(f"batch_policy must be one of {BATCH_POLICIES}, got "
                              f"{self.batch_policy!r}")
@@ -233,8 +234,6 @@ def sparse_config(config: ModelConfig, mlp_density=0.1, head_density=0.5,
     heads = _per_layer(head_density, L, "head_density")
     if not 0 <= dense_layers <= L:
         raise ValueError(f"dense_layers={dense_layers} must be in 0..{L}")
-    if kv_window < 1:
-        raise ValueError(f"kv_window must be >= 1, got {kv_window}")
 
     def count(d, n):
         return max(1, min(n, int(-(-round(d * n * 1e6) // 1_000_000))))
@@ -243,6 +242,8 @@ def sparse_config(config: ModelConfig, mlp_density=0.1, head_density=0.5,
                   for l in range(L))
     head_k = tuple(config.n_heads if l < dense_layers else count(heads[l], config.n_heads)
                    for l in range(L))
+    if isinstance(kv_window, np.integer) and not isinstance(kv_window, np.bool_):
+        kv_window = int(kv_window)
     return SparseConfig(mlp_k, head_k, dense_layers, oracle, kv_window, impl)
 
 

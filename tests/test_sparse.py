@@ -347,6 +347,11 @@ def test_sparse_config_validation():
                 dict(dense_layers=1.5), dict(dense_layers=True)):
         with pytest.raises(ValueError, match="density|dense_layers"):
             sparse.sparse_config(config, **{"mlp_density": 0.5, **bad})
+    # the missing-KV window is a whole number of tokens; a numpy integer is one
+    assert sparse.sparse_config(config, 0.5, kv_window=np.int64(3)).kv_window == 3
+    for bad in (2.5, "4", True, 0):
+        with pytest.raises(ValueError, match="kv_window"):
+            sparse.sparse_config(config, 0.5, kv_window=bad)
 
 
 def test_predicted_sets_without_a_predictor_selector_are_one_clear_error():
