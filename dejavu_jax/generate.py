@@ -336,8 +336,10 @@ def describe_sparsity(config, scfg, batch: int = 1, profile=None) -> str:
     from dejavu_jax.sparse import batch_dense_parts, batch_runs_dense, planned_config
     from dejavu_jax.train.predict import default_union_size
     if batch_runs_dense(scfg, batch):
-        return (f"sparse decoding: a batch of {batch} runs the dense engine (a batch's "
-                f"union of sets and its selection cost more than they save; "
+        why = ("the rows' kept channels differ, and their union is most of each matrix"
+               if scfg.threshold_sites else
+               "a batch's union of sets and its selection cost more than they save")
+        return (f"sparse decoding: a batch of {batch} runs the dense engine ({why}; "
                 f"SparseConfig.batch_policy)")
     if scfg.threshold_sites:
         return profile.summary() if profile is not None else "sparse decoding: thresholds"

@@ -123,6 +123,11 @@ def test_describe_sparsity_names_a_batchs_dense_parts():
     default = cli.describe_sparsity(config, sparse.sparse_config(config, 0.1, 0.25,
                                                                  dense_layers=1), batch=2)
     assert "a batch of 2 runs the dense engine" in default and "layer  1" not in default
+    assert "selection cost more" in default
+    thresholds = cli.describe_sparsity(
+        config, dataclasses.replace(sparse.sparse_config(config, 1.0, 1.0, dense_layers=1),
+                                    threshold_sites=("down",)), batch=2)
+    assert "a batch of 2 runs the dense engine (the rows' kept channels differ" in thresholds
     shared = dataclasses.replace(union(0.1, 0.5), batch_policy="shared")
     text = cli.describe_sparsity(config, shared, batch=16)
     assert "shared mlp  10.2%  heads  50.0%\n" in text
