@@ -388,3 +388,19 @@ def test_labels_with_no_active_unit_are_refused(tmp_path, capsys):
         err = capsys.readouterr().err
         assert exit_.value.code == 2 and words in err.strip().splitlines()[-1], err
         assert "nan" not in err.lower() and not (tmp_path / "p").exists()
+
+
+def test_a_records_model_that_does_not_load_still_saves_the_predictors(tmp_path, capsys):
+    """A records model file that is there but does not load (a corrupt file): training
+    keeps its result, saved without the MLP output metric, and a warning names why."""
+    write_records(tmp_path / "r", planted(n=512), n_shards=1)
+    manifest = rec.read_manifest(tmp_path / "r")
+    corrupt = tmp_path / "corrupt.gguf"
+    corrupt.write_bytes(b"not a model file" * 8)
+    rec.write_manifest(tmp_path / "r", {**manifest, "model_source": {"path": str(corrupt)}})
+    argv = ["--records", str(tmp_path / "r"), "--out", str(tmp_path / "p"), "--epochs", "1",
+            "--batch-size", "256", "--rank", "4", "--no-progress"]
+    assert trainer.main(argv) == 0
+    assert "warning: the records' model did not load" in capsys.readouterr().err
+    saved = load_predictors(tmp_path / "p")[1]["per_layer"][0]["mlp"]
+    assert saved["recall"] > 0 and "output_captured" not in saved

@@ -490,8 +490,13 @@ def main(argv: list[str] | None = None) -> int:
         model = None
         if not args.no_output_metric:
             from dejavu_jax.train.collect import ModelSource
-            model = ModelSource(**records.manifest["model_source"]).load()
-            if not model[0].fits_fingerprint(records.manifest["config_fingerprint"]):
+            try:
+                model = ModelSource(**records.manifest["model_source"]).load()
+            except (CheckpointError, OSError, ValueError) as e:
+                err(f"warning: the records' model did not load ({cli.first_line(e)}); "
+                    "skipping output metric")
+            if model is not None and not model[0].fits_fingerprint(
+                    records.manifest["config_fingerprint"]):
                 err("warning: model weights do not match the records; skipping output metric")
                 model = None
         per_layer = evaluate(params, val, records, rec.LabelRule.parse(tc.head_rule),
