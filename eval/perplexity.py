@@ -183,7 +183,8 @@ def default_window(config, n_lead: int) -> int:
 def text_source(text: str) -> str:
     """An argparse type for --text: an existing file, or hf:NAME[:CONFIG[:SPLIT]]."""
     if text.startswith("hf:"):
-        if not text[3:].split(":")[0]:
+        parts = text[3:].split(":")
+        if not parts[0] or len(parts) > 3:
             raise argparse.ArgumentTypeError(f"{text!r}: hf:NAME[:CONFIG[:SPLIT]] expected")
         return text
     if Path(text).expanduser().is_dir():

@@ -595,3 +595,13 @@ def test_dense_prefix_past_every_position_is_refused(word_tokenizer, tmp_path, c
                        capsys)
     assert last == ("error: --dense-prefix 32 runs all 32 positions of --window 32 dense, "
                     "so --mode oracle would score no token sparsely"), last
+
+
+@pytest.mark.parametrize("source", ["hf:", "hf::wikitext-2-raw-v1", "hf:wikitext:cfg:test:extra"])
+def test_an_hf_text_source_of_another_shape_is_refused(source, capsys, no_loading):
+    """--text hf:NAME[:CONFIG[:SPLIT]] only: no name, or parts past the split (which were
+    dropped), is one argument error before anything loads."""
+    with pytest.raises(SystemExit) as exit_:
+        perplexity.main(["--preset", "opt-tiny", "--text", source])
+    err = capsys.readouterr().err
+    assert exit_.value.code == 2 and "hf:NAME[:CONFIG[:SPLIT]] expected" in err, err
