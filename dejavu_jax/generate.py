@@ -496,6 +496,11 @@ def main(argv: list[str] | None = None) -> int:
     except (CheckpointError, ShardingError, OSError) as e:  # bad files, a mesh that
         cli.fail(str(e))                                    # does not divide the model
     where = "" if mesh is None else f" on mesh {dict(mesh.shape)}"
+    groups = 1 if mesh is None else mesh.shape["data"]
+    if len(prompts) % groups:
+        print(f"note: {len(prompts)} prompts do not divide over data={groups}: every data "
+              f"group decodes the whole batch (give a multiple of {groups} prompts to split "
+              "it)", file=sys.stderr)
     print(f"model: {label}{where} ({config.family}, {config.n_layers} layers, "
           f"d={config.hidden}) on {jax.default_backend()}", file=sys.stderr)
 

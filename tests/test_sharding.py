@@ -308,6 +308,23 @@ else:
         with pytest.raises(ValueError):
             sharding.parse_mesh("pp=2")
 
+    def test_generate_says_when_the_prompts_do_not_divide_over_data(capsys):
+        """Three prompts over data=2: the CLI notes that every data group decodes the whole
+        batch, and the ids are those of one device."""
+        from dejavu_jax import generate as gen_cli
+        args = ["--preset", "opt-tiny", "--print-ids", "--no-stream", "--max-new-tokens", "3",
+                "--prompt-ids", "2,100,200", "--prompt-ids", "2,7", "--prompt-ids", "2,9,4,8"]
+
+        def run(extra):
+            assert gen_cli.main(args + extra) == 0
+            captured = capsys.readouterr()
+            return [l for l in captured.out.splitlines() if "generated ids" in l], captured.err
+
+        ids_mesh, err = run(["--mesh", "data=2,tp=2"])
+        assert "note: 3 prompts do not divide over data=2" in err
+        ids_one, err_one = run([])
+        assert ids_mesh == ids_one and len(ids_one) == 3 and "do not divide" not in err_one
+
     def test_fused_qkv_is_refused():
         from dejavu_jax.params import fuse_qkv
         shapes = jax.eval_shape(lambda: fuse_qkv(dj.init_params(_opt8(), jax.random.key(0))))
