@@ -128,8 +128,7 @@ class SparseConfig:
                              f"{self.layer_unroll!r}")
         if len(self.mlp_k) != len(self.head_k):
             raise ValueError("mlp_k and head_k must have one entry per layer")
-        if (isinstance(self.kv_window, (bool, np.bool_))
-                or not isinstance(self.kv_window, (int, np.integer)) or self.kv_window < 1):
+        if not _is_whole(self.kv_window) or self.kv_window < 1:
             raise ValueError(f"kv_window must be a whole number >= 1, got {self.kv_window!r}")
         if self.batch_policy not in BATCH_POLICIES:
             raise ValueError(f"batch_policy must be one of {BATCH_POLICIES}, got "
@@ -195,6 +194,11 @@ class SparseConfig:
                 "heads": [k / config.n_heads for k in self.head_k]}
 
 
+def _is_whole(value) -> bool:
+    """Whether `value` is a Python or numpy integer (not a bool)."""
+    return isinstance(value, (int, np.integer)) and not isinstance(value, (bool, np.bool_))
+
+
 def _per_layer(value, n_layers: int, name: str) -> list[float]:
     if isinstance(value, (str, bytes)):
         raise ValueError(f"{name} must be a number or one number per layer, got {value!r}")
@@ -226,8 +230,7 @@ def sparse_config(config: ModelConfig, mlp_density=0.1, head_density=0.5,
     """
     L = config.n_layers
     dense_layers = default_dense_layers(L) if dense_layers is None else dense_layers
-    if isinstance(dense_layers, (bool, np.bool_)) or not isinstance(dense_layers,
-                                                                    (int, np.integer)):
+    if not _is_whole(dense_layers):
         raise ValueError(f"dense_layers must be a whole number of layers, got {dense_layers!r}")
     dense_layers = int(dense_layers)
     mlp = _per_layer(mlp_density, L, "mlp_density")
@@ -242,7 +245,7 @@ def sparse_config(config: ModelConfig, mlp_density=0.1, head_density=0.5,
                   for l in range(L))
     head_k = tuple(config.n_heads if l < dense_layers else count(heads[l], config.n_heads)
                    for l in range(L))
-    if isinstance(kv_window, np.integer) and not isinstance(kv_window, np.bool_):
+    if _is_whole(kv_window):
         kv_window = int(kv_window)
     return SparseConfig(mlp_k, head_k, dense_layers, oracle, kv_window, impl)
 
@@ -982,12 +985,7 @@ def sparse_step_fn(config: ModelConfig, scfg: SparseConfig, select: Selector,
     check_step_tokens(tokens, config.vocab_size, state.dense)
     check_step_positions(config, state.dense)
     params, selector_params = engine_params(params)
-    if isinstance(select, PredictorSelector):
-        check_predictors(config, selector_params)
-    if select is fixed_selector:
-        check_fixed_sets(config, scfg, selector_params)
-    if scfg.threshold_sites:
-        check_thresholds(config, selector_params)
+    check_selector_params(config, scfg, select, selector_params)
     check_cache_layout(params, state.dense)
     if has_fused_qkv(params):
         raise ValueError("the sparse step gathers heads from wq/wk/wv: pass params without "
@@ -1223,9 +1221,10 @@ def predictor_selector(group_size: int,
     (per-row `lax.top_k` and a sort), "local" through `kernels.union_select` (the union
     of the rows' local top-k sets, chunk by chunk, in one launch; about min(n, k * B)
     ids; past `LOCAL_UNION_ROWS` rows as below), or with a `union_capacity` through
-    `topk.union_top_k` (counting passes, no sort). A union of every unit needs no ranking at all. Heads are per row
-    ([B, k] ids: each row attends with its own, `kernels.head_sparse_attention`'s
-    per-row masks), unless `union_capacity` gives their union a size.
+    `topk.union_top_k` (counting passes, no sort). A union of every unit needs no ranking
+    at all. Heads are per row ([B, k] ids: each row attends with its own,
+    `kernels.head_sparse_attention`'s per-row masks), unless `union_capacity` gives their
+    union a size.
     method (`SELECT_METHODS`), for a single row: "exact" (`lax.top_k`, a sort on the GPU;
     the default, the true top-k) or "local" (`kernels.top_k.top_k_indices_local`: the top
     round(k/P) of each of P chunks of 2048 scores in one launch of parallel programs, impl
@@ -1317,12 +1316,17 @@ def sparse_engine(config: ModelConfig, scfg: SparseConfig, select: Selector):
         step=functools.partial(sparse_step_fn, config, scfg, select),
         init_state=functools.partial(init_sparse_state, config, scfg),
         name="oracle" if scfg.oracle else "sparse",
-        check_params=functools.partial(_check_selector_params, config, scfg, select))
+        check_params=lambda params: check_selector_params(config, scfg, select,
+                                                          engine_params(params)[1]))
 
 
-def _check_selector_params(config: ModelConfig, scfg: SparseConfig, select, params) -> None:
-    """The value checks of fixed sets and thresholds, on concrete engine params."""
-    selector_params = engine_params(params)[1]
+def check_selector_params(config: ModelConfig, scfg: SparseConfig, select,
+                          selector_params) -> None:
+    """ValueError unless the selector params fit `select` and the model: predictors of its
+    shapes, fixed sets of in-range distinct ids, a threshold table of finite values >= 0
+    (values checked when concrete)."""
+    if isinstance(select, PredictorSelector):
+        check_predictors(config, selector_params)
     if select is fixed_selector:
         check_fixed_sets(config, scfg, selector_params)
     if scfg.threshold_sites:
