@@ -41,6 +41,10 @@
    by the gate's neuron rows), OPT and Gemma 3 (post-norms): logits and K cache against the
    jnp computation on the usual weights; and the two kernels alone, one row and three,
    against their references.
+8. ("chained") Checks 1 and 6 again with the sparse MLP's two launches as one
+   (`kernels.MLPConfig(chained=True)`: fc2's programs wait on a counter of fc1's):
+   tiny OPT (unrolled and stacked) and Llama (gated), the batch-1 selection riding in it,
+   and a 3-row batch's.
 
 Writes kernel_parity.json and exits 1 when a difference exceeds --tol or a set differs
 (beyond key ties, for the split predictor). On a GPU host the checks' parts run in up to 8
@@ -148,7 +152,7 @@ DECODE_CASES = (("opt-tiny", ((1.0, 1.0), (0.3, 0.5)), ("unrolled", "stacked", "
                 ("opt-tiny-gelu", ((0.3, 0.5),), ("unrolled",)))   # the exact gelu's erf
 
 
-def _decode_rows(impl: str, steps: int, cases) -> list[dict]:
+def _decode_rows(impl: str, steps: int, cases, mlp_config=None) -> list[dict]:
     rows = []
     for preset, densities, layouts in cases:
         config = (gemma3_tiny() if preset == "gemma3-tiny" else
@@ -158,7 +162,8 @@ def _decode_rows(impl: str, steps: int, cases) -> list[dict]:
         for mlp, heads in densities:
             # batch_policy "kernels": batch 2 would otherwise run XLA's dense layers
             scfg = dataclasses.replace(sparse.sparse_config(
-                config, mlp, heads, dense_layers=1, kv_window=4), batch_policy="kernels")
+                config, mlp, heads, dense_layers=1, kv_window=4), batch_policy="kernels",
+                mlp_config=mlp_config)
             sets = random_sets(config, scfg, seed=3)
             # one reference (stacked layers) for both layouts: the same function
             ref = _decode(config, dataclasses.replace(scfg, impl="reference"), params, sets,
@@ -174,7 +179,8 @@ def _decode_rows(impl: str, steps: int, cases) -> list[dict]:
                                    params, layout_sets, steps, False)
                 got = _decode(config, dataclasses.replace(scfg, impl=impl), p, layout_sets,
                               steps, layout == "unrolled")
-                rows.append(dict(check="decode", preset=preset, mlp=mlp, heads=heads,
+                rows.append(dict(check="decode" if mlp_config is None else "chained",
+                                 preset=preset, mlp=mlp, heads=heads,
                                  layout=layout, steps=steps,
                                  logits=float(np.abs(got[0] - want[0]).max()),
                                  k_cache=float(np.abs(got[1] - want[1]).max())))
@@ -263,7 +269,7 @@ def _per_step_sets(log: list, n_layers: int):
 SPLIT_VARIANTS = ((True, "unrolled"), (True, "stacked"), (False, "stacked"))
 
 
-def split_rows(impl: str, steps: int, variants=None) -> list[dict]:
+def split_rows(impl: str, steps: int, variants=None, mlp_config=None) -> list[dict]:
     """The decode step with the split predictor (batch 1, local top-k; its selection riding
     in the MLP launches or in launches of its own) against the reference step, for each
     (ride_mlp_launches, layout) of `variants` (default `SPLIT_VARIANTS`).
@@ -288,6 +294,7 @@ def split_rows(impl: str, steps: int, variants=None) -> list[dict]:
     preds = decode_predictors(raw)
     scfg = sparse.sparse_config(config, 0.3, 0.5, dense_layers=1, kv_window=4)
     ref_scfg = dataclasses.replace(scfg, impl="reference")
+    scfg = dataclasses.replace(scfg, mlp_config=mlp_config)
     with jax.default_matmul_precision("highest"):
         ref_log: list = []
         ref = _decode(config, ref_scfg, params, preds, steps, False,
@@ -315,6 +322,7 @@ def split_rows(impl: str, steps: int, variants=None) -> list[dict]:
                     slack = max(slack, _selection_slack(mlp, neurons[layer], chunks),
                                 _selection_slack(heads, groups[layer], 1))
             rows.append(dict(check="split", preset="opt-tiny", ride=ride, layout=layout,
+                             **({} if mlp_config is None else dict(mlp_launches="chained")),
                              steps=steps, logits=float(np.abs(got[0] - replay[0]).max()),
                              k_cache=float(np.abs(got[1] - replay[1]).max()),
                              selection_slack=slack,
@@ -346,7 +354,7 @@ BATCH_SELECT_HEADS = (0.5, 0.25)
 BATCH_SELECT_METHODS = ("local", "local" + HEADS_IN_FC1)
 
 
-def batch_select_rows(impl: str, steps: int) -> list[dict]:
+def batch_select_rows(impl: str, steps: int, variants=None, mlp_config=None) -> list[dict]:
     """("batch-select") A 3-row sparse decode on tiny OPT (unrolled layers) with decode-form
     predictors, the union policy and the local method, the selection riding in the
     step's other launches (`sparse.PredictorSelector.batch_riders`; `BATCH_SELECT_METHODS`:
@@ -362,10 +370,12 @@ def batch_select_rows(impl: str, steps: int) -> list[dict]:
     preds = decode_predictors(random_predictors(config, 16, jax.random.key(1)))
     rows = []
     with jax.default_matmul_precision("highest"):
-        for heads, name in itertools.product(BATCH_SELECT_HEADS, BATCH_SELECT_METHODS):
+        for heads, name in variants or itertools.product(BATCH_SELECT_HEADS,
+                                                         BATCH_SELECT_METHODS):
             scfg = dataclasses.replace(sparse.sparse_config(config, 0.1, heads, dense_layers=1,
                                                             kv_window=4), batch_policy="union")
             ref_scfg = dataclasses.replace(scfg, impl="reference")
+            scfg = dataclasses.replace(scfg, mlp_config=mlp_config)
             select = variant_selector(1, name, impl=impl)
             rides = select.rides_batch(preds, 3, scfg.mlp_k[-1], impl)
             log: list = []
@@ -382,6 +392,7 @@ def batch_select_rows(impl: str, steps: int) -> list[dict]:
                 (x for pair in got_sets for x in pair),
                 (x for pair in _batch_step_sets(ref_log, config.n_layers) for x in pair)))
             rows.append(dict(check="batch-select", preset="opt-tiny", batch=3, heads=heads,
+                             **({} if mlp_config is None else dict(mlp_launches="chained")),
                              select=name, rides=bool(rides), steps=steps,
                              logits=float(np.abs(got[0] - replay[0]).max()),
                              k_cache=float(np.abs(got[1] - replay[1]).max()),
@@ -623,7 +634,24 @@ def row_passes(r: dict, tol: float) -> bool:
 
 
 CHECKS = ("norm", "window", "decode", "split", "batch-select", "top-k", "predictor",
-          "threshold")
+          "threshold", "chained")
+
+# the sparse MLP's two launches as one (`kernels.MLPConfig.chained`): plain, gated, with the
+# batch-1 and the batch selection riding in it
+CHAINED_DECODE_CASES = (("opt-tiny", ((0.3, 0.5),), ("unrolled", "stacked")),
+                        ("llama-tiny", ((0.3, 0.5),), ("unrolled",)))
+
+
+def chained_rows(impl: str, steps: int) -> list[dict]:
+    """("chained") Checks 1 and 6 with the sparse MLP's fc1 and fc2 in one launch, fc2's
+    programs waiting on a counter of fc1's (`kernels.launch.chained_launch`)."""
+    from dejavu_jax.kernels import MLPConfig
+    cfg = MLPConfig(chained=True)
+    with jax.default_matmul_precision("highest"):
+        rows = _decode_rows(impl, steps, CHAINED_DECODE_CASES, mlp_config=cfg)
+    rows += split_rows(impl, steps, ((True, "unrolled"), (True, "stacked")), mlp_config=cfg)
+    rows += batch_select_rows(impl, steps, ((0.5, "local"),), mlp_config=cfg)
+    return rows
 
 
 def check_parts(impl: str, steps: int) -> list[tuple[str, object]]:
@@ -639,7 +667,8 @@ def check_parts(impl: str, steps: int) -> list[tuple[str, object]]:
             ("norm", functools.partial(norm_rows, impl)),
             *[("threshold", functools.partial(threshold_rows, impl, steps, (case,), False))
               for case in THRESHOLD_CASES],
-            ("threshold", functools.partial(threshold_rows, impl, steps, (), True))]
+            ("threshold", functools.partial(threshold_rows, impl, steps, (), True)),
+            ("chained", functools.partial(chained_rows, impl, steps))]
 
 
 def _run_parts_in_processes(args, parts: list[int], jobs: int):

@@ -367,6 +367,12 @@ def main(argv=None):
     p.add_argument("--attn-batches", default=None, help="batches for attention (default --batches)")
     p.add_argument("--baselines", default="dense,gather", help="comma list of dense, gather")
     p.add_argument("--gather-batches", default="1", help="batches at which to time W[idx]@x")
+    p.add_argument("--mlp-configs", default="base",
+                   help="'/'-separated MLPConfig variants each timed in the sweep's sparse "
+                        "MLP rows, e.g. 'base/chained=1'")
+    p.add_argument("--residual", action="store_true",
+                   help="sparse MLP rows add into fp32 residual rows in the launch, as a "
+                        "decode step does")
     p.add_argument("--check", action="store_true", help="GPU correctness checks first")
     p.add_argument("--tune", action="store_true", help="time block-size variants first")
     p.add_argument("--tune-densities", default="0.05,0.1,0.25")
@@ -463,6 +469,9 @@ def main(argv=None):
         del W
 
     if not a.no_sweep:
+        from .bench_step_parts import parse_variants
+        variants = [(label if label != "base" else "", cfg) for label, cfg in
+                    parse_variants(a.mlp_configs, MLPConfig)]
         models = [m for m in a.models.split(",") if m]
         batches = [int(b) for b in a.batches.split(",")]
         gather_b = [int(b) for b in a.gather_batches.split(",") if b]
@@ -484,18 +493,23 @@ def main(argv=None):
                     for dens in [float(v) for v in a.densities.split(",")]:
                         if over_time_limit():
                             break
-                        for which in ("sparse", "gather"):
+                        for which, (label, cfg) in [("sparse", v) for v in variants] + [
+                                ("gather", ("", None))]:
                             if which == "gather" and ("gather" not in base or B not in gather_b):
                                 continue
-                            r = guarded(bench_mlp_point, W, d, B, dens, which=which)
+                            r = guarded(bench_mlp_point, W, d, B, dens, which=which,
+                                        config=cfg, residual=a.residual and which == "sparse")
                             if not r:
                                 continue
                             r["model"] = mname
+                            if label:
+                                r["variant"] = label
                             if dense:
                                 r["speedup_vs_dense"] = dense["time_us"] / r["time_us"]
                                 r["frac_of_dense_bw"] = r["gbps"] / dense["gbps"]
                             res["mlp"].append(r)
-                            log(f"mlp {mname} B={B} density {dens:<5g} {which:6s}: {r['time_us']:8.1f} us "
+                            log(f"mlp {mname} B={B} density {dens:<5g} {which:6s} {label}: "
+                                f"{r['time_us']:8.1f} us "
                                 f"{r['gbps']:7.0f} GB/s  x{r.get('speedup_vs_dense', float('nan')):.2f}")
                         save()
                 del W
@@ -558,7 +572,7 @@ def markdown_table(res):
                 "| model | B | density | K | variant | MB needed | time µs | GB/s | × dense | % dense BW |",
                 "|---|---|---|---|---|---|---|---|---|---|"]
         for r in res["mlp"]:
-            out.append(f"| {r.get('model')} | {r['B']} | {r['density']:g} | {r['K']} | {r['which']} | "
+            out.append(f"| {r.get('model')} | {r['B']} | {r['density']:g} | {r['K']} | {r['which']}{' ' + r['variant'] if r.get('variant') else ''} | "
                        f"{r['bytes'] / 1e6:.1f} | {r['time_us']:.1f} | {r['gbps']:.0f} | "
                        f"{r.get('speedup_vs_dense', float('nan')):.2f} | "
                        f"{100 * r.get('frac_of_dense_bw', float('nan')):.0f} |")

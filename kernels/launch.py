@@ -9,6 +9,13 @@ latency-bound part (a selection) placed first runs beside a bandwidth-bound one.
 
 Every ref is a whole array in HBM (the kernels here load with masks and no BlockSpecs),
 so parts compose without any block mapping.
+
+:func:`chained_launch` runs two dependent launches as one: the second stage's programs
+are resident while the first stage's run, read their inputs (:class:`Pending` outputs of
+the first stage) only once a counter says every first-stage program has stored its
+results, and may read what does not depend on them (their weights) before that
+(:func:`await_inputs`). The GPU starts a grid's programs in id order, so first-stage
+programs never wait behind second-stage ones.
 """
 from __future__ import annotations
 
@@ -16,8 +23,11 @@ import contextlib
 import contextvars
 import dataclasses
 import math
-from typing import Callable, Sequence
+from typing import Any, Callable, Sequence
 
+import jax
+import jax.numpy as jnp
+from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
@@ -35,13 +45,44 @@ class LaunchPart:
     out_shape: tuple
     aliases: dict = dataclasses.field(default_factory=dict)
     name: str = "kernel"
+    awaits: bool = False  # in a chained launch's second stage: the body calls await_inputs
 
     @property
     def programs(self) -> int:
         return math.prod(self.grid)
 
 
+@dataclasses.dataclass(frozen=True)
+class Pending:
+    """A first-stage output of a :func:`chained_launch`, standing as a second-stage part's
+    input (shape and dtype only; the program reads it in place once it is written)."""
+    part: int
+    output: int
+    shape: tuple
+    dtype: Any
+
+    @property
+    def ndim(self) -> int:
+        return len(self.shape)
+
+
 _INTERPRETING = contextvars.ContextVar("pallas_interpreting", default=False)
+_AWAIT = contextvars.ContextVar("pallas_await_inputs", default=None)
+
+
+def awaiting() -> bool:
+    """Whether the body now being traced must call :func:`await_inputs` before reading
+    its pending inputs (a chained launch's second-stage part declared ``awaits``)."""
+    return _AWAIT.get() is not None
+
+
+def await_inputs() -> None:
+    """Inside a chained launch's second-stage part declared ``awaits``: wait until the
+    first stage's outputs are written (reads before this may not touch them). Elsewhere
+    nothing."""
+    wait = _AWAIT.get()
+    if wait is not None:
+        wait()
 
 
 def interpreting() -> bool:
@@ -79,38 +120,108 @@ def launch(parts: Sequence[LaunchPart], *, num_warps: int = 4, num_stages: int =
     parts = list(parts)
     if not parts:
         raise ValueError("launch needs at least one part")
+    return _launch(parts, 0, num_warps=num_warps, num_stages=num_stages,
+                   interpret=interpret, name=name)
+
+
+def chained_launch(first: Sequence[LaunchPart], then_of: Callable, *, num_warps: int = 4,
+                   num_stages: int = 2, interpret: bool = False,
+                   name: str | None = None) -> tuple[list[tuple], list[tuple]]:
+    """Two dependent launches as one ``pallas_call``: ``first``'s parts, then the parts
+    ``then_of(outputs)`` builds from the first stage's outputs given as :class:`Pending`
+    placeholders (a list of tuples, as :func:`launch` returns). Returns (first stage's
+    outputs, second stage's outputs), each as :func:`launch` returns them.
+
+    Each first-stage program adds one to a counter after its stores; a second-stage
+    program waits for the count of all of them before its body, or where the part is
+    declared ``awaits``, where its body calls :func:`await_inputs`.
+    """
+    first = list(first)
+    if not first:
+        raise ValueError("chained_launch needs at least one first-stage part")
+    pending = [tuple(Pending(k, o, tuple(s.shape), s.dtype) for o, s in enumerate(p.out_shape))
+               for k, p in enumerate(first)]
+    second = list(then_of(pending))
+    if not second:
+        raise ValueError("chained_launch needs at least one second-stage part")
+    outs = _launch(first + second, len(first), num_warps=num_warps, num_stages=num_stages,
+                   interpret=interpret, name=name)
+    return outs[:len(first)], outs[len(first):]
+
+
+def _launch(parts, n_first: int, *, num_warps, num_stages, interpret, name):
+    """One ``pallas_call`` of the parts; with ``n_first`` > 0 the parts from n_first on
+    are a second stage waiting on the first (see :func:`chained_launch`)."""
     inputs, out_shape, aliases, spans = [], [], {}, []
-    for part in parts:
+    out_starts = []
+    for k, part in enumerate(parts):
+        out_starts.append(len(out_shape))
+        where = []   # per input: ("in", global index) or ("out", global output index)
+        for i, a in enumerate(part.inputs):
+            if isinstance(a, Pending):
+                if k < n_first or a.part >= n_first:
+                    raise ValueError("a pending input must be a first-stage output read by "
+                                     "a second-stage part")
+                where.append(("out", out_starts[a.part] + a.output))
+            else:
+                where.append(("in", len(inputs)))
+                inputs.append(a)
         for i, o in part.aliases.items():
-            aliases[len(inputs) + i] = len(out_shape) + o
-        spans.append((len(inputs), len(part.inputs), len(out_shape), len(part.out_shape)))
-        inputs += list(part.inputs)
+            kind, at = where[i]
+            if kind != "in":
+                raise ValueError("a pending input cannot be aliased to an output")
+            aliases[at] = len(out_shape) + o
+        spans.append((where, len(out_shape), len(part.out_shape)))
         out_shape += list(part.out_shape)
+    chained = n_first > 0
+    if chained:   # the first stage's counter, zeroed, written in place
+        aliases[len(inputs)] = len(out_shape)
+        inputs.append(jnp.zeros((1,), jnp.int32))
+        out_shape.append(jax.ShapeDtypeStruct((1,), jnp.int32))
     n_in = len(inputs)
 
     def refs_of(refs, k):
-        i0, ni, o0, no = spans[k]
-        return refs[i0:i0 + ni] + refs[n_in + o0:n_in + o0 + no]
+        where, o0, no = spans[k]
+        ins = [refs[at] if kind == "in" else refs[n_in + at] for kind, at in where]
+        return tuple(ins) + tuple(refs[n_in + o0:n_in + o0 + no])
 
-    if len(parts) == 1:
-        grid = parts[0].grid
+    grid = parts[0].grid if len(parts) == 1 else (sum(p.programs for p in parts),)
+    n_before = sum(p.programs for p in parts[:n_first])
 
-        def kernel(*refs):
+    def kernel(*refs):
+        if len(parts) == 1:
             pids = tuple(pl.program_id(a) for a in range(len(grid)))
             parts[0].body(pids, *refs_of(refs, 0))
-    else:
-        grid = (sum(p.programs for p in parts),)
+            return
+        p = pl.program_id(0)
+        count_ref = refs[-1] if chained else None
+        start = 0
+        for k, part in enumerate(parts):
+            stop = start + part.programs
+            if chained and k == n_first:
+                @pl.when(p < n_before)
+                def _():
+                    _signal_done(count_ref, interpret)
 
-        def kernel(*refs):
-            p = pl.program_id(0)
-            start = 0
-            for k, part in enumerate(parts):
-                stop = start + part.programs
-
-                @pl.when((p >= start) & (p < stop))
-                def _(k=k, part=part, start=start):
-                    part.body(_unravel(p - start, part.grid), *refs_of(refs, k))
-                start = stop
+            @pl.when((p >= start) & (p < stop))
+            def _(k=k, part=part, start=start):
+                run = lambda: part.body(_unravel(p - start, part.grid), *refs_of(refs, k))
+                if not (chained and k >= n_first):
+                    return run()
+                wait = lambda: _wait_for(count_ref, n_before, interpret)
+                if not part.awaits:
+                    wait()
+                    return run()
+                called = []
+                token = _AWAIT.set(lambda: (called.append(1), wait()))
+                try:
+                    run()
+                finally:
+                    _AWAIT.reset(token)
+                if not called:
+                    raise ValueError(f"part {part.name} is declared awaits but its body "
+                                     "never calls await_inputs()")
+            start = stop
 
     with _tracing_for(interpret):
         outs = pl.pallas_call(
@@ -123,9 +234,25 @@ def launch(parts: Sequence[LaunchPart], *, num_warps: int = 4, num_stages: int =
             interpret=interpret,
             name=name or "_".join(p.name for p in parts),
         )(*inputs)
-    result, o = [], 0
-    for part in parts:
-        result.append(tuple(outs[o:o + len(part.out_shape)]))
-        o += len(part.out_shape)
+    result = []
+    for part, (_, o0, no) in zip(parts, spans):
+        result.append(tuple(outs[o0:o0 + no]))
     return result
 
+
+def _signal_done(count_ref, interpret: bool) -> None:
+    """A first-stage program's end: every thread's stores done (a block barrier), then
+    one release add to the counter."""
+    if not interpret:   # the interpreter runs one program at a time and has no barrier
+        plgpu.debug_barrier()
+    plgpu.atomic_add(count_ref, (jnp.int32(0),), jnp.int32(1))
+
+
+def _wait_for(count_ref, n: int, interpret: bool) -> None:
+    """Spin until the counter reaches n, then one acquire (an atomic add of 0) and a block
+    barrier, so that no thread's later read comes before the first stage's stores."""
+    read = lambda _: plgpu.load(count_ref.at[0], volatile=True)
+    lax.while_loop(lambda c: c < n, read, read(None))
+    plgpu.atomic_add(count_ref, (jnp.int32(0),), jnp.int32(0))
+    if not interpret:
+        plgpu.debug_barrier()

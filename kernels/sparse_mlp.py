@@ -25,7 +25,7 @@ from ._common import (activation_fn, balanced_chunks, cdiv, check_array, check_b
                       check_indices, resolve_impl, sm_count)
 from .gather_matvec import (Segment, batch_pad, gather_matvec_part, gather_matvec_t_part,
                             partials_loader)
-from .launch import launch
+from .launch import chained_launch, launch
 
 
 
@@ -42,6 +42,7 @@ class MLPConfig:
     num_stages: int = 2
     target_programs: int | None = None  # fc2 programs to aim for (None: 8 per SM)
     fc2_masked_atomics: bool = True  # a batch's rows added by one masked atomic
+    chained: bool = False  # fc1 and fc2 in one launch, fc2 waiting on fc1 (chained_launch)
 
     def resolve(self, K: int, d: int, B: int) -> "MLPConfig":
         """Fill the automatic fields for ``K`` selected rows, width ``d`` and batch ``B``."""
@@ -126,20 +127,26 @@ def sparse_mlp_pallas(x, w1, b1, w2t, b2, idx, *, activation="relu", w_gate=None
     segs = [Segment(w1, idx)] + ([Segment(w_gate, idx)] if w_gate is not None else [])
     fc1 = gather_matvec_part(x, segs, block_rows=cfg.fc1_block_rows, block_d=cfg.fc1_block_d,
                              d_chunks=cfg.fc1_d_chunks)
-    *rider_outs, parts = launch([*fc1_riders, fc1], num_warps=cfg.num_warps,
-                                num_stages=cfg.num_stages, interpret=interpret)
-    act_args = list(parts) + ([b1] if b1 is not None else [])
-    load_act = functools.partial(partials_loader, nds=parts[0].shape[0], B=B, Bp=batch_pad(B),
-                                 has_b1=b1 is not None, gated=w_gate is not None,
-                                 activation=activation)
-    fc2 = gather_matvec_t_part(act_args, load_act, w2t, idx, B=B,
-                               block_rows=cfg.fc2_block_rows, block_d=cfg.fc2_block_d,
-                               row_blocks_per_program=cfg.fc2_row_blocks, residual=residual,
-                               bias=None if residual is None else b2,
-                               masked_atomics=cfg.fc2_masked_atomics)
-    fc2_riders = riders.fc2_of(rider_outs) if riders is not None else ()
-    *rider_outs, (out,) = launch([*fc2_riders, fc2], num_warps=cfg.num_warps,
-                                 num_stages=cfg.num_stages, interpret=interpret)
+
+    def fc2_parts(first_outs):
+        *rider_outs, parts = first_outs
+        act_args = list(parts) + ([b1] if b1 is not None else [])
+        load_act = functools.partial(partials_loader, nds=parts[0].shape[0], B=B,
+                                     Bp=batch_pad(B), has_b1=b1 is not None,
+                                     gated=w_gate is not None, activation=activation)
+        fc2 = gather_matvec_t_part(act_args, load_act, w2t, idx, B=B,
+                                   block_rows=cfg.fc2_block_rows, block_d=cfg.fc2_block_d,
+                                   row_blocks_per_program=cfg.fc2_row_blocks,
+                                   residual=residual, bias=None if residual is None else b2,
+                                   masked_atomics=cfg.fc2_masked_atomics)
+        return [*(riders.fc2_of(rider_outs) if riders is not None else ()), fc2]
+
+    settings = dict(num_warps=cfg.num_warps, num_stages=cfg.num_stages, interpret=interpret)
+    if cfg.chained:
+        _, (*rider_outs, (out,)) = chained_launch([*fc1_riders, fc1], fc2_parts, **settings)
+    else:
+        first_outs = launch([*fc1_riders, fc1], **settings)
+        *rider_outs, (out,) = launch(fc2_parts(first_outs), **settings)
     if residual is None:
         out = out.sum(axis=0)
         if b2 is not None:

@@ -64,6 +64,18 @@ def test_sparse_mlp_lowers(B, gated, residual, activation):
     assert text.count("gather_matvec") >= 2
 
 
+@pytest.mark.parametrize("B", [1, 3])
+def test_chained_sparse_mlp_lowers(B):
+    """fc1 and fc2 in one launch (`MLPConfig.chained`): one gather launch, a block barrier
+    and a counter the second stage spins on (a volatile load in a loop)."""
+    d, F, K = 576, 1536, 200
+    cfg = kernels.MLPConfig(chained=True)
+    text = lowers(lambda *a: kernels.sparse_mlp(*a, residual=z(B, d, dtype=F32),
+                                                impl="pallas", config=cfg),
+                  z(B, d), z(F, d), z(F), z(F, d), z(d), jnp.arange(K, dtype=jnp.int32))
+    assert set(re.findall(r'\bname = "([^"]+)"', text)) == {"gather_matvec_gather_matvec_t"}
+
+
 @pytest.mark.parametrize("B,n_kv,rope,window,residual,masked", [
     (1, 8, False, True, True, False),
     (2, 4, True, True, True, True),       # a query-head mask (GQA)
@@ -150,11 +162,12 @@ def test_norms_top_k_and_predictor_select_lower():
                z(L, F, dtype=F32), z(L, r, H), z(L, H, dtype=F32))
 
 
-@pytest.mark.parametrize("preset,batch,split,stacked,unroll", [
-    ("opt-tiny", 1, True, False, 1), ("opt-tiny", 2, False, False, 1),
-    ("llama-tiny", 1, False, False, 1), ("opt-tiny", 1, True, True, 1),
-    ("opt-tiny", 1, True, True, True), ("opt-tiny", 1, True, True, 4)])
-def test_sparse_decode_step_lowers(preset, batch, split, stacked, unroll):
+@pytest.mark.parametrize("preset,batch,split,stacked,unroll,chained", [
+    ("opt-tiny", 1, True, False, 1, False), ("opt-tiny", 2, False, False, 1, False),
+    ("llama-tiny", 1, False, False, 1, False), ("opt-tiny", 1, True, True, 1, False),
+    ("opt-tiny", 1, True, True, True, False), ("opt-tiny", 1, True, True, 4, False),
+    ("opt-tiny", 1, True, True, 1, True), ("opt-tiny", 2, False, False, 1, True)])
+def test_sparse_decode_step_lowers(preset, batch, split, stacked, unroll, chained):
     """The whole sparse decode step on the GPU path: dense layers, fused norms, windowed
     attention, residual-accumulating launches, the split predictor; per-layer weights or
     stacked ones (a scan, kernels indexing all layers' weights by global ids, or with
@@ -169,7 +182,8 @@ def test_sparse_decode_step_lowers(preset, batch, split, stacked, unroll):
     # batch_policy "kernels": a batch would otherwise run XLA's dense layers
     scfg = dataclasses.replace(sparse.sparse_config(config, 0.25, 0.5, dense_layers=1,
                                                     impl="pallas"), batch_policy="kernels",
-                               layer_unroll=unroll)
+                               layer_unroll=unroll,
+                               mlp_config=kernels.MLPConfig(chained=chained))
     preds = decode_predictors(random_predictors(config, 16, jax.random.key(1)))
     select = sparse.predictor_selector(config.group_size, method="local", impl="pallas")
     assert select.splits(preds, batch) == split
@@ -178,6 +192,11 @@ def test_sparse_decode_step_lowers(preset, batch, split, stacked, unroll):
     text = lowers(eng.step, (params, preds), state, jnp.zeros((batch,), jnp.int32))
     # the split selection rides in the MLP launches (the launches' names join their parts')
     batch1_launch = lambda name: re.search(rf"(?<!batch_){name}", text) is not None
+    if chained:   # the two MLP launches are one, the selection's parts in it
+        pre = "batch_" if batch > 1 else ""
+        assert (f"{pre}predictor_scores_gather_matvec_{pre}predictor_select_gather_matvec_t"
+                in text)
+        return
     assert batch1_launch("predictor_scores_gather_matvec") == split
     assert batch1_launch("predictor_select_gather_matvec_t") == split
     assert "layer_norm" in text
