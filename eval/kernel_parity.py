@@ -42,9 +42,9 @@
    jnp computation on the usual weights; and the two kernels alone, one row and three,
    against their references.
 8. ("chained") Checks 1 and 6 again with the sparse MLP's two launches as one
-   (`kernels.MLPConfig(chained=True)`: fc2's programs wait on a counter of fc1's):
-   tiny OPT (unrolled and stacked) and Llama (gated), the batch-1 selection riding in it,
-   and a 3-row batch's.
+   (`kernels.MLPConfig(chained=True)`: fc2's programs wait on a counter of fc1's), and
+   with the MLP norm first in the same launch (`chain_norm`): tiny OPT (unrolled and
+   stacked) and Llama (gated), the batch-1 selection riding in it, and a 3-row batch's.
 
 Writes kernel_parity.json and exits 1 when a difference exceeds --tol or a set differs
 (beyond key ties, for the split predictor). On a GPU host the checks' parts run in up to 8
@@ -322,7 +322,9 @@ def split_rows(impl: str, steps: int, variants=None, mlp_config=None) -> list[di
                     slack = max(slack, _selection_slack(mlp, neurons[layer], chunks),
                                 _selection_slack(heads, groups[layer], 1))
             rows.append(dict(check="split", preset="opt-tiny", ride=ride, layout=layout,
-                             **({} if mlp_config is None else dict(mlp_launches="chained")),
+                             **({} if mlp_config is None else dict(
+                                 mlp_launches="norm, fc1, fc2" if mlp_config.chain_norm
+                                 else "fc1, fc2")),
                              steps=steps, logits=float(np.abs(got[0] - replay[0]).max()),
                              k_cache=float(np.abs(got[1] - replay[1]).max()),
                              selection_slack=slack,
@@ -392,7 +394,9 @@ def batch_select_rows(impl: str, steps: int, variants=None, mlp_config=None) -> 
                 (x for pair in got_sets for x in pair),
                 (x for pair in _batch_step_sets(ref_log, config.n_layers) for x in pair)))
             rows.append(dict(check="batch-select", preset="opt-tiny", batch=3, heads=heads,
-                             **({} if mlp_config is None else dict(mlp_launches="chained")),
+                             **({} if mlp_config is None else dict(
+                                 mlp_launches="norm, fc1, fc2" if mlp_config.chain_norm
+                                 else "fc1, fc2")),
                              select=name, rides=bool(rides), steps=steps,
                              logits=float(np.abs(got[0] - replay[0]).max()),
                              k_cache=float(np.abs(got[1] - replay[1]).max()),
@@ -642,13 +646,16 @@ CHAINED_DECODE_CASES = (("opt-tiny", ((0.3, 0.5),), ("unrolled", "stacked")),
                         ("llama-tiny", ((0.3, 0.5),), ("unrolled",)))
 
 
-def chained_rows(impl: str, steps: int) -> list[dict]:
+def chained_rows(impl: str, steps: int, norm: bool = False) -> list[dict]:
     """("chained") Checks 1 and 6 with the sparse MLP's fc1 and fc2 in one launch, fc2's
-    programs waiting on a counter of fc1's (`kernels.launch.chained_launch`)."""
+    programs waiting on a counter of fc1's (`kernels.launch.chained_launch`); with `norm`
+    the MLP norm first in the same launch, fc1 waiting on it (`MLPConfig.chain_norm`)."""
     from dejavu_jax.kernels import MLPConfig
-    cfg = MLPConfig(chained=True)
+    cfg = MLPConfig(chained=True, chain_norm=norm)
     with jax.default_matmul_precision("highest"):
         rows = _decode_rows(impl, steps, CHAINED_DECODE_CASES, mlp_config=cfg)
+    for r in rows:
+        r["mlp_launches"] = "norm, fc1, fc2" if norm else "fc1, fc2"
     rows += split_rows(impl, steps, ((True, "unrolled"), (True, "stacked")), mlp_config=cfg)
     rows += batch_select_rows(impl, steps, ((0.5, "local"),), mlp_config=cfg)
     return rows
@@ -668,7 +675,8 @@ def check_parts(impl: str, steps: int) -> list[tuple[str, object]]:
             *[("threshold", functools.partial(threshold_rows, impl, steps, (case,), False))
               for case in THRESHOLD_CASES],
             ("threshold", functools.partial(threshold_rows, impl, steps, (), True)),
-            ("chained", functools.partial(chained_rows, impl, steps))]
+            ("chained", functools.partial(chained_rows, impl, steps)),
+            ("chained", functools.partial(chained_rows, impl, steps, True))]
 
 
 def _run_parts_in_processes(args, parts: list[int], jobs: int):

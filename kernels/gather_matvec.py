@@ -255,11 +255,18 @@ def _gather_matvec_body(pids, *refs, seg_meta, d, bd, chunks):
                 Bq = brow.shape[0]
                 bmask = jnp.arange(Bq, dtype=jnp.int32) < nrows
 
-                def chunk(c, acc):
+                def columns(c):
                     cols = (j * chunks + c) * bd + jnp.arange(bd, dtype=jnp.int32)
-                    cm = cols < d
-                    w = plgpu.load(w_ref.at[rows[:, None], cols[None, :]],
-                                   mask=valid[:, None] & cm[None, :], other=0)
+                    return cols, cols < d
+
+                def load_w(c):
+                    cols, cm = columns(c)
+                    return plgpu.load(w_ref.at[rows[:, None], cols[None, :]],
+                                      mask=valid[:, None] & cm[None, :], other=0)
+
+                def chunk(c, acc, w=None):
+                    cols, cm = columns(c)
+                    w = load_w(c) if w is None else w
                     if Bq == 1:
                         xv = plgpu.load(x_ref.at[x_row(0), cols], mask=cm, other=0)
                         prod = w.astype(jnp.float32) * xv.astype(jnp.float32)[None, :]
@@ -268,7 +275,14 @@ def _gather_matvec_body(pids, *refs, seg_meta, d, bd, chunks):
                                     mask=bmask[:, None] & cm[None, :], other=0)
                     return acc + mma(xb, w, trans_b=True)
 
-                acc = accumulate_blocks(chunk, chunks, (bk,) if Bq == 1 else (Bq, bk))
+                shape = (bk,) if Bq == 1 else (Bq, bk)
+                if awaiting():   # a chained launch: chunk 0's weights read before x exists
+                    w0 = load_w(0)
+                    await_inputs()
+                    acc = accumulate_after(chunk(0, jnp.zeros(shape, jnp.float32), w0),
+                                           chunk, chunks)
+                else:
+                    acc = accumulate_blocks(chunk, chunks, shape)
                 if Bq == 1:
                     plgpu.store(o_ref.at[j, 0, local], acc)
                 else:
@@ -364,7 +378,8 @@ def gather_matvec_part(x: jax.Array, segments: Sequence[Segment], *, block_rows:
         start += nb
     body = functools.partial(_gather_matvec_body, seg_meta=tuple(seg_meta), d=d, bd=bd,
                              chunks=d_chunks)
-    return LaunchPart(body, (start, nds), tuple(args), tuple(outs), name="gather_matvec")
+    return LaunchPart(body, (start, nds), tuple(args), tuple(outs), name="gather_matvec",
+                      awaits=True)
 
 
 def _gather_matvec_t_body(pids, *refs, n_act, load_act, B, Bp, d, m, n_rows, bk, bd, kblocks,

@@ -120,38 +120,47 @@ def launch(parts: Sequence[LaunchPart], *, num_warps: int = 4, num_stages: int =
     parts = list(parts)
     if not parts:
         raise ValueError("launch needs at least one part")
-    return _launch(parts, 0, num_warps=num_warps, num_stages=num_stages,
+    return _launch(parts, [0], num_warps=num_warps, num_stages=num_stages,
                    interpret=interpret, name=name)
 
 
-def chained_launch(first: Sequence[LaunchPart], then_of: Callable, *, num_warps: int = 4,
+def chained_launch(first: Sequence[LaunchPart], *then_ofs: Callable, num_warps: int = 4,
                    num_stages: int = 2, interpret: bool = False,
-                   name: str | None = None) -> tuple[list[tuple], list[tuple]]:
-    """Two dependent launches as one ``pallas_call``: ``first``'s parts, then the parts
-    ``then_of(outputs)`` builds from the first stage's outputs given as :class:`Pending`
-    placeholders (a list of tuples, as :func:`launch` returns). Returns (first stage's
-    outputs, second stage's outputs), each as :func:`launch` returns them.
+                   name: str | None = None) -> list[list[tuple]]:
+    """Dependent launches as one ``pallas_call``, in stages: ``first``'s parts, then for
+    each ``then_of`` the parts it builds from the stage before's outputs, given as
+    :class:`Pending` placeholders (a list of tuples, as :func:`launch` returns; a later
+    stage may also read any earlier stage's, kept by the caller). Returns each stage's
+    outputs as :func:`launch` returns them.
 
-    Each first-stage program adds one to a counter after its stores; a second-stage
-    program waits for the count of all of them before its body, or where the part is
+    Each program of a stage but the last adds one to its stage's counter after its stores;
+    a later stage's program waits for the count of every program of the stage before
+    (which had waited for the one before it) before its body, or where the part is
     declared ``awaits``, where its body calls :func:`await_inputs`.
     """
-    first = list(first)
-    if not first:
-        raise ValueError("chained_launch needs at least one first-stage part")
-    pending = [tuple(Pending(k, o, tuple(s.shape), s.dtype) for o, s in enumerate(p.out_shape))
-               for k, p in enumerate(first)]
-    second = list(then_of(pending))
-    if not second:
-        raise ValueError("chained_launch needs at least one second-stage part")
-    outs = _launch(first + second, len(first), num_warps=num_warps, num_stages=num_stages,
-                   interpret=interpret, name=name)
-    return outs[:len(first)], outs[len(first):]
+    stages = [list(first)]
+    if not stages[0] or not then_ofs:
+        raise ValueError("chained_launch needs a first-stage part and at least one "
+                         "second-stage part builder")
+    for then_of in then_ofs:
+        base = sum(len(s) for s in stages[:-1])
+        pending = [tuple(Pending(base + k, o, tuple(s.shape), s.dtype)
+                         for o, s in enumerate(p.out_shape))
+                   for k, p in enumerate(stages[-1])]
+        stage = list(then_of(pending))
+        if not stage:
+            raise ValueError("chained_launch needs at least one second-stage part")
+        stages.append(stage)
+    starts = [sum(len(s) for s in stages[:i]) for i in range(len(stages))]
+    outs = _launch([p for s in stages for p in s], starts, num_warps=num_warps,
+                   num_stages=num_stages, interpret=interpret, name=name)
+    return [outs[a:a + len(s)] for a, s in zip(starts, stages)]
 
 
-def _launch(parts, n_first: int, *, num_warps, num_stages, interpret, name):
-    """One ``pallas_call`` of the parts; with ``n_first`` > 0 the parts from n_first on
-    are a second stage waiting on the first (see :func:`chained_launch`)."""
+def _launch(parts, starts: list[int], *, num_warps, num_stages, interpret, name):
+    """One ``pallas_call`` of the parts; ``starts``: the first part of each stage (see
+    :func:`chained_launch`; ``[0]``: one stage, nothing waits)."""
+    stage_of = [sum(k >= s for s in starts) - 1 for k in range(len(parts))]
     inputs, out_shape, aliases, spans = [], [], {}, []
     out_starts = []
     for k, part in enumerate(parts):
@@ -159,9 +168,9 @@ def _launch(parts, n_first: int, *, num_warps, num_stages, interpret, name):
         where = []   # per input: ("in", global index) or ("out", global output index)
         for i, a in enumerate(part.inputs):
             if isinstance(a, Pending):
-                if k < n_first or a.part >= n_first:
-                    raise ValueError("a pending input must be a first-stage output read by "
-                                     "a second-stage part")
+                if not 0 <= a.part < len(parts) or stage_of[a.part] >= stage_of[k]:
+                    raise ValueError("a pending input must be an earlier stage's output "
+                                     "read by a later stage's part")
                 where.append(("out", out_starts[a.part] + a.output))
             else:
                 where.append(("in", len(inputs)))
@@ -173,11 +182,11 @@ def _launch(parts, n_first: int, *, num_warps, num_stages, interpret, name):
             aliases[at] = len(out_shape) + o
         spans.append((where, len(out_shape), len(part.out_shape)))
         out_shape += list(part.out_shape)
-    chained = n_first > 0
-    if chained:   # the first stage's counter, zeroed, written in place
+    n_stages = len(starts)
+    if n_stages > 1:   # a counter per stage but the last, zeroed, written in place
         aliases[len(inputs)] = len(out_shape)
-        inputs.append(jnp.zeros((1,), jnp.int32))
-        out_shape.append(jax.ShapeDtypeStruct((1,), jnp.int32))
+        inputs.append(jnp.zeros((n_stages - 1,), jnp.int32))
+        out_shape.append(jax.ShapeDtypeStruct((n_stages - 1,), jnp.int32))
     n_in = len(inputs)
 
     def refs_of(refs, k):
@@ -186,7 +195,10 @@ def _launch(parts, n_first: int, *, num_warps, num_stages, interpret, name):
         return tuple(ins) + tuple(refs[n_in + o0:n_in + o0 + no])
 
     grid = parts[0].grid if len(parts) == 1 else (sum(p.programs for p in parts),)
-    n_before = sum(p.programs for p in parts[:n_first])
+    first_program = [sum(p.programs for p in parts[:k]) for k in range(len(parts) + 1)]
+    stage_span = [(first_program[starts[s]],
+                   first_program[starts[s + 1] if s + 1 < n_stages else len(parts)])
+                  for s in range(n_stages)]
 
     def kernel(*refs):
         if len(parts) == 1:
@@ -194,21 +206,24 @@ def _launch(parts, n_first: int, *, num_warps, num_stages, interpret, name):
             parts[0].body(pids, *refs_of(refs, 0))
             return
         p = pl.program_id(0)
-        count_ref = refs[-1] if chained else None
-        start = 0
+        count_ref = refs[-1] if n_stages > 1 else None
         for k, part in enumerate(parts):
-            stop = start + part.programs
-            if chained and k == n_first:
-                @pl.when(p < n_before)
-                def _():
-                    _signal_done(count_ref, interpret)
+            start, stop = first_program[k], first_program[k + 1]
+            s = stage_of[k]
+            if s > 0 and k == starts[s]:   # the stage before is done: count it
+                lo, hi = stage_span[s - 1]
+
+                @pl.when((p >= lo) & (p < hi))
+                def _(s=s):
+                    _signal_done(count_ref, s - 1, interpret)
 
             @pl.when((p >= start) & (p < stop))
-            def _(k=k, part=part, start=start):
+            def _(k=k, part=part, start=start, s=s):
                 run = lambda: part.body(_unravel(p - start, part.grid), *refs_of(refs, k))
-                if not (chained and k >= n_first):
+                if s == 0:
                     return run()
-                wait = lambda: _wait_for(count_ref, n_before, interpret)
+                lo, hi = stage_span[s - 1]
+                wait = lambda: _wait_for(count_ref, s - 1, hi - lo, interpret)
                 if not part.awaits:
                     wait()
                     return run()
@@ -221,7 +236,6 @@ def _launch(parts, n_first: int, *, num_warps, num_stages, interpret, name):
                 if not called:
                     raise ValueError(f"part {part.name} is declared awaits but its body "
                                      "never calls await_inputs()")
-            start = stop
 
     with _tracing_for(interpret):
         outs = pl.pallas_call(
@@ -240,19 +254,19 @@ def _launch(parts, n_first: int, *, num_warps, num_stages, interpret, name):
     return result
 
 
-def _signal_done(count_ref, interpret: bool) -> None:
-    """A first-stage program's end: every thread's stores done (a block barrier), then
-    one release add to the counter."""
+def _signal_done(count_ref, stage: int, interpret: bool) -> None:
+    """A stage's program's end: every thread's stores done (a block barrier), then one
+    release add to the stage's counter."""
     if not interpret:   # the interpreter runs one program at a time and has no barrier
         plgpu.debug_barrier()
-    plgpu.atomic_add(count_ref, (jnp.int32(0),), jnp.int32(1))
+    plgpu.atomic_add(count_ref, (jnp.int32(stage),), jnp.int32(1))
 
 
-def _wait_for(count_ref, n: int, interpret: bool) -> None:
-    """Spin until the counter reaches n, then one acquire (an atomic add of 0) and a block
-    barrier, so that no thread's later read comes before the first stage's stores."""
-    read = lambda _: plgpu.load(count_ref.at[0], volatile=True)
+def _wait_for(count_ref, stage: int, n: int, interpret: bool) -> None:
+    """Spin until the stage's counter reaches n, then one acquire (an atomic add of 0) and
+    a block barrier, so that no thread's later read comes before that stage's stores."""
+    read = lambda _: plgpu.load(count_ref.at[stage], volatile=True)
     lax.while_loop(lambda c: c < n, read, read(None))
-    plgpu.atomic_add(count_ref, (jnp.int32(0),), jnp.int32(0))
+    plgpu.atomic_add(count_ref, (jnp.int32(stage),), jnp.int32(0))
     if not interpret:
         plgpu.debug_barrier()

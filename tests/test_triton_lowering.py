@@ -166,7 +166,8 @@ def test_norms_top_k_and_predictor_select_lower():
     ("opt-tiny", 1, True, False, 1, False), ("opt-tiny", 2, False, False, 1, False),
     ("llama-tiny", 1, False, False, 1, False), ("opt-tiny", 1, True, True, 1, False),
     ("opt-tiny", 1, True, True, True, False), ("opt-tiny", 1, True, True, 4, False),
-    ("opt-tiny", 1, True, True, 1, True), ("opt-tiny", 2, False, False, 1, True)])
+    ("opt-tiny", 1, True, True, 1, "mlp"), ("opt-tiny", 2, False, False, 1, "mlp"),
+    ("opt-tiny", 1, True, False, 1, "norm"), ("opt-tiny", 2, False, False, 1, "norm")])
 def test_sparse_decode_step_lowers(preset, batch, split, stacked, unroll, chained):
     """The whole sparse decode step on the GPU path: dense layers, fused norms, windowed
     attention, residual-accumulating launches, the split predictor; per-layer weights or
@@ -183,7 +184,8 @@ def test_sparse_decode_step_lowers(preset, batch, split, stacked, unroll, chaine
     scfg = dataclasses.replace(sparse.sparse_config(config, 0.25, 0.5, dense_layers=1,
                                                     impl="pallas"), batch_policy="kernels",
                                layer_unroll=unroll,
-                               mlp_config=kernels.MLPConfig(chained=chained))
+                               mlp_config=kernels.MLPConfig(chained=bool(chained),
+                                                            chain_norm=chained == "norm"))
     preds = decode_predictors(random_predictors(config, 16, jax.random.key(1)))
     select = sparse.predictor_selector(config.group_size, method="local", impl="pallas")
     assert select.splits(preds, batch) == split
@@ -194,8 +196,11 @@ def test_sparse_decode_step_lowers(preset, batch, split, stacked, unroll, chaine
     batch1_launch = lambda name: re.search(rf"(?<!batch_){name}", text) is not None
     if chained:   # the two MLP launches are one, the selection's parts in it
         pre = "batch_" if batch > 1 else ""
-        assert (f"{pre}predictor_scores_gather_matvec_{pre}predictor_select_gather_matvec_t"
-                in text)
+        mlp = f"{pre}predictor_scores_gather_matvec_{pre}predictor_select_gather_matvec_t"
+        if chained == "norm":   # the MLP norm (with a batch's first product) in it too
+            mlp = ("gather_matvec_" if batch > 1 else "") + "layer_norm_" + mlp
+        names = set(re.findall(r'\bname = "([^"]+)"', text))
+        assert mlp in names, sorted(names)
         return
     assert batch1_launch("predictor_scores_gather_matvec") == split
     assert batch1_launch("predictor_select_gather_matvec_t") == split
