@@ -407,7 +407,14 @@ def main(argv=None):
                         f"(e.g. 0.1 for 10%)")
     t_start = time.time()
     os.makedirs(a.out, exist_ok=True)
-    parity = require_parity(a.parity, a.out)
+    from .bench_step_parts import parse_variants
+    try:
+        variants = [(label if label != "base" else "", cfg) for label, cfg in
+                    parse_variants(a.mlp_configs, MLPConfig)]
+    except ValueError as e:
+        p.error(f"--mlp-configs: {e}")
+    parity = require_parity(a.parity, a.out, extra_checks=(
+        ("chained",) if any(cfg.chained for _, cfg in variants) else ()))
     log_f = open(os.path.join(a.out, f"{a.tag}.log"), "a")
 
     def log(msg):
@@ -469,9 +476,6 @@ def main(argv=None):
         del W
 
     if not a.no_sweep:
-        from .bench_step_parts import parse_variants
-        variants = [(label if label != "base" else "", cfg) for label, cfg in
-                    parse_variants(a.mlp_configs, MLPConfig)]
         models = [m for m in a.models.split(",") if m]
         batches = [int(b) for b in a.batches.split(",")]
         gather_b = [int(b) for b in a.gather_batches.split(",") if b]
