@@ -18,6 +18,11 @@ import pytest  # noqa: E402
 
 jax.config.update("jax_default_matmul_precision", "highest")
 
+# Lowering the first interpreted Pallas kernel imports this module, which adds a setting
+# to jax's tracing context: the program being traced is then traced and compiled again at
+# its next call (once per process). Imported up front, every trace sees the same context.
+import jax.experimental.pallas.fuser  # noqa: E402,F401
+
 COMPILE_CACHE_ENV = "DEJAVU_TEST_COMPILE_CACHE"
 
 

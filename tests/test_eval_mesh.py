@@ -75,10 +75,21 @@ else:
     _LOAD_WEIGHTS = common.load_weights
 
     def _weights(args, mesh=None):
-        """common.load_weights, cached per (preset, mesh): initialising compiles for seconds."""
+        """common.load_weights, cached per (preset, mesh): initialising compiles for seconds,
+        once per layout. A preset's first load runs the loader (on one device or straight
+        into the mesh's shards); its other layouts place those weights with
+        `sharding.shard_params`, whose layout is the sharded init's (both take
+        `sharding.param_shardings`)."""
         key = (args.preset, None if mesh is None else tuple(mesh.shape.items()))
         if key not in _WEIGHTS:
-            _WEIGHTS[key] = _LOAD_WEIGHTS(args, mesh)[:2]
+            loaded = next((v for k, v in _WEIGHTS.items() if k[0] == args.preset), None)
+            if loaded is None:
+                _WEIGHTS[key] = _LOAD_WEIGHTS(args, mesh)[:2]
+            else:
+                config, params = loaded
+                params = jax.device_put(jax.device_get(params), jax.devices()[0])
+                _WEIGHTS[key] = config, (params if mesh is None
+                                         else sharding.shard_params(params, mesh))
         return (*_WEIGHTS[key], None)
 
     def _load(argv):
@@ -93,13 +104,11 @@ else:
         monkeypatch.setattr(common, "load_tokenizer_for", lambda *a: _CharTokenizer())
         monkeypatch.setattr(common, "load_weights", _weights)
 
-    def _ppl(argv, params=None):
-        """Dense perplexity of IDS as the CLI sets it up (`params`: these weights instead)."""
+    def _ppl(argv):
+        """Dense perplexity of IDS as the CLI sets it up."""
         args = ppl_mod.build_parser().parse_args(argv)
         mesh = common.mesh_from_args(args)
-        config = dj.preset(args.preset)
-        if params is None:
-            config, params, _ = _weights(args, mesh)
+        config, params, _ = _weights(args, mesh)
         mode, pred = common.mode_from_args(args, config, mesh)
         return ppl_mod.perplexity(config, mode, params, pred, IDS, window=32, stride=16,
                                   batch_tokens=64, mesh=mesh)
@@ -108,13 +117,12 @@ else:
         ("opt-tiny", [["--devices", "2"], ["--devices", "4"]]),
         ("llama-tiny", [["--devices", "2"], ["--mesh", "tp=2,data=2"]])])
     def test_dense_perplexity_on_a_mesh_equals_one_device(preset, meshes):
-        if preset == "llama-tiny":  # one device as the CLI loads it
-            one = _ppl(["--preset", preset])
-        else:  # the --devices 2 weights gathered onto one device (saves a 5 s init compile;
-            # that the sharded init equals the plain one is tests/test_sharding.py's)
-            gathered = jax.device_put(jax.device_get(_load(["--preset", preset, *meshes[0]])[3]),
-                                      jax.devices()[0])
-            one = _ppl(["--preset", preset], params=gathered)
+        # llama-tiny loads on one device, opt-tiny straight into the --devices 2 shards
+        # (gathered onto one device here; that the sharded init equals the plain one is
+        # tests/test_sharding.py's); `_weights` places them in the other layouts
+        if preset == "opt-tiny":
+            _load(["--preset", preset, *meshes[0]])
+        one = _ppl(["--preset", preset])
         assert one["tokens"] == len(IDS) - 1 and "mesh" not in one
         for extra in meshes:
             got = _ppl(["--preset", preset, *extra])

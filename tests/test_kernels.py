@@ -102,8 +102,8 @@ def test_sparse_mlp_matches_numpy(rng, impl, B, d, F, K, dtype, act, gated, bias
     x = _q(rng.standard_normal((B, d)), dtype)
     mats = []
     for scale in (d ** -0.5, K ** -0.5, d ** -0.5):
-        w = _q(rng.standard_normal((F, d)) * scale, dtype)
-        w[unsel] = np.nan                                  # never read unselected rows
+        w = np.full((F, d), np.nan)                        # never read unselected rows
+        w[idx] = _q(rng.standard_normal((K, d)) * scale, dtype)  # (only these drawn)
         mats.append(w)
     w1, w2t, wg = mats
     wg = wg if gated else None

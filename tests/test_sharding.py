@@ -235,8 +235,12 @@ else:
             sharded = tp_decode.shard_predictors(preds, mesh)
             assert sharded.mlp.w2.sharding.spec == sharding.P(None, None, "tp")
         for layer, k_mlp, k_heads in [(0, 40, 2), (1, 17, 4)]:
-            neurons, heads = tp_decode.select_per_shard(config, select, sharded, mesh, layer,
-                                                        jnp.asarray(x), k_mlp, k_heads)
+            # under jit, as the engine's step runs it (eagerly, each of its ops on the mesh
+            # compiles by itself)
+            neurons, heads = jax.jit(
+                lambda sharded, x, layer=layer, k_mlp=k_mlp, k_heads=k_heads:
+                tp_decode.select_per_shard(config, select, sharded, mesh, layer, x, k_mlp,
+                                           k_heads))(sharded, jnp.asarray(x))
             mlp = _numpy_scores(preds.mlp, layer, x)[0]
             head_scores = _numpy_scores(preds.heads, layer, x)[0]    # per query head
             np.testing.assert_array_equal(neurons, _numpy_per_shard_top_k(mlp, k_mlp, tp))
@@ -310,10 +314,12 @@ else:
 
     def test_generate_says_when_the_prompts_do_not_divide_over_data(capsys):
         """Three prompts over data=2: the CLI notes that every data group decodes the whole
-        batch, and the ids are those of one device."""
+        batch, and the ids are those of one device (the checkpoint of tiny OPT loads with no
+        compile, where a preset's weights are initialised, with one for every device layout)."""
         from dejavu_jax import generate as gen_cli
-        args = ["--preset", "opt-tiny", "--print-ids", "--no-stream", "--max-new-tokens", "3",
-                "--prompt-ids", "2,100,200", "--prompt-ids", "2,7", "--prompt-ids", "2,9,4,8"]
+        args = ["--model", str(HF / "opt-preln"), "--print-ids", "--no-stream",
+                "--max-new-tokens", "3", "--prompt-ids", "2,100,200", "--prompt-ids", "2,7",
+                "--prompt-ids", "2,9,4,8"]
 
         def run(extra):
             assert gen_cli.main(args + extra) == 0

@@ -27,25 +27,29 @@ def _full_sparse(config, **kw):
     return sparse.SparseConfig((config.ffn,) * L, (config.n_heads,) * L, dense_layers=1, **kw)
 
 
-def _run_both(config, params, scfg, sets, prompts, steps, selector=sparse.fixed_selector):
+def _run_both(config, params, scfg, sets, prompts, steps, selector=sparse.fixed_selector,
+              dense=True):
     """Dense and sparse step logits for teacher-forced random continuation tokens (`sets`:
-    the selector's params)."""
+    the selector's params); dense=False: the sparse ones only (None for the dense)."""
     ids, mask = (jnp.asarray(a) for a in __import__(
         "dejavu_jax.generation", fromlist=["left_pad"]).left_pad(prompts))
     B = ids.shape[0]
     eng = sparse.sparse_engine(config, scfg, selector)
-    d_state = model.init_state(config, B, 64, jnp.float32)
     s_state = eng.init_state(B, 64, jnp.float32)
-    d_logits, d_state = model.prefill(config, params, ids, mask, d_state)
+    d_logits = None
+    if dense:
+        d_state = model.init_state(config, B, 64, jnp.float32)
+        d_logits, d_state = model.prefill(config, params, ids, mask, d_state)
     s_logits, s_state = eng.prefill((params, sets), ids, mask, s_state)
     step = jax.jit(eng.step)
     tokens = np.random.default_rng(0).integers(3, config.vocab_size, (steps, B))
-    out = [(np.asarray(d_logits), np.asarray(s_logits))]
+    out = [(None if d_logits is None else np.asarray(d_logits), np.asarray(s_logits))]
     for t in range(steps):
         tok = jnp.asarray(tokens[t], jnp.int32)
-        d_logits, d_state = model.decode_step(config, params, d_state, tok)
+        if dense:
+            d_logits, d_state = model.decode_step(config, params, d_state, tok)
         s_logits, s_state = step((params, sets), s_state, tok)
-        out.append((np.asarray(d_logits), np.asarray(s_logits)))
+        out.append((None if d_logits is None else np.asarray(d_logits), np.asarray(s_logits)))
     return out
 
 
@@ -275,8 +279,9 @@ def test_oracle_equals_numpy_masked_dense():
     state = eng.init_state(1, 32, jnp.float32)
     logits, state = eng.prefill((params, None), ids, jnp.ones_like(ids), state)
     got = [np.asarray(logits[0])]
+    step = jax.jit(eng.step)  # eagerly, each of the step's ops would compile by itself
     for tok in continuation[:-1]:
-        logits, state = eng.step((params, None), state, jnp.asarray([tok]))
+        logits, state = step((params, None), state, jnp.asarray([tok]))
         got.append(np.asarray(logits[0]))
     want = _numpy_masked_dense(config, params, prompt + continuation[:-1], len(prompt),
                                k_mlp, k_heads, dense_layers=1)
@@ -299,8 +304,9 @@ def test_oracle_batch_masks_each_row_by_its_own_top_k():
     state = eng.init_state(2, 32, jnp.float32)
     logits, state = eng.prefill((params, None), ids, mask, state)
     got = [np.asarray(logits)]
+    step = jax.jit(eng.step)
     for toks in continuation[:-1]:
-        logits, state = eng.step((params, None), state, jnp.asarray(toks))
+        logits, state = step((params, None), state, jnp.asarray(toks))
         got.append(np.asarray(logits))
     for row, prompt in enumerate(prompts):
         text = prompt + [c[row] for c in continuation[:-1]]
@@ -601,11 +607,11 @@ def test_layer_unroll_keeps_the_logits():
     params = dj.init_params(config, jax.random.key(5), jnp.float32, std=0.1)
     scfg = sparse.sparse_config(config, 0.3, 0.5, dense_layers=1)
     sets = random_sets(config, scfg, seed=2)
-    base = _run_both(config, params, scfg, sets, [[5, 9, 14, 3]], 3)
+    base = _run_both(config, params, scfg, sets, [[5, 9, 14, 3]], 3, dense=False)
     assert scfg.scan_unroll() == 1     # the default off a GPU
     for unroll in (2, True):
         got = _run_both(config, params, dataclasses.replace(scfg, layer_unroll=unroll), sets,
-                        [[5, 9, 14, 3]], 3)
+                        [[5, 9, 14, 3]], 3, dense=False)
         for (_, a), (_, b) in zip(base, got):
             assert_finite_close(b, a, atol=1e-6)
     for bad in (0, False):
@@ -642,9 +648,10 @@ def test_stacked_dense_layers_run_in_place_through_the_kernels(preset, monkeypat
     scfg = sparse.sparse_config(config, 0.3, 0.5, dense_layers=2, impl="interpret")
     sets = random_sets(config, scfg, seed=1)
     mlp_rows.clear()
-    stacked = _run_both(config, params, scfg, sets, [[5, 9, 14, 3]], 4)
+    stacked = _run_both(config, params, scfg, sets, [[5, 9, 14, 3]], 4, dense=False)
     assert not dense_layer_calls and config.ffn in mlp_rows
-    unrolled = _run_both(config, unstack_layers(params), scfg, sets, [[5, 9, 14, 3]], 4)
+    unrolled = _run_both(config, unstack_layers(params), scfg, sets, [[5, 9, 14, 3]], 4,
+                         dense=False)
     assert dense_layer_calls     # the per-layer layout runs XLA's dense layers
     for (_, a), (_, b) in zip(stacked, unrolled):
         assert_finite_close(a, b, atol=2e-5)
