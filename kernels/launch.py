@@ -265,8 +265,11 @@ def _signal_done(count_ref, stage: int, interpret: bool) -> None:
 def _wait_for(count_ref, stage: int, n: int, interpret: bool) -> None:
     """Spin until the stage's counter reaches n, then one acquire (an atomic add of 0) and
     a block barrier, so that no thread's later read comes before that stage's stores."""
+    if interpret:   # the interpreter runs the programs one at a time, in order
+        return
     read = lambda _: plgpu.load(count_ref.at[stage], volatile=True)
-    lax.while_loop(lambda c: c < n, read, read(None))
-    plgpu.atomic_add(count_ref, (jnp.int32(stage),), jnp.int32(0))
-    if not interpret:
-        plgpu.debug_barrier()
+    seen = lax.while_loop(lambda c: c < n, read, read(None))
+    # The add is of 0 once the loop ends; taking it from the loop's result keeps the loop
+    # (an unused loop of loads is dead code to JAX, and would be dropped).
+    plgpu.atomic_add(count_ref, (jnp.int32(stage),), (seen < n).astype(jnp.int32))
+    plgpu.debug_barrier()

@@ -65,15 +65,50 @@ def test_sparse_mlp_lowers(B, gated, residual, activation):
 
 
 @pytest.mark.parametrize("B", [1, 3])
-def test_chained_sparse_mlp_lowers(B):
+def test_chained_sparse_mlp_lowers(B, monkeypatch):
     """fc1 and fc2 in one launch (`MLPConfig.chained`): one gather launch, a block barrier
     and a counter the second stage spins on (a volatile load in a loop)."""
     d, F, K = 576, 1536, 200
     cfg = kernels.MLPConfig(chained=True)
-    text = lowers(lambda *a: kernels.sparse_mlp(*a, residual=z(B, d, dtype=F32),
-                                                impl="pallas", config=cfg),
-                  z(B, d), z(F, d), z(F), z(F, d), z(d), jnp.arange(K, dtype=jnp.int32))
+    fn = lambda *a: kernels.sparse_mlp(*a, residual=z(B, d, dtype=F32), impl="pallas",
+                                       config=cfg)
+    args = (z(B, d), z(F, d), z(F), z(F, d), z(d), jnp.arange(K, dtype=jnp.int32))
+    text, (module,) = triton_modules(monkeypatch, fn, *args)
     assert set(re.findall(r'\bname = "([^"]+)"', text)) == {"gather_matvec_gather_matvec_t"}
+    loop = re.search(r"scf\.while.*?scf\.yield", module, re.S)
+    assert loop is not None and "isVolatile = true" in loop.group(0)
+
+
+def triton_modules(monkeypatch, fn, *args):
+    """fn lowered for CUDA (as :func:`lowers`) and the Triton modules (MLIR text) built."""
+    from jax._src.pallas.triton import pallas_call_registration as reg
+    texts, lower = [], reg.lowering.lower_jaxpr_to_triton_module
+
+    def recording(*a, **k):
+        result = lower(*a, **k)
+        texts.append(result.module.operation.get_asm())
+        return result
+    monkeypatch.setattr(reg.lowering, "lower_jaxpr_to_triton_module", recording)
+    return lowers(fn, *args), texts
+
+
+def test_chained_launch_keeps_its_spin_loop(monkeypatch):
+    """The second stage's wait survives lowering: a loop of volatile counter loads, then
+    the acquiring add, before a block barrier (JAX drops a loop whose result is unused)."""
+    from dejavu_jax.kernels.launch import LaunchPart, chained_launch
+
+    def copy(pids, x_ref, o_ref):
+        o_ref[...] = x_ref[...] * 2.0
+
+    def run(x):
+        return chained_launch([LaunchPart(copy, (3,), (x,), (x,))],
+                              lambda outs: [LaunchPart(copy, (2,), (outs[0][0],), (x,))])
+    _, (text,) = triton_modules(monkeypatch, run, z(16, dtype=F32))
+    loop = re.search(r"scf\.while.*?\n(.*?)scf\.yield", text, re.S)
+    assert loop is not None, "the second stage's spin loop was dropped"
+    assert "isVolatile = true" in loop.group(1)
+    after = text[loop.end():]
+    assert re.search(r"tt\.atomic_rmw add, acq_rel, gpu.*?gpu\.barrier", after, re.S)
 
 
 @pytest.mark.parametrize("B,n_kv,rope,window,residual,masked", [
