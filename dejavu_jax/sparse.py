@@ -795,12 +795,6 @@ def _fused_sparse_layer(config, scfg, view, io, layer, x, neurons, heads, step, 
         h, io, *extra_parts = _sparse_attention(
             config, scfg, view, io, layer, y, heads, step, residual=x,
             extra_segments=(nxt[0],) if split else (), history_rows=rest[-1])
-    rides_with_norm = split and dense_projection
-    if _chains_mlp_norm(scfg, dense_mlp, rides_with_norm and not nxt[2]):
-        if split and not dense_projection:
-            nxt = nxt[1](extra_parts[0][0])
-        out, nxt = _chained_norm_mlp(config, scfg, view, h, neurons, nxt, rides_with_norm)
-        return out, x, io, nxt
     if split and dense_projection:  # no projection launch: it rides in the MLP norm's
         y, ((parts,),) = norm(h, lp.mlp_norm_scale, lp.mlp_norm_bias,
                               riders=[first_product_part(nxt[0])])
@@ -814,48 +808,6 @@ def _fused_sparse_layer(config, scfg, view, io, layer, x, neurons, heads, step, 
         return out, x, io, nxt
     out, (nxt,) = _sparse_mlp(config, scfg, view, y, neurons, residual=h, riders=nxt)
     return out, x, io, nxt
-
-
-def _chains_mlp_norm(scfg, dense_mlp: bool, selects_in_xla: bool) -> bool:
-    """Whether the MLP norm joins the sparse MLP's chained launch
-    (`kernels.MLPConfig.chain_norm`): on the Pallas paths, for an MLP through the kernels
-    whose selection, where it rides with the norm, rides on in the MLP's launches."""
-    from dejavu_jax.kernels._common import resolve_impl
-    cfg = scfg.mlp_config
-    return (cfg is not None and cfg.chained and cfg.chain_norm and not dense_mlp
-            and not selects_in_xla and resolve_impl(scfg.impl) != "reference")
-
-
-def _chained_norm_mlp(config, scfg, view, h, neurons, nxt, first_product_rides: bool):
-    """(output rows, next sets) of `_fused_sparse_layer`'s MLP as one chained launch: the
-    MLP norm (with the selection's first product where it rides there), fc1 waiting on
-    it, fc2 on fc1 (`kernels.sparse_mlp.Prologue`)."""
-    from dejavu_jax.kernels.layer_norm import layer_norm_part
-    from dejavu_jax.kernels.sparse_mlp import Prologue, sparse_mlp_pallas
-    from dejavu_jax.kernels._common import resolve_impl
-    lp, flat = view.lp, view.flat
-    dtype = flat["w_in"].dtype
-    parts = [layer_norm_part(h, lp.mlp_norm_scale, lp.mlp_norm_bias, config.norm_eps,
-                             out_dtype=dtype)]
-    if first_product_rides:
-        parts.insert(0, first_product_part(nxt[0]))
-    elif isinstance(nxt, tuple) and callable(nxt[1]):
-        raise ValueError("the selection's first product rides elsewhere: finish it first")
-    picked = {}
-
-    def pick(outs):
-        *rider_outs, (y,) = outs
-        sel = nxt[1](rider_outs[0][0]) if first_product_rides else nxt
-        picked["sets"] = sel
-        return y, (sel if isinstance(sel, Riders) else None)
-
-    out, rider_outs = sparse_mlp_pallas(
-        jax.ShapeDtypeStruct(h.shape, dtype), flat["w_in"], flat["b_in"], flat["w_out_t"],
-        lp.b_out, view.flat_ids(neurons, config.ffn), activation=config.activation,
-        w_gate=flat["w_gate"], interpret=resolve_impl(scfg.impl) == "interpret",
-        config=scfg.mlp_config, residual=h, prologue=Prologue(tuple(parts), pick))
-    nxt = rider_outs[0] if isinstance(picked["sets"], Riders) else picked["sets"]
-    return out.astype(F32), nxt
 
 
 def _reduced(reduce, out: jax.Array) -> jax.Array:
@@ -1004,12 +956,11 @@ def _fused_segment(config, scfg, params, select, selector_params, x, io, step, i
             if split:
                 return (select.first_segment(selector_params, nxt, x_rms),
                         lambda parts: select.finish(selector_params, nxt, parts, k_mlp,
-                                                    k_heads, scfg.impl, offset_ids),
-                        select.ride_mlp_launches and select._both_pallas(scfg.impl))
+                                                    k_heads, scfg.impl, offset_ids))
             if ride and x_rms is not None and mlp_kernels:
                 return (select.first_segment(selector_params, nxt, x_rms),
                         lambda parts: select.batch_riders(selector_params, nxt, parts,
-                                                                k_mlp, k_heads), True)
+                                                                k_mlp, k_heads))
             return select(selector_params, nxt, x_in, k_mlp, k_heads)
 
         view = _layer_view(params, layer).replace(offset_ids=offset_ids)

@@ -41,10 +41,6 @@
    by the gate's neuron rows), OPT and Gemma 3 (post-norms): logits and K cache against the
    jnp computation on the usual weights; and the two kernels alone, one row and three,
    against their references.
-8. ("chained", only with ``--checks``) Checks 1 and 6 again with the sparse MLP's two launches as one
-   (`kernels.MLPConfig(chained=True)`: fc2's programs wait on a counter of fc1's), and
-   with the MLP norm first in the same launch (`chain_norm`): tiny OPT (unrolled and
-   stacked) and Llama (gated), the batch-1 selection riding in it, and a 3-row batch's.
 
 Writes kernel_parity.json and exits 1 when a difference exceeds --tol or a set differs
 (beyond key ties, for the split predictor). On a GPU host the checks' parts run in up to 8
@@ -152,7 +148,7 @@ DECODE_CASES = (("opt-tiny", ((1.0, 1.0), (0.3, 0.5)), ("unrolled", "stacked", "
                 ("opt-tiny-gelu", ((0.3, 0.5),), ("unrolled",)))   # the exact gelu's erf
 
 
-def _decode_rows(impl: str, steps: int, cases, mlp_config=None) -> list[dict]:
+def _decode_rows(impl: str, steps: int, cases) -> list[dict]:
     rows = []
     for preset, densities, layouts in cases:
         config = (gemma3_tiny() if preset == "gemma3-tiny" else
@@ -162,8 +158,7 @@ def _decode_rows(impl: str, steps: int, cases, mlp_config=None) -> list[dict]:
         for mlp, heads in densities:
             # batch_policy "kernels": batch 2 would otherwise run XLA's dense layers
             scfg = dataclasses.replace(sparse.sparse_config(
-                config, mlp, heads, dense_layers=1, kv_window=4), batch_policy="kernels",
-                mlp_config=mlp_config)
+                config, mlp, heads, dense_layers=1, kv_window=4), batch_policy="kernels")
             sets = random_sets(config, scfg, seed=3)
             # one reference (stacked layers) for both layouts: the same function
             ref = _decode(config, dataclasses.replace(scfg, impl="reference"), params, sets,
@@ -179,8 +174,7 @@ def _decode_rows(impl: str, steps: int, cases, mlp_config=None) -> list[dict]:
                                    params, layout_sets, steps, False)
                 got = _decode(config, dataclasses.replace(scfg, impl=impl), p, layout_sets,
                               steps, layout == "unrolled")
-                rows.append(dict(check="decode" if mlp_config is None else "chained",
-                                 preset=preset, mlp=mlp, heads=heads,
+                rows.append(dict(check="decode", preset=preset, mlp=mlp, heads=heads,
                                  layout=layout, steps=steps,
                                  logits=float(np.abs(got[0] - want[0]).max()),
                                  k_cache=float(np.abs(got[1] - want[1]).max())))
@@ -269,7 +263,7 @@ def _per_step_sets(log: list, n_layers: int):
 SPLIT_VARIANTS = ((True, "unrolled"), (True, "stacked"), (False, "stacked"))
 
 
-def split_rows(impl: str, steps: int, variants=None, mlp_config=None) -> list[dict]:
+def split_rows(impl: str, steps: int, variants=None) -> list[dict]:
     """The decode step with the split predictor (batch 1, local top-k; its selection riding
     in the MLP launches or in launches of its own) against the reference step, for each
     (ride_mlp_launches, layout) of `variants` (default `SPLIT_VARIANTS`).
@@ -294,7 +288,6 @@ def split_rows(impl: str, steps: int, variants=None, mlp_config=None) -> list[di
     preds = decode_predictors(raw)
     scfg = sparse.sparse_config(config, 0.3, 0.5, dense_layers=1, kv_window=4)
     ref_scfg = dataclasses.replace(scfg, impl="reference")
-    scfg = dataclasses.replace(scfg, mlp_config=mlp_config)
     with jax.default_matmul_precision("highest"):
         ref_log: list = []
         ref = _decode(config, ref_scfg, params, preds, steps, False,
@@ -322,9 +315,6 @@ def split_rows(impl: str, steps: int, variants=None, mlp_config=None) -> list[di
                     slack = max(slack, _selection_slack(mlp, neurons[layer], chunks),
                                 _selection_slack(heads, groups[layer], 1))
             rows.append(dict(check="split", preset="opt-tiny", ride=ride, layout=layout,
-                             **({} if mlp_config is None else dict(
-                                 mlp_launches="norm, fc1, fc2" if mlp_config.chain_norm
-                                 else "fc1, fc2")),
                              steps=steps, logits=float(np.abs(got[0] - replay[0]).max()),
                              k_cache=float(np.abs(got[1] - replay[1]).max()),
                              selection_slack=slack,
@@ -356,7 +346,7 @@ BATCH_SELECT_HEADS = (0.5, 0.25)
 BATCH_SELECT_METHODS = ("local", "local" + HEADS_IN_FC1)
 
 
-def batch_select_rows(impl: str, steps: int, variants=None, mlp_config=None) -> list[dict]:
+def batch_select_rows(impl: str, steps: int) -> list[dict]:
     """("batch-select") A 3-row sparse decode on tiny OPT (unrolled layers) with decode-form
     predictors, the union policy and the local method, the selection riding in the
     step's other launches (`sparse.PredictorSelector.batch_riders`; `BATCH_SELECT_METHODS`:
@@ -372,12 +362,10 @@ def batch_select_rows(impl: str, steps: int, variants=None, mlp_config=None) -> 
     preds = decode_predictors(random_predictors(config, 16, jax.random.key(1)))
     rows = []
     with jax.default_matmul_precision("highest"):
-        for heads, name in variants or itertools.product(BATCH_SELECT_HEADS,
-                                                         BATCH_SELECT_METHODS):
+        for heads, name in itertools.product(BATCH_SELECT_HEADS, BATCH_SELECT_METHODS):
             scfg = dataclasses.replace(sparse.sparse_config(config, 0.1, heads, dense_layers=1,
                                                             kv_window=4), batch_policy="union")
             ref_scfg = dataclasses.replace(scfg, impl="reference")
-            scfg = dataclasses.replace(scfg, mlp_config=mlp_config)
             select = variant_selector(1, name, impl=impl)
             rides = select.rides_batch(preds, 3, scfg.mlp_k[-1], impl)
             log: list = []
@@ -394,9 +382,6 @@ def batch_select_rows(impl: str, steps: int, variants=None, mlp_config=None) -> 
                 (x for pair in got_sets for x in pair),
                 (x for pair in _batch_step_sets(ref_log, config.n_layers) for x in pair)))
             rows.append(dict(check="batch-select", preset="opt-tiny", batch=3, heads=heads,
-                             **({} if mlp_config is None else dict(
-                                 mlp_launches="norm, fc1, fc2" if mlp_config.chain_norm
-                                 else "fc1, fc2")),
                              select=name, rides=bool(rides), steps=steps,
                              logits=float(np.abs(got[0] - replay[0]).max()),
                              k_cache=float(np.abs(got[1] - replay[1]).max()),
@@ -638,31 +623,7 @@ def row_passes(r: dict, tol: float) -> bool:
 
 
 CHECKS = ("norm", "window", "decode", "split", "batch-select", "top-k", "predictor",
-          "threshold", "chained")
-# "chained" (the chained MLP launches, a benchmark option) runs when asked for: its
-# spinning programs have not yet run on a GPU, where a wait that never ends would hold the
-# whole run
-DEFAULT_CHECKS = tuple(c for c in CHECKS if c != "chained")
-
-# the sparse MLP's two launches as one (`kernels.MLPConfig.chained`): plain, gated, with the
-# batch-1 and the batch selection riding in it
-CHAINED_DECODE_CASES = (("opt-tiny", ((0.3, 0.5),), ("unrolled", "stacked")),
-                        ("llama-tiny", ((0.3, 0.5),), ("unrolled",)))
-
-
-def chained_rows(impl: str, steps: int, norm: bool = False) -> list[dict]:
-    """("chained") Checks 1 and 6 with the sparse MLP's fc1 and fc2 in one launch, fc2's
-    programs waiting on a counter of fc1's (`kernels.launch.chained_launch`); with `norm`
-    the MLP norm first in the same launch, fc1 waiting on it (`MLPConfig.chain_norm`)."""
-    from dejavu_jax.kernels import MLPConfig
-    cfg = MLPConfig(chained=True, chain_norm=norm)
-    with jax.default_matmul_precision("highest"):
-        rows = _decode_rows(impl, steps, CHAINED_DECODE_CASES, mlp_config=cfg)
-    for r in rows:
-        r["mlp_launches"] = "norm, fc1, fc2" if norm else "fc1, fc2"
-    rows += split_rows(impl, steps, ((True, "unrolled"), (True, "stacked")), mlp_config=cfg)
-    rows += batch_select_rows(impl, steps, ((0.5, "local"),), mlp_config=cfg)
-    return rows
+          "threshold")
 
 
 def check_parts(impl: str, steps: int) -> list[tuple[str, object]]:
@@ -678,9 +639,7 @@ def check_parts(impl: str, steps: int) -> list[tuple[str, object]]:
             ("norm", functools.partial(norm_rows, impl)),
             *[("threshold", functools.partial(threshold_rows, impl, steps, (case,), False))
               for case in THRESHOLD_CASES],
-            ("threshold", functools.partial(threshold_rows, impl, steps, (), True)),
-            ("chained", functools.partial(chained_rows, impl, steps)),
-            ("chained", functools.partial(chained_rows, impl, steps, True))]
+            ("threshold", functools.partial(threshold_rows, impl, steps, (), True))]
 
 
 def _run_parts_in_processes(args, parts: list[int], jobs: int):
@@ -714,8 +673,8 @@ def main(argv=None) -> int:
     p.add_argument("--impl", default="pallas", choices=("pallas", "interpret"))
     p.add_argument("--steps", type=int, default=6, help="decoded tokens per decode check")
     p.add_argument("--tol", type=float, default=1e-4)
-    p.add_argument("--checks", default=",".join(DEFAULT_CHECKS),
-                   help=f"comma list of {', '.join(CHECKS)} (default: all but chained)")
+    p.add_argument("--checks", default=",".join(CHECKS),
+                   help=f"comma list of {', '.join(CHECKS)}")
     p.add_argument("--jobs", type=int, default=0,
                    help="checks run in this many processes at once (default: 1 with "
                         "--impl interpret or on a host of fewer than 8 cores, else up to 8)")

@@ -20,12 +20,11 @@ def add_parity_argument(p: argparse.ArgumentParser) -> None:
                         "reused instead of running the checks first (on a GPU)")
 
 
-def require_parity(reuse: Path | None, out: Path, log=print, extra_checks=()) -> dict:
+def require_parity(reuse: Path | None, out: Path, log=print) -> dict:
     """The parity verdict a benchmark records in its metadata. Off the GPU the kernels run
     their jnp references, so nothing is checked. On the GPU: `reuse` when it passed for
-    this code (same fingerprint) on this device kind and ran `extra_checks` (checks off by
-    default that the benchmark's variants need), else a fresh run of the checks (written
-    under `out`/kernel_parity). Exits with an error when they fail."""
+    this code (same fingerprint) on this device kind, else a fresh run of the checks
+    (written under `out`/kernel_parity). Exits with an error when they fail."""
     from dejavu_jax.eval import kernel_parity
     backend = jax.default_backend()
     if backend != "gpu":
@@ -33,19 +32,16 @@ def require_parity(reuse: Path | None, out: Path, log=print, extra_checks=()) ->
     device = str(jax.devices()[0].device_kind)
     fingerprint = code_fingerprint()
     if reuse is not None and Path(reuse).is_file():
-        found = json.loads(Path(reuse).read_text())
-        meta = found.get("meta", {})
-        ran = {r.get("check") for r in found.get("rows", [])}
+        meta = json.loads(Path(reuse).read_text()).get("meta", {})
         if (meta.get("passed") and meta.get("code_fingerprint") == fingerprint
-                and meta.get("device") == device and set(extra_checks) <= ran):
+                and meta.get("device") == device):
             return dict(status="passed", file=str(reuse), fingerprint=fingerprint,
                         checks=meta.get("checks"))
         log(f"{reuse} is not a pass of this code on {device}: running kernel_parity")
     elif reuse is not None:
         log(f"{reuse} does not exist: running kernel_parity")
     folder = Path(out) / "kernel_parity"
-    checks = ",".join(dict.fromkeys(kernel_parity.DEFAULT_CHECKS + tuple(extra_checks)))
-    if kernel_parity.main(["--out", str(folder), "--checks", checks]) != 0:
+    if kernel_parity.main(["--out", str(folder)]) != 0:
         raise SystemExit(f"error: kernel_parity failed on this code ({folder}); no benchmark "
                          "rows are reported")
     meta = json.loads((folder / "kernel_parity.json").read_text())["meta"]

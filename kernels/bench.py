@@ -367,12 +367,6 @@ def main(argv=None):
     p.add_argument("--attn-batches", default=None, help="batches for attention (default --batches)")
     p.add_argument("--baselines", default="dense,gather", help="comma list of dense, gather")
     p.add_argument("--gather-batches", default="1", help="batches at which to time W[idx]@x")
-    p.add_argument("--mlp-configs", default="base",
-                   help="'/'-separated MLPConfig variants each timed in the sweep's sparse "
-                        "MLP rows, e.g. 'base/chained=1'")
-    p.add_argument("--residual", action="store_true",
-                   help="sparse MLP rows add into fp32 residual rows in the launch, as a "
-                        "decode step does")
     p.add_argument("--check", action="store_true", help="GPU correctness checks first")
     p.add_argument("--tune", action="store_true", help="time block-size variants first")
     p.add_argument("--tune-densities", default="0.05,0.1,0.25")
@@ -407,14 +401,7 @@ def main(argv=None):
                         f"(e.g. 0.1 for 10%)")
     t_start = time.time()
     os.makedirs(a.out, exist_ok=True)
-    from .bench_step_parts import parse_variants
-    try:
-        variants = [(label if label != "base" else "", cfg) for label, cfg in
-                    parse_variants(a.mlp_configs, MLPConfig)]
-    except ValueError as e:
-        p.error(f"--mlp-configs: {e}")
-    parity = require_parity(a.parity, a.out, extra_checks=(
-        ("chained",) if any(cfg.chained for _, cfg in variants) else ()))
+    parity = require_parity(a.parity, a.out)
     log_f = open(os.path.join(a.out, f"{a.tag}.log"), "a")
 
     def log(msg):
@@ -497,23 +484,18 @@ def main(argv=None):
                     for dens in [float(v) for v in a.densities.split(",")]:
                         if over_time_limit():
                             break
-                        for which, (label, cfg) in [("sparse", v) for v in variants] + [
-                                ("gather", ("", None))]:
+                        for which in ("sparse", "gather"):
                             if which == "gather" and ("gather" not in base or B not in gather_b):
                                 continue
-                            r = guarded(bench_mlp_point, W, d, B, dens, which=which,
-                                        config=cfg, residual=a.residual and which == "sparse")
+                            r = guarded(bench_mlp_point, W, d, B, dens, which=which)
                             if not r:
                                 continue
                             r["model"] = mname
-                            if label:
-                                r["variant"] = label
                             if dense:
                                 r["speedup_vs_dense"] = dense["time_us"] / r["time_us"]
                                 r["frac_of_dense_bw"] = r["gbps"] / dense["gbps"]
                             res["mlp"].append(r)
-                            log(f"mlp {mname} B={B} density {dens:<5g} {which:6s} {label}: "
-                                f"{r['time_us']:8.1f} us "
+                            log(f"mlp {mname} B={B} density {dens:<5g} {which:6s}: {r['time_us']:8.1f} us "
                                 f"{r['gbps']:7.0f} GB/s  x{r.get('speedup_vs_dense', float('nan')):.2f}")
                         save()
                 del W
@@ -576,7 +558,7 @@ def markdown_table(res):
                 "| model | B | density | K | variant | MB needed | time µs | GB/s | × dense | % dense BW |",
                 "|---|---|---|---|---|---|---|---|---|---|"]
         for r in res["mlp"]:
-            out.append(f"| {r.get('model')} | {r['B']} | {r['density']:g} | {r['K']} | {r['which']}{' ' + r['variant'] if r.get('variant') else ''} | "
+            out.append(f"| {r.get('model')} | {r['B']} | {r['density']:g} | {r['K']} | {r['which']} | "
                        f"{r['bytes'] / 1e6:.1f} | {r['time_us']:.1f} | {r['gbps']:.0f} | "
                        f"{r.get('speedup_vs_dense', float('nan')):.2f} | "
                        f"{100 * r.get('frac_of_dense_bw', float('nan')):.0f} |")

@@ -36,7 +36,7 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
 from ._common import activation_fn, cdiv, check_array, is_pow2, next_pow2
-from .launch import LaunchPart, await_inputs, awaiting, interpreting, launch
+from .launch import LaunchPart, interpreting, launch
 
 
 def batch_pad(B: int) -> int:
@@ -65,16 +65,6 @@ def accumulate_blocks(step: Callable, n: int, shape) -> jax.Array:
             acc = step(i, acc)
         return acc
     return lax.fori_loop(0, n, step, acc)
-
-
-def accumulate_after(first: jax.Array, step: Callable, n: int) -> jax.Array:
-    """``first`` (block 0's sum) folded through ``acc = step(i, acc)`` for ``1 <= i < n``,
-    as :func:`accumulate_blocks` loops."""
-    if n <= 4:
-        for i in range(1, n):
-            first = step(i, first)
-        return first
-    return lax.fori_loop(1, n, step, first)
 
 
 def logical_rows(ids_ref, r, valid, m: int):
@@ -255,18 +245,11 @@ def _gather_matvec_body(pids, *refs, seg_meta, d, bd, chunks):
                 Bq = brow.shape[0]
                 bmask = jnp.arange(Bq, dtype=jnp.int32) < nrows
 
-                def columns(c):
+                def chunk(c, acc):
                     cols = (j * chunks + c) * bd + jnp.arange(bd, dtype=jnp.int32)
-                    return cols, cols < d
-
-                def load_w(c):
-                    cols, cm = columns(c)
-                    return plgpu.load(w_ref.at[rows[:, None], cols[None, :]],
-                                      mask=valid[:, None] & cm[None, :], other=0)
-
-                def chunk(c, acc, w=None):
-                    cols, cm = columns(c)
-                    w = load_w(c) if w is None else w
+                    cm = cols < d
+                    w = plgpu.load(w_ref.at[rows[:, None], cols[None, :]],
+                                   mask=valid[:, None] & cm[None, :], other=0)
                     if Bq == 1:
                         xv = plgpu.load(x_ref.at[x_row(0), cols], mask=cm, other=0)
                         prod = w.astype(jnp.float32) * xv.astype(jnp.float32)[None, :]
@@ -275,14 +258,7 @@ def _gather_matvec_body(pids, *refs, seg_meta, d, bd, chunks):
                                     mask=bmask[:, None] & cm[None, :], other=0)
                     return acc + mma(xb, w, trans_b=True)
 
-                shape = (bk,) if Bq == 1 else (Bq, bk)
-                if awaiting():   # a chained launch: chunk 0's weights read before x exists
-                    w0 = load_w(0)
-                    await_inputs()
-                    acc = accumulate_after(chunk(0, jnp.zeros(shape, jnp.float32), w0),
-                                           chunk, chunks)
-                else:
-                    acc = accumulate_blocks(chunk, chunks, shape)
+                acc = accumulate_blocks(chunk, chunks, (bk,) if Bq == 1 else (Bq, bk))
                 if Bq == 1:
                     plgpu.store(o_ref.at[j, 0, local], acc)
                 else:
@@ -378,8 +354,7 @@ def gather_matvec_part(x: jax.Array, segments: Sequence[Segment], *, block_rows:
         start += nb
     body = functools.partial(_gather_matvec_body, seg_meta=tuple(seg_meta), d=d, bd=bd,
                              chunks=d_chunks)
-    return LaunchPart(body, (start, nds), tuple(args), tuple(outs), name="gather_matvec",
-                      awaits=True)
+    return LaunchPart(body, (start, nds), tuple(args), tuple(outs), name="gather_matvec")
 
 
 def _gather_matvec_t_body(pids, *refs, n_act, load_act, B, Bp, d, m, n_rows, bk, bd, kblocks,
@@ -397,31 +372,20 @@ def _gather_matvec_t_body(pids, *refs, n_act, load_act, B, Bp, d, m, n_rows, bk,
     cols = j * bd + jnp.arange(bd, dtype=jnp.int32)
     cm = cols < d
 
-    def block(t):
+    def body(t, acc):
         r = (i * kblocks + t) * bk + kk
         valid = r < n_rows
-        return r, valid, logical_rows(ids_ref, r, valid, m)
-
-    def weights(valid, rows):
-        return plgpu.load(w_ref.at[rows[:, None], cols[None, :]],
-                          mask=valid[:, None] & cm[None, :], other=0)
-
-    def body(t, acc, w=None):
-        r, valid, rows = block(t)
+        rows = logical_rows(ids_ref, r, valid, m)
         a = load_act(act_refs, r, valid, rows)       # fp32 [bk] or [Bp, bk], 0 where invalid
-        w = weights(valid, rows) if w is None else w
+        w = plgpu.load(w_ref.at[rows[:, None], cols[None, :]],
+                       mask=valid[:, None] & cm[None, :], other=0)
         if Bp == 1:
             prod = a[:, None] * w.astype(jnp.float32)
             return acc + (prod if deferred else jnp.sum(prod, axis=0))
         return acc + mma(a, w)
 
     acc_shape = ((bk, bd) if deferred else (bd,)) if Bp == 1 else (Bp, bd)
-    if awaiting():   # a chained launch: block 0's weights are read before the inputs exist
-        w0 = weights(*block(0)[1:])
-        await_inputs()
-        acc = accumulate_after(body(0, jnp.zeros(acc_shape, jnp.float32), w0), body, kblocks)
-    else:
-        acc = accumulate_blocks(body, kblocks, acc_shape)
+    acc = accumulate_blocks(body, kblocks, acc_shape)
     if Bp == 1 and deferred:
         acc = jnp.sum(acc, axis=0)
     write_split_k(acc, o_ref, b_ref if accumulate else None, i, cols, d, B=B, Bp=Bp,
@@ -532,7 +496,7 @@ def gather_matvec_t_part(act_args: Sequence[jax.Array], load_act: Callable, w: j
         aliases = {}
         out_shape = jax.ShapeDtypeStruct((nkc, B, d), jnp.float32)
     return LaunchPart(body, (nkc, ndb), tuple(args), (out_shape,), aliases,
-                      name="gather_matvec_t", awaits=True)
+                      name="gather_matvec_t")
 
 
 def partials_loader(act_refs, r, valid, rows, *, nds, B, Bp, has_b1=False, gated=False,

@@ -90,12 +90,11 @@ def _norm_jit(x, scale, bias, ring, ring_row, *, eps, out_dtype, rms_dtype, impl
                         rms_dtype=rms_dtype, interpret=impl == "interpret")
 
 
-def layer_norm_part(rows, scale, bias, eps: float, *, out_dtype, rms_dtype=None, ring=None,
-                    ring_row=None) -> LaunchPart:
-    """:func:`layer_norm` of ``rows [R, d]`` as a :class:`~.launch.LaunchPart` (no checks,
-    one program per row); its outputs: the normed rows, then the RMS-scaled rows with
-    ``rms_dtype``, then the ring with ``ring``."""
-    d = rows.shape[-1]
+def _norm_pallas(x, scale, bias, ring, ring_row, *, eps, out_dtype, rms_dtype, interpret,
+                 riders=()):
+    lead, d = x.shape[:-1], x.shape[-1]
+    rows = x.reshape(-1, d)
+    block = next_pow2(d)
     args = [rows, scale] + ([] if bias is None else [bias])
     shapes = [jax.ShapeDtypeStruct(rows.shape, out_dtype)]
     if rms_dtype is not None:
@@ -105,24 +104,11 @@ def layer_norm_part(rows, scale, bias, eps: float, *, out_dtype, rms_dtype=None,
         args += [jnp.asarray(ring_row, jnp.int32).reshape(1), ring]
         aliases = {len(args) - 1: len(shapes)}
         shapes.append(jax.ShapeDtypeStruct(ring.shape, ring.dtype))
-    return LaunchPart(
-        functools.partial(_norm_body, d=d, block=next_pow2(d), eps=eps,
-                          has_bias=bias is not None, with_rms=rms_dtype is not None,
-                          with_ring=ring is not None),
+    part = LaunchPart(
+        functools.partial(_norm_body, d=d, block=block, eps=eps, has_bias=bias is not None,
+                          with_rms=rms_dtype is not None, with_ring=ring is not None),
         (rows.shape[0],), tuple(args), tuple(shapes), aliases, name="layer_norm")
-
-
-def norm_warps(d: int) -> int:
-    """Warps of a launch holding :func:`layer_norm_part` of width d."""
-    return min(16, max(4, next_pow2(d) // 1024))
-
-
-def _norm_pallas(x, scale, bias, ring, ring_row, *, eps, out_dtype, rms_dtype, interpret,
-                 riders=()):
-    lead, d = x.shape[:-1], x.shape[-1]
-    part = layer_norm_part(x.reshape(-1, d), scale, bias, eps, out_dtype=out_dtype,
-                           rms_dtype=rms_dtype, ring=ring, ring_row=ring_row)
-    *rider_outs, outs = launch(list(riders) + [part], num_warps=norm_warps(d),
+    *rider_outs, outs = launch(list(riders) + [part], num_warps=min(16, max(4, block // 1024)),
                                num_stages=1, interpret=interpret)
     n_rows_out = 1 + (rms_dtype is not None)
     outs = tuple(o.reshape(*lead, d) for o in outs[:n_rows_out]) + tuple(outs[n_rows_out:])

@@ -25,7 +25,7 @@ from ._common import (activation_fn, balanced_chunks, cdiv, check_array, check_b
                       check_indices, resolve_impl, sm_count)
 from .gather_matvec import (Segment, batch_pad, gather_matvec_part, gather_matvec_t_part,
                             partials_loader)
-from .launch import chained_launch, launch
+from .launch import launch
 
 
 
@@ -42,8 +42,6 @@ class MLPConfig:
     num_stages: int = 2
     target_programs: int | None = None  # fc2 programs to aim for (None: 8 per SM)
     fc2_masked_atomics: bool = True  # a batch's rows added by one masked atomic
-    chained: bool = False  # fc1 and fc2 in one launch, fc2 waiting on fc1 (chained_launch)
-    chain_norm: bool = False  # with chained, a pre-norm layer's MLP norm joins the launch
 
     def resolve(self, K: int, d: int, B: int) -> "MLPConfig":
         """Fill the automatic fields for ``K`` selected rows, width ``d`` and batch ``B``."""
@@ -115,69 +113,38 @@ class Riders:
     fc2_of: Callable
 
 
-@dataclasses.dataclass(frozen=True)
-class Prologue:
-    """A first stage for a chained sparse MLP (``MLPConfig.chained``): ``parts`` (the MLP
-    norm, and what rides with it) run first in the same launch, and ``pick(their pending
-    outputs)`` returns (the MLP's input rows, its :class:`Riders` or None)."""
-    parts: tuple
-    pick: Callable
-
-
 def sparse_mlp_pallas(x, w1, b1, w2t, b2, idx, *, activation="relu", w_gate=None,
                       interpret=False, config: MLPConfig | None = None, residual=None,
-                      riders: Riders | None = None, prologue: Prologue | None = None):
+                      riders: Riders | None = None):
     """Pallas path of :func:`sparse_mlp` (no validation; see there for the contract).
-    With ``riders``: ``(output, the fc2 riders' outputs)``. With ``prologue`` (chained
-    configs only) ``x`` gives only the input's shape and dtype, and ``riders`` come from
-    ``prologue.pick``: returns ``(output, the fc2 riders' outputs or None)``."""
+    With ``riders``: ``(output, the fc2 riders' outputs)``."""
     B, d = x.shape
     K = int(idx.shape[0])
     cfg = (config or MLPConfig()).resolve(K, d, B)
+    fc1_riders = riders.fc1 if riders is not None else ()
     idx = idx.astype(jnp.int32)
-    if prologue is not None and not cfg.chained:
-        raise ValueError("a prologue stage needs MLPConfig(chained=True)")
-    picked = {"x": x, "riders": riders}
-
-    def fc1_parts(first_outs=None):
-        if first_outs is not None:
-            picked["x"], picked["riders"] = prologue.pick(first_outs)
-        xs, rs = picked["x"], picked["riders"]
-        segs = [Segment(w1, idx)] + ([Segment(w_gate, idx)] if w_gate is not None else [])
-        fc1 = gather_matvec_part(xs, segs, block_rows=cfg.fc1_block_rows,
-                                 block_d=cfg.fc1_block_d, d_chunks=cfg.fc1_d_chunks)
-        return [*(rs.fc1 if rs is not None else ()), fc1]
-
-    def fc2_parts(fc1_outs):
-        *rider_outs, parts = fc1_outs
-        act_args = list(parts) + ([b1] if b1 is not None else [])
-        load_act = functools.partial(partials_loader, nds=parts[0].shape[0], B=B,
-                                     Bp=batch_pad(B), has_b1=b1 is not None,
-                                     gated=w_gate is not None, activation=activation)
-        fc2 = gather_matvec_t_part(act_args, load_act, w2t, idx, B=B,
-                                   block_rows=cfg.fc2_block_rows, block_d=cfg.fc2_block_d,
-                                   row_blocks_per_program=cfg.fc2_row_blocks,
-                                   residual=residual, bias=None if residual is None else b2,
-                                   masked_atomics=cfg.fc2_masked_atomics)
-        rs = picked["riders"]
-        return [*(rs.fc2_of(rider_outs) if rs is not None else ()), fc2]
-
-    settings = dict(num_warps=cfg.num_warps, num_stages=cfg.num_stages, interpret=interpret)
-    if prologue is not None:
-        stages = chained_launch(prologue.parts, fc1_parts, fc2_parts, **settings)
-    elif cfg.chained:
-        stages = chained_launch(fc1_parts(), fc2_parts, **settings)
-    else:
-        stages = [launch(fc1_parts(), **settings)]
-        stages.append(launch(fc2_parts(stages[0]), **settings))
-    *rider_outs, (out,) = stages[-1]
+    segs = [Segment(w1, idx)] + ([Segment(w_gate, idx)] if w_gate is not None else [])
+    fc1 = gather_matvec_part(x, segs, block_rows=cfg.fc1_block_rows, block_d=cfg.fc1_block_d,
+                             d_chunks=cfg.fc1_d_chunks)
+    *rider_outs, parts = launch([*fc1_riders, fc1], num_warps=cfg.num_warps,
+                                num_stages=cfg.num_stages, interpret=interpret)
+    act_args = list(parts) + ([b1] if b1 is not None else [])
+    load_act = functools.partial(partials_loader, nds=parts[0].shape[0], B=B, Bp=batch_pad(B),
+                                 has_b1=b1 is not None, gated=w_gate is not None,
+                                 activation=activation)
+    fc2 = gather_matvec_t_part(act_args, load_act, w2t, idx, B=B,
+                               block_rows=cfg.fc2_block_rows, block_d=cfg.fc2_block_d,
+                               row_blocks_per_program=cfg.fc2_row_blocks, residual=residual,
+                               bias=None if residual is None else b2,
+                               masked_atomics=cfg.fc2_masked_atomics)
+    fc2_riders = riders.fc2_of(rider_outs) if riders is not None else ()
+    *rider_outs, (out,) = launch([*fc2_riders, fc2], num_warps=cfg.num_warps,
+                                 num_stages=cfg.num_stages, interpret=interpret)
     if residual is None:
         out = out.sum(axis=0)
         if b2 is not None:
             out = out + b2.astype(jnp.float32)
         out = out.astype(x.dtype)
-    if prologue is not None:
-        return out, (rider_outs if picked["riders"] is not None else None)
     return (out, rider_outs) if riders is not None else out
 
 

@@ -82,11 +82,6 @@ MLP_CASES = [  # B, d, F, K, dtype, activation, gated, biases, config
     (1, 96, 200, 37, F32, "gelu_tanh", True, False, None),            # Gemma's GeGLU
     (1, 96, 200, 37, F32, "relu", False, True,                        # odd blocks, batch 1
      MLPConfig(fc1_block_d=32, fc1_d_chunks=2, fc2_block_d=32, fc2_row_blocks=3)),
-    (1, 96, 384, 37, BF16, "relu", False, True,                       # fc1 and fc2 chained
-     MLPConfig(chained=True, fc2_row_blocks=6, fc2_block_rows=4)),     # in one launch
-    (3, 96, 200, 33, F32, "silu", True, False, MLPConfig(chained=True, fc2_row_blocks=2)),
-    (1, 96, 384, 37, F32, "relu", False, True,                        # 3 fc1 chunks in
-     MLPConfig(chained=True, fc1_block_d=32, fc1_d_chunks=3)),         # a chained fc1
 ]
 
 

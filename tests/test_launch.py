@@ -9,8 +9,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from dejavu_jax.kernels.launch import (LaunchPart, Pending, _unravel, await_inputs,
-                                      chained_launch, launch)
+from dejavu_jax.kernels.launch import LaunchPart, _unravel, launch
 
 
 def _grid_ids_part(n_i: int, n_j: int) -> LaunchPart:
@@ -81,56 +80,3 @@ def test_program_ids_unravel_axis_zero_fastest():
     assert got == [(0, 0), (1, 0), (2, 0), (0, 1), (1, 1), (2, 1)]
     assert [tuple(int(v) for v in _unravel(p, (2, 1, 3))) for p in (0, 1, 2, 5)] == [
         (0, 0, 0), (1, 0, 0), (0, 0, 1), (1, 0, 2)]
-
-
-def _scaled_copy_part(src, factor: float, awaits: bool = False) -> LaunchPart:
-    """out[p] = factor * src[p] + p, one program per entry; with ``awaits`` the body reads
-    its own program id first and calls await_inputs before reading src."""
-    n = src.shape[0]
-
-    def body(pids, s_ref, o_ref):
-        p = pids[0]
-        if awaits:
-            await_inputs()
-        o_ref[p] = s_ref[p] * factor + p.astype(jnp.float32)
-    return LaunchPart(body, (n,), (src,), (jax.ShapeDtypeStruct((n,), jnp.float32),),
-                      name="scaled", awaits=awaits)
-
-
-@pytest.mark.parametrize("awaits", [False, True])
-def test_chained_launch_equals_two_launches(awaits):
-    """A second stage reading the first stage's outputs in place gives what two launches
-    give, and the first stage's outputs come back too."""
-    y = jnp.arange(7, dtype=jnp.float32)
-    first = [_grid_ids_part(2, 3), _scaled_copy_part(y, 2.0)]
-
-    def then_of(outs):
-        assert isinstance(outs[1][0], Pending) and outs[1][0].shape == (7,)
-        return [_add_in_place_part(jnp.ones(4, jnp.float32), 1.0),
-                _scaled_copy_part(outs[1][0], -3.0, awaits=awaits)]
-
-    (ids, (copied,)), ((added,), (second,)) = chained_launch(first, then_of, interpret=True)
-    np.testing.assert_array_equal(np.asarray(ids[0]), _want_ids(2, 3))
-    want_first = 2.0 * np.arange(7) + np.arange(7)
-    np.testing.assert_array_equal(np.asarray(copied), want_first)
-    np.testing.assert_array_equal(np.asarray(added), np.full(4, 2.0))
-    np.testing.assert_array_equal(np.asarray(second), -3.0 * want_first + np.arange(7))
-
-
-def test_chained_launch_refuses_a_part_that_never_awaits():
-    y = jnp.arange(3, dtype=jnp.float32)
-
-    def then_of(outs):
-        part = _scaled_copy_part(outs[0][0], 1.0)
-        return [LaunchPart(part.body, part.grid, part.inputs, part.out_shape, awaits=True)]
-
-    with pytest.raises(ValueError, match="never calls await_inputs"):
-        chained_launch([_scaled_copy_part(y, 1.0)], then_of, interpret=True)
-
-
-def test_pending_inputs_only_in_the_second_stage():
-    y = jnp.arange(3, dtype=jnp.float32)
-    with pytest.raises(ValueError, match="pending input"):
-        launch([_scaled_copy_part(Pending(0, 0, (3,), jnp.float32), 1.0)], interpret=True)
-    with pytest.raises(ValueError, match="second-stage part"):
-        chained_launch([_scaled_copy_part(y, 1.0)], lambda outs: [], interpret=True)

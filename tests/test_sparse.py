@@ -787,30 +787,3 @@ def test_thresholds_of_another_shape_or_not_finite_are_refused(bad, message):
         generate_tokens(eng, (params, bad(zeros)), [[5, 6, 7]], max_new_tokens=2)
     with pytest.raises(ValueError, match=message):
         eng.step((params, bad(zeros)), state, jnp.asarray(ref["generated_ids"][:1]))
-
-
-@pytest.mark.parametrize("preset,batch", [("opt-tiny", 1), ("llama-tiny", 3)])
-def test_chained_mlp_launches_decode_as_the_separate_ones(preset, batch):
-    """The MLP norm and the sparse MLP's two launches chained into one
-    (`MLPConfig(chained=True, chain_norm=True)`; at batch 3 the selection's first product
-    rides with the norm) decode with predictors exactly as the separate launches do: the
-    same sets (so the same logits), in the interpreter, which runs the programs in order.
-    (The chained pair alone: `test_kernels`.)"""
-    from dejavu_jax import kernels
-    from dejavu_jax.eval.bench_decode import random_predictors
-    from dejavu_jax.train.predictor_model import decode_predictors
-    config = dj.preset(preset)
-    params = dj.init_params(config, jax.random.key(3), jnp.float32, std=0.1)
-    preds = decode_predictors(random_predictors(config, 16, jax.random.key(1)))
-    select = sparse.predictor_selector(config.group_size, method="local", impl="interpret")
-    base = dataclasses.replace(sparse.sparse_config(config, 0.3, 0.5, dense_layers=1,
-                                                    impl="interpret"), batch_policy="union")
-    prompts = [[5, 9, 14, 3], [8, 2, 4, 11], [1, 30, 6, 8]][:batch]
-    runs = {}
-    for name, cfg in (("separate", None),
-                      ("chained", kernels.MLPConfig(chained=True, chain_norm=True))):
-        scfg = dataclasses.replace(base, mlp_config=cfg)
-        runs[name] = np.stack([s for _, s in _run_both(config, params, scfg, preds, prompts,
-                                                       2, select)])
-    assert np.isfinite(runs["separate"]).all() and np.abs(runs["separate"]).max() > 1e-3
-    assert_finite_close(runs["chained"], runs["separate"], atol=1e-5, rtol=1e-5)

@@ -64,53 +64,6 @@ def test_sparse_mlp_lowers(B, gated, residual, activation):
     assert text.count("gather_matvec") >= 2
 
 
-@pytest.mark.parametrize("B", [1, 3])
-def test_chained_sparse_mlp_lowers(B, monkeypatch):
-    """fc1 and fc2 in one launch (`MLPConfig.chained`): one gather launch, a block barrier
-    and a counter the second stage spins on (a volatile load in a loop)."""
-    d, F, K = 576, 1536, 200
-    cfg = kernels.MLPConfig(chained=True)
-    fn = lambda *a: kernels.sparse_mlp(*a, residual=z(B, d, dtype=F32), impl="pallas",
-                                       config=cfg)
-    args = (z(B, d), z(F, d), z(F), z(F, d), z(d), jnp.arange(K, dtype=jnp.int32))
-    text, (module,) = triton_modules(monkeypatch, fn, *args)
-    assert set(re.findall(r'\bname = "([^"]+)"', text)) == {"gather_matvec_gather_matvec_t"}
-    loop = re.search(r"scf\.while.*?scf\.yield", module, re.S)
-    assert loop is not None and "isVolatile = true" in loop.group(0)
-
-
-def triton_modules(monkeypatch, fn, *args):
-    """fn lowered for CUDA (as :func:`lowers`) and the Triton modules (MLIR text) built."""
-    from jax._src.pallas.triton import pallas_call_registration as reg
-    texts, lower = [], reg.lowering.lower_jaxpr_to_triton_module
-
-    def recording(*a, **k):
-        result = lower(*a, **k)
-        texts.append(result.module.operation.get_asm())
-        return result
-    monkeypatch.setattr(reg.lowering, "lower_jaxpr_to_triton_module", recording)
-    return lowers(fn, *args), texts
-
-
-def test_chained_launch_keeps_its_spin_loop(monkeypatch):
-    """The second stage's wait survives lowering: a loop of volatile counter loads, then
-    the acquiring add, before a block barrier (JAX drops a loop whose result is unused)."""
-    from dejavu_jax.kernels.launch import LaunchPart, chained_launch
-
-    def copy(pids, x_ref, o_ref):
-        o_ref[...] = x_ref[...] * 2.0
-
-    def run(x):
-        return chained_launch([LaunchPart(copy, (3,), (x,), (x,))],
-                              lambda outs: [LaunchPart(copy, (2,), (outs[0][0],), (x,))])
-    _, (text,) = triton_modules(monkeypatch, run, z(16, dtype=F32))
-    loop = re.search(r"scf\.while.*?\n(.*?)scf\.yield", text, re.S)
-    assert loop is not None, "the second stage's spin loop was dropped"
-    assert "isVolatile = true" in loop.group(1)
-    after = text[loop.end():]
-    assert re.search(r"tt\.atomic_rmw add, acq_rel, gpu.*?gpu\.barrier", after, re.S)
-
-
 @pytest.mark.parametrize("B,n_kv,rope,window,residual,masked", [
     (1, 8, False, True, True, False),
     (2, 4, True, True, True, True),       # a query-head mask (GQA)
@@ -197,13 +150,11 @@ def test_norms_top_k_and_predictor_select_lower():
                z(L, F, dtype=F32), z(L, r, H), z(L, H, dtype=F32))
 
 
-@pytest.mark.parametrize("preset,batch,split,stacked,unroll,chained", [
-    ("opt-tiny", 1, True, False, 1, False), ("opt-tiny", 2, False, False, 1, False),
-    ("llama-tiny", 1, False, False, 1, False), ("opt-tiny", 1, True, True, 1, False),
-    ("opt-tiny", 1, True, True, True, False), ("opt-tiny", 1, True, True, 4, False),
-    ("opt-tiny", 1, True, True, 1, "mlp"), ("opt-tiny", 2, False, False, 1, "mlp"),
-    ("opt-tiny", 1, True, False, 1, "norm"), ("opt-tiny", 2, False, False, 1, "norm")])
-def test_sparse_decode_step_lowers(preset, batch, split, stacked, unroll, chained):
+@pytest.mark.parametrize("preset,batch,split,stacked,unroll", [
+    ("opt-tiny", 1, True, False, 1), ("opt-tiny", 2, False, False, 1),
+    ("llama-tiny", 1, False, False, 1), ("opt-tiny", 1, True, True, 1),
+    ("opt-tiny", 1, True, True, True), ("opt-tiny", 1, True, True, 4)])
+def test_sparse_decode_step_lowers(preset, batch, split, stacked, unroll):
     """The whole sparse decode step on the GPU path: dense layers, fused norms, windowed
     attention, residual-accumulating launches, the split predictor; per-layer weights or
     stacked ones (a scan, kernels indexing all layers' weights by global ids, or with
@@ -218,9 +169,7 @@ def test_sparse_decode_step_lowers(preset, batch, split, stacked, unroll, chaine
     # batch_policy "kernels": a batch would otherwise run XLA's dense layers
     scfg = dataclasses.replace(sparse.sparse_config(config, 0.25, 0.5, dense_layers=1,
                                                     impl="pallas"), batch_policy="kernels",
-                               layer_unroll=unroll,
-                               mlp_config=kernels.MLPConfig(chained=bool(chained),
-                                                            chain_norm=chained == "norm"))
+                               layer_unroll=unroll)
     preds = decode_predictors(random_predictors(config, 16, jax.random.key(1)))
     select = sparse.predictor_selector(config.group_size, method="local", impl="pallas")
     assert select.splits(preds, batch) == split
@@ -229,14 +178,6 @@ def test_sparse_decode_step_lowers(preset, batch, split, stacked, unroll, chaine
     text = lowers(eng.step, (params, preds), state, jnp.zeros((batch,), jnp.int32))
     # the split selection rides in the MLP launches (the launches' names join their parts')
     batch1_launch = lambda name: re.search(rf"(?<!batch_){name}", text) is not None
-    if chained:   # the two MLP launches are one, the selection's parts in it
-        pre = "batch_" if batch > 1 else ""
-        mlp = f"{pre}predictor_scores_gather_matvec_{pre}predictor_select_gather_matvec_t"
-        if chained == "norm":   # the MLP norm (with a batch's first product) in it too
-            mlp = ("gather_matvec_" if batch > 1 else "") + "layer_norm_" + mlp
-        names = set(re.findall(r'\bname = "([^"]+)"', text))
-        assert mlp in names, sorted(names)
-        return
     assert batch1_launch("predictor_scores_gather_matvec") == split
     assert batch1_launch("predictor_select_gather_matvec_t") == split
     assert "layer_norm" in text
