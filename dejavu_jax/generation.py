@@ -81,14 +81,16 @@ def _prefill_and_sample(engine, params, input_ids, mask, state, sampling, key, c
 
 
 @functools.partial(jax.jit, static_argnums=(0, 4, 6, 7), donate_argnums=(2,))
-def _steps_and_sample(engine, params, state, tokens, sampling, key, n, choose):
+def _steps_and_sample(engine, params, state, tokens, sampling, key, n, choose, stop):
     """n decode steps on the device: (tokens [n, B], whether each step's logits were
     finite [n, B], last tokens, state, key). The key is split once per step exactly as a
     per-token loop would, so chunking never changes the sampled tokens; `choose` (not
-    None) picks each token on the host instead."""
+    None) picks each token on the host instead. A row whose input token is one of `stop`
+    [n_stop] is finished (`model.finish_rows`)."""
     def body(carry, _):
         state, tokens, key = carry
         key, sub = jax.random.split(key)
+        state = model.finish_rows(state, jnp.isin(tokens, stop))
         logits, state = engine.step(params, state, tokens)
         tokens = _pick(logits, sub, sampling, choose)
         return (state, tokens, key), (tokens, _finite(logits))
@@ -240,7 +242,8 @@ def generate_tokens(engine: Engine, params, prompts: Sequence[Sequence[int]],
     produced, steps, timed, first_call = 1, 0, 0, 0.0
 
     def launch(state, tokens, key):
-        return _steps_and_sample(engine, params, state, tokens, sampling, key, chunk, choose)
+        return _steps_and_sample(engine, params, state, tokens, sampling, key, chunk, choose,
+                                 jnp.asarray(stop, jnp.int32))
 
     # One call stays queued behind the one being read, so the device never waits for the
     # host to stream tokens and dispatch; a call queued past a stop is discarded.

@@ -33,6 +33,8 @@ class DecodeState:
     valid: [B, S] which cache slots hold real tokens (left padding is invalid).
     slot: int32 scalar, the next slot to write (shared by the batch).
     positions: [B] int32, the position id of each row's next token.
+    live: [B] bool, rows still generating. A finished row (`finish_rows`) still decodes,
+      its tokens unread, but no longer weighs in a batch's shared selection.
     """
 
     k: jax.Array
@@ -40,6 +42,15 @@ class DecodeState:
     valid: jax.Array
     slot: jax.Array
     positions: jax.Array
+    live: jax.Array
+
+
+def finish_rows(state, finished: jax.Array):
+    """The decode state (a DecodeState, or an engine's state holding one as `dense`) with
+    the rows `finished` [B] bool no longer live."""
+    if isinstance(state, DecodeState):
+        return state.replace(live=state.live & ~finished)
+    return state.replace(dense=finish_rows(state.dense, finished))
 
 
 def positions_from_mask(mask: jax.Array) -> jax.Array:
@@ -207,7 +218,7 @@ def init_state(config: ModelConfig, batch: int, max_len: int, dtype,
     return DecodeState(
         k=k, v=v,
         valid=jnp.zeros((batch, max_len), bool), slot=jnp.zeros((), jnp.int32),
-        positions=jnp.zeros((batch,), jnp.int32))
+        positions=jnp.zeros((batch,), jnp.int32), live=jnp.ones((batch,), bool))
 
 
 def prefill_fn(config: ModelConfig, params: ModelParams, input_ids: jax.Array,
@@ -237,7 +248,8 @@ def prefill_fn(config: ModelConfig, params: ModelParams, input_ids: jax.Array,
         valid=jax.lax.dynamic_update_slice(jnp.zeros_like(state.valid),
                                            attention_mask.astype(bool), (0, 0)),
         slot=jnp.asarray(T, jnp.int32),
-        positions=jnp.sum(attention_mask, axis=-1).astype(jnp.int32))
+        positions=jnp.sum(attention_mask, axis=-1).astype(jnp.int32),
+        live=jnp.ones(attention_mask.shape[:1], bool))
     return logits_last, new_state
 
 
@@ -361,7 +373,7 @@ def decode_layers(config: ModelConfig, params: ModelParams, x: jax.Array,
 
     (x, k, v), _ = scan_layers(layer, (x, state.k, state.v), params.layers, with_index=True)
     return x, DecodeState(k=k, v=v, valid=valid, slot=state.slot + 1,
-                          positions=state.positions + 1)
+                          positions=state.positions + 1, live=state.live)
 
 
 def decode_step_fn(config: ModelConfig, params: ModelParams, state: DecodeState,

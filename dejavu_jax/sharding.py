@@ -62,7 +62,7 @@ TOP_AXES = {
 STATE_AXES = {
     "k": ("batch", "layer", "kv_heads", "seq", "head_dim"),
     "v": ("batch", "layer", "kv_heads", "seq", "head_dim"),
-    "valid": ("batch", "seq"), "slot": (), "positions": ("batch",),
+    "valid": ("batch", "seq"), "slot": (), "positions": ("batch",), "live": ("batch",),
     "written": ("batch", "layer", "kv_heads", "seq"),
     "history": ("batch", "layer", "window", "hidden"),
 }

@@ -850,7 +850,7 @@ def sparse_layers(config: ModelConfig, scfg: SparseConfig, params: ModelParams,
     if batch_runs_dense(scfg, x.shape[0]):
         scfg = dataclasses.replace(scfg, dense_layers=config.n_layers)
     if scfg.batch_policy == "shared" and x.shape[0] > 1 and hasattr(select, "shared_batch"):
-        select = select.shared_batch()
+        select = select.shared_batch(step.get("live"))
     step = {**step, "window": _window_step(config, scfg, step)}  # this (shard's) config
     prev_input = x  # the input of the layer before the segment (lookahead source)
     planned = scfg
@@ -993,13 +993,14 @@ def sparse_step_fn(config: ModelConfig, scfg: SparseConfig, select: Selector,
     dense = state.dense
     valid = jax.lax.dynamic_update_slice(
         dense.valid, jnp.ones((dense.valid.shape[0], 1), bool), (0, dense.slot))
-    step = {"slot": dense.slot, "valid": valid, "positions": dense.positions}
+    step = {"slot": dense.slot, "valid": valid, "positions": dense.positions,
+            "live": dense.live}
     x = embed(config, params, tokens, dense.positions)
     io = _LayerIO(k=dense.k, v=dense.v, written=state.written, history=state.history)
     x, io = (layers_fn or sparse_layers)(config, scfg, params, select, selector_params, x, io,
                                          step)
     new_dense = DecodeState(k=io.k, v=io.v, valid=valid, slot=dense.slot + 1,
-                            positions=dense.positions + 1)
+                            positions=dense.positions + 1, live=dense.live)
     return unembed(config, params, x), SparseState(dense=new_dense, written=io.written,
                                                    history=io.history)
 
@@ -1065,13 +1066,15 @@ class PredictorSelector:
         self.batch_kernels = batch_kernels
         self.batch_heads_in_fc1 = batch_heads_in_fc1
         self.shared = False   # one set for a whole batch: `shared_batch`
+        self.live_rows = None   # the rows whose scores make a shared set ([B] bool; None: all)
 
-    def shared_batch(self) -> "PredictorSelector":
+    def shared_batch(self, live: jax.Array | None = None) -> "PredictorSelector":
         """This selector with one set per layer for a whole batch (`SparseConfig.batch_policy`
-        "shared"): the top-k of `shared_scores`, selected as for one row."""
+        "shared"): the top-k of `shared_scores`, selected as for one row, over the rows
+        `live` [B] bool (every row when None; finished rows do not weigh in)."""
         import copy
         out = copy.copy(self)
-        out.shared = True
+        out.shared, out.live_rows = True, live
         return out
 
     def _top(self, scores, k, capacity):
@@ -1125,8 +1128,9 @@ class PredictorSelector:
                 activation=p.activation, impl=self.impl)
         mlp, heads = predictor_scores(pred_params, layer, x)   # heads: per query head
         if self.shared and x.shape[0] > 1:
-            return (self._top(shared_scores(mlp), k_mlp, None),
-                    self._top(shared_scores(heads), k_heads, None))
+            rows = self.live_rows
+            return (self._top(shared_scores(mlp, rows), k_mlp, None),
+                    self._top(shared_scores(heads, rows), k_heads, None))
         cap_mlp, cap_heads = self.union_capacity
         if heads.shape[0] > 1 and cap_heads is None and self.row_heads:   # each row its own
             return (self._top(mlp, k_mlp, cap_mlp), row_top_k(heads, k_heads))

@@ -109,7 +109,8 @@ def select_per_shard(config: ModelConfig, select, selector_params, mesh: Mesh, l
 
 
 def _step_specs(step: dict, mesh: Mesh) -> dict:
-    axes = {"slot": (), "valid": ("batch", "seq"), "positions": ("batch",)}
+    axes = {"slot": (), "valid": ("batch", "seq"), "positions": ("batch",),
+            "live": ("batch",)}
     unknown = set(step) - set(axes)
     if unknown:
         raise ValueError(f"no sharding rule for decode-step inputs {sorted(unknown)}")

@@ -120,3 +120,75 @@ def test_perplexity_cli_refuses_shared_rows_without_the_sparse_mode(capsys):
         perplexity.main(["--preset", "llama-tiny", "--shared-rows", "2"])
     assert e.value.code == 2
     assert "--mode sparse" in capsys.readouterr().err
+
+
+def test_finished_rows_do_not_weigh_in_the_shared_sets():
+    config = dj.preset("llama-tiny")
+    preds = random_predictors(config, 8, jax.random.key(2))
+    x = jax.random.normal(jax.random.key(3), (3, config.hidden), jnp.float32)
+    live = np.asarray([True, False, True])
+    shared = sparse.predictor_selector(config.group_size).shared_batch(jnp.asarray(live))
+    k_mlp, k_heads = config.ffn // 4, 2
+    neurons, heads = shared(preds, 1, x, k_mlp, k_heads)
+    mlp_logits, head_logits = (np.asarray(s) for s in predictor_scores(preds, 1, x))
+    np.testing.assert_array_equal(np.asarray(neurons),
+                                  _numpy_shared_top_k(mlp_logits, k_mlp, live))
+    np.testing.assert_array_equal(np.asarray(heads),
+                                  _numpy_shared_top_k(head_logits, k_heads, live))
+    assert not np.array_equal(np.asarray(neurons), _numpy_shared_top_k(mlp_logits, k_mlp))
+
+
+def _shared_engine(preset):
+    config = dj.preset(preset)
+    params = dj.init_params(config, jax.random.key(5), jnp.float32, std=0.1)
+    preds = random_predictors(config, 8, jax.random.key(4))
+    scfg = dataclasses.replace(sparse.sparse_config(config, 0.25, 0.5, dense_layers=1),
+                               batch_policy="shared")
+    eng = sparse.sparse_engine(config, scfg, sparse.predictor_selector(config.group_size))
+    return config, eng, (params, preds)
+
+
+def test_a_finished_row_leaves_the_others_decoding_as_without_it():
+    """Rows 0 and 2 of three decode, once row 1 is finished (`model.finish_rows`), exactly
+    as the two of them alone; while row 1 is live its votes change their sets."""
+    config, eng, params = _shared_engine("opt-tiny")
+    P, S = 5, 4
+    ids = np.random.default_rng(1).integers(3, config.vocab_size, (3, P + S)).astype(np.int32)
+    prefill, step = jax.jit(eng.prefill), jax.jit(eng.step)
+
+    def decode(rows, finished=None):
+        prompt, mask = (jnp.asarray(a) for a in left_pad([list(ids[r, :P]) for r in rows]))
+        _, state = prefill(params, prompt, mask, eng.init_state(len(rows), P + S + 1,
+                                                                jnp.float32))
+        if finished is not None:
+            state = dj.model.finish_rows(state, jnp.asarray(finished))
+        out = []
+        for i in range(S):
+            logits, state = step(params, state, jnp.asarray(ids[rows, P + i]))
+            out.append(np.asarray(logits))
+        return np.stack(out, axis=1)
+
+    alone = decode([0, 2])
+    with_finished = decode([0, 1, 2], finished=[False, True, False])
+    with_live = decode([0, 1, 2])
+    assert np.isfinite(alone).all() and np.isfinite(with_finished).all()
+    np.testing.assert_allclose(with_finished[[0, 2]], alone, atol=1e-5, rtol=0)
+    assert np.abs(with_live[[0, 2]] - alone).max() > 1e-3
+
+
+def test_generation_finishes_a_row_at_its_stop_id():
+    """A row that emits a stop id no longer weighs in the shared sets: the other rows
+    generate what they generate without it."""
+    config, eng, params = _shared_engine("opt-tiny")
+    rng = np.random.default_rng(3)
+    prompts = [list(rng.integers(3, config.vocab_size, 6)) for _ in range(3)]
+    free = dj.generate_tokens(eng, params, prompts, max_new_tokens=10, stop_ids=[], chunk=4)
+    stop = free.tokens[1][0]   # row 1's first token (the prompt's): it finishes there
+    assert all(stop not in free.tokens[r] for r in (0, 2))
+    together = dj.generate_tokens(eng, params, prompts, max_new_tokens=10, stop_ids=[stop],
+                                  chunk=4)
+    apart = dj.generate_tokens(eng, params, [prompts[0], prompts[2]], max_new_tokens=10,
+                               stop_ids=[stop], chunk=4)
+    assert together.tokens[1] == [stop]
+    assert [together.tokens[0], together.tokens[2]] == apart.tokens
+    assert [free.tokens[0], free.tokens[2]] != apart.tokens
