@@ -56,10 +56,16 @@ def test_sampling_config_validates():
         SamplingConfig(top_p=0.0)
 
 
-def test_cli_runs_a_random_preset(capsys):
+def test_cli_runs_a_random_preset_on_a_text_prompt(capsys):
+    from dejavu_jax.paths import opt_tokenizer_dir
+    if not opt_tokenizer_dir().exists():
+        pytest.skip(f"OPT tokenizer not available ({opt_tokenizer_dir()}; set DEJAVU_DATA)")
     assert cli.main(["--max-new-tokens", "4", "--preset", "opt-tiny"]) == 0
     out = capsys.readouterr().out
     assert out.splitlines()[-1].startswith("decode: not measured")  # 3 steps: one call
+
+
+def test_cli_runs_a_random_preset(capsys):
     assert cli.main(["--max-new-tokens", "12", "--chunk", "4", "--preset", "opt-tiny",
                      "--prompt-ids", "2,100,200", "--print-ids"]) == 0
     out = capsys.readouterr().out
