@@ -126,10 +126,12 @@ def _renorm(y, x_dtype):
 
 
 def bench_mlp_point(W, d, B, density, *, which, config=None, seed=0, residual=False):
-    """Time one MLP variant: which in {"sparse", "gather", "dense"}; `density` is the
-    fraction of the F = 4d neurons read; returns dict. residual (sparse): the output is
-    added into fp32 residual rows in the launch, as a decode step does (half the input,
-    so that the chain still contracts)."""
+    """Time one MLP variant: which in {"sparse", "gather", "dense", "slab"}; `density` is
+    the fraction of the F = 4d neurons read; returns dict. "slab": XLA's dense MLP over
+    contiguous copies of K neurons' rows, the same bytes as a sparse call without a
+    gather (what the memory system gives a read of that size). residual (sparse): the
+    output is added into fp32 residual rows in the launch, as a decode step does (half
+    the input, so that the chain still contracts)."""
     F = 4 * d
     K = max(1, round(F * density))
     x0 = _rand(jax.random.PRNGKey(seed + 7), (B, d), jnp.bfloat16, 1.0)
@@ -141,6 +143,15 @@ def bench_mlp_point(W, d, B, density, *, which, config=None, seed=0, residual=Fa
             h = jnp.dot(x, W["w1"].T, preferred_element_type=jnp.float32) + W["b1"]
             a = jnp.maximum(h, 0).astype(x.dtype)
             y = jnp.dot(a, W["w2t"], preferred_element_type=jnp.float32) + W["b2"]
+            return _renorm(y, x.dtype)
+    elif which == "slab":
+        sets = [dict(w1=W["w1"][idx], b1=W["b1"][idx], w2t=W["w2t"][idx])
+                for idx in disjoint_sets(F, K, seed=seed)]
+
+        def step(x, W, s):
+            h = jnp.dot(x, s["w1"].T, preferred_element_type=jnp.float32) + s["b1"]
+            a = jnp.maximum(h, 0).astype(x.dtype)
+            y = jnp.dot(a, s["w2t"], preferred_element_type=jnp.float32) + W["b2"]
             return _renorm(y, x.dtype)
     elif which == "gather":
         sets = disjoint_sets(F, K, seed=seed)
@@ -365,7 +376,9 @@ def main(argv=None):
     p.add_argument("--what", default="mlp,attn", help="comma list of mlp, attn")
     p.add_argument("--attn-models", default=None, help="models for attention (default --models)")
     p.add_argument("--attn-batches", default=None, help="batches for attention (default --batches)")
-    p.add_argument("--baselines", default="dense,gather", help="comma list of dense, gather")
+    p.add_argument("--baselines", default="dense,gather,slab",
+                   help="comma list of dense, gather, slab (XLA's dense MLP over contiguous "
+                        "copies of the selected rows: the same bytes without a gather)")
     p.add_argument("--gather-batches", default="1", help="batches at which to time W[idx]@x")
     p.add_argument("--check", action="store_true", help="GPU correctness checks first")
     p.add_argument("--tune", action="store_true", help="time block-size variants first")
@@ -484,8 +497,11 @@ def main(argv=None):
                     for dens in [float(v) for v in a.densities.split(",")]:
                         if over_time_limit():
                             break
-                        for which in ("sparse", "gather"):
+                        sparse_row = None
+                        for which in ("sparse", "gather", "slab"):
                             if which == "gather" and ("gather" not in base or B not in gather_b):
+                                continue
+                            if which == "slab" and "slab" not in base:
                                 continue
                             r = guarded(bench_mlp_point, W, d, B, dens, which=which)
                             if not r:
@@ -494,6 +510,10 @@ def main(argv=None):
                             if dense:
                                 r["speedup_vs_dense"] = dense["time_us"] / r["time_us"]
                                 r["frac_of_dense_bw"] = r["gbps"] / dense["gbps"]
+                            if which == "sparse":
+                                sparse_row = r
+                            if which == "slab" and sparse_row:
+                                sparse_row["frac_of_slab_speed"] = r["time_us"] / sparse_row["time_us"]
                             res["mlp"].append(r)
                             log(f"mlp {mname} B={B} density {dens:<5g} {which:6s}: {r['time_us']:8.1f} us "
                                 f"{r['gbps']:7.0f} GB/s  x{r.get('speedup_vs_dense', float('nan')):.2f}")
@@ -555,13 +575,14 @@ def markdown_table(res):
         out += [f"GPU correctness checks (compiled Pallas vs jnp reference): {ok}/{len(res['check'])} OK", ""]
     if res["mlp"]:
         out += ["## Sparse MLP (fc1 + fc2, bf16)", "",
-                "| model | B | density | K | variant | MB needed | time µs | GB/s | × dense | % dense BW |",
-                "|---|---|---|---|---|---|---|---|---|---|"]
+                "| model | B | density | K | variant | MB needed | time µs | GB/s | × dense | % dense BW "
+                "| % slab speed |", "|---|---|---|---|---|---|---|---|---|---|---|"]
         for r in res["mlp"]:
             out.append(f"| {r.get('model')} | {r['B']} | {r['density']:g} | {r['K']} | {r['which']} | "
                        f"{r['bytes'] / 1e6:.1f} | {r['time_us']:.1f} | {r['gbps']:.0f} | "
                        f"{r.get('speedup_vs_dense', float('nan')):.2f} | "
-                       f"{100 * r.get('frac_of_dense_bw', float('nan')):.0f} |")
+                       f"{100 * r.get('frac_of_dense_bw', float('nan')):.0f} | "
+                       f"{100 * r.get('frac_of_slab_speed', float('nan')):.0f} |")
         out.append("")
     if res["attn"]:
         out += ["## Head-sparse decode attention (bf16, pos = ctx - 1)", "",
