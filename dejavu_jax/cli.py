@@ -70,6 +70,14 @@ def non_negative_float(text: str) -> float:
     return value
 
 
+def positive_float(text: str) -> float:
+    """An argparse type: a finite number > 0."""
+    value = _number(text, float, "a number > 0")
+    if not 0 < value < float("inf"):  # also NaN
+        raise argparse.ArgumentTypeError(f"must be finite and > 0, got {text}")
+    return value
+
+
 def seed(text: str) -> int:
     """An argparse type: a random seed, an integer in [0, 2**63)."""
     value = non_negative_int(text)
@@ -121,6 +129,18 @@ def fractions(text: str) -> list[float]:
     if not items:
         raise argparse.ArgumentTypeError(f"no values in {text!r}")
     return [fraction(t.strip()) for t in items]
+
+
+def utf8_text(text: str) -> str:
+    """An argparse type: text that encodes as UTF-8 (bytes of a command line that do not
+    decode arrive as lone surrogates, which no tokenizer takes)."""
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError as e:
+        raise argparse.ArgumentTypeError(
+            f"not UTF-8 text (byte 0x{ord(text[e.start]) & 0xff:02x} at character "
+            f"{e.start})") from None
+    return text
 
 
 def existing_path(text: str) -> Path:

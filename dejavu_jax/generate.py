@@ -73,7 +73,7 @@ def build_parser() -> argparse.ArgumentParser:
     src.add_argument("--preset", choices=config_lib.PRESETS, metavar="NAME",
                      help=f"random weights of a shape preset: {', '.join(config_lib.PRESETS)}")
     prompt = p.add_mutually_exclusive_group()
-    prompt.add_argument("--prompt", action="append",
+    prompt.add_argument("--prompt", action="append", type=cli.utf8_text,
                         help=f"prompt text (repeat for a batch; default {DEFAULT_PROMPT!r})")
     prompt.add_argument("--prompt-ids", action="append", type=parse_ids,
                         help="prompt as comma-separated token ids (repeat for a batch)")

@@ -40,7 +40,11 @@ def initialize_distributed() -> None:
                 kw[key] = int(os.environ[env])
             except ValueError:
                 cli.fail(f"{env}={os.environ[env]!r} is not an integer")
-    jax.distributed.initialize(**kw)
+    try:
+        jax.distributed.initialize(**kw)
+    except ValueError as e:  # no coordinator given nor detected
+        cli.fail(f"--distributed: {cli.first_line(e)} (set JAX_COORDINATOR_ADDRESS, "
+                 "DEJAVU_NUM_PROCESSES and DEJAVU_PROCESS_ID, or run under Slurm or Open MPI)")
 
 
 def mesh_from_args(args) -> "jax.sharding.Mesh | None":

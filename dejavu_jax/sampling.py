@@ -47,7 +47,10 @@ def sample(logits: jax.Array, key: jax.Array, cfg: SamplingConfig) -> jax.Array:
         sorted_logits = jnp.take_along_axis(logits, order, axis=-1)
         probs = jax.nn.softmax(sorted_logits, axis=-1)
         mass_before = jnp.cumsum(probs, axis=-1) - probs
-        sorted_logits = jnp.where(mass_before < cfg.top_p, sorted_logits, -jnp.inf)
+        # the most likely token is always kept: a top_p that float32 rounds to 0 keeps it
+        # alone, as any top_p below its probability does
+        first = jnp.arange(logits.shape[-1]) == 0
+        sorted_logits = jnp.where((mass_before < cfg.top_p) | first, sorted_logits, -jnp.inf)
         logits = jnp.full_like(logits, -jnp.inf).at[
             jnp.arange(logits.shape[0])[:, None], order].set(sorted_logits)
     return jax.random.categorical(key, logits, axis=-1).astype(jnp.int32)

@@ -399,7 +399,8 @@ def build_parser() -> argparse.ArgumentParser:
     p = cli.ArgumentParser(prog="python -m dejavu_jax.eval.tasks",
                            description=__doc__.split("\n")[0])
     p.add_argument("--tasks", default="all",
-                   help=f"comma list of names ({', '.join(TASK_FILES)}) or task file paths")
+                   help=f"comma list of names ({', '.join(TASK_FILES)}; all: every one) "
+                        "or task file paths (default: all)")
     p.add_argument("--limit", type=cli.positive_int,
                    help="score only the first N items of each task")
     p.add_argument("--out", help="write the result as JSON here")
@@ -409,10 +410,11 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def parse_tasks(text: str) -> list[str]:
-    """Task names/paths from a comma list ('all': every known task), spaces around each
-    dropped ('copa, piqa')."""
+    """Task names/paths from a comma list, spaces around each dropped ('copa, piqa'); 'all'
+    stands for every known task, also beside others ('all,my_task.jsonl')."""
     names = [t.strip() for t in text.split(",") if t.strip()]
-    return list(TASK_FILES) if names == ["all"] else names
+    expanded = [n for t in names for n in (TASK_FILES if t == "all" else [t])]
+    return list(dict.fromkeys(expanded))
 
 
 def load_tasks(names: list[str], limit: int | None) -> dict[str, list[Item]]:

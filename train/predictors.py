@@ -434,7 +434,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--epochs", type=cli.positive_int, default=d.epochs)
     p.add_argument("--batch-size", type=cli.positive_int, default=d.batch_size,
                    help="tokens per step")
-    p.add_argument("--lr", type=cli.non_negative_float, default=d.lr)
+    p.add_argument("--lr", type=cli.positive_float, default=d.lr)
     p.add_argument("--weight-decay", type=cli.non_negative_float, default=d.weight_decay)
     p.add_argument("--stop-recall", type=cli.fraction, default=d.stop_recall)
     p.add_argument("--patience", type=cli.positive_int, default=d.patience)

@@ -1,0 +1,92 @@
+"""A user's mistakes at the command line: one `error:` line and exit status 2, or the
+result the option asks for, never a traceback or garbage tokens.
+
+Each CLI case checks its input before any weights load (the loaders here fail the test).
+"""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from dejavu_jax import generate
+from dejavu_jax.eval import common, perplexity
+from dejavu_jax.eval import tasks as tasks_mod
+from dejavu_jax.sampling import SamplingConfig, sample
+from dejavu_jax.train import predictors
+
+
+@pytest.fixture
+def no_loading(monkeypatch):
+    """Loaders that fail the test: what a case checks must come before any weights."""
+    def forbidden(*args, **kwargs):
+        pytest.fail("weights were loaded before the input was checked")
+
+    monkeypatch.setattr(generate, "load_params", forbidden)
+    monkeypatch.setattr(common, "load_weights", forbidden)
+    monkeypatch.setattr(predictors, "train", forbidden)
+
+
+def _error_line(main, argv: list[str], capsys) -> str:
+    """The one `error:` line `main(argv)` exits with (status 2, no traceback)."""
+    with pytest.raises(SystemExit) as exit_:
+        main(argv)
+    err = capsys.readouterr().err
+    assert exit_.value.code == 2, err
+    last = err.strip().splitlines()[-1]
+    assert last.startswith("error: ") and "Traceback" not in err, err
+    return last
+
+
+def test_a_prompt_that_is_not_utf8_is_one_error_line(capsys, no_loading):
+    """Bytes of a command line that do not decode as UTF-8 arrive as lone surrogates
+    ('\\udcff' for 0xff); the tokenizer raised a TypeError on them."""
+    last = _error_line(generate.main, ["--preset", "opt-tiny", "--prompt", "caf\udcff",
+                                       "--max-new-tokens", "2"], capsys)
+    assert "--prompt" in last and "not UTF-8" in last and "0xff" in last, last
+
+
+@pytest.mark.parametrize("top_p", [1e-300, 1e-46])
+def test_a_top_p_that_float32_rounds_to_0_samples_the_argmax(rng, top_p):
+    """A top_p in (0, 1] that is 0 in float32 kept no token, and every row drew id 0."""
+    logits = jnp.asarray(rng.normal(size=(4, 60)) * 3 + 1, jnp.float32)
+    cfg = SamplingConfig(temperature=1.0, top_k=0, top_p=top_p)
+    for key in jax.random.split(jax.random.key(3), 5):
+        np.testing.assert_array_equal(sample(logits, key, cfg),
+                                      np.argmax(np.asarray(logits), -1))
+
+
+@pytest.mark.parametrize("main, argv", [
+    (generate.main, ["--preset", "opt-tiny", "--prompt-ids", "2,3", "--distributed"]),
+    (perplexity.main, ["--preset", "opt-tiny", "--text", "TEXT", "--distributed"])])
+def test_distributed_without_a_coordinator_is_one_error_line(main, argv, tmp_path, capsys,
+                                                             monkeypatch, no_loading):
+    """--distributed on a machine with no coordinator set or detected: jax's ValueError
+    ended the run in a traceback."""
+    def no_coordinator(**kwargs):
+        raise ValueError("coordinator_address should be defined.")
+
+    monkeypatch.setattr(jax.distributed, "initialize", no_coordinator)
+    text = tmp_path / "text.txt"
+    text.write_text("Some text to score. " * 8)
+    last = _error_line(main, [str(text) if a == "TEXT" else a for a in argv], capsys)
+    assert "--distributed" in last and "coordinator_address" in last, last
+    assert "JAX_COORDINATOR_ADDRESS" in last, last
+
+
+@pytest.mark.parametrize("lr", ["0", "1e-400"])
+def test_a_learning_rate_that_trains_nothing_is_refused(lr, tmp_path, capsys, no_loading):
+    """--lr 0 (or one that is 0 as a float) trained for its epochs, left the predictors as
+    initialised and saved them."""
+    last = _error_line(predictors.main, ["--records", str(tmp_path), "--out",
+                                         str(tmp_path / "out"), "--lr", lr], capsys)
+    assert "--lr" in last and "> 0" in last and lr in last, last
+    assert not (tmp_path / "out").exists()
+
+
+def test_all_beside_other_tasks_means_every_known_task():
+    """'all' alone was every task; beside another name it failed as 'no such task file'."""
+    every = list(tasks_mod.TASK_FILES)
+    assert tasks_mod.parse_tasks("all,copa") == every
+    assert tasks_mod.parse_tasks("mine.jsonl, all") == ["mine.jsonl", *every]
+    assert tasks_mod.parse_tasks("copa,copa") == ["copa"]
