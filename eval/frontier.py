@@ -172,8 +172,8 @@ def build_parser() -> argparse.ArgumentParser:
                            description=__doc__.split("\n")[0])
     p.add_argument("--model", type=cli.model_source, help="default: smollm2-135m")
     p.add_argument("--out", type=Path, required=True)
-    p.add_argument("--methods", default=",".join(METHODS),
-                   help="threshold methods, comma-separated (default: all the model runs)")
+    p.add_argument("--methods", help="threshold methods, comma-separated: "
+                   f"{', '.join(METHODS)} (default: all the model runs)")
     p.add_argument("--skips", type=cli.fractions, default=list(DEFAULT_SKIPS),
                    help="target skips of the sweep's points (default 0.1,...,0.5)")
     p.add_argument("--budgets", type=cli.fractions, default=[0.01, 0.03],
@@ -206,6 +206,24 @@ def build_parser() -> argparse.ArgumentParser:
     return p
 
 
+def frontier_methods(config, text: str | None) -> list[str]:
+    """The threshold methods of --methods, default every one the model runs (without a
+    gated MLP only teal); one `error:` line for an unknown method or one the model cannot
+    run."""
+    from dejavu_jax.sparsity_profile import METHODS, ProfileError, method_sites
+    if text is None:
+        return [m for m in METHODS if config.gated_mlp or "gate" not in METHODS[m]]
+    methods = [m.strip() for m in text.split(",") if m.strip()]
+    if not methods:
+        cli.fail("--methods names no method")
+    for m in methods:
+        try:
+            method_sites(config, m)
+        except ProfileError as e:
+            cli.fail(f"--methods: {e}")
+    return methods
+
+
 def percent_label(fraction: float) -> str:
     """A budget or target as a label: 0.01 -> "1%", 0.005 -> "0.5%"."""
     return f"{fraction * 100:.4g}%"
@@ -217,28 +235,35 @@ def main(argv: list[str] | None = None) -> int:
     names = {"wikitext2"} | ({"python"} if args.python else set())
     if args.sweep_texts and set(args.sweep_texts.split(",")) - names:
         cli.fail(f"--sweep-texts: the test texts are {', '.join(sorted(names))}")
+    from dejavu_jax.checkpoint_files import CheckpointError
     from dejavu_jax.eval import common, provenance
     from dejavu_jax.eval.sparse_scoring import make_mode
     from dejavu_jax.fetch_model import resolve_model
-    from dejavu_jax.loading import load_pretrained
+    from dejavu_jax.loading import load_pretrained, read_config
     from dejavu_jax.params import with_gate_weights
     from dejavu_jax.sparsity_profile import load_profile, method_sites
     from dejavu_jax.tokenizer import leading_special_ids
     from dejavu_jax.train import profile as profile_mod
     from dejavu_jax.train.corpus import default_corpus, resolve_files
     from dejavu_jax.train.thresholds import thresholds_at
-    source = resolve_model(args.model or "smollm2-135m")
+    try:
+        source = resolve_model(args.model or "smollm2-135m")
+        known = read_config(source)
+    except (RuntimeError, CheckpointError) as e:  # a failed fetch, an unreadable config
+        cli.fail(cli.first_line(e))
+    methods = frontier_methods(known, args.methods)
+    if args.window > known.max_positions:
+        cli.fail(f"--window {args.window}: the model has {known.max_positions} positions")
     config, params = load_pretrained(source, dtype=jnp.float32)
     args.tokenizer = None
     tok = common.load_tokenizer_for(args, config, Path(source))
-    methods = [m for m in args.methods.split(",") if m]
-    for m in methods:
-        method_sites(config, m)
+    texts = test_texts(tok, args)
+    for name, ids in texts.items():
+        common.check_ids(ids, config, f"the tokenized {name} text")
     args.out.mkdir(parents=True, exist_ok=True)
     rows = Rows(args.out / "frontier.jsonl")
     meta = {**provenance.run_meta(), "model": config.name, "command": " ".join(sys.argv)}
     (args.out / "run.json").write_text(json.dumps(meta, indent=1) + "\n")
-    texts = test_texts(tok, args)
     lead = leading_special_ids(tok)
     log = lambda s: print(s, file=sys.stderr, flush=True)  # noqa: E731
 

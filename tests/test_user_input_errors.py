@@ -4,16 +4,22 @@ result the option asks for, never a traceback or garbage tokens.
 Each CLI case checks its input before any weights load (the loaders here fail the test).
 """
 
+from pathlib import Path
+
 import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from dejavu_jax import generate
-from dejavu_jax.eval import common, perplexity
+from dejavu_jax import generate, loading
+from dejavu_jax.config import preset
+from dejavu_jax.eval import common, frontier, perplexity
 from dejavu_jax.eval import tasks as tasks_mod
 from dejavu_jax.sampling import SamplingConfig, sample
+from dejavu_jax.sparsity_profile import METHODS
 from dejavu_jax.train import predictors
+
+FIXTURE = Path(__file__).parent / "fixtures" / "hf" / "opt-preln"  # no gated MLP, 128 positions
 
 
 @pytest.fixture
@@ -90,3 +96,29 @@ def test_all_beside_other_tasks_means_every_known_task():
     assert tasks_mod.parse_tasks("all,copa") == every
     assert tasks_mod.parse_tasks("mine.jsonl, all") == ["mine.jsonl", *every]
     assert tasks_mod.parse_tasks("copa,copa") == ["copa"]
+
+
+@pytest.mark.parametrize("argv, words", [
+    (["--methods", "nope"], ["--methods", "'nope'", "teal, cats, teal+cats"]),
+    (["--methods", "cats"], ["--methods", "'cats'", "no gated MLP"]),
+    (["--window", "1024"], ["--window 1024", "128 positions"])])
+def test_frontier_checks_methods_and_window_before_loading(argv, words, tmp_path, capsys,
+                                                           monkeypatch):
+    """An unknown method, or one the model cannot run, ended in a ProfileError traceback
+    after the weights loaded; a window past the model's positions, in a ValueError."""
+    def forbidden(*args, **kwargs):
+        pytest.fail("weights were loaded before the input was checked")
+
+    monkeypatch.setattr(loading, "load_pretrained", forbidden)
+    out = tmp_path / "out"
+    last = _error_line(frontier.main, ["--model", str(FIXTURE), "--out", str(out),
+                                       "--window", "64", *argv], capsys)
+    for word in words:
+        assert word in last, (word, last)
+    assert not out.exists()
+
+
+def test_frontier_default_methods_are_those_the_model_runs():
+    """The default was every method, and the gate's failed on a model without a gated MLP."""
+    assert frontier.frontier_methods(preset("opt-tiny"), None) == ["teal"]
+    assert frontier.frontier_methods(preset("llama-tiny"), None) == list(METHODS)
