@@ -171,8 +171,10 @@ def build_parser() -> argparse.ArgumentParser:
                    help="perplexity text (default WikiText-2 test)")
     p.add_argument("--ppl-tokens", type=ppl_tokens, default=4096,
                    help="perplexity on the first N tokens (0: the whole text; -1: skip)")
-    p.add_argument("--window", type=cli.positive_int, default=1024)
-    p.add_argument("--stride", type=cli.positive_int, default=1024)
+    p.add_argument("--window", type=cli.positive_int, default=1024,
+                   help="tokens per perplexity window (default 1024)")
+    p.add_argument("--stride", type=cli.positive_int,
+                   help="tokens between window starts, at most --window (default: --window)")
     p.add_argument("--tasks", default="", help="task names/paths (see eval.tasks), '' = none")
     p.add_argument("--limit", type=cli.positive_int, help="items per task")
     p.add_argument("--task-points", type=points_list, default=[],
@@ -202,6 +204,8 @@ def main(argv: list[str] | None = None) -> int:
     """Run the sweep; returns the process exit status (2 with one `error:` line for bad
     arguments, files or data)."""
     args = build_parser().parse_args(argv)
+    if args.stride is None:
+        args.stride = args.window
     if args.stride > args.window:
         cli.fail(f"--stride {args.stride} is larger than --window {args.window}")
     out = Path(args.out)

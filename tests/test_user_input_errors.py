@@ -13,7 +13,7 @@ import pytest
 
 from dejavu_jax import generate, loading
 from dejavu_jax.config import preset
-from dejavu_jax.eval import common, frontier, perplexity
+from dejavu_jax.eval import common, frontier, perplexity, sweep
 from dejavu_jax.eval import tasks as tasks_mod
 from dejavu_jax.sampling import SamplingConfig, sample
 from dejavu_jax.sparsity_profile import METHODS
@@ -122,3 +122,17 @@ def test_frontier_default_methods_are_those_the_model_runs():
     """The default was every method, and the gate's failed on a model without a gated MLP."""
     assert frontier.frontier_methods(preset("opt-tiny"), None) == ["teal"]
     assert frontier.frontier_methods(preset("llama-tiny"), None) == list(METHODS)
+
+
+def test_sweep_stride_defaults_to_the_window(tmp_path, capsys, monkeypatch):
+    """A --window below 1024 without --stride failed on a --stride 1024 never given."""
+    def measured(*args, **kwargs):
+        raise SystemExit(0)
+
+    text = tmp_path / "text.txt"
+    text.write_text("Some text to score. " * 8)
+    monkeypatch.setattr(common, "load_model", measured)
+    with pytest.raises(SystemExit) as exit_:
+        sweep.main(["--preset", "opt-tiny", "--out", str(tmp_path / "out"), "--modes",
+                    "oracle", "--text", str(text), "--window", "16"])
+    assert exit_.value.code == 0, capsys.readouterr().err
