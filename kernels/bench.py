@@ -39,6 +39,7 @@ from ._common import sm_count
 from .head_attention import AttnConfig, head_sparse_attention_pallas, \
     head_sparse_attention_reference
 from .sparse_mlp import MLPConfig, sparse_mlp_pallas, sparse_mlp_reference
+from . import mosaic_gemv
 
 MODELS = {  # name: (d, heads); F = 4d, hd = 128
     "opt-13b": (5120, 40),
@@ -126,10 +127,13 @@ def _renorm(y, x_dtype):
 
 
 def bench_mlp_point(W, d, B, density, *, which, config=None, seed=0, residual=False):
-    """Time one MLP variant: which in {"sparse", "gather", "dense", "slab"}; `density` is
-    the fraction of the F = 4d neurons read; returns dict. "slab": XLA's dense MLP over
-    contiguous copies of K neurons' rows, the same bytes as a sparse call without a
-    gather (what the memory system gives a read of that size). residual (sparse): the
+    """Time one MLP variant: which in {"sparse", "gather", "dense", "slab", "mosaic"};
+    `density` is the fraction of the F = 4d neurons read; returns dict. "slab": XLA's
+    dense MLP over contiguous copies of K neurons' rows, the same bytes as a sparse call
+    without a gather (what the memory system gives a read of that size). "mosaic": the
+    same slabs (K rounded down to a multiple of 128) through the Mosaic GPU GEMVs of
+    :mod:`.mosaic_gemv`, `config` a pair of their configs; the row records its largest
+    difference from the slab step's output. residual (sparse): the
     output is added into fp32 residual rows in the launch, as a decode step does (half
     the input, so that the chain still contracts)."""
     F = 4 * d
@@ -144,15 +148,32 @@ def bench_mlp_point(W, d, B, density, *, which, config=None, seed=0, residual=Fa
             a = jnp.maximum(h, 0).astype(x.dtype)
             y = jnp.dot(a, W["w2t"], preferred_element_type=jnp.float32) + W["b2"]
             return _renorm(y, x.dtype)
-    elif which == "slab":
+    elif which in ("slab", "mosaic"):
+        if which == "mosaic":
+            K = max(128, K // 128 * 128)
         sets = [dict(w1=W["w1"][idx], b1=W["b1"][idx], w2t=W["w2t"][idx])
                 for idx in disjoint_sets(F, K, seed=seed)]
 
-        def step(x, W, s):
+        def slab_step(x, W, s):
             h = jnp.dot(x, s["w1"].T, preferred_element_type=jnp.float32) + s["b1"]
             a = jnp.maximum(h, 0).astype(x.dtype)
             y = jnp.dot(a, s["w2t"], preferred_element_type=jnp.float32) + W["b2"]
             return _renorm(y, x.dtype)
+
+        def mosaic_step(x, W, s):
+            rows_cfg, cols_cfg = config or MOSAIC_VARIANTS[0]
+            h = mosaic_gemv.rows_gemv(s["w1"], x[0], rows_cfg, interpret=INTERPRET) + s["b1"]
+            a = jnp.maximum(h, 0)
+            y = mosaic_gemv.cols_gemv(a, s["w2t"], cols_cfg, interpret=INTERPRET) + W["b2"]
+            return _renorm(y[None], x.dtype)
+
+        step = slab_step if which == "slab" else mosaic_step
+        if which == "mosaic":
+            if B != 1:
+                raise ValueError("the Mosaic GPU GEMVs take one row (B = 1)")
+            max_diff = float(jnp.max(jnp.abs(
+                jax.jit(mosaic_step)(x0, W, sets[0]).astype(jnp.float32)
+                - jax.jit(slab_step)(x0, W, sets[0]).astype(jnp.float32))))
     elif which == "gather":
         sets = disjoint_sets(F, K, seed=seed)
 
@@ -171,9 +192,14 @@ def bench_mlp_point(W, d, B, density, *, which, config=None, seed=0, residual=Fa
             return _renorm(y, x.dtype)
     need = 2 * K * d * 2
     t, _ = chain_time(step, x0, W, sets, est_s=need / 3e12 + 8e-6)
-    return dict(kind="mlp", which=which, d=d, F=F, B=B, density=density, K=K,
-                residual=bool(residual), bytes=need, time_us=t * 1e6, gbps=need / t / 1e9,
-                config=None if config is None else dataclasses.asdict(config))
+    row = dict(kind="mlp", which=which, d=d, F=F, B=B, density=density, K=K,
+               residual=bool(residual), bytes=need, time_us=t * 1e6, gbps=need / t / 1e9)
+    if which == "mosaic":
+        row.update(config=[dataclasses.asdict(c) for c in (config or MOSAIC_VARIANTS[0])],
+                   max_diff_vs_slab=max_diff)
+    else:
+        row["config"] = None if config is None else dataclasses.asdict(config)
+    return row
 
 
 # ----------------------------------------------------------------------------
@@ -336,6 +362,15 @@ def _versions():
     return v
 
 
+MOSAIC_VARIANTS = [   # (rows_gemv config, cols_gemv config)
+    (mosaic_gemv.MosaicConfig(tile_out=128, max_steps=4),
+     mosaic_gemv.MosaicConfig(tile_out=256, max_steps=4)),
+    (mosaic_gemv.MosaicConfig(tile_out=64, max_steps=4),
+     mosaic_gemv.MosaicConfig(tile_out=128, max_steps=4)),
+    (mosaic_gemv.MosaicConfig(tile_out=128, tile_k=128, max_steps=2),
+     mosaic_gemv.MosaicConfig(tile_out=128, tile_k=128, max_steps=2)),
+]
+
 TUNE_MLP = [
     MLPConfig(),
     MLPConfig(fc1_d_chunks=1, fc2_row_blocks=1),
@@ -378,7 +413,9 @@ def main(argv=None):
     p.add_argument("--attn-batches", default=None, help="batches for attention (default --batches)")
     p.add_argument("--baselines", default="dense,gather,slab",
                    help="comma list of dense, gather, slab (XLA's dense MLP over contiguous "
-                        "copies of the selected rows: the same bytes without a gather)")
+                        "copies of the selected rows: the same bytes without a gather), "
+                        "mosaic (those copies through Mosaic GPU GEMVs, batch 1, "
+                        "each of kernels.bench.MOSAIC_VARIANTS)")
     p.add_argument("--gather-batches", default="1", help="batches at which to time W[idx]@x")
     p.add_argument("--check", action="store_true", help="GPU correctness checks first")
     p.add_argument("--tune", action="store_true", help="time block-size variants first")
@@ -498,12 +535,15 @@ def main(argv=None):
                         if over_time_limit():
                             break
                         sparse_row = None
-                        for which in ("sparse", "gather", "slab"):
+                        variants = [("sparse", None), ("gather", None), ("slab", None)]
+                        if "mosaic" in base and B == 1:
+                            variants += [("mosaic", c) for c in MOSAIC_VARIANTS]
+                        for which, cfg in variants:
                             if which == "gather" and ("gather" not in base or B not in gather_b):
                                 continue
                             if which == "slab" and "slab" not in base:
                                 continue
-                            r = guarded(bench_mlp_point, W, d, B, dens, which=which)
+                            r = guarded(bench_mlp_point, W, d, B, dens, which=which, config=cfg)
                             if not r:
                                 continue
                             r["model"] = mname
@@ -515,8 +555,11 @@ def main(argv=None):
                             if which == "slab" and sparse_row:
                                 sparse_row["frac_of_slab_speed"] = r["time_us"] / sparse_row["time_us"]
                             res["mlp"].append(r)
-                            log(f"mlp {mname} B={B} density {dens:<5g} {which:6s}: {r['time_us']:8.1f} us "
-                                f"{r['gbps']:7.0f} GB/s  x{r.get('speedup_vs_dense', float('nan')):.2f}")
+                            log(f"mlp {mname} B={B} density {dens:<5g} {variant_label(r):6s}: "
+                                f"{r['time_us']:8.1f} us {r['gbps']:7.0f} GB/s  "
+                                f"x{r.get('speedup_vs_dense', float('nan')):.2f}"
+                                + (f"  max diff vs slab {r['max_diff_vs_slab']:.3g}"
+                                   if "max_diff_vs_slab" in r else ""))
                         save()
                 del W
         attn_models = (a.attn_models or a.models).split(",") if "attn" in a.what else []
@@ -562,6 +605,16 @@ def main(argv=None):
     log(f"total {time.time() - t_start:.0f} s")
 
 
+def variant_label(r) -> str:
+    """An MLP row's variant, with the Mosaic GEMVs' tiles (rows/cols tile, contracted
+    tile, pipeline depth)."""
+    if r["which"] != "mosaic":
+        return r["which"]
+    rows, cols = r["config"]
+    return (f"mosaic {rows['tile_out']}/{cols['tile_out']}, k {rows['tile_k']}, "
+            f"{rows['max_steps']} deep")
+
+
 def markdown_table(res):
     """Markdown summary of a result dict (meta, mlp and attn rows)."""
     m = res["meta"]
@@ -578,7 +631,7 @@ def markdown_table(res):
                 "| model | B | density | K | variant | MB needed | time µs | GB/s | × dense | % dense BW "
                 "| % slab speed |", "|---|---|---|---|---|---|---|---|---|---|---|"]
         for r in res["mlp"]:
-            out.append(f"| {r.get('model')} | {r['B']} | {r['density']:g} | {r['K']} | {r['which']} | "
+            out.append(f"| {r.get('model')} | {r['B']} | {r['density']:g} | {r['K']} | {variant_label(r)} | "
                        f"{r['bytes'] / 1e6:.1f} | {r['time_us']:.1f} | {r['gbps']:.0f} | "
                        f"{r.get('speedup_vs_dense', float('nan')):.2f} | "
                        f"{100 * r.get('frac_of_dense_bw', float('nan')):.0f} | "
