@@ -117,14 +117,11 @@ def time_kernels(log, groups=KERNEL_GROUPS, shapes=MLP_SHAPES) -> list[dict]:
 
 def time_gemvs(log, timed, shapes, sparsities=(0.0, 0.4, 0.5, 0.6)) -> list[dict]:
     """µs and GB/s of the input-sparse GEMV (masked blocks, and the kept channels listed
-    first: `threshold_matvec_compact`; and its gathered GEMV alone, the list made before
-    the timed calls: `gather_matvec_t-listed`) and the row-masked GEMV against XLA's
-    dense GEMV of the same matrix."""
+    first: `threshold_matvec_compact`) and the row-masked GEMV against XLA's dense GEMV of
+    the same matrix."""
     from dejavu_jax.kernels.threshold_matvec import (row_masked_matvec, threshold_matvec,
                                                      threshold_matvec_compact,
-                                                     threshold_matvec_reference,
-                                                     kept_x_loader)
-    from dejavu_jax.kernels.gather_matvec import gather_matvec_t
+                                                     threshold_matvec_reference)
     rows = []
     for d, F in shapes:
         key = jax.random.key(d)
@@ -150,14 +147,6 @@ def time_gemvs(log, timed, shapes, sparsities=(0.0, 0.4, 0.5, 0.6)) -> list[dict
             rows.append(dict(kernel="threshold_matvec_compact", d=d, F=F, sparsity=s, us=us,
                              gbs=read / us / 1e3, vs_dense=dense_us / us,
                              max_diff_vs_reference=float(diff)))
-            log(json.dumps(rows[-1]))
-            kept = jnp.abs(x[0].astype(jnp.float32)) > t
-            ids = jnp.nonzero(kept, size=F, fill_value=0)[0].astype(jnp.int32)
-            count = jnp.sum(kept.astype(jnp.int32)).reshape(1)
-            us = timed(lambda a, b, i, c: jnp.sum(gather_matvec_t(
-                (a,), kept_x_loader, b, i, B=1, count=c), axis=0), x, w_t, ids, count)
-            rows.append(dict(kernel="gather_matvec_t-listed", d=d, F=F, sparsity=s, us=us,
-                             gbs=read / us / 1e3, vs_dense=dense_us / us))
             keep = jax.random.uniform(key, (F,)) >= s
             us = timed(lambda a, b, k: row_masked_matvec(a, b, k, impl="pallas"), y, w, keep)
             rows.append(dict(kernel="row_masked_matvec", d=d, F=F, sparsity=s, us=us,

@@ -176,8 +176,7 @@ def threshold_matvec(x, w_t, threshold, *, residual=None, bias=None, block_rows=
     return out if bias is None else out + bias.astype(F32)
 
 
-def kept_x_loader(act_refs, r, valid, rows):
-    """gather_matvec_t loader: x at the listed channels (batch 1), 0 where not valid."""
+def _kept_x_loader(act_refs, r, valid, rows):
     (x_ref,) = act_refs
     return plgpu.load(x_ref.at[0, rows], mask=valid, other=0).astype(F32)
 
@@ -200,7 +199,7 @@ def threshold_matvec_compact(x, w_t, threshold, *, residual=None, block_rows=16,
     kept = jnp.abs(x[0].astype(F32)) > t
     ids = jnp.nonzero(kept, size=K, fill_value=0)[0].astype(jnp.int32)
     count = jnp.sum(kept.astype(jnp.int32)).reshape(1)
-    out = gather_matvec_t((x,), kept_x_loader, w_t, ids, B=1, block_rows=block_rows,
+    out = gather_matvec_t((x,), _kept_x_loader, w_t, ids, B=1, block_rows=block_rows,
                           block_d=min(block_n, N) if residual is not None else block_n,
                           row_blocks_per_program=row_blocks, num_warps=num_warps,
                           num_stages=num_stages, interpret=impl == "interpret",
