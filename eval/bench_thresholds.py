@@ -116,12 +116,9 @@ def time_kernels(log, groups=KERNEL_GROUPS, shapes=MLP_SHAPES) -> list[dict]:
 
 
 def time_gemvs(log, timed, shapes, sparsities=(0.0, 0.4, 0.5, 0.6)) -> list[dict]:
-    """µs and GB/s of the input-sparse GEMV (masked blocks, and the kept channels listed
-    first: `threshold_matvec_compact`) and the row-masked GEMV against XLA's dense GEMV of
-    the same matrix."""
-    from dejavu_jax.kernels.threshold_matvec import (row_masked_matvec, threshold_matvec,
-                                                     threshold_matvec_compact,
-                                                     threshold_matvec_reference)
+    """µs and GB/s of the input-sparse GEMV and the row-masked GEMV against XLA's dense
+    GEMV of the same matrix."""
+    from dejavu_jax.kernels.threshold_matvec import row_masked_matvec, threshold_matvec
     rows = []
     for d, F in shapes:
         key = jax.random.key(d)
@@ -140,13 +137,6 @@ def time_gemvs(log, timed, shapes, sparsities=(0.0, 0.4, 0.5, 0.6)) -> list[dict
             read = nbytes * (1 - s)
             rows.append(dict(kernel="threshold_matvec", d=d, F=F, sparsity=s, us=us,
                              gbs=read / us / 1e3, vs_dense=dense_us / us))
-            log(json.dumps(rows[-1]))
-            us = timed(lambda a, b: threshold_matvec_compact(a, b, t, impl="pallas"), x, w_t)
-            diff = jnp.max(jnp.abs(threshold_matvec_compact(x, w_t, t, impl="pallas")
-                                   - threshold_matvec_reference(x, w_t, t)))
-            rows.append(dict(kernel="threshold_matvec_compact", d=d, F=F, sparsity=s, us=us,
-                             gbs=read / us / 1e3, vs_dense=dense_us / us,
-                             max_diff_vs_reference=float(diff)))
             keep = jax.random.uniform(key, (F,)) >= s
             us = timed(lambda a, b, k: row_masked_matvec(a, b, k, impl="pallas"), y, w, keep)
             rows.append(dict(kernel="row_masked_matvec", d=d, F=F, sparsity=s, us=us,

@@ -358,13 +358,10 @@ def gather_matvec_part(x: jax.Array, segments: Sequence[Segment], *, block_rows:
 
 
 def _gather_matvec_t_body(pids, *refs, n_act, load_act, B, Bp, d, m, n_rows, bk, bd, kblocks,
-                          accumulate, has_bias, deferred, masked_atomics, counted=False):
+                          accumulate, has_bias, deferred, masked_atomics):
     act_refs = refs[:n_act]
     ids_ref, w_ref = refs[n_act:n_act + 2]
     rest = refs[n_act + 2:]
-    if counted:
-        count = rest[0][0]
-        rest = rest[1:]
     if accumulate:  # (residual, [bias], out aliased to residual)
         b_ref = rest[1] if has_bias else None
         o_ref = rest[-1]
@@ -377,7 +374,7 @@ def _gather_matvec_t_body(pids, *refs, n_act, load_act, B, Bp, d, m, n_rows, bk,
 
     def body(t, acc):
         r = (i * kblocks + t) * bk + kk
-        valid = (r < n_rows) & (r < count) if counted else r < n_rows
+        valid = r < n_rows
         rows = logical_rows(ids_ref, r, valid, m)
         a = load_act(act_refs, r, valid, rows)       # fp32 [bk] or [Bp, bk], 0 where invalid
         w = plgpu.load(w_ref.at[rows[:, None], cols[None, :]],
@@ -434,8 +431,7 @@ def gather_matvec_t(act_args: Sequence[jax.Array], load_act: Callable, w: jax.Ar
                     block_d: int = 512, row_blocks_per_program: int = 4,
                     num_warps: int = 4, num_stages: int = 2, interpret: bool = False,
                     residual: jax.Array | None = None, bias: jax.Array | None = None,
-                    deferred_sum: bool = False, masked_atomics: bool = True,
-                    count: jax.Array | None = None):
+                    deferred_sum: bool = False, masked_atomics: bool = True):
     """Split-k transposed gathered GEMV: fp32 partials ``[n_kchunks, B, d]``.
 
     ``out = sum over chunks`` equals ``a @ W[rows]`` where ``a [B, K*m]`` is produced
@@ -451,15 +447,13 @@ def gather_matvec_t(act_args: Sequence[jax.Array], load_act: Callable, w: jax.Ar
 
     ``deferred_sum`` (batch 1): accumulate the products elementwise over a program's row
     blocks and sum across rows once at the end (not once per block). ``masked_atomics``:
-    see :func:`write_split_k`. ``count`` (int32 ``[1]``, on the device): only the first
-    ``count`` logical rows are read, the others count as invalid (a set of dynamic size
-    in a static ``ids``).
+    see :func:`write_split_k`.
     """
     part = gather_matvec_t_part(act_args, load_act, w, ids, B=B, rows_per_id=rows_per_id,
                                 block_rows=block_rows, block_d=block_d,
                                 row_blocks_per_program=row_blocks_per_program,
                                 residual=residual, bias=bias, deferred_sum=deferred_sum,
-                                masked_atomics=masked_atomics, count=count)
+                                masked_atomics=masked_atomics)
     return launch([part], num_warps=num_warps, num_stages=num_stages,
                   interpret=interpret)[0][0]
 
@@ -469,8 +463,8 @@ def gather_matvec_t_part(act_args: Sequence[jax.Array], load_act: Callable, w: j
                          block_rows: int = 16, block_d: int = 512,
                          row_blocks_per_program: int = 4,
                          residual: jax.Array | None = None, bias: jax.Array | None = None,
-                         deferred_sum: bool = False, masked_atomics: bool = True,
-                         count: jax.Array | None = None) -> LaunchPart:
+                         deferred_sum: bool = False, masked_atomics: bool = True
+                         ) -> LaunchPart:
     """:func:`gather_matvec_t` as a :class:`~.launch.LaunchPart` (same arguments)."""
     d = w.shape[1]
     m = rows_per_id
@@ -487,10 +481,8 @@ def gather_matvec_t_part(act_args: Sequence[jax.Array], load_act: Callable, w: j
         _gather_matvec_t_body, n_act=len(act_args), load_act=load_act, B=B, Bp=Bp, d=d,
         m=m, n_rows=n_rows, bk=bk, bd=block_d, kblocks=kblocks, accumulate=accumulate,
         has_bias=bias is not None, deferred=bool(deferred_sum),
-        masked_atomics=masked_atomics, counted=count is not None)
+        masked_atomics=masked_atomics)
     args = [*act_args, ids.astype(jnp.int32), w]
-    if count is not None:
-        args.append(jnp.asarray(count, jnp.int32).reshape(1))
     if accumulate:
         if residual.shape != (B, d) or residual.dtype != jnp.float32:
             raise ValueError(f"residual must be fp32 [{B}, {d}], got {residual.dtype} "

@@ -26,7 +26,7 @@ from jax import lax
 from jax.experimental.pallas import triton as plgpu
 
 from ._common import cdiv, check_array, is_pow2, resolve_impl, sm_count
-from .gather_matvec import accumulate_blocks, batch_pad, gather_matvec_t, mma, write_split_k
+from .gather_matvec import accumulate_blocks, batch_pad, mma, write_split_k
 from .launch import LaunchPart, launch
 
 F32 = jnp.float32
@@ -174,37 +174,6 @@ def threshold_matvec(x, w_t, threshold, *, residual=None, bias=None, block_rows=
         return out
     out = jnp.sum(out, axis=0)
     return out if bias is None else out + bias.astype(F32)
-
-
-def _kept_x_loader(act_refs, r, valid, rows):
-    (x_ref,) = act_refs
-    return plgpu.load(x_ref.at[0, rows], mask=valid, other=0).astype(F32)
-
-
-def threshold_matvec_compact(x, w_t, threshold, *, residual=None, block_rows=16,
-                             block_n=512, row_blocks=4, num_warps=4, num_stages=2,
-                             threshold_index=0, impl=None):
-    """:func:`threshold_matvec` at batch 1 in two steps: the kept channels' ids listed in
-    ascending order on the device (XLA), then the gathered GEMV over the first ``count``
-    of them (:func:`~.gather_matvec.gather_matvec_t`), so that every program reads whole
-    blocks of kept rows. fp32 ``[1, N]`` (+ residual)."""
-    _check_inputs(x, [w_t], block_rows, block_n)
-    if x.shape[0] != 1:
-        raise ValueError(f"threshold_matvec_compact takes one row, got {x.shape[0]}")
-    impl = resolve_impl(impl)
-    t = _threshold_table(threshold, threshold_index)[threshold_index]
-    if impl == "reference":
-        return threshold_matvec_reference(x, w_t, t, residual=residual)
-    K, N = w_t.shape
-    kept = jnp.abs(x[0].astype(F32)) > t
-    ids = jnp.nonzero(kept, size=K, fill_value=0)[0].astype(jnp.int32)
-    count = jnp.sum(kept.astype(jnp.int32)).reshape(1)
-    out = gather_matvec_t((x,), _kept_x_loader, w_t, ids, B=1, block_rows=block_rows,
-                          block_d=min(block_n, N) if residual is not None else block_n,
-                          row_blocks_per_program=row_blocks, num_warps=num_warps,
-                          num_stages=num_stages, interpret=impl == "interpret",
-                          residual=residual, count=count)
-    return out if residual is not None else jnp.sum(out, axis=0)
 
 
 def threshold_matvecs(x, w_ts, threshold, *, block_rows=16, block_n=512, row_blocks=None,
