@@ -24,7 +24,7 @@ from dejavu_jax.generation import (GenerationResult, NonFiniteLogits, cache_leng
 from dejavu_jax.inputs import check_token_ids
 from dejavu_jax.loading import default_dtype, load_pretrained, read_config
 from dejavu_jax.params import decode_layout, fuse_qkv, init_params
-from dejavu_jax.sampling import SamplingConfig
+from dejavu_jax.sampling import FLOAT32_MAX, SamplingConfig
 from dejavu_jax.sharding import ShardingError
 from dejavu_jax.tokenizer import default_tokenizer_for, load_tokenizer
 
@@ -172,6 +172,9 @@ def check_options(args) -> None:
     if args.sparse and args.predictors is None and set_options:
         cli.fail(f"{', '.join(set_options)}: for --predictors and --oracle; a sparsity "
                  "profile sets each layer's thresholds itself")
+    if args.temperature > FLOAT32_MAX:
+        cli.fail(f"--temperature {args.temperature:g} is past float32's largest value "
+                 f"({FLOAT32_MAX:.4g}), which the logits are divided in")
     if args.greedy and args.temperature > 0:
         cli.fail("--greedy and --temperature above 0 contradict each other: pick one")
     sampling = [f for f, v in (("--top-k", args.top_k), ("--top-p", args.top_p))

@@ -6,6 +6,10 @@ import dataclasses
 
 import jax
 import jax.numpy as jnp
+import numpy as np
+
+
+FLOAT32_MAX = float(np.finfo(np.float32).max)   # the logits are divided in float32
 
 
 @dataclasses.dataclass(frozen=True)
@@ -17,8 +21,9 @@ class SamplingConfig:
     top_p: float = 1.0
 
     def __post_init__(self):
-        if not 0 <= self.temperature < float("inf"):
-            raise ValueError(f"temperature must be finite and >= 0, got {self.temperature}")
+        if not 0 <= self.temperature <= FLOAT32_MAX:
+            raise ValueError(f"temperature must be >= 0 and finite in float32 (at most "
+                             f"{FLOAT32_MAX:.4g}), got {self.temperature}")
         if self.top_k < 0:
             raise ValueError(f"top_k must be >= 0, got {self.top_k}")
         if not 0.0 < self.top_p <= 1.0:

@@ -62,6 +62,17 @@ def test_a_top_p_that_float32_rounds_to_0_samples_the_argmax(rng, top_p):
                                       np.argmax(np.asarray(logits), -1))
 
 
+def test_a_temperature_past_float32_is_one_error_line(capsys, no_loading):
+    """A finite temperature above float32's largest value became inf in the division and
+    every token was drawn uniformly, after a numpy overflow warning."""
+    last = _error_line(generate.main, ["--preset", "opt-tiny", "--prompt-ids", "2,3",
+                                       "--temperature", "1e300"], capsys)
+    assert "--temperature" in last and "float32" in last, last
+    with pytest.raises(ValueError, match="finite in float32"):
+        SamplingConfig(temperature=1e39)
+    assert SamplingConfig(temperature=3e38).temperature == 3e38
+
+
 @pytest.mark.parametrize("main, argv", [
     (generate.main, ["--preset", "opt-tiny", "--prompt-ids", "2,3", "--distributed"]),
     (perplexity.main, ["--preset", "opt-tiny", "--text", "TEXT", "--distributed"])])
