@@ -84,6 +84,9 @@ def check_model_args(args, modes: set[str] | None = None) -> None:
                  "(see --mode)")
     if "sparse" in modes:
         folder = predictors_dir(args)
+        if folder.exists() and not folder.is_dir():
+            cli.fail(f"--predictors {folder}: a file, not a predictor folder (pass the "
+                     "folder train.predictors wrote)")
         if not folder.is_dir():
             cli.fail(f"{folder}: no such predictor folder (train one, see train/README.md, "
                      "or pass --predictors DIR)")

@@ -62,6 +62,14 @@ def test_a_top_p_that_float32_rounds_to_0_samples_the_argmax(rng, top_p):
                                       np.argmax(np.asarray(logits), -1))
 
 
+def test_a_file_given_as_the_predictor_folder_is_named_so(tmp_path, capsys, no_loading):
+    file = tmp_path / "manifest.json"
+    file.write_text("{}")
+    last = _error_line(perplexity.main, ["--mode", "sparse", "--predictors", str(file)],
+                       capsys)
+    assert "a file, not a predictor folder" in last and str(file) in last, last
+
+
 def test_a_temperature_past_float32_is_one_error_line(capsys, no_loading):
     """A finite temperature above float32's largest value became inf in the division and
     every token was drawn uniformly, after a numpy overflow warning."""
