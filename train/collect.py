@@ -255,13 +255,13 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--tokenizer", type=cli.existing_path,
                    help="tokenizer folder or .gguf (default: the model's)")
     p.add_argument("--tokens", type=cli.positive_int, default=100_000,
-                   help="tokens to record")
+                   help="tokens to record (default: %(default)s)")
     p.add_argument("--window", type=cli.positive_int, default=256,
-                   help="tokens per window (with BOS; at least 2)")
+                   help="tokens per window (with BOS; at least 2; default: %(default)s)")
     p.add_argument("--batch", type=cli.positive_int, default=4,
-                   help="windows per forward call")
+                   help="windows per forward call (default: %(default)s)")
     p.add_argument("--shard-tokens", type=cli.positive_int, default=16384,
-                   help="tokens per shard")
+                   help="tokens per shard (default: %(default)s)")
     p.add_argument("--mlp-rule", type=label_rule, help="neuron label rule: 'positive' "
                    "(act > 0), 'top:FRACTION' by |act|, 'contribution:FRACTION' by |act| times "
                    "the norm of the neuron's down-projection row, 'threshold:VALUE'; default: "

@@ -425,26 +425,37 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--records", required=True, type=cli.existing_dir,
                    help="records folder from train.collect")
     p.add_argument("--out", required=True, help="predictor folder to write")
-    p.add_argument("--rank", type=cli.positive_int, default=d.rank, help="r (capped at d)")
-    p.add_argument("--activation", choices=ACTIVATIONS, default=d.activation)
+    p.add_argument("--rank", type=cli.positive_int, default=d.rank,
+                   help="r, capped at d (default: %(default)s)")
+    p.add_argument("--activation", choices=ACTIVATIONS, default=d.activation,
+                   help="the predictors' hidden activation (default: %(default)s)")
     p.add_argument("--same-layer", action="store_true",
                    help="predict from the layer's own inputs instead of lookahead")
     p.add_argument("--head-rule", type=_head_rule, default=d.head_rule,
-                   help="head label rule: 'top:FRACTION' or 'threshold:NORM'")
-    p.add_argument("--epochs", type=cli.positive_int, default=d.epochs)
+                   help="head label rule: 'top:FRACTION' or 'threshold:NORM' "
+                        "(default: %(default)s)")
+    p.add_argument("--epochs", type=cli.positive_int, default=d.epochs,
+                   help="most passes over the records (default: %(default)s)")
     p.add_argument("--batch-size", type=cli.positive_int, default=d.batch_size,
-                   help="tokens per step")
-    p.add_argument("--lr", type=cli.positive_float, default=d.lr)
-    p.add_argument("--weight-decay", type=cli.non_negative_float, default=d.weight_decay)
-    p.add_argument("--stop-recall", type=cli.fraction, default=d.stop_recall)
-    p.add_argument("--patience", type=cli.positive_int, default=d.patience)
-    p.add_argument("--val-fraction", type=_open_fraction, default=d.val_fraction)
-    p.add_argument("--max-val-tokens", type=cli.positive_int, default=d.max_val_tokens)
+                   help="tokens per step (default: %(default)s)")
+    p.add_argument("--lr", type=cli.positive_float, default=d.lr,
+                   help="learning rate (default: %(default)s)")
+    p.add_argument("--weight-decay", type=cli.non_negative_float, default=d.weight_decay,
+                   help="AdamW weight decay (default: %(default)s)")
+    p.add_argument("--stop-recall", type=cli.fraction, default=d.stop_recall,
+                   help="stop once every layer's validation recall exceeds this "
+                        "(default: %(default)s)")
+    p.add_argument("--patience", type=cli.positive_int, default=d.patience,
+                   help="epochs without improvement before stopping (default: %(default)s)")
+    p.add_argument("--val-fraction", type=_open_fraction, default=d.val_fraction,
+                   help="records held out for validation (default: %(default)s)")
+    p.add_argument("--max-val-tokens", type=cli.positive_int, default=d.max_val_tokens,
+                   help="validation tokens at most (default: %(default)s)")
     p.add_argument("--k-mlp", type=cli.positive_int, help="evaluation k for neurons "
                    "(default: 1.5x the mean number of active neurons)")
     p.add_argument("--k-heads", type=cli.positive_int, help="evaluation k for query heads "
                    "(default: 1.5x the mean active)")
-    p.add_argument("--seed", type=cli.seed, default=d.seed)
+    p.add_argument("--seed", type=cli.seed, default=d.seed, help="initialisation and batch-order seed (default: %(default)s)")
     p.add_argument("--no-output-metric", action="store_true",
                    help="skip the MLP output-capture metric (it loads the model weights)")
     p.add_argument("--no-progress", action="store_true")
