@@ -455,7 +455,8 @@ def build_parser() -> argparse.ArgumentParser:
                    "(default: 1.5x the mean number of active neurons)")
     p.add_argument("--k-heads", type=cli.positive_int, help="evaluation k for query heads "
                    "(default: 1.5x the mean active)")
-    p.add_argument("--seed", type=cli.seed, default=d.seed, help="initialisation and batch-order seed (default: %(default)s)")
+    p.add_argument("--seed", type=cli.seed, default=d.seed,
+                   help="initialisation and batch-order seed (default: %(default)s)")
     p.add_argument("--no-output-metric", action="store_true",
                    help="skip the MLP output-capture metric (it loads the model weights)")
     p.add_argument("--no-progress", action="store_true")
