@@ -8,6 +8,7 @@ from __future__ import annotations
 import dataclasses
 import hashlib
 import json
+import math
 from typing import Any
 
 FAMILIES = ("opt", "llama", "qwen2", "gemma3")
@@ -43,6 +44,10 @@ class ModelConfig:
       (None: rope_theta). rope_linear_factor: full-attention layers divide positions by it.
     rope_llama3: Llama 3's frequency-dependent RoPE scaling (factor, low_freq_factor,
       high_freq_factor, original_max_position_embeddings), or None.
+    rope_yarn: YaRN RoPE scaling (factor, attention_factor, beta_fast, beta_slow,
+      original_max_position_embeddings, truncate as 1.0 or 0.0), or None: the frequencies
+      blend interpolated and original ones by dimension, and the rotary tables are scaled
+      by attention_factor.
     final_logit_softcap: logits become cap * tanh(logits / cap) when set.
     """
 
@@ -81,6 +86,7 @@ class ModelConfig:
     final_logit_softcap: float | None = None
     extra_eos_token_ids: tuple[int, ...] = ()   # further ids that end a sequence
     rope_llama3: tuple[float, float, float, float] | None = None
+    rope_yarn: tuple[float, float, float, float, float, float] | None = None
 
     def __post_init__(self):
         if self.family not in FAMILIES:
@@ -101,6 +107,8 @@ class ModelConfig:
                            tuple(int(i) for i in self.extra_eos_token_ids))
         if self.rope_llama3 is not None:
             object.__setattr__(self, "rope_llama3", tuple(float(v) for v in self.rope_llama3))
+        if self.rope_yarn is not None:
+            object.__setattr__(self, "rope_yarn", tuple(float(v) for v in self.rope_yarn))
         if self.sliding_layers and len(self.sliding_layers) != self.n_layers:
             raise ValueError(f"sliding_layers has {len(self.sliding_layers)} flags for "
                              f"{self.n_layers} layers")
@@ -198,6 +206,10 @@ def _check_numbers(config: "ModelConfig") -> None:
         if config.rope_llama3 is not None:
             positive["llama3 RoPE factor"] = config.rope_llama3[0]
             positive["llama3 RoPE original_max_position_embeddings"] = config.rope_llama3[3]
+        if config.rope_yarn is not None:
+            for i, key in enumerate(("factor", "attention_factor", "beta_fast", "beta_slow",
+                                     "original_max_position_embeddings")):
+                positive[f"yarn RoPE {key}"] = config.rope_yarn[i]
         if config.head_dim % 2:
             raise ValueError(f"head_dim must be even for rotary embeddings, got "
                              f"{config.head_dim}")
@@ -216,8 +228,9 @@ def _fields_of_older_configs(config: "ModelConfig") -> dict:
     """The config's fields, less the later ones at their defaults (so that a config that
     does not use them keeps the fingerprint it had before they existed)."""
     fields = dataclasses.asdict(config)
-    if fields["rope_llama3"] is None:
-        fields.pop("rope_llama3")
+    for later in ("rope_llama3", "rope_yarn"):
+        if fields[later] is None:
+            fields.pop(later)
     return fields
 
 
@@ -257,9 +270,9 @@ def _rope(params: dict | None, legacy_theta, default_theta: float, name: str,
           llama3: bool = False) -> tuple[float, float]:
     """(theta, linear factor) of a RoPE parameters dict, whose missing theta is the
     top-level `rope_theta` (else `default_theta`); default and linear RoPE, and with
-    `llama3` Llama 3's (whose settings `_rope_llama3` reads)."""
+    `llama3` Llama 3's and YaRN (whose settings `_rope_llama3` and `_rope_yarn` read)."""
     kind, settings = _rope_kind(params)
-    known = ("default", "linear") + (("llama3",) if llama3 else ())
+    known = ("default", "linear") + (("llama3", "yarn") if llama3 else ())
     if kind not in known:
         raise ValueError(f"rope type {kind!r} is not supported (model {name!r}); "
                          f"supported: {', '.join(known)}")
@@ -285,6 +298,35 @@ def _rope_llama3(params: dict | None, max_positions) -> tuple[float, ...] | None
     if not settings["high_freq_factor"] > settings["low_freq_factor"] > 0:
         raise ValueError("llama3 RoPE scaling needs high_freq_factor > low_freq_factor > 0")
     return tuple(float(settings[k]) for k in keys)
+
+
+def _rope_yarn(params: dict | None, max_positions) -> tuple[float, ...] | None:
+    """YaRN's RoPE settings as transformers reads them (`ModelConfig.rope_yarn`), or None
+    for another RoPE type: original_max_position_embeddings defaults to `max_positions`,
+    a missing factor to their ratio, beta_fast and beta_slow to 32 and 1, truncate to on,
+    and attention_factor to 0.1 ln(factor) + 1 (with mscale and mscale_all_dim, the ratio
+    of their two such terms; 1 for a factor <= 1)."""
+    kind, settings = _rope_kind(params)
+    if kind != "yarn":
+        return None
+    original = settings.get("original_max_position_embeddings") or max_positions
+    factor = settings.get("factor")
+    if factor is None:
+        if not original:
+            raise ValueError("yarn RoPE scaling without a factor or context lengths")
+        factor = max_positions / original
+
+    def mscale_of(scale: float, mscale: float = 1.0) -> float:
+        return 1.0 if scale <= 1 else 0.1 * mscale * math.log(scale) + 1.0
+
+    attention = settings.get("attention_factor")
+    if attention is None:
+        mscale, mscale_all = settings.get("mscale"), settings.get("mscale_all_dim")
+        attention = (mscale_of(factor, mscale) / mscale_of(factor, mscale_all)
+                     if mscale and mscale_all else mscale_of(factor))
+    return (float(factor), float(attention), float(settings.get("beta_fast") or 32),
+            float(settings.get("beta_slow") or 1), float(original or 0),
+            1.0 if settings.get("truncate", True) else 0.0)
 
 
 # (num_key_value_heads, max_position_embeddings) of a config.json without them, as
@@ -391,6 +433,11 @@ def _llama_from_hf(hf: dict, name: str) -> ModelConfig:
     kv_default, positions_default = LLAMA_FAMILY_DEFAULTS[hf["model_type"]]
     max_positions = hf.get("max_position_embeddings", positions_default)
     llama3 = _rope_llama3(rope, max_positions)
+    yarn = _rope_yarn(rope, max_positions)
+    partial = (rope or {}).get("partial_rotary_factor", hf.get("partial_rotary_factor", 1.0))
+    if partial not in (None, 1, 1.0):
+        raise ValueError(f"partial_rotary_factor {partial!r} (RoPE on part of each head) is "
+                         f"not supported (model {name!r})")
     qwen2 = hf["model_type"] == "qwen2"
     if hf.get("mlp_bias"):
         raise ValueError(f"mlp_bias (biases on the gate, up and down projections) is not "
@@ -422,6 +469,7 @@ def _llama_from_hf(hf: dict, name: str) -> ModelConfig:
         rope_theta=theta,
         rope_linear_factor=factor,
         rope_llama3=llama3,
+        rope_yarn=yarn,
         sliding_window=_window(hf) if any(sliding) else None,
         sliding_layers=sliding if any(sliding) else (),
         tie_embeddings=hf.get("tie_word_embeddings", False),

@@ -69,18 +69,45 @@ def llama3_inverse_frequencies(inv_freq: jax.Array, factor: float, low_freq_fact
                                between))
 
 
+def yarn_inverse_frequencies(inv_freq: jax.Array, head_dim: int, theta: float, factor: float,
+                             beta_fast: float, beta_slow: float, original_positions: float,
+                             truncate: float) -> jax.Array:
+    """YaRN's frequencies: a frequency turning more than beta_fast times over
+    original_positions is kept, one turning fewer than beta_slow times divided by
+    `factor`, and a linear ramp over the frequency index between the two."""
+    def index_of(turns: float) -> float:   # the frequency index turning `turns` times
+        return (head_dim * math.log(original_positions / (turns * 2 * math.pi))
+                / (2 * math.log(theta)))
+
+    low, high = index_of(beta_fast), index_of(beta_slow)
+    if truncate:
+        low, high = math.floor(low), math.ceil(high)
+    low, high = max(low, 0), min(high, head_dim - 1)
+    if low == high:
+        high += 0.001
+    ramp = jnp.clip((jnp.arange(head_dim // 2, dtype=F32) - low) / (high - low), 0, 1)
+    return inv_freq / factor * ramp + inv_freq * (1 - ramp)
+
+
 def rope_tables(positions: jax.Array, head_dim: int, theta: float,
-                linear_factor: float = 1.0, llama3=None):
+                linear_factor: float = 1.0, llama3=None, yarn=None):
     """cos and sin tables [..., head_dim] for integer positions (HF Llama convention);
     linear_factor > 1 divides the positions (linear RoPE scaling); llama3, Llama 3's
-    scaling settings (`ModelConfig.rope_llama3`), rescales the frequencies."""
+    scaling settings (`ModelConfig.rope_llama3`), rescales the frequencies; yarn
+    (`ModelConfig.rope_yarn`) rescales them and multiplies both tables by its
+    attention factor."""
     inv_freq = 1.0 / (theta ** (jnp.arange(0, head_dim, 2, dtype=F32) / head_dim))
     if linear_factor != 1.0:
         inv_freq = inv_freq / linear_factor
     if llama3 is not None:
         inv_freq = llama3_inverse_frequencies(inv_freq, *llama3)
+    if yarn is not None:
+        factor, attention_factor, *ramp = yarn
+        inv_freq = yarn_inverse_frequencies(inv_freq, head_dim, theta, factor, *ramp)
     angles = positions.astype(F32)[..., None] * inv_freq
     angles = jnp.concatenate([angles, angles], axis=-1)
+    if yarn is not None:
+        return jnp.cos(angles) * attention_factor, jnp.sin(angles) * attention_factor
     return jnp.cos(angles), jnp.sin(angles)
 
 
@@ -107,7 +134,7 @@ def layer_rope_tables(config: ModelConfig, positions: jax.Array, layer=None):
     """cos and sin tables [..., head_dim] of `layer`: sliding layers use
     `rope_local_theta`, full-attention layers `rope_theta` and `rope_linear_factor`."""
     full = rope_tables(positions, config.head_dim, config.rope_theta, config.rope_linear_factor,
-                       config.rope_llama3)
+                       config.rope_llama3, config.rope_yarn)
     if config.rope_local_theta is None or not config.has_sliding_layers:
         return full
     sliding = is_sliding(config, layer)

@@ -15,7 +15,8 @@ from dejavu_jax.params import fuse_qkv, has_fused_qkv, unstack_layers
 
 HF = Path(__file__).parent / "fixtures" / "hf"
 VARIANTS = ["opt-preln", "opt-postln-proj", "opt-fp16-prefix", "opt-bin",
-            "llama-gqa", "llama-mha", "qwen2", "gemma3", "mistral-window", "llama-rope3"]
+            "llama-gqa", "llama-mha", "qwen2", "gemma3", "mistral-window", "llama-rope3",
+            "llama-yarn"]
 
 
 def _load(name):
@@ -39,7 +40,7 @@ def test_logits_match_hugging_face(name):
 
 
 @pytest.mark.parametrize("name", ["opt-preln", "opt-postln-proj", "llama-gqa", "gemma3",
-                                  "mistral-window", "llama-rope3"])
+                                  "mistral-window", "llama-rope3", "llama-yarn"])
 def test_cached_decode_reproduces_full_forward(name):
     config, params, ref = _load(name)
     ids, mask = ref["input_ids"], ref["attention_mask"]
@@ -380,3 +381,20 @@ def test_llama3_rope_scaling_changes_the_logits():
                                  ref["attention_mask"]))
     real = ref["attention_mask"].astype(bool)
     assert np.abs(plain[real] - ref["logits"][real]).max() > 1e-2 * np.abs(ref["logits"]).max()
+
+
+def test_yarn_rope_scaling_changes_the_logits():
+    """The llama-yarn fixture (factor 4, beta_fast 16, beta_slow 2, untruncated ramp, no
+    original context given) matches transformers only with YaRN's frequencies and its
+    attention factor: without either, the same weights give other logits."""
+    config, params, ref = _load("llama-yarn")
+    factor, attention, beta_fast, beta_slow, original, truncate = config.rope_yarn
+    assert (factor, beta_fast, beta_slow, original, truncate) == (4.0, 16.0, 2.0, 128.0, 0.0)
+    np.testing.assert_allclose(attention, 0.1 * np.log(4.0) + 1.0)
+    real = ref["attention_mask"].astype(bool)
+    scale = np.abs(ref["logits"]).max()
+    for changed in (config.replace(rope_yarn=None),
+                    config.replace(rope_yarn=(factor, 1.0, beta_fast, beta_slow, original,
+                                              truncate))):
+        other = np.asarray(dj.logits(changed, params, ref["input_ids"], ref["attention_mask"]))
+        assert np.abs(other[real] - ref["logits"][real]).max() > 1e-2 * scale
