@@ -1,5 +1,7 @@
 """A batch's predictor selection in three launches against numpy, and the step that runs it."""
 
+import functools
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -53,9 +55,13 @@ def test_batch_select_equals_numpy(rng, impl, B, d, F, H, r_mlp, r_heads, k_mlp,
     if F == 1001:  # bf16 weights, fp32 inputs (rounded to bf16 by the first product)
         for i in (1, 3, 5):
             args[i] = args[i].astype(jnp.bfloat16)
+    select = batch_predictor_select  # the kernel path is one jitted program already
+    if impl == "reference":  # one program too, not the jnp reference op by op
+        select = jax.jit(select, static_argnames=("k_mlp", "k_heads", "activation", "chunk",
+                                                  "impl"))
     for layer in (0, L - 1):
-        neurons, heads = batch_predictor_select(*args, jnp.int32(layer), k_mlp, k_heads,
-                                                activation=act, chunk=chunk, impl=impl)
+        neurons, heads = select(*args, jnp.int32(layer), k_mlp=k_mlp, k_heads=k_heads,
+                                activation=act, chunk=chunk, impl=impl)
         want_n, want_h = _numpy_sets(*args, layer, k_mlp, k_heads, act, chunk)
         assert neurons.shape == (batch_union_shape(B, F, k_mlp, chunk),)
         np.testing.assert_array_equal(np.asarray(neurons), want_n)
@@ -79,6 +85,74 @@ def test_batch_select_rejects_bad_inputs():
                                k_mlp=3, k_heads=2)
 
 
+def _batch_step_setup(mlp, heads):
+    """(config, params, decode-form predictors, union sparse config on the interpreted
+    kernels) of the batch step test."""
+    import dataclasses
+
+    import dejavu_jax as dj
+    from dejavu_jax import sparse
+    from dejavu_jax.eval.bench_decode import random_predictors
+    from dejavu_jax.train.predictor_model import decode_predictors
+    config = dj.preset("opt-tiny").replace(n_layers=3)
+    params = dj.init_params(config, jax.random.key(3), F32, std=0.1)
+    preds = decode_predictors(random_predictors(config, 8, jax.random.key(4)))
+    scfg = dataclasses.replace(
+        sparse.sparse_config(config, mlp, heads, dense_layers=1, impl="interpret"),
+        batch_policy="union")
+    return config, params, preds, scfg
+
+
+_BATCH_IDS = [[5, 9, 14, 3], [7, 7, 2, 11], [1, 30, 6, 8]]
+_BATCH_TOKENS = ([42, 3, 8], [7, 7, 50])
+
+
+def _batch_step_logits(select, config, params, preds, scfg):
+    """The logits [steps, 3, V] of 3 rows prefilled with _BATCH_IDS and decoding
+    _BATCH_TOKENS, selecting with `select`."""
+    from dejavu_jax import sparse
+    eng = sparse.sparse_engine(config, scfg, select)
+    ids = jnp.asarray(_BATCH_IDS)
+    state = eng.init_state(3, 16, F32)
+    out, state = jax.jit(eng.prefill)((params, preds), ids, jnp.ones_like(ids), state)
+    step = jax.jit(eng.step)
+    seq = []
+    for tok in _BATCH_TOKENS:
+        out, state = step((params, preds), state, jnp.asarray(tok))
+        seq.append(np.asarray(out))
+    return np.stack(seq)
+
+
+@functools.cache
+def _reference_batch_step(mlp, heads):
+    """(logits, the batch selection calls traced) of the step selecting through the jnp
+    reference (`impl="reference"`). That selector neither rides nor reads its launch
+    options (`ride_mlp_launches` and `batch_heads_in_fc1` act only in the kernels' launches,
+    `PredictorSelector.rides_batch`): one run per (mlp, heads) serves every variant."""
+    from dejavu_jax.sparse_variants import variant_selector
+    config, params, preds, scfg = _batch_step_setup(mlp, heads)
+    select = variant_selector(config.group_size, "local", impl="reference")
+    seen = []
+    with pytest.MonkeyPatch.context() as monkeypatch:
+        _record_batch_selection(monkeypatch, seen)
+        logits = _batch_step_logits(select, config, params, preds, scfg)
+    return logits, tuple(seen)
+
+
+def _record_batch_selection(monkeypatch, seen):
+    """Append (what ran, its impl) to `seen` for each batch selection kernel call traced,
+    and for the first product riding in the MLP norm's launch."""
+    from dejavu_jax import sparse
+    from dejavu_jax.kernels import batch_predictor_select as module
+    for name in ("batch_predictor_select", "batch_selection_parts_after", "heads_part"):
+        real = getattr(module, name)
+        monkeypatch.setattr(module, name, lambda *a, _r=real, _n=name, **kw:
+                            seen.append((_n, kw.get("impl", "interpret"))) or _r(*a, **kw))
+    real_part = sparse.first_product_part
+    monkeypatch.setattr(sparse, "first_product_part", lambda *a, **kw:
+                        seen.append(("in the norm launch", "interpret")) or real_part(*a, **kw))
+
+
 @pytest.mark.parametrize("ride,mlp,heads,heads_first", [
     (True, 0.1, 0.5, False), (True, 0.1, 0.25, False), (False, 0.1, 0.5, False),
     (True, 0.2, 0.5, False), (True, 0.1, 0.5, True), (True, 0.1, 0.25, True)])
@@ -90,46 +164,22 @@ def test_a_batch_step_selects_in_the_kernels(ride, mlp, heads, heads_first, monk
     the union runs the masked dense MLP: 3 rows at 0.2 fill 0.6 of it), the heads' program
     in the fc2 launch or (heads_first, a benchmark variant) in the fc1 launch; the
     interpreted kernels give the logits of the jnp reference's sets."""
-    import dataclasses
-
-    import dejavu_jax as dj
-    from dejavu_jax import sparse
-    from dejavu_jax.eval.bench_decode import random_predictors
-    from dejavu_jax.kernels import batch_predictor_select as module
     from dejavu_jax.sparse_variants import APART, HEADS_IN_FC1, variant_selector
-    from dejavu_jax.train.predictor_model import decode_predictors
     from conftest import assert_finite_close
-    config = dj.preset("opt-tiny").replace(n_layers=3)
-    params = dj.init_params(config, jax.random.key(3), F32, std=0.1)
-    preds = decode_predictors(random_predictors(config, 8, jax.random.key(4)))
-    scfg = dataclasses.replace(
-        sparse.sparse_config(config, mlp, heads, dense_layers=1, impl="interpret"),
-        batch_policy="union")
+    config, params, preds, scfg = _batch_step_setup(mlp, heads)
     k_mlp = scfg.mlp_k[-1]
-    seen = []
-    for name in ("batch_predictor_select", "batch_selection_parts_after", "heads_part"):
-        real = getattr(module, name)
-        monkeypatch.setattr(module, name, lambda *a, _r=real, _n=name, **kw:
-                            seen.append((_n, kw.get("impl", "interpret"))) or _r(*a, **kw))
-    real_part = sparse.first_product_part
-    monkeypatch.setattr(sparse, "first_product_part", lambda *a, **kw:
-                        seen.append(("in the norm launch", "interpret")) or real_part(*a, **kw))
-    ids = jnp.asarray([[5, 9, 14, 3], [7, 7, 2, 11], [1, 30, 6, 8]])
-    logits = {}
+    name = "local" + ("" if ride else APART) + (HEADS_IN_FC1 if heads_first else "")
     for impl in ("interpret", "reference"):
-        name = "local" + ("" if ride else APART) + (HEADS_IN_FC1 if heads_first else "")
         select = variant_selector(config.group_size, name, impl=impl)
         assert select.selects_batch_in_kernels(preds, 3, k_mlp)
         assert not select.selects_batch_in_kernels(preds, 1, k_mlp)
         assert select.rides_batch(preds, 3, k_mlp, scfg.impl) == (ride and impl == "interpret")
-        eng = sparse.sparse_engine(config, scfg, select)
-        state = eng.init_state(3, 16, F32)
-        out, state = eng.prefill((params, preds), ids, jnp.ones_like(ids), state)
-        seq = []
-        for tok in ([42, 3, 8], [7, 7, 50]):
-            out, state = jax.jit(eng.step)((params, preds), state, jnp.asarray(tok))
-            seq.append(np.asarray(out))
-        logits[impl] = np.stack(seq)
+    reference, seen = _reference_batch_step(mlp, heads)
+    logits, seen = {"reference": reference}, list(seen)
+    _record_batch_selection(monkeypatch, seen)
+    logits["interpret"] = _batch_step_logits(
+        variant_selector(config.group_size, name, impl="interpret"), config, params, preds,
+        scfg)
     assert ("batch_predictor_select", "reference") in seen
     riding = ride and mlp < 0.2
     kernel_path = "batch_selection_parts_after" if riding else "batch_predictor_select"

@@ -1,6 +1,7 @@
 """The split predictor: its kernels against numpy, and the decode step that runs it."""
 
 import collections
+import functools
 
 import jax
 import jax.numpy as jnp
@@ -64,10 +65,14 @@ def test_predictor_select_equals_numpy(rng, impl, F, H, r_mlp, r_heads, k_mlp, k
     if F == 300:  # bf16 second layers, as the benchmark's predictors
         args = args[:2] + (args[2].astype(jnp.bfloat16), args[3],
                            args[4].astype(jnp.bfloat16), args[5])
+    select = predictor_select  # the kernel path is one jitted program already
+    if impl == "reference":  # one program too, not the jnp reference op by op
+        select = jax.jit(select, static_argnames=("k_mlp", "k_heads", "activation", "chunk",
+                                                  "impl", "row_blocks", "block_d"))
     for layer in (0, L - 1):
         blocks = dict(row_blocks=1, block_d=128) if F == 5000 else {}  # non-default blocks
-        neurons, heads = predictor_select(*args, jnp.int32(layer), k_mlp, k_heads,
-                                          activation=act, chunk=chunk, impl=impl, **blocks)
+        neurons, heads = select(*args, jnp.int32(layer), k_mlp=k_mlp, k_heads=k_heads,
+                                activation=act, chunk=chunk, impl=impl, **blocks)
         want_n, want_h = _numpy_sets(*args, layer, k_mlp, k_heads, act, chunk)
         np.testing.assert_array_equal(np.asarray(neurons), want_n)
         np.testing.assert_array_equal(np.asarray(heads), want_h)
@@ -110,15 +115,8 @@ def test_predictor_select_rejects_bad_inputs():
         predictor_select(**{**good, "b1": jnp.zeros((L, r))}, layer=0, k_mlp=3, k_heads=2)
 
 
-@pytest.mark.parametrize("impl,dtype,ride,preset", [
-    ("interpret", F32, True, "opt-tiny"), ("interpret", F32, False, "opt-tiny"),
-    ("reference", jnp.bfloat16, True, "opt-tiny"), ("interpret", F32, True, "llama-tiny")])
-def test_split_predictor_step_equals_the_called_selector(impl, dtype, ride, preset,
-                                                         monkeypatch):
-    """The decode step that splits the predictor across the layer (first product in the
-    projection launch, selection after attention: in launches of its own, or riding in
-    the MLP's launches) picks the sets that calling the selector on the layer's input
-    picks, and gives the same logits."""
+def _split_setup(impl, dtype, preset):
+    """(config, params, predictors, sparse config) of the split-step test."""
     from dejavu_jax.eval.bench_decode import random_predictors
     from dejavu_jax.train.predictor_model import decode_predictors
     config = dj.preset(preset).replace(n_layers=3)
@@ -128,16 +126,59 @@ def test_split_predictor_step_equals_the_called_selector(impl, dtype, ride, pres
     preds = jax.tree.map(lambda a: a.astype(dtype) if a.dtype == jnp.bfloat16 else a,
                          decode_predictors(random_predictors(config, 8, jax.random.key(4))))
     scfg = sparse.sparse_config(config, 0.25, 0.5, dense_layers=1, impl=impl)
-    split = variant_selector(config.group_size, "local" if ride else "local" + APART,
-                             impl=impl)
-    assert split.splits(preds, 1) and not split.splits(preds, 2)
+    return config, params, preds, scfg
+
+
+_IDS, _TOKENS = [[5, 9, 14, 3]], (42, 7, 19)
+
+
+def _decode_logits(eng, params, preds):
+    """The logits [steps, 1, V] of prefilling _IDS and decoding _TOKENS."""
+    ids = jnp.asarray(_IDS)
+    state = eng.init_state(1, 16, F32)
+    out, state = jax.jit(eng.prefill)((params, preds), ids, jnp.ones_like(ids), state)
+    step = jax.jit(eng.step)
+    seq = []
+    for tok in _TOKENS:
+        out, state = step((params, preds), state, jnp.asarray([tok]))
+        seq.append(np.asarray(out))
+    return np.stack(seq)
+
+
+@functools.cache
+def _called_selector_run(impl, dtype, preset):
+    """(logits, the sets of every call (layer, neurons, heads)) of the decode step calling
+    the predictor selector, never split. Calling it runs the same program whether its
+    split form rides in the MLP launches or selects apart (`PredictorSelector.__call__`
+    does not read `ride_mlp_launches`), so the two split variants share this run."""
+    config, params, preds, scfg = _split_setup(impl, dtype, preset)
+    select = variant_selector(config.group_size, "local", impl=impl)
     calls = []
 
     def called(p, layer, x, k_mlp, k_heads):  # the same selector, never split
-        sets = split(p, layer, x, k_mlp, k_heads)
+        sets = select(p, layer, x, k_mlp, k_heads)
         jax.debug.callback(lambda l, n, g: calls.append((int(l), np.asarray(n), np.asarray(g))),
                            layer, *sets)
         return sets
+
+    logits = _decode_logits(sparse.sparse_engine(config, scfg, called), params, preds)
+    jax.effects_barrier()
+    return logits, calls
+
+
+@pytest.mark.parametrize("impl,dtype,ride,preset", [
+    ("interpret", F32, True, "opt-tiny"), ("interpret", F32, False, "opt-tiny"),
+    ("reference", jnp.bfloat16, True, "opt-tiny"), ("interpret", F32, True, "llama-tiny")])
+def test_split_predictor_step_equals_the_called_selector(impl, dtype, ride, preset,
+                                                         monkeypatch):
+    """The decode step that splits the predictor across the layer (first product in the
+    projection launch, selection after attention: in launches of its own, or riding in
+    the MLP's launches) picks the sets that calling the selector on the layer's input
+    picks, and gives the same logits."""
+    config, params, preds, scfg = _split_setup(impl, dtype, preset)
+    split = variant_selector(config.group_size, "local" if ride else "local" + APART,
+                             impl=impl)
+    assert split.splits(preds, 1) and not split.splits(preds, 2)
 
     finished = []
     orig_finish = split.finish
@@ -169,19 +210,11 @@ def test_split_predictor_step_equals_the_called_selector(impl, dtype, ride, pres
         return out
 
     monkeypatch.setattr(sparse, "_sparse_mlp", recording_mlp)
-    ids = jnp.asarray([[5, 9, 14, 3]])
-    logits = {}
-    for name, select in (("split", split), ("called", called)):
-        eng = sparse.sparse_engine(config, scfg, select)
-        state = eng.init_state(1, 16, F32)
-        out, state = eng.prefill((params, preds), ids, jnp.ones_like(ids), state)
-        step = jax.jit(eng.step)
-        seq = []
-        for tok in (42, 7, 19):
-            out, state = step((params, preds), state, jnp.asarray([tok]))
-            seq.append(np.asarray(out))
-        logits[name] = np.stack(seq)
+    logits = {"split": _decode_logits(sparse.sparse_engine(config, scfg, split), params,
+                                      preds)}
     jax.effects_barrier()
+    monkeypatch.undo()
+    logits["called"], calls = _called_selector_run(impl, dtype, preset)
     assert finished, "the split path did not run"
     assert bool(ridden) == (ride and impl != "reference")
     assert_finite_close(logits["split"], logits["called"], atol=1e-5, rtol=1e-5)

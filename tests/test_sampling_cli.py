@@ -24,11 +24,12 @@ def test_top_k_and_top_p_restrict_the_support(rng):
     logits = jnp.asarray(rng.permutation(values)[None], jnp.float32)
     order = np.argsort(-np.asarray(logits[0]))
     keys = jax.random.split(jax.random.key(1), 300)
-    top3 = {int(sample(logits, k, SamplingConfig(1.0, top_k=3))[0]) for k in keys}
+    draw = jax.jit(sample, static_argnums=2)  # one compile, not an op-by-op run per key
+    top3 = {int(draw(logits, k, SamplingConfig(1.0, top_k=3))[0]) for k in keys}
     assert top3 <= set(order[:3].tolist()) and len(top3) > 1
     probs = np.asarray(jax.nn.softmax(logits[0]))[order]
     nucleus = int(np.searchsorted(np.cumsum(probs), 0.6) + 1)
-    top_p = {int(sample(logits, k, SamplingConfig(1.0, top_p=0.6))[0]) for k in keys}
+    top_p = {int(draw(logits, k, SamplingConfig(1.0, top_p=0.6))[0]) for k in keys}
     assert top_p <= set(order[:nucleus].tolist())
 
 

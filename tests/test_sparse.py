@@ -40,7 +40,7 @@ def _run_both(config, params, scfg, sets, prompts, steps, selector=sparse.fixed_
     if dense:
         d_state = model.init_state(config, B, 64, jnp.float32)
         d_logits, d_state = model.prefill(config, params, ids, mask, d_state)
-    s_logits, s_state = eng.prefill((params, sets), ids, mask, s_state)
+    s_logits, s_state = jax.jit(eng.prefill)((params, sets), ids, mask, s_state)
     step = jax.jit(eng.step)
     tokens = np.random.default_rng(0).integers(3, config.vocab_size, (steps, B))
     out = [(None if d_logits is None else np.asarray(d_logits), np.asarray(s_logits))]
@@ -130,7 +130,7 @@ def test_missing_kv_is_recomputed_when_a_head_returns(impl):
     eng_all = sparse.sparse_engine(config, scfg_all, sparse.fixed_selector)
     state = eng_skip.init_state(1, 64, jnp.float32)
     d_state = model.init_state(config, 1, 64, jnp.float32)
-    _, state = eng_skip.prefill((params, skip), ids, mask, state)
+    _, state = jax.jit(eng_skip.prefill)((params, skip), ids, mask, state)
     _, d_state = model.prefill(config, params, ids, mask, d_state)
     tokens = [17, 23, 40, 2, 99]
     for tok in tokens:  # head 0 of layers >= 1 skipped: its K/V stay missing
@@ -172,7 +172,7 @@ def test_bounded_window_refresh_keeps_kv_exact(preset, refresh, unrolled):
         params = unstack_layers(params)
         assert isinstance(state.history, tuple) and state.history[0].shape == (1, W, 64)
     d_state = model.init_state(config, 1, 64, jnp.float32)
-    _, state = eng.prefill((params, skip), ids, jnp.ones_like(ids), state)
+    _, state = jax.jit(eng.prefill)((params, skip), ids, jnp.ones_like(ids), state)
     _, d_state = model.prefill(config, d_params, ids, jnp.ones_like(ids), d_state)
     step = jax.jit(eng.step)
     for tok in range(20, 20 + 3 * W):  # entries older than the window exist
@@ -205,8 +205,9 @@ def test_lookahead_uses_the_previous_layers_input():
     prompt = [5, 9, 14, 3]
     ids = jnp.asarray([prompt])
     state = eng.init_state(1, 32, jnp.float32)
-    _, state = eng.prefill((params, _full_sets(config)), ids, jnp.ones_like(ids), state)
-    _, state = eng.step((params, _full_sets(config)), state, jnp.asarray([42]))
+    _, state = jax.jit(eng.prefill)((params, _full_sets(config)), ids, jnp.ones_like(ids),
+                                    state)
+    _, state = jax.jit(eng.step)((params, _full_sets(config)), state, jnp.asarray([42]))
     jax.effects_barrier()
     full = jnp.asarray([prompt + [42]])
     _, _, records = model.sequence_forward(config, params, full, jnp.ones_like(full),
@@ -277,7 +278,7 @@ def test_oracle_equals_numpy_masked_dense():
     prompt, continuation = [5, 9, 14, 3], [42, 7, 300, 11]
     ids = jnp.asarray([prompt])
     state = eng.init_state(1, 32, jnp.float32)
-    logits, state = eng.prefill((params, None), ids, jnp.ones_like(ids), state)
+    logits, state = jax.jit(eng.prefill)((params, None), ids, jnp.ones_like(ids), state)
     got = [np.asarray(logits[0])]
     step = jax.jit(eng.step)  # eagerly, each of the step's ops would compile by itself
     for tok in continuation[:-1]:
@@ -302,7 +303,7 @@ def test_oracle_batch_masks_each_row_by_its_own_top_k():
     prompts, continuation = [[5, 9, 14, 3], [8, 2]], [[42, 17], [7, 300], [11, 60]]
     ids, mask = (jnp.asarray(a) for a in left_pad(prompts, config.pad_token_id))
     state = eng.init_state(2, 32, jnp.float32)
-    logits, state = eng.prefill((params, None), ids, mask, state)
+    logits, state = jax.jit(eng.prefill)((params, None), ids, mask, state)
     got = [np.asarray(logits)]
     step = jax.jit(eng.step)
     for toks in continuation[:-1]:
@@ -576,7 +577,9 @@ def test_predictors_of_other_shapes_or_none_are_refused(decode_form):
 
 def test_unrolled_layers_equal_stacked_scan():
     from dejavu_jax.params import unstack_layers
-    config = dj.preset("llama-tiny")
+    # 3 layers: a dense one and a sparse segment of two (the unrolled programs grow with
+    # the layer count, which the comparison does not depend on)
+    config = dj.preset("llama-tiny").replace(n_layers=3)
     params = dj.init_params(config, jax.random.key(7), jnp.float32, std=0.1)
     scfg = dataclasses.replace(sparse.sparse_config(config, 0.3, 0.5, dense_layers=1),
                                batch_policy="kernels")
@@ -625,10 +628,11 @@ def test_stacked_dense_layers_run_in_place_through_the_kernels(preset, monkeypat
     layers run through the sparse kernels with every unit selected, reading the stack in
     place: no XLA dense layer runs, the MLP kernel gets every neuron, and the logits are
     the dense model's (every layer dense) and the per-layer layout's (MLP 0.3 / heads 0.5
-    after 2 dense layers, which XLA runs)."""
+    after 2 dense layers, which XLA runs). Three layers: the per-layer programs grow with
+    the layer count, which none of this depends on."""
     from dejavu_jax.eval.bench_decode import random_sets
     from dejavu_jax.params import unstack_layers
-    config = dj.preset(preset)
+    config = dj.preset(preset).replace(n_layers=3)
     params = dj.init_params(config, jax.random.key(11), jnp.float32, std=0.1)
     dense_layer_calls, mlp_rows = [], []
     real_dense, real_mlp = sparse._dense_layer, sparse.kernels.sparse_mlp

@@ -96,7 +96,7 @@ def _oracle_sets(config, scfg, params, prompt, tokens, monkeypatch):
     eng = sparse.sparse_engine(config, scfg, sparse.no_selector)
     state = eng.init_state(1, 32, jnp.float32)
     ids = jnp.asarray([prompt], jnp.int32)
-    _, state = eng.prefill((params, None), ids, jnp.ones_like(ids), state)
+    _, state = jax.jit(eng.prefill)((params, None), ids, jnp.ones_like(ids), state)
     step = jax.jit(eng.step)
     logits, sets = [], []
     for tok in tokens:
@@ -144,7 +144,7 @@ def test_oracle_sets_through_the_sparse_kernels_equal_the_oracle(name, impl, ste
     eng = sparse.sparse_engine(config, kernels_cfg, sparse.fixed_selector)
     state = eng.init_state(1, 32, jnp.float32)
     ids = jnp.asarray([prompt], jnp.int32)
-    _, state = eng.prefill((params, sets[0]), ids, jnp.ones_like(ids), state)
+    _, state = jax.jit(eng.prefill)((params, sets[0]), ids, jnp.ones_like(ids), state)
     step = jax.jit(eng.step)
     d_state = model.init_state(config, 1, 32, jnp.float32)
     _, d_state = model.prefill(config, params, ids, jnp.ones_like(ids), d_state)
@@ -171,7 +171,7 @@ def test_predictor_path_decodes(name):
                for t in out.tokens)
     state = eng.init_state(1, 32, jnp.float32)
     ids = jnp.asarray([PROMPTS[0]], jnp.int32)
-    _, state = eng.prefill((params, pred), ids, jnp.ones_like(ids), state)
+    _, state = jax.jit(eng.prefill)((params, pred), ids, jnp.ones_like(ids), state)
     d_state = model.init_state(config, 1, 32, jnp.float32)
     _, d_state = model.prefill(config, params, ids, jnp.ones_like(ids), d_state)
     step = jax.jit(eng.step)

@@ -136,7 +136,8 @@ def test_union_top_k_holds_every_rows_top_k(rng, B, n, k):
     scale, shift = np.array([1, 10, 0.1, 3])[:B], np.array([0, 5, -3, 1])[:B]
     s = (rng.standard_normal((B, n)) * scale[:, None] + shift[:, None]).astype(np.float32)
     union = set(np.argsort(-s, axis=1)[:, :k].reshape(-1).tolist())
-    got = np.asarray(jax.jit(union_top_k, static_argnums=(1, 2))(jnp.asarray(s), k, k * B))
+    union_top_k = jax.jit(union_top_k, static_argnums=(1, 2))
+    got = np.asarray(union_top_k(jnp.asarray(s), k, k * B))
     assert got.shape == (min(n, k * B),) and len(set(got.tolist())) == got.size
     assert np.all(np.diff(got) > 0) and union <= set(got.tolist())
     # the padding is the non-members nearest to some row's k-th score, up to the
