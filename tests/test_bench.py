@@ -46,6 +46,18 @@ def counted_step_bytes(config, context: int, batch: int) -> int:
     return total + nbytes(cache.k) + nbytes(cache.v)
 
 
+@pytest.fixture
+def no_bandwidth_probe(monkeypatch):
+    """For the runs that check no bandwidth figure: the run's memory-bandwidth probe
+    (`measure_best_bandwidth`, seconds of bf16 GEMVs and copies on the CPU) returns a
+    constant; test_bench_decode_cli runs and checks the probe itself."""
+    def probe(gb=4.0, detail=None):
+        if detail is not None:
+            detail.update({"W@x": 1.0, "x@W": 1.0, "chain": 1.0, "copy": 1.0})
+        return 1.0
+    monkeypatch.setattr(bench_decode, "measure_best_bandwidth", probe)
+
+
 @pytest.mark.parametrize("name", ["opt-tiny", "opt-350m", "opt-6.7b", "llama-tiny",
                                   "smollm2-135m"])
 def test_step_bytes_counts_every_weight(name):
@@ -273,7 +285,7 @@ def test_kernel_config_flags_parse_and_label_the_rows(tmp_path):
         bench_decode.main(["--layer-unroll", "0", "--out", str(tmp_path)])
 
 
-def test_kernel_config_variants_are_rows_of_one_run(tmp_path):
+def test_kernel_config_variants_are_rows_of_one_run(tmp_path, no_bandwidth_probe):
     """Each --mlp-config variant gets its own sparse rows, labelled, with its config."""
     out = tmp_path / "variants"
     assert bench_decode.main([
@@ -287,7 +299,7 @@ def test_kernel_config_variants_are_rows_of_one_run(tmp_path):
                    "fixed [mlp.num_stages=3]": 3}
 
 
-def test_compile_option_sets_parse_label_and_check_their_logits(tmp_path):
+def test_compile_option_sets_parse_label_and_check_their_logits(tmp_path, no_bandwidth_probe):
     """--compile-options: typed values, one row per set, each compared with a base compile."""
     sets = bench_decode.parse_compile_options(
         "base/xla_gpu_enable_command_buffer=/xla_a=true+xla_b=-3+xla_c=SKIP_TEMP")
@@ -342,7 +354,7 @@ def test_step_parts_config_variants_parse():
         parse_variants("base/warps=8", AttnConfig)
 
 
-def test_loop_only_grid_reuses_the_sparse_prefill(tmp_path):
+def test_loop_only_grid_reuses_the_sparse_prefill(tmp_path, no_bandwidth_probe):
     out = tmp_path / "grid"
     assert bench_decode.main([
         "--models", "opt-tiny", "--contexts", "8", "--batch", "1", "--steps", "2",
@@ -369,7 +381,7 @@ def test_loop_only_grid_reuses_the_sparse_prefill(tmp_path):
     assert "| – / " in table
 
 
-def test_grid_without_prefill_or_fixed_rows(tmp_path):
+def test_grid_without_prefill_or_fixed_rows(tmp_path, no_bandwidth_probe):
     """--prefill-tokens 0 holds the whole context as zeros (no prefill to compile or time);
     without the fixed mode there are only the dense and predictor rows."""
     out = tmp_path / "noprefill"
@@ -537,7 +549,8 @@ def test_profile_decode_takes_threshold_modes(tmp_path, capsys):
     assert profile_decode.once_per_layer(per_token, 4, "o") == "o"
 
 
-def test_a_cache_larger_than_the_free_memory_is_skipped_unrun(tmp_path, monkeypatch):
+def test_a_cache_larger_than_the_free_memory_is_skipped_unrun(tmp_path, monkeypatch,
+                                                              no_bandwidth_probe):
     """A (context, batch) whose K/V cache exceeds the device's free bytes logs one SKIPPED
     line and runs none of its rows; the cells that fit run as before."""
     config = config_lib.preset("opt-tiny")
@@ -560,11 +573,16 @@ def test_a_cache_larger_than_the_free_memory_is_skipped_unrun(tmp_path, monkeypa
     assert "SKIPPED opt-tiny stacked ctx=16 batch=4" in (out / "bench_decode.log").read_text()
 
 
-def test_dispatch_overhead_times_every_layout(tmp_path):
+def test_dispatch_overhead_times_every_layout(tmp_path, monkeypatch):
     """`eval.dispatch_overhead` on tiny OPT: one row per layout (per-layer, small arrays
-    packed, stacked K/V cache), every timing finite and positive, fewer buffers packed."""
+    packed, stacked K/V cache), every timing finite and positive, fewer buffers packed.
+    Two layers and a vocabulary of 512 (a preset added for the run): the per-layer
+    programs grow with the layer count, and none of this depends on the sizes."""
     from dejavu_jax.eval import dispatch_overhead
-    assert dispatch_overhead.main(["--models", "opt-tiny", "--packed", "--stacked-cache",
+    small = config_lib.preset("opt-tiny").replace(n_layers=2, vocab_size=512,
+                                                  name="opt-tiny-2-layers")
+    monkeypatch.setitem(config_lib.PRESETS, small.name, small)
+    assert dispatch_overhead.main(["--models", small.name, "--packed", "--stacked-cache",
                                    "--steps", "1", "--warmup", "0", "--out",
                                    str(tmp_path)]) == 0
     result = json.loads((tmp_path / "dispatch_overhead.json").read_text())
