@@ -48,6 +48,9 @@ class ModelConfig:
       original_max_position_embeddings, truncate as 1.0 or 0.0), or None: the frequencies
       blend interpolated and original ones by dimension, and the rotary tables are scaled
       by attention_factor.
+    rope_dynamic: dynamic NTK RoPE, whose frequencies are the default ones up to
+      max_positions (as transformers computes them there) and change past them; positions
+      past max_positions are refused.
     final_logit_softcap: logits become cap * tanh(logits / cap) when set.
     """
 
@@ -87,6 +90,7 @@ class ModelConfig:
     extra_eos_token_ids: tuple[int, ...] = ()   # further ids that end a sequence
     rope_llama3: tuple[float, float, float, float] | None = None
     rope_yarn: tuple[float, float, float, float, float, float] | None = None
+    rope_dynamic: bool = False
 
     def __post_init__(self):
         if self.family not in FAMILIES:
@@ -231,6 +235,8 @@ def _fields_of_older_configs(config: "ModelConfig") -> dict:
     for later in ("rope_llama3", "rope_yarn"):
         if fields[later] is None:
             fields.pop(later)
+    if not fields["rope_dynamic"]:
+        fields.pop("rope_dynamic")
     return fields
 
 
@@ -270,9 +276,10 @@ def _rope(params: dict | None, legacy_theta, default_theta: float, name: str,
           llama3: bool = False) -> tuple[float, float]:
     """(theta, linear factor) of a RoPE parameters dict, whose missing theta is the
     top-level `rope_theta` (else `default_theta`); default and linear RoPE, and with
-    `llama3` Llama 3's and YaRN (whose settings `_rope_llama3` and `_rope_yarn` read)."""
+    `llama3` Llama 3's, YaRN (whose settings `_rope_llama3` and `_rope_yarn` read) and
+    dynamic NTK (`_rope_dynamic`)."""
     kind, settings = _rope_kind(params)
-    known = ("default", "linear") + (("llama3", "yarn") if llama3 else ())
+    known = ("default", "linear") + (("llama3", "yarn", "dynamic") if llama3 else ())
     if kind not in known:
         raise ValueError(f"rope type {kind!r} is not supported (model {name!r}); "
                          f"supported: {', '.join(known)}")
@@ -298,6 +305,18 @@ def _rope_llama3(params: dict | None, max_positions) -> tuple[float, ...] | None
     if not settings["high_freq_factor"] > settings["low_freq_factor"] > 0:
         raise ValueError("llama3 RoPE scaling needs high_freq_factor > low_freq_factor > 0")
     return tuple(float(settings[k]) for k in keys)
+
+
+def _rope_dynamic(params: dict | None) -> bool:
+    """Whether the RoPE is dynamic NTK scaling; ValueError without a factor of at least 1,
+    as transformers refuses it."""
+    kind, settings = _rope_kind(params)
+    if kind != "dynamic":
+        return False
+    factor = settings.get("factor")
+    if isinstance(factor, bool) or not isinstance(factor, (int, float)) or not factor >= 1:
+        raise ValueError(f"dynamic RoPE scaling needs a factor >= 1, got {factor!r}")
+    return True
 
 
 def _rope_yarn(params: dict | None, max_positions) -> tuple[float, ...] | None:
@@ -470,6 +489,7 @@ def _llama_from_hf(hf: dict, name: str) -> ModelConfig:
         rope_linear_factor=factor,
         rope_llama3=llama3,
         rope_yarn=yarn,
+        rope_dynamic=_rope_dynamic(rope),
         sliding_window=_window(hf) if any(sliding) else None,
         sliding_layers=sliding if any(sliding) else (),
         tie_embeddings=hf.get("tie_word_embeddings", False),

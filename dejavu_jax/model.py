@@ -169,19 +169,33 @@ def _logits(config, params, input_ids, attention_mask):
     return unembed(config, params, hidden)
 
 
+def _bounded_positions(config: ModelConfig) -> str | None:
+    """What a model's `max_positions` bound, where nothing exists past it: an OPT model's
+    learned positions, dynamic RoPE's default frequencies; None for the other rotary
+    models, which compute any position."""
+    if config.family == "opt":
+        return "learned positions"
+    if config.rope_dynamic:
+        return "positions (dynamic RoPE rescales its frequencies past them; not implemented)"
+    return None
+
+
 def check_positions(config: ModelConfig, length: int) -> None:
     """ValueError when a sequence of `length` tokens passes an OPT model's learned
-    positions (past them its position embedding does not exist)."""
-    if config.family == "opt" and length > config.max_positions:
-        raise ValueError(f"{length} tokens exceed the model's {config.max_positions} "
-                         "learned positions")
+    positions (past them its position embedding does not exist) or a dynamic RoPE
+    model's `max_positions`."""
+    what = _bounded_positions(config)
+    if what is not None and length > config.max_positions:
+        raise ValueError(f"{length} tokens exceed the model's {config.max_positions} {what}")
 
 
 def check_step_positions(config: ModelConfig, state: DecodeState) -> None:
     """ValueError when a decode step's tokens would sit past an OPT model's learned
-    positions (checked when the state's positions are concrete)."""
-    if config.family == "opt":
-        check_next_positions(state.positions, config.max_positions, "learned positions")
+    positions or a dynamic RoPE model's `max_positions` (checked when the state's
+    positions are concrete)."""
+    what = _bounded_positions(config)
+    if what is not None:
+        check_next_positions(state.positions, config.max_positions, what)
 
 
 def logits(config: ModelConfig, params: ModelParams, input_ids,

@@ -75,7 +75,7 @@ def test_yarn_tables_carry_the_attention_factor():
      "yarn RoPE factor must be positive"),
     ({"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 64,
       "partial_rotary_factor": 0.5}, "partial_rotary_factor"),
-    ({"rope_type": "dynamic", "factor": 2.0}, "rope type 'dynamic' is not supported"),
+    ({"rope_type": "longrope", "factor": 2.0}, "rope type 'longrope' is not supported"),
 ])
 def test_unsupported_or_bad_settings_are_refused(scaling, words):
     with pytest.raises(ValueError, match=words):
