@@ -20,9 +20,9 @@ class ModelConfig:
     """Shapes and switches of a decoder-only transformer.
 
     family: "opt" (learned positions, LayerNorm, ReLU MLP, biases), or a rotary family
-      with RMSNorm and a gated MLP: "llama" (SwiGLU, grouped-query attention), "qwen2"
-      (Llama with q/k/v biases) or "gemma3" (GeGLU, q/k norms, post-norms, sliding-window
-      layers). The family picks the checkpoint's tensor names; the switches below pick
+      with RMSNorm and a gated MLP: "llama" (SwiGLU, grouped-query attention; also Mistral,
+      and Qwen3 with q/k norms), "qwen2" (Llama with q/k/v biases) or "gemma3" (GeGLU, q/k
+      norms, post-norms, sliding-window layers). The family picks the checkpoint's tensor names; the switches below pick
       the math, so every family runs the same model code.
     hidden: residual width d.  ffn: MLP width F.  head_dim * n_heads need not
       equal hidden for rotary models.
@@ -246,11 +246,11 @@ def _hash(fields: dict) -> str:
 
 def from_hf_config(hf: dict, name: str = "custom") -> ModelConfig:
     """Build a ModelConfig from a Hugging Face `config.json` dict (OPT, Llama, Mistral,
-    Qwen2 or Gemma 3; for the multimodal `gemma3` its `text_config`)."""
+    Qwen2, Qwen3 or Gemma 3; for the multimodal `gemma3` its `text_config`)."""
     model_type = hf.get("model_type")
     if model_type == "opt":
         return _opt_from_hf(hf, name)
-    if model_type in ("llama", "mistral", "qwen2"):
+    if model_type in ("llama", "mistral", "qwen2", "qwen3"):
         return _llama_from_hf(hf, name)
     if model_type == "gemma3":  # its special ids may sit at the top level only
         text = {**{k: hf[k] for k in ("bos_token_id", "pad_token_id") if k in hf},
@@ -263,7 +263,7 @@ def from_hf_config(hf: dict, name: str = "custom") -> ModelConfig:
         return _gemma3_from_hf(hf, name)
     raise ValueError(
         f"unknown model_type {model_type!r} in config.json (model {name!r}); "
-        "supported: 'opt', 'llama', 'mistral', 'qwen2', 'gemma3_text', 'gemma3'")
+        "supported: 'opt', 'llama', 'mistral', 'qwen2', 'qwen3', 'gemma3_text', 'gemma3'")
 
 
 def _rope_kind(params: dict | None) -> tuple[str, dict]:
@@ -349,15 +349,18 @@ def _rope_yarn(params: dict | None, max_positions) -> tuple[float, ...] | None:
 
 
 # (num_key_value_heads, max_position_embeddings) of a config.json without them, as
-# transformers' LlamaConfig, MistralConfig and Qwen2Config default them (None: the query heads)
-LLAMA_FAMILY_DEFAULTS = {"llama": (None, 2048), "mistral": (8, 131_072), "qwen2": (32, 32_768)}
+# transformers' LlamaConfig, MistralConfig, Qwen2Config and Qwen3Config default them (None:
+# the query heads)
+LLAMA_FAMILY_DEFAULTS = {"llama": (None, 2048), "mistral": (8, 131_072), "qwen2": (32, 32_768),
+                         "qwen3": (32, 32_768)}
+QWEN3_HEAD_DIM = 128  # Qwen3Config's head_dim when config.json leaves it out
 
 
 def _sliding_layers(hf: dict, n_layers: int, pattern: int | None = None) -> tuple[bool, ...]:
     """Per-layer sliding flags as transformers reads them: a Llama has none; a Mistral slides
     on every layer when it has a `sliding_window` (4096 when the key is absent), whatever
-    `layer_types` says; Qwen2 and Gemma 3 follow `layer_types`, else Gemma 3 slides on every
-    layer but each `pattern`-th, and Qwen2 with `use_sliding_window` from
+    `layer_types` says; Qwen2, Qwen3 and Gemma 3 follow `layer_types`, else Gemma 3 slides on
+    every layer but each `pattern`-th, and Qwen2 and Qwen3 with `use_sliding_window` from
     `max_window_layers` on."""
     model_type = hf.get("model_type")
     if model_type == "llama":
@@ -372,16 +375,17 @@ def _sliding_layers(hf: dict, n_layers: int, pattern: int | None = None) -> tupl
         return tuple(t == "sliding_attention" for t in types)
     if pattern:
         return tuple(bool((i + 1) % pattern) for i in range(n_layers))
-    if model_type == "qwen2" and _window(hf):
+    if model_type in ("qwen2", "qwen3") and _window(hf):
         start = hf.get("max_window_layers", 28)
         return tuple(i >= start for i in range(n_layers))
     return ()
 
 
 def _window(hf: dict) -> int | None:
-    """The sliding window of a Mistral or Qwen2 config as transformers reads it: the
-    default 4096 when the key is absent; for Qwen2, None unless `use_sliding_window`."""
-    if hf.get("model_type") == "qwen2" and not hf.get("use_sliding_window", False):
+    """The sliding window of a Mistral, Qwen2 or Qwen3 config as transformers reads it: the
+    default 4096 when the key is absent; for Qwen2 and Qwen3, None unless
+    `use_sliding_window`."""
+    if hf.get("model_type") in ("qwen2", "qwen3") and not hf.get("use_sliding_window", False):
         return None
     return hf.get("sliding_window", 4096)
 
@@ -458,6 +462,7 @@ def _llama_from_hf(hf: dict, name: str) -> ModelConfig:
         raise ValueError(f"partial_rotary_factor {partial!r} (RoPE on part of each head) is "
                          f"not supported (model {name!r})")
     qwen2 = hf["model_type"] == "qwen2"
+    qwen3 = hf["model_type"] == "qwen3"  # Llama's layout with RMSNorm on each head's q and k
     if hf.get("mlp_bias"):
         raise ValueError(f"mlp_bias (biases on the gate, up and down projections) is not "
                          f"supported (model {name!r})")
@@ -473,7 +478,7 @@ def _llama_from_hf(hf: dict, name: str) -> ModelConfig:
         n_layers=n_layers,
         n_heads=n_heads,
         n_kv_heads=hf.get("num_key_value_heads", kv_default) or n_heads,
-        head_dim=hf.get("head_dim") or hidden // n_heads,
+        head_dim=hf.get("head_dim") or (QWEN3_HEAD_DIM if qwen3 else hidden // n_heads),
         ffn=hf["intermediate_size"],
         max_positions=max_positions,
         embed_dim=hidden,
@@ -485,6 +490,7 @@ def _llama_from_hf(hf: dict, name: str) -> ModelConfig:
         attention_bias=True if qwen2 else hf.get("attention_bias", False),
         attention_out_bias=False if qwen2 else None,
         mlp_bias=False,
+        qk_norm=qwen3,
         rope_theta=theta,
         rope_linear_factor=factor,
         rope_llama3=llama3,

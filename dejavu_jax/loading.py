@@ -90,7 +90,11 @@ LLAMA_LAYER = {
     "w_in": ("mlp.up_proj.weight", _same),
     "w_gate": ("mlp.gate_proj.weight", _same),
     "w_out_t": ("mlp.down_proj.weight", _transposed),
+    "q_norm_scale": ("self_attn.q_norm.weight", _same),   # Qwen3's (config.qk_norm)
+    "k_norm_scale": ("self_attn.k_norm.weight", _same),
 }
+
+
 def _gemma_norm(a, c):
     """Gemma's RMSNorm multiplies by 1 + w; our norms take the factor itself."""
     return a.astype(np.float32) + 1.0

@@ -122,17 +122,23 @@ def hf_config_dict(config) -> tuple[str, dict]:
             kw.update(use_sliding_window=True, sliding_window=c.sliding_window,
                       layer_types=layer_types)
         return "qwen2", kw
+    if c.qk_norm:  # the Llama family's q/k norms are Qwen3's
+        kw.update(attention_bias=c.attention_bias, head_dim=c.head_dim,
+                  use_sliding_window=bool(layer_types), sliding_window=c.sliding_window,
+                  layer_types=layer_types or ["full_attention"] * c.n_layers)
+        return "qwen3", kw
     kw.update(attention_bias=c.attention_bias, mlp_bias=c.mlp_bias)
     return "llama", kw
 
 
 HF_CLASSES = {"opt": ("OPTConfig", "OPTForCausalLM"), "llama": ("LlamaConfig", "LlamaForCausalLM"),
               "qwen2": ("Qwen2Config", "Qwen2ForCausalLM"),
+              "qwen3": ("Qwen3Config", "Qwen3ForCausalLM"),
               "gemma3_text": ("Gemma3TextConfig", "Gemma3ForCausalLM")}
 
 
 def hf_config(config):
-    """A transformers config (OPT, Llama, Qwen2 or Gemma 3 text) with our ModelConfig's
+    """A transformers config (OPT, Llama, Qwen2, Qwen3 or Gemma 3 text) with our ModelConfig's
     sizes."""
     import transformers
     kind, kw = hf_config_dict(config)

@@ -16,7 +16,7 @@ from dejavu_jax.params import fuse_qkv, has_fused_qkv, unstack_layers
 HF = Path(__file__).parent / "fixtures" / "hf"
 VARIANTS = ["opt-preln", "opt-postln-proj", "opt-fp16-prefix", "opt-bin",
             "llama-gqa", "llama-mha", "qwen2", "gemma3", "mistral-window", "llama-rope3",
-            "llama-yarn"]
+            "llama-yarn", "qwen3-window"]
 
 
 def _load(name):
@@ -40,7 +40,8 @@ def test_logits_match_hugging_face(name):
 
 
 @pytest.mark.parametrize("name", ["opt-preln", "opt-postln-proj", "llama-gqa", "gemma3",
-                                  "mistral-window", "llama-rope3", "llama-yarn"])
+                                  "mistral-window", "llama-rope3", "llama-yarn",
+                                  "qwen3-window"])
 def test_cached_decode_reproduces_full_forward(name):
     config, params, ref = _load(name)
     ids, mask = ref["input_ids"], ref["attention_mask"]
@@ -67,7 +68,8 @@ def test_greedy_ids_match_hugging_face(name):
     assert result.tokens[0] == want
 
 
-@pytest.mark.parametrize("name", ["opt-preln", "opt-bin", "llama-mha", "qwen2", "gemma3"])
+@pytest.mark.parametrize("name", ["opt-preln", "opt-bin", "llama-mha", "qwen2", "gemma3",
+                                  "qwen3-window"])
 def test_decode_logits_along_greedy_path_match_hugging_face(name):
     config, params, ref = _load(name)
     _check_greedy_path_logits(config, params, ref)
@@ -116,6 +118,24 @@ def test_gemma3_fixture_exercises_every_switch():
                 "no soft-cap": dict(final_logit_softcap=None),
                 "no embed scale": dict(embed_scale=None)}
     for what, change in variants.items():
+        out = np.asarray(dj.logits(config.replace(**change), params, ref["input_ids"],
+                                   ref["attention_mask"]))
+        assert np.abs(out[real] - ref["logits"][real]).max() > 100 * 1e-4 * scale, what
+
+
+def test_qwen3_fixture_exercises_every_switch():
+    """The Qwen3 fixture reads as Llama's layout with q/k norms, its own head width, no
+    biases and Qwen's sliding layers; without the q/k norms or the windows the logits move
+    well away from Hugging Face's."""
+    config, params, ref = _load("qwen3-window")
+    assert config.family == "llama" and config.qk_norm and config.head_dim == 24
+    assert not config.attention_bias and params.layers.bq is None and params.layers.bo is None
+    assert config.sliding_layers == (False, True, True) and config.sliding_window == 5
+    assert config.rope_theta == 1e6 and not config.tie_embeddings
+    real = ref["attention_mask"].astype(bool)
+    scale = np.abs(ref["logits"][real]).max()
+    for what, change in {"no q/k norms": dict(qk_norm=False),
+                         "no window": dict(sliding_layers=(), sliding_window=None)}.items():
         out = np.asarray(dj.logits(config.replace(**change), params, ref["input_ids"],
                                    ref["attention_mask"]))
         assert np.abs(out[real] - ref["logits"][real]).max() > 100 * 1e-4 * scale, what

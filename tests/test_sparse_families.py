@@ -1,4 +1,4 @@
-"""Sparse decoding of Qwen2 and Gemma 3: the tiny random HF checkpoints in fixtures/hf.
+"""Sparse decoding of Qwen2, Qwen3 and Gemma 3: the tiny random HF checkpoints in fixtures/hf.
 
 The Qwen2 fixture has q/k/v biases; the Gemma 3 fixture has q/k norms, post-norms,
 GeGLU, a query scale other than head_dim^-0.5, per-type RoPE (linear scaling on the
@@ -53,6 +53,21 @@ def test_density_one_equals_dense_every_step(name, prompts):
                                                         batch_policy="kernels"),
                         _full_sets(config), prompts, steps=9)[-1][0]
         assert np.abs(far - steps[-1][1]).max() > 1e-3 * scale
+
+
+def test_qwen3_density_one_through_pallas_interpret_kernels():
+    """Qwen3 (the Llama family's layout with q/k norms, a 5-token window on layers 1 and 2):
+    every unit selected, through the interpreted Pallas kernels, each step's logits equal
+    the dense model's for 7 steps past a 4-token prompt (beyond the window)."""
+    config, params = dj.load_pretrained(HF / "qwen3-window", dtype=jnp.float32,
+                                        progress=False)
+    assert config.family == "llama" and config.qk_norm and any(config.sliding_layers)
+    scfg = _full_sparse(config, kv_window=4, impl="interpret")
+    steps = _run_both(config, params, scfg, _full_sets(config), [[5, 9, 14, 3]], steps=7)
+    scale = max(np.abs(d).max() for d, _ in steps)
+    for i, (dense_logits, sparse_logits) in enumerate(steps):
+        assert_finite_close(sparse_logits, dense_logits, atol=2e-6 * scale,
+                            err_msg=f"step {i}")
 
 
 def test_gemma3_density_one_through_pallas_interpret_kernels():
