@@ -41,7 +41,7 @@ __all__ = [
     "default_cache_dir",
 ]
 
-SUPPORTED_ARCHITECTURES = ("llama", "qwen2", "gemma3")
+SUPPORTED_ARCHITECTURES = ("llama", "qwen2", "qwen3", "gemma3")
 SUPPORTED_QUANT_TYPES = ("F32", "F16", "BF16", "Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q8_0",
                          "Q2_K", "Q3_K", "Q4_K", "Q5_K", "Q6_K")
 DEQUANT_CHUNK_VALUES = 1 << 24  # values dequantised per call (gguf's temporaries scale with it)
@@ -61,6 +61,8 @@ _LLAMA_LAYER_NAMES = {
 _LAYER_NAMES = {
     "llama": _LLAMA_LAYER_NAMES,
     "qwen2": _LLAMA_LAYER_NAMES,
+    "qwen3": {**_LLAMA_LAYER_NAMES, "attn_q_norm": "self_attn.q_norm",
+              "attn_k_norm": "self_attn.k_norm"},
     "gemma3": {
         **_LLAMA_LAYER_NAMES,
         "ffn_norm": "pre_feedforward_layernorm",
@@ -77,6 +79,7 @@ _GLOBAL_NAMES = {
 }
 _HF_ARCHITECTURES = {"llama": ("LlamaForCausalLM", "llama"),
                      "qwen2": ("Qwen2ForCausalLM", "qwen2"),
+                     "qwen3": ("Qwen3ForCausalLM", "qwen3"),
                      "gemma3": ("Gemma3ForCausalLM", "gemma3_text")}
 GEMMA3_LOCAL_ROPE_THETA = 10_000.0  # llama.cpp's fixed base of Gemma 3's sliding layers
 GEMMA3_SLIDING_PATTERN = 6          # every 6th Gemma 3 layer attends globally

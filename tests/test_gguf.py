@@ -406,6 +406,8 @@ _QWEN2_STEMS = {"input_layernorm": "attn_norm", "post_attention_layernorm": "ffn
                 "self_attn.q_proj": "attn_q", "self_attn.k_proj": "attn_k",
                 "self_attn.v_proj": "attn_v", "self_attn.o_proj": "attn_output",
                 "mlp.gate_proj": "ffn_gate", "mlp.up_proj": "ffn_up", "mlp.down_proj": "ffn_down"}
+_QWEN3_STEMS = {**_QWEN2_STEMS, "self_attn.q_norm": "attn_q_norm",
+                "self_attn.k_norm": "attn_k_norm"}
 _GEMMA3_STEMS = {**_QWEN2_STEMS, "post_attention_layernorm": "post_attention_norm",
                  "pre_feedforward_layernorm": "ffn_norm",
                  "post_feedforward_layernorm": "post_ffw_norm",
@@ -413,15 +415,16 @@ _GEMMA3_STEMS = {**_QWEN2_STEMS, "post_attention_layernorm": "post_attention_nor
 
 
 def _fixture_as_gguf(name, path):
-    """Write the tiny HF fixture `name` (qwen2 or gemma3) as llama.cpp would: its names,
-    Gemma's norms stored as 1 + w, no q/k permutation (rotate-half RoPE in both)."""
+    """Write the tiny HF fixture `name` (qwen2, qwen3-window or gemma3) as llama.cpp would:
+    its names, Gemma's norms stored as 1 + w, no q/k permutation (rotate-half RoPE in all
+    three); Qwen3's sliding window is not written (llama.cpp's qwen3 has none)."""
     import json
 
     from safetensors.numpy import load_file
     hf = json.loads((HF_FIXTURES / name / "config.json").read_text())
     sd = load_file(HF_FIXTURES / name / "model.safetensors")
-    arch = "gemma3" if name == "gemma3" else "qwen2"
-    stems = _GEMMA3_STEMS if arch == "gemma3" else _QWEN2_STEMS
+    arch = name.split("-")[0]
+    stems = {"gemma3": _GEMMA3_STEMS, "qwen3": _QWEN3_STEMS, "qwen2": _QWEN2_STEMS}[arch]
     w = gguf.GGUFWriter(str(path), arch)
     w.add_context_length(hf["max_position_embeddings"])
     w.add_embedding_length(hf["hidden_size"])
@@ -446,11 +449,16 @@ def _fixture_as_gguf(name, path):
         w.add_float32("gemma3.final_logit_softcapping", hf["final_logit_softcapping"])
     else:
         w.add_rope_freq_base(hf["rope_parameters"]["rope_theta"])
+        if "head_dim" in hf:
+            w.add_key_length(hf["head_dim"])
+            w.add_value_length(hf["head_dim"])
     for key, t in sd.items():
         if key == "model.embed_tokens.weight":
             stem = "token_embd.weight"
         elif key == "model.norm.weight":
             stem = "output_norm.weight"
+        elif key == "lm_head.weight":   # an untied head
+            stem = "output.weight"
         else:
             parts = key.split(".")
             stem = f"blk.{parts[2]}.{stems['.'.join(parts[3:-1])]}.{parts[-1]}"
@@ -464,12 +472,15 @@ def _fixture_as_gguf(name, path):
     return path
 
 
-@pytest.mark.parametrize("name", ["qwen2", "gemma3"])
+@pytest.mark.parametrize("name", ["qwen2", "gemma3", "qwen3-window"])
 def test_gguf_of_a_tiny_hf_model_loads_as_the_hf_checkpoint(tmp_path, name):
     """The GGUF of a fixture gives the config and the logits of its HF checkpoint; for
     Gemma 3 all but the query scale, which GGUF does not carry (llama.cpp takes
-    head_dim^-0.5, the fixture 20^-0.5)."""
+    head_dim^-0.5, the fixture 20^-0.5), for Qwen3 all but the sliding window (the
+    logits compared are then those of the HF checkpoint without it, and its weights
+    equal)."""
     import dejavu_jax as dj
+    import jax
     import jax.numpy as jnp
     hf_config, hf_params = dj.load_pretrained(HF_FIXTURES / name, dtype=jnp.float32,
                                               progress=False)
@@ -480,8 +491,16 @@ def test_gguf_of_a_tiny_hf_model_loads_as_the_hf_checkpoint(tmp_path, name):
     if name == "gemma3":
         assert config.query_scale == config.head_dim ** -0.5
         ignored["query_scale"] = hf_config.query_scale
+    if name == "qwen3-window":
+        assert not config.sliding_layers and config.qk_norm and config.head_dim == 24
+        hf_config = hf_config.replace(sliding_layers=(), sliding_window=None)
+        jax.tree.map(np.testing.assert_array_equal, params, hf_params)
+        ref = {k: np.asarray(v) for k, v in np.load(HF_FIXTURES / name / "reference.npz").items()}
+        ref["logits"] = np.asarray(dj.logits(hf_config, hf_params, ref["input_ids"],
+                                             ref["attention_mask"]))
+    else:
+        ref = np.load(HF_FIXTURES / name / "reference.npz")
     assert config.replace(**ignored) == hf_config.replace(name="m")
-    ref = np.load(HF_FIXTURES / name / "reference.npz")
     out = np.asarray(dj.logits(config.replace(**ignored), params, ref["input_ids"],
                                ref["attention_mask"]))
     real = ref["attention_mask"].astype(bool)
