@@ -60,3 +60,27 @@ def test_positions_past_the_limit_are_refused():
         model.decode_step(config, params, state, jnp.asarray([3]))
     with pytest.raises(ValueError, match="exceeds the model's 16 positions"):
         dj.generate_tokens(dj.dense_engine(config), params, [[1, 2, 3]], max_new_tokens=14)
+
+
+def test_a_dynamic_rope_checkpoint_gives_hugging_faces_logits(tmp_path):
+    """The llama-gqa fixture with dynamic scaling (factor 2) in its config.json: its 16
+    positions lie within the 128 of max_position_embeddings, where transformers 5.17 gives
+    exactly its default-RoPE logits (the fixture's reference), and so does this model."""
+    import json
+    import shutil
+    from pathlib import Path
+    src = Path(__file__).parent / "fixtures" / "hf" / "llama-gqa"
+    d = tmp_path / "llama-dynamic"
+    shutil.copytree(src, d)
+    cfg = json.loads((d / "config.json").read_text())
+    cfg["rope_parameters"] = {"rope_type": "dynamic", "factor": 2.0,
+                              "rope_theta": cfg["rope_parameters"]["rope_theta"]}
+    (d / "config.json").write_text(json.dumps(cfg))
+    config, params = dj.load_pretrained(d, dtype=jnp.float32, progress=False)
+    assert config.rope_dynamic and config.max_positions == 128
+    ref = np.load(d / "reference.npz")
+    out = np.asarray(dj.logits(config, params, ref["input_ids"], ref["attention_mask"]))
+    real = ref["attention_mask"].astype(bool)
+    want = ref["logits"][real]
+    assert np.isfinite(out[real]).all()
+    assert np.abs(out[real] - want).max() <= 1e-4 * np.abs(want).max()
