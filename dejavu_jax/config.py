@@ -246,11 +246,11 @@ def _hash(fields: dict) -> str:
 
 def from_hf_config(hf: dict, name: str = "custom") -> ModelConfig:
     """Build a ModelConfig from a Hugging Face `config.json` dict (OPT, Llama, Mistral,
-    Qwen2, Qwen3 or Gemma 3; for the multimodal `gemma3` its `text_config`)."""
+    Qwen2, Qwen3, Phi-3 or Gemma 3; for the multimodal `gemma3` its `text_config`)."""
     model_type = hf.get("model_type")
     if model_type == "opt":
         return _opt_from_hf(hf, name)
-    if model_type in ("llama", "mistral", "qwen2", "qwen3"):
+    if model_type in ("llama", "mistral", "qwen2", "qwen3", "phi3"):
         return _llama_from_hf(hf, name)
     if model_type == "gemma3":  # its special ids may sit at the top level only
         text = {**{k: hf[k] for k in ("bos_token_id", "pad_token_id") if k in hf},
@@ -263,7 +263,8 @@ def from_hf_config(hf: dict, name: str = "custom") -> ModelConfig:
         return _gemma3_from_hf(hf, name)
     raise ValueError(
         f"unknown model_type {model_type!r} in config.json (model {name!r}); "
-        "supported: 'opt', 'llama', 'mistral', 'qwen2', 'qwen3', 'gemma3_text', 'gemma3'")
+        "supported: 'opt', 'llama', 'mistral', 'qwen2', 'qwen3', 'phi3', 'gemma3_text', "
+        "'gemma3'")
 
 
 def _rope_kind(params: dict | None) -> tuple[str, dict]:
@@ -349,23 +350,23 @@ def _rope_yarn(params: dict | None, max_positions) -> tuple[float, ...] | None:
 
 
 # (num_key_value_heads, max_position_embeddings) of a config.json without them, as
-# transformers' LlamaConfig, MistralConfig, Qwen2Config and Qwen3Config default them (None:
-# the query heads)
+# transformers' LlamaConfig, MistralConfig, Qwen2Config, Qwen3Config and Phi3Config default
+# them (None: the query heads)
 LLAMA_FAMILY_DEFAULTS = {"llama": (None, 2048), "mistral": (8, 131_072), "qwen2": (32, 32_768),
-                         "qwen3": (32, 32_768)}
+                         "qwen3": (32, 32_768), "phi3": (None, 4096)}
 QWEN3_HEAD_DIM = 128  # Qwen3Config's head_dim when config.json leaves it out
 
 
 def _sliding_layers(hf: dict, n_layers: int, pattern: int | None = None) -> tuple[bool, ...]:
-    """Per-layer sliding flags as transformers reads them: a Llama has none; a Mistral slides
-    on every layer when it has a `sliding_window` (4096 when the key is absent), whatever
-    `layer_types` says; Qwen2, Qwen3 and Gemma 3 follow `layer_types`, else Gemma 3 slides on
+    """Per-layer sliding flags as transformers reads them: a Llama has none; a Mistral or a
+    Phi-3 slides on every layer when it has a `sliding_window` (Mistral's 4096 when the key
+    is absent), whatever `layer_types` says; Qwen2, Qwen3 and Gemma 3 follow `layer_types`, else Gemma 3 slides on
     every layer but each `pattern`-th, and Qwen2 and Qwen3 with `use_sliding_window` from
     `max_window_layers` on."""
     model_type = hf.get("model_type")
     if model_type == "llama":
         return ()
-    if model_type == "mistral":
+    if model_type in ("mistral", "phi3"):
         return (True,) * n_layers if _window(hf) else ()
     types = hf.get("layer_types")
     if types:
@@ -387,6 +388,8 @@ def _window(hf: dict) -> int | None:
     `use_sliding_window`."""
     if hf.get("model_type") in ("qwen2", "qwen3") and not hf.get("use_sliding_window", False):
         return None
+    if hf.get("model_type") == "phi3":   # Phi3Config's default: none
+        return hf.get("sliding_window")
     return hf.get("sliding_window", 4096)
 
 
@@ -452,6 +455,11 @@ def _llama_from_hf(hf: dict, name: str) -> ModelConfig:
     hidden = hf["hidden_size"]
     n_heads = hf["num_attention_heads"]
     rope = hf.get("rope_scaling") or hf.get("rope_parameters")  # as transformers reads them
+    if hf["model_type"] == "phi3":
+        kind = _rope_kind(rope)[0]
+        if kind != "default":   # Phi3Config reads "su" and "yarn" as its longrope
+            raise ValueError(f"Phi-3 rope type {kind!r} (longrope) is not supported "
+                             f"(model {name!r}); supported: default")
     theta, factor = _rope(rope, hf.get("rope_theta"), 10000.0, name, llama3=True)
     kv_default, positions_default = LLAMA_FAMILY_DEFAULTS[hf["model_type"]]
     max_positions = hf.get("max_position_embeddings", positions_default)

@@ -21,6 +21,7 @@ from tqdm.auto import tqdm
 from dejavu_jax.checkpoint_files import CheckpointError, TensorSource, open_tensors
 from dejavu_jax.cli import first_line
 from dejavu_jax.config import ModelConfig, from_hf_config
+from dejavu_jax.fused_tensors import split_fused_projections
 from dejavu_jax.params import LayerParams, ModelParams, layer_shapes, model_shapes
 
 Transform = Callable[[np.ndarray, ModelConfig], np.ndarray]
@@ -336,7 +337,7 @@ def open_checkpoint(path: str | os.PathLike) -> tuple[ModelConfig, TensorSource]
         hf_config, tensors = open_gguf(location)
         return _config_from(hf_config, location.stem, location), tensors
     config = read_config(location)
-    return config, open_tensors(location)
+    return config, split_fused_projections(config, open_tensors(location))
 
 
 def load_pretrained(path: str | os.PathLike, dtype=None,

@@ -229,20 +229,22 @@ def test_layer_types_are_ignored_where_transformers_ignores_them(tmp_path, name,
     dict(model_type="qwen3", use_sliding_window=True, max_window_layers=2),
     dict(model_type="qwen3", use_sliding_window=True, sliding_window=7),
     dict(model_type="qwen3", sliding_window=7),
+    dict(model_type="phi3"),
+    dict(model_type="phi3", sliding_window=7),
 ], ids=["mistral-default", "mistral-none", "qwen2-default", "qwen2-7", "qwen2-off",
-        "qwen3-default", "qwen3-7", "qwen3-off"])
+        "qwen3-default", "qwen3-7", "qwen3-off", "phi3-default", "phi3-7"])
 def test_sliding_windows_read_as_transformers_reads_them(hf):
     """Keys a config.json leaves out take transformers' defaults (Mistral's and Qwen2's
     window 4096, Qwen2's and Qwen3's max_window_layers 28): the sliding layers and window
     are those of transformers' own config class."""
-    from transformers import MistralConfig, Qwen2Config, Qwen3Config
+    from transformers import MistralConfig, Phi3Config, Qwen2Config, Qwen3Config
     base = dict(vocab_size=64, hidden_size=32, intermediate_size=48, num_attention_heads=2,
                 num_key_value_heads=1, num_hidden_layers=30)
     raw = {**base, **hf}
     config = dj.config.from_hf_config(raw)
     kwargs = {k: v for k, v in raw.items() if k != "model_type"}
-    theirs = {"mistral": MistralConfig, "qwen2": Qwen2Config,
-              "qwen3": Qwen3Config}[hf["model_type"]](**kwargs)
+    theirs = {"mistral": MistralConfig, "qwen2": Qwen2Config, "qwen3": Qwen3Config,
+              "phi3": Phi3Config}[hf["model_type"]](**kwargs)
     types = getattr(theirs, "layer_types", None) or \
         ["sliding_attention" if theirs.sliding_window else "full_attention"] * 30
     want = tuple(t == "sliding_attention" for t in types)
@@ -438,14 +440,15 @@ def test_gemma3_multimodal_checkpoint_loads_its_text_model(tmp_path):
     assert config.stop_token_ids == [text["eos_token_id"], 106]
 
 
-@pytest.mark.parametrize("model_type", ["llama", "mistral", "qwen2", "qwen3"])
+@pytest.mark.parametrize("model_type", ["llama", "mistral", "qwen2", "qwen3", "phi3"])
 def test_absent_kv_heads_and_positions_default_as_in_transformers(model_type):
     """A config.json without num_key_value_heads, max_position_embeddings or head_dim reads
     them as transformers' config class of that model type defaults them (Qwen3's head
     width is 128 whatever the hidden size)."""
     import transformers
     cls = {"llama": transformers.LlamaConfig, "mistral": transformers.MistralConfig,
-           "qwen2": transformers.Qwen2Config, "qwen3": transformers.Qwen3Config}[model_type]
+           "qwen2": transformers.Qwen2Config, "qwen3": transformers.Qwen3Config,
+           "phi3": transformers.Phi3Config}[model_type]
     raw = dict(model_type=model_type, vocab_size=64, hidden_size=256, num_hidden_layers=2,
                num_attention_heads=32, intermediate_size=64)
     config = dj.config.from_hf_config(raw)

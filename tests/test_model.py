@@ -16,7 +16,7 @@ from dejavu_jax.params import fuse_qkv, has_fused_qkv, unstack_layers
 HF = Path(__file__).parent / "fixtures" / "hf"
 VARIANTS = ["opt-preln", "opt-postln-proj", "opt-fp16-prefix", "opt-bin",
             "llama-gqa", "llama-mha", "qwen2", "gemma3", "mistral-window", "llama-rope3",
-            "llama-yarn", "qwen3-window"]
+            "llama-yarn", "qwen3-window", "phi3-window"]
 
 
 def _load(name):
@@ -41,7 +41,7 @@ def test_logits_match_hugging_face(name):
 
 @pytest.mark.parametrize("name", ["opt-preln", "opt-postln-proj", "llama-gqa", "gemma3",
                                   "mistral-window", "llama-rope3", "llama-yarn",
-                                  "qwen3-window"])
+                                  "qwen3-window", "phi3-window"])
 def test_cached_decode_reproduces_full_forward(name):
     config, params, ref = _load(name)
     ids, mask = ref["input_ids"], ref["attention_mask"]
@@ -69,7 +69,7 @@ def test_greedy_ids_match_hugging_face(name):
 
 
 @pytest.mark.parametrize("name", ["opt-preln", "opt-bin", "llama-mha", "qwen2", "gemma3",
-                                  "qwen3-window"])
+                                  "qwen3-window", "phi3-window"])
 def test_decode_logits_along_greedy_path_match_hugging_face(name):
     config, params, ref = _load(name)
     _check_greedy_path_logits(config, params, ref)
@@ -139,6 +139,29 @@ def test_qwen3_fixture_exercises_every_switch():
         out = np.asarray(dj.logits(config.replace(**change), params, ref["input_ids"],
                                    ref["attention_mask"]))
         assert np.abs(out[real] - ref["logits"][real]).max() > 100 * 1e-4 * scale, what
+
+
+def test_phi3_fixture_reads_its_fused_projections_and_window():
+    """The Phi-3 fixture stores q/k/v and gate/up as one tensor each: loaded as the Llama
+    family, its parts are the fused tensors' rows in order, and its window of 5 on every
+    layer matters (without it the logits move well away from Hugging Face's)."""
+    from safetensors.numpy import load_file
+    config, params, ref = _load("phi3-window")
+    assert config.family == "llama" and not config.qk_norm and not config.attention_bias
+    assert config.sliding_layers == (True,) * 3 and config.sliding_window == 5
+    sd = load_file(HF / "phi3-window" / "model.safetensors")
+    qkv = sd["model.layers.1.self_attn.qkv_proj.weight"]
+    gate_up = sd["model.layers.1.mlp.gate_up_proj.weight"]
+    hd, H, F = config.head_dim, config.n_heads, config.ffn
+    np.testing.assert_array_equal(np.asarray(params.layers.wq[1]).reshape(H * hd, -1),
+                                  qkv[:H * hd])
+    np.testing.assert_array_equal(np.asarray(params.layers.w_gate[1]), gate_up[:F])
+    np.testing.assert_array_equal(np.asarray(params.layers.w_in[1]), gate_up[F:])
+    real = ref["attention_mask"].astype(bool)
+    scale = np.abs(ref["logits"][real]).max()
+    out = np.asarray(dj.logits(config.replace(sliding_layers=(), sliding_window=None), params,
+                               ref["input_ids"], ref["attention_mask"]))
+    assert np.abs(out[real] - ref["logits"][real]).max() > 100 * 1e-4 * scale
 
 
 @pytest.mark.parametrize("name,unrolled", [("opt-preln", False), ("llama-gqa", False),
