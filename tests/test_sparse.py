@@ -626,9 +626,10 @@ def test_layer_unroll_keeps_the_logits():
 def test_stacked_dense_layers_run_in_place_through_the_kernels(preset, monkeypatch):
     """Over stacked weights at batch 1 on the Pallas paths (here the interpreter) the dense
     layers run through the sparse kernels with every unit selected, reading the stack in
-    place: no XLA dense layer runs, the MLP kernel gets every neuron, and the logits are
-    the dense model's (every layer dense) and the per-layer layout's (MLP 0.3 / heads 0.5
-    after 2 dense layers, which XLA runs). Three layers: the per-layer programs grow with
+    place: no XLA dense layer runs, the MLP kernel gets every neuron (with fc2's narrow
+    column blocks, `sparse.in_place_dense_config`; the sparse layers' MLP calls keep the
+    configured blocks), and the logits are the dense model's (every layer dense) and the
+    per-layer layout's (MLP 0.3 / heads 0.5 after 2 dense layers, which XLA runs). Three layers: the per-layer programs grow with
     the layer count, which none of this depends on."""
     from dejavu_jax.eval.bench_decode import random_sets
     from dejavu_jax.params import unstack_layers
@@ -638,8 +639,8 @@ def test_stacked_dense_layers_run_in_place_through_the_kernels(preset, monkeypat
     real_dense, real_mlp = sparse._dense_layer, sparse.kernels.sparse_mlp
     monkeypatch.setattr(sparse, "_dense_layer",
                         lambda *a, **kw: dense_layer_calls.append(a[3]) or real_dense(*a, **kw))
-    monkeypatch.setattr(sparse.kernels, "sparse_mlp",
-                        lambda *a, **kw: mlp_rows.append(a[5].shape[-1]) or real_mlp(*a, **kw))
+    monkeypatch.setattr(sparse.kernels, "sparse_mlp", lambda *a, **kw: mlp_rows.append(
+        (a[5].shape[-1], kw["config"] and kw["config"].fc2_block_d)) or real_mlp(*a, **kw))
 
     all_dense = sparse.sparse_config(config, 1.0, 1.0, dense_layers=config.n_layers,
                                      impl="interpret")
@@ -647,13 +648,15 @@ def test_stacked_dense_layers_run_in_place_through_the_kernels(preset, monkeypat
                                                   _full_sets(config), [[5, 9, 14, 3]], 4):
         assert_finite_close(stacked_logits, dense_logits, atol=2e-5)
     assert not dense_layer_calls
-    assert mlp_rows and set(mlp_rows) == {config.ffn}
+    assert mlp_rows and set(mlp_rows) == {(config.ffn, sparse.IN_PLACE_DENSE_FC2_BLOCK_D)}
 
     scfg = sparse.sparse_config(config, 0.3, 0.5, dense_layers=2, impl="interpret")
     sets = random_sets(config, scfg, seed=1)
     mlp_rows.clear()
     stacked = _run_both(config, params, scfg, sets, [[5, 9, 14, 3]], 4, dense=False)
-    assert not dense_layer_calls and config.ffn in mlp_rows
+    assert not dense_layer_calls
+    assert (config.ffn, sparse.IN_PLACE_DENSE_FC2_BLOCK_D) in mlp_rows   # layers 0 and 1
+    assert any(rows < config.ffn and block is None for rows, block in mlp_rows)
     unrolled = _run_both(config, unstack_layers(params), scfg, sets, [[5, 9, 14, 3]], 4,
                          dense=False)
     assert dense_layer_calls     # the per-layer layout runs XLA's dense layers
