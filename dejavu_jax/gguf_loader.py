@@ -41,7 +41,7 @@ __all__ = [
     "default_cache_dir",
 ]
 
-SUPPORTED_ARCHITECTURES = ("llama", "qwen2", "qwen3", "gemma3")
+SUPPORTED_ARCHITECTURES = ("llama", "qwen2", "qwen3", "phi3", "gemma3")
 SUPPORTED_QUANT_TYPES = ("F32", "F16", "BF16", "Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q8_0",
                          "Q2_K", "Q3_K", "Q4_K", "Q5_K", "Q6_K")
 DEQUANT_CHUNK_VALUES = 1 << 24  # values dequantised per call (gguf's temporaries scale with it)
@@ -63,6 +63,9 @@ _LAYER_NAMES = {
     "qwen2": _LLAMA_LAYER_NAMES,
     "qwen3": {**_LLAMA_LAYER_NAMES, "attn_q_norm": "self_attn.q_norm",
               "attn_k_norm": "self_attn.k_norm"},
+    # Phi-3's fused q/k/v and gate/up (ffn_up holds both), split by `fused_tensors`
+    "phi3": {**_LLAMA_LAYER_NAMES, "attn_qkv": "self_attn.qkv_proj",
+             "ffn_up": "mlp.gate_up_proj"},
     "gemma3": {
         **_LLAMA_LAYER_NAMES,
         "ffn_norm": "pre_feedforward_layernorm",
@@ -80,6 +83,7 @@ _GLOBAL_NAMES = {
 _HF_ARCHITECTURES = {"llama": ("LlamaForCausalLM", "llama"),
                      "qwen2": ("Qwen2ForCausalLM", "qwen2"),
                      "qwen3": ("Qwen3ForCausalLM", "qwen3"),
+                     "phi3": ("Phi3ForCausalLM", "phi3"),
                      "gemma3": ("Gemma3ForCausalLM", "gemma3_text")}
 GEMMA3_LOCAL_ROPE_THETA = 10_000.0  # llama.cpp's fixed base of Gemma 3's sliding layers
 GEMMA3_SLIDING_PATTERN = 6          # every 6th Gemma 3 layer attends globally
@@ -297,6 +301,12 @@ def _hf_config(reader, path) -> dict:
             "attn_logit_softcapping": _optional_f32(meta("attn_logit_softcapping")),
         })
     else:
+        if arch == "phi3":
+            if any(n.startswith("rope_factors_") for n in names):
+                raise GGUFLoadError(f"{path}: Phi-3's longrope (rope_factors_long / _short "
+                                    "tensors) is not supported")
+            window = meta("attention.sliding_window")
+            config["sliding_window"] = int(window) if window else None
         config.update({
             "hidden_act": "silu",
             "attention_bias": any(n.endswith("attn_q.bias") for n in names),

@@ -335,7 +335,8 @@ def open_checkpoint(path: str | os.PathLike) -> tuple[ModelConfig, TensorSource]
     if _is_gguf(location):
         from dejavu_jax.gguf_loader import open_gguf
         hf_config, tensors = open_gguf(location)
-        return _config_from(hf_config, location.stem, location), tensors
+        config = _config_from(hf_config, location.stem, location)
+        return config, split_fused_projections(config, tensors)
     config = read_config(location)
     return config, split_fused_projections(config, open_tensors(location))
 

@@ -408,23 +408,26 @@ _QWEN2_STEMS = {"input_layernorm": "attn_norm", "post_attention_layernorm": "ffn
                 "mlp.gate_proj": "ffn_gate", "mlp.up_proj": "ffn_up", "mlp.down_proj": "ffn_down"}
 _QWEN3_STEMS = {**_QWEN2_STEMS, "self_attn.q_norm": "attn_q_norm",
                 "self_attn.k_norm": "attn_k_norm"}
+_PHI3_STEMS = {**_QWEN2_STEMS, "self_attn.qkv_proj": "attn_qkv", "mlp.gate_up_proj": "ffn_up"}
 _GEMMA3_STEMS = {**_QWEN2_STEMS, "post_attention_layernorm": "post_attention_norm",
                  "pre_feedforward_layernorm": "ffn_norm",
                  "post_feedforward_layernorm": "post_ffw_norm",
                  "self_attn.q_norm": "attn_q_norm", "self_attn.k_norm": "attn_k_norm"}
 
 
-def _fixture_as_gguf(name, path):
-    """Write the tiny HF fixture `name` (qwen2, qwen3-window or gemma3) as llama.cpp would:
-    its names, Gemma's norms stored as 1 + w, no q/k permutation (rotate-half RoPE in all
-    three); Qwen3's sliding window is not written (llama.cpp's qwen3 has none)."""
+def _fixture_as_gguf(name, path, extra_tensors=None):
+    """Write the tiny HF fixture `name` (qwen2, qwen3-window, phi3-window or gemma3) as
+    llama.cpp would: its names (Phi-3's fused tensors kept fused), Gemma's norms stored as
+    1 + w, no q/k permutation (rotate-half RoPE in all four); Qwen3's sliding window is not
+    written (llama.cpp's qwen3 has none), Phi-3's is."""
     import json
 
     from safetensors.numpy import load_file
     hf = json.loads((HF_FIXTURES / name / "config.json").read_text())
     sd = load_file(HF_FIXTURES / name / "model.safetensors")
     arch = name.split("-")[0]
-    stems = {"gemma3": _GEMMA3_STEMS, "qwen3": _QWEN3_STEMS, "qwen2": _QWEN2_STEMS}[arch]
+    stems = {"gemma3": _GEMMA3_STEMS, "qwen3": _QWEN3_STEMS, "qwen2": _QWEN2_STEMS,
+             "phi3": _PHI3_STEMS}[arch]
     w = gguf.GGUFWriter(str(path), arch)
     w.add_context_length(hf["max_position_embeddings"])
     w.add_embedding_length(hf["hidden_size"])
@@ -452,6 +455,8 @@ def _fixture_as_gguf(name, path):
         if "head_dim" in hf:
             w.add_key_length(hf["head_dim"])
             w.add_value_length(hf["head_dim"])
+        if arch == "phi3":
+            w.add_sliding_window(hf["sliding_window"])
     for key, t in sd.items():
         if key == "model.embed_tokens.weight":
             stem = "token_embd.weight"
@@ -465,6 +470,8 @@ def _fixture_as_gguf(name, path):
         if arch == "gemma3" and key.endswith("norm.weight"):
             t = t + np.float32(1.0)
         w.add_tensor(stem, np.ascontiguousarray(t, np.float32))
+    for stem, t in (extra_tensors or {}).items():
+        w.add_tensor(stem, t)
     w.write_header_to_file()
     w.write_kv_data_to_file()
     w.write_tensors_to_file()
@@ -472,7 +479,7 @@ def _fixture_as_gguf(name, path):
     return path
 
 
-@pytest.mark.parametrize("name", ["qwen2", "gemma3", "qwen3-window"])
+@pytest.mark.parametrize("name", ["qwen2", "gemma3", "qwen3-window", "phi3-window"])
 def test_gguf_of_a_tiny_hf_model_loads_as_the_hf_checkpoint(tmp_path, name):
     """The GGUF of a fixture gives the config and the logits of its HF checkpoint; for
     Gemma 3 all but the query scale, which GGUF does not carry (llama.cpp takes
@@ -506,6 +513,16 @@ def test_gguf_of_a_tiny_hf_model_loads_as_the_hf_checkpoint(tmp_path, name):
     real = ref["attention_mask"].astype(bool)
     err = np.abs(out[real] - ref["logits"][real]).max()
     assert err <= 1e-4 * np.abs(ref["logits"][real]).max(), err
+
+
+def test_a_phi3_gguf_with_longrope_factors_is_refused(tmp_path):
+    """Phi-3's 128k models carry longrope's per-frequency factors as tensors: refused with
+    one clear error, not loaded with the default RoPE."""
+    path = _fixture_as_gguf("phi3-window", tmp_path / "m.gguf", extra_tensors={
+        "rope_factors_long.weight": np.ones(8, np.float32),
+        "rope_factors_short.weight": np.ones(8, np.float32)})
+    with pytest.raises(gl.GGUFLoadError, match="longrope"):
+        gl.gguf_config(path)
 
 
 def _numpy_llama_greedy(sd, prompt, n_new):
