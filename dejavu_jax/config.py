@@ -647,6 +647,11 @@ PRESETS: dict[str, ModelConfig] = {
         num_attention_heads=32, num_key_value_heads=8, intermediate_size=14336,
         max_position_embeddings=8192, rms_norm_eps=1e-5, rope_theta=500_000.0,
         tie_word_embeddings=False, bos_token_id=128000, eos_token_id=128001), "llama3-8b"),
+    "qwen3-8b": _llama_from_hf(dict(
+        model_type="qwen3", vocab_size=151936, hidden_size=4096, num_hidden_layers=36,
+        num_attention_heads=32, num_key_value_heads=8, head_dim=128, intermediate_size=12288,
+        max_position_embeddings=40960, rms_norm_eps=1e-6, rope_theta=1_000_000.0,
+        tie_word_embeddings=False, bos_token_id=151643, eos_token_id=151645), "qwen3-8b"),
 }
 
 
