@@ -119,6 +119,22 @@ def rng(request):
     return np.random.default_rng(seed)
 
 
+def step_logits(engine, engine_params, prompts, steps, cache_len=16):
+    """Logits [len(steps), B, V] of an engine that prefills `prompts` [B, T] (no padding)
+    and then decodes each row of `steps` [n, B] (teacher-forced), prefill and step jitted."""
+    import jax.numpy as jnp
+    import numpy as np
+    ids = jnp.asarray(prompts)
+    state = engine.init_state(ids.shape[0], cache_len, jnp.float32)
+    _, state = jax.jit(engine.prefill)(engine_params, ids, jnp.ones_like(ids), state)
+    step = jax.jit(engine.step)
+    out = []
+    for tokens in steps:
+        logits, state = step(engine_params, state, jnp.asarray(tokens))
+        out.append(np.asarray(logits))
+    return np.stack(out)
+
+
 def assert_finite_close(actual, desired, *, rtol=1e-7, atol=0.0, err_msg=""):
     """np.testing.assert_allclose for values that must be real numbers: both arrays have
     one shape, are non-empty and finite everywhere (assert_allclose alone passes NaN

@@ -111,16 +111,9 @@ def _batch_step_logits(select, config, params, preds, scfg):
     """The logits [steps, 3, V] of 3 rows prefilled with _BATCH_IDS and decoding
     _BATCH_TOKENS, selecting with `select`."""
     from dejavu_jax import sparse
-    eng = sparse.sparse_engine(config, scfg, select)
-    ids = jnp.asarray(_BATCH_IDS)
-    state = eng.init_state(3, 16, F32)
-    out, state = jax.jit(eng.prefill)((params, preds), ids, jnp.ones_like(ids), state)
-    step = jax.jit(eng.step)
-    seq = []
-    for tok in _BATCH_TOKENS:
-        out, state = step((params, preds), state, jnp.asarray(tok))
-        seq.append(np.asarray(out))
-    return np.stack(seq)
+    from conftest import step_logits
+    return step_logits(sparse.sparse_engine(config, scfg, select), (params, preds),
+                       _BATCH_IDS, _BATCH_TOKENS)
 
 
 @functools.cache

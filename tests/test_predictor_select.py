@@ -134,15 +134,8 @@ _IDS, _TOKENS = [[5, 9, 14, 3]], (42, 7, 19)
 
 def _decode_logits(eng, params, preds):
     """The logits [steps, 1, V] of prefilling _IDS and decoding _TOKENS."""
-    ids = jnp.asarray(_IDS)
-    state = eng.init_state(1, 16, F32)
-    out, state = jax.jit(eng.prefill)((params, preds), ids, jnp.ones_like(ids), state)
-    step = jax.jit(eng.step)
-    seq = []
-    for tok in _TOKENS:
-        out, state = step((params, preds), state, jnp.asarray([tok]))
-        seq.append(np.asarray(out))
-    return np.stack(seq)
+    from conftest import step_logits
+    return step_logits(eng, (params, preds), _IDS, [[tok] for tok in _TOKENS])
 
 
 @functools.cache
