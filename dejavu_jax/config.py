@@ -21,9 +21,10 @@ class ModelConfig:
 
     family: "opt" (learned positions, LayerNorm, ReLU MLP, biases), or a rotary family
       with RMSNorm and a gated MLP: "llama" (SwiGLU, grouped-query attention; also Mistral,
-      and Qwen3 with q/k norms), "qwen2" (Llama with q/k/v biases) or "gemma3" (GeGLU, q/k
-      norms, post-norms, sliding-window layers). The family picks the checkpoint's tensor names; the switches below pick
-      the math, so every family runs the same model code.
+      Phi-3, and Qwen3 with q/k norms), "qwen2" (Llama with q/k/v biases) or "gemma3"
+      (GeGLU, q/k norms, post-norms, sliding-window layers). The family picks the
+      checkpoint's tensor names; the switches below pick the math, so every family runs
+      the same model code.
     hidden: residual width d.  ffn: MLP width F.  head_dim * n_heads need not
       equal hidden for rotary models.
     embed_dim: width of the token embedding; OPT's word_embed_proj_dim. When it
@@ -360,9 +361,9 @@ QWEN3_HEAD_DIM = 128  # Qwen3Config's head_dim when config.json leaves it out
 def _sliding_layers(hf: dict, n_layers: int, pattern: int | None = None) -> tuple[bool, ...]:
     """Per-layer sliding flags as transformers reads them: a Llama has none; a Mistral or a
     Phi-3 slides on every layer when it has a `sliding_window` (Mistral's 4096 when the key
-    is absent), whatever `layer_types` says; Qwen2, Qwen3 and Gemma 3 follow `layer_types`, else Gemma 3 slides on
-    every layer but each `pattern`-th, and Qwen2 and Qwen3 with `use_sliding_window` from
-    `max_window_layers` on."""
+    is absent), whatever `layer_types` says; Qwen2, Qwen3 and Gemma 3 follow `layer_types`,
+    else Gemma 3 slides on every layer but each `pattern`-th, and Qwen2 and Qwen3 with
+    `use_sliding_window` from `max_window_layers` on."""
     model_type = hf.get("model_type")
     if model_type == "llama":
         return ()
@@ -383,9 +384,9 @@ def _sliding_layers(hf: dict, n_layers: int, pattern: int | None = None) -> tupl
 
 
 def _window(hf: dict) -> int | None:
-    """The sliding window of a Mistral, Qwen2 or Qwen3 config as transformers reads it: the
-    default 4096 when the key is absent; for Qwen2 and Qwen3, None unless
-    `use_sliding_window`."""
+    """The sliding window of a Mistral, Qwen2, Qwen3 or Phi-3 config as transformers reads
+    it: Mistral's default 4096 when the key is absent; for Qwen2 and Qwen3, None unless
+    `use_sliding_window`; for Phi-3, None when absent."""
     if hf.get("model_type") in ("qwen2", "qwen3") and not hf.get("use_sliding_window", False):
         return None
     if hf.get("model_type") == "phi3":   # Phi3Config's default: none
