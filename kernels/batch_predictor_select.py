@@ -12,7 +12,7 @@ of small fusions per layer. Here:
    its loader: partials, bias, activation, rounding to the second layer's dtype) by the
    layer's rows of ``w2_mlp``: neuron score partials ``[S, B, F]``;
 3. one launch of ``C + 1`` programs selects: each of the first C sums its chunk's score
-   partials and bias for every row and writes the union of the rows' local top-k
+   partials and bias row by row and writes the union of the rows' local top-k
    (:func:`~.union_select.union_top_k_local`'s set); the last scores the heads of every row
    and writes each row's exact top-k (:func:`~.top_k.top_k_indices`' set per row).
 
@@ -35,8 +35,8 @@ from .predictor_select import ACTIVATIONS, _rounded
 from .top_k import score_keys, top_k_indices_reference
 
 MAX_HEADS = 1024   # head scores one program selects from
-from .union_select import (last_chunk_cap, rows_chosen, union_local_shape, union_local_size,
-                           union_slots, union_top_k_local_reference)
+from .union_select import (last_chunk_cap, member_slots, rows_chosen, union_local_shape,
+                           union_local_size, union_members, union_top_k_local_reference)
 
 
 def batch_scores_reference(x_rms, w1t, b1, w2_mlp, b2_mlp, w2_heads, b2_heads, layer, *,
@@ -82,19 +82,21 @@ def _hidden_rows_loader(act_refs, r, valid, rows, *, nds, B, Bp, r_mlp, r_all, a
 
 def _union_body(p, layer, sp_ref, b2m_ref, om_ref, *, B, n_sp, F, c, kc, cap, cap_last, C,
                 block):
-    """Chunk program p < C: the union of the rows' local top-k of its chunk."""
-    f32 = jnp.float32
-    brow = jnp.arange(next_pow2(B), dtype=jnp.int32)
+    """Chunk program p < C: the union of the rows' local top-k of its chunk, one row at a
+    time (:func:`~.union_select.union_members`)."""
     lane = jnp.arange(block, dtype=jnp.int32)
     ids = p * c + lane
     valid = (lane < c) & (ids < F)
-    ok = (brow < B)[:, None] & valid[None, :]
-    s = plgpu.load(b2m_ref.at[layer * F + ids], mask=valid, other=0).astype(f32)[None, :]
-    for i in range(n_sp):
-        s = s + plgpu.load(sp_ref.at[i, brow[:, None], ids[None, :]], mask=ok, other=0.0)
-    key = jnp.where(ok, score_keys(s), -1)
+    bias = plgpu.load(b2m_ref.at[layer * F + ids], mask=valid, other=0).astype(jnp.float32)
+
+    def row_keys(b):
+        s = bias
+        for i in range(n_sp):
+            s = s + plgpu.load(sp_ref.at[i, b, ids], mask=valid, other=0.0)
+        return jnp.where(valid, score_keys(s), -1)
+
     cap_p = cap + (cap_last - cap) * (p == C - 1).astype(jnp.int32)
-    slot = union_slots(rows_chosen(key, kc), valid, cap_p)
+    slot = member_slots(union_members(row_keys, B, kc, block), valid, cap_p)
     plgpu.store(om_ref.at[p * cap + slot], ids, mask=slot < cap_p)
 
 
@@ -257,9 +259,10 @@ def union_part(score_parts, b2_mlp, layer, k_mlp: int, head_ids, *,
 
 
 def select_warps_default(B: int, F: int, k_mlp: int, chunk: int = 2048) -> int:
-    """Warps of a standalone selection launch: by the rows' keys per chunk program."""
+    """Warps of a standalone selection launch: by the keys a chunk program holds (one
+    row's at a time)."""
     _, c, _, _ = union_local_shape(B, F, k_mlp, chunk)
-    return min(16, max(4, next_pow2(B) * next_pow2(c) // 1024))
+    return min(16, max(4, next_pow2(c) // 512))
 
 
 @functools.partial(jax.jit, static_argnames=("k_mlp", "k_heads", "activation", "chunk",

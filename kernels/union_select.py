@@ -2,14 +2,14 @@
 
 A batch of B rows computes the union of the rows' selected neurons. Ranking every row
 and merging the sets in XLA takes a sort or several counting passes per layer; here one
-launch does it, with a program per chunk of the scores holding all B rows of its chunk:
+launch does it, with a program per chunk of the scores:
 
-1. each row's chunk maps to 16-bit keys (the scores' bfloat16 truncation, as in
-   :mod:`.top_k`), and a 16-step binary search over key values, run for the B rows at
-   once (:func:`.top_k.kth_keys`), finds each row's ``k_c``-th largest key;
-2. a lane is a member when some row chooses it (its keys above that row's k-th, then
-   ties in lane order);
-3. the chunk writes ``cap_c = min(c, B * k_c)`` ids in ascending order: its members, and
+1. row by row, the chunk's scores map to 16-bit keys (their bfloat16 truncation, as in
+   :mod:`.top_k`) and a binary search over key values finds the row's ``k_c``-th largest
+   key (:func:`row_kth_key`); a lane is a member when some row chooses it (its key above
+   that row's k-th, then ties in lane order). One row's keys are live at a time, so the
+   program stays small beside the bandwidth-bound programs it shares a launch with;
+2. the chunk writes ``cap_c = min(c, B * k_c)`` ids in ascending order: its members, and
    where they are fewer, the lowest-index non-members (computing a unit no row chose
    changes no row's result beyond adding that unit).
 
@@ -21,11 +21,12 @@ import functools
 
 import jax
 import jax.numpy as jnp
+from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
 from ._common import check_array, next_pow2, resolve_impl
-from .top_k import kth_keys, local_top_k_shape, score_keys
+from .top_k import kth_keys, local_top_k_shape, row_kth_key, score_keys
 
 
 def union_local_shape(B: int, n: int, k: int, chunk: int) -> tuple[int, int, int, int]:
@@ -66,17 +67,19 @@ def union_top_k_local_reference(scores: jax.Array, k: int, chunk: int = 2048) ->
     return jnp.concatenate(out).astype(jnp.int32)
 
 
-def _union_kernel(s_ref, o_ref, *, B, Bp, n, c, kc, cap, cap_last, P, block):
+def _union_kernel(s_ref, o_ref, *, B, n, c, kc, cap, cap_last, P, block):
     p = pl.program_id(0)
     lane = jnp.arange(block, dtype=jnp.int32)
     ids = p * c + lane
     valid = (lane < c) & (ids < n)
-    rows = jnp.arange(Bp, dtype=jnp.int32)
-    ok = (rows < B)[:, None] & valid[None, :]
-    s = plgpu.load(s_ref.at[rows[:, None], ids[None, :]], mask=ok, other=0.0)
-    key = jnp.where(ok, score_keys(s), -1)                       # [Bp, block]
+
+    def row_keys(b):
+        s = plgpu.load(s_ref.at[b, ids], mask=valid, other=0.0)
+        return jnp.where(valid, score_keys(s), -1)
+
     cap_p = cap + (cap_last - cap) * (p == P - 1).astype(jnp.int32)
-    plgpu.store(o_ref.at[p, union_slots(rows_chosen(key, kc), valid, cap_p)], ids)
+    member = union_members(row_keys, B, kc, block)
+    plgpu.store(o_ref.at[p, member_slots(member, valid, cap_p)], ids)
 
 
 def rows_chosen(key: jax.Array, k: int) -> jax.Array:
@@ -90,11 +93,28 @@ def rows_chosen(key: jax.Array, k: int) -> jax.Array:
     return above | (tie & (jnp.cumsum(tie.astype(jnp.int32), axis=1) <= room[:, None]))
 
 
-def union_slots(chosen: jax.Array, valid: jax.Array, cap: int) -> jax.Array:
-    """A distinct output slot per lane of a chunk: the union of the rows' ``chosen [R,
-    block]`` lanes, then the lowest valid non-members up to ``cap`` members in all, get
-    0..cap-1 in lane order; every other lane one of its own after them."""
-    member = jnp.max(chosen.astype(jnp.int32), axis=0) > 0      # [block]
+def union_members(row_keys, B: int, k: int, block: int) -> jax.Array:
+    """Whether some row of B chooses each lane (int32 [block], 1 = chosen): row b's keys
+    ``row_keys(b)`` ([block], -1 outside its scores), its k largest with ties to the
+    lower lane. The rows go one at a time, so a program holds one row's keys, not B."""
+
+    def add_row(b, member):
+        key = row_keys(b)
+        kth = row_kth_key(key, k)
+        above = key > kth
+        tie = key == kth
+        room = k - jnp.sum(above.astype(jnp.int32))
+        chosen = above | (tie & (jnp.cumsum(tie.astype(jnp.int32)) <= room))
+        return jnp.maximum(member, chosen.astype(jnp.int32))
+
+    return lax.fori_loop(0, B, add_row, jnp.zeros((block,), jnp.int32))
+
+
+def member_slots(member: jax.Array, valid: jax.Array, cap: int) -> jax.Array:
+    """A distinct output slot per lane of a chunk: the members (``member [block]`` > 0),
+    then the lowest valid non-members up to ``cap`` lanes in all, get 0..cap-1 in lane
+    order; every other lane one of its own after them."""
+    member = member > 0
     spare = valid & jnp.logical_not(member)
     fill = cap - jnp.sum(member.astype(jnp.int32))
     take = member | (spare & (jnp.cumsum(spare.astype(jnp.int32)) <= fill))
@@ -108,14 +128,13 @@ def _union_local(scores, *, k: int, chunk: int, interpret: bool):
     P, c, kc, cap = union_local_shape(B, n, k, chunk)
     cap_last = last_chunk_cap(B, n, k, chunk)
     block = next_pow2(c)
-    Bp = next_pow2(B)
     out = pl.pallas_call(
-        functools.partial(_union_kernel, B=B, Bp=Bp, n=n, c=c, kc=kc, cap=cap,
+        functools.partial(_union_kernel, B=B, n=n, c=c, kc=kc, cap=cap,
                           cap_last=cap_last, P=P, block=block),
         grid=(P,),
         out_shape=jax.ShapeDtypeStruct((P, block), jnp.int32),
         compiler_params=plgpu.CompilerParams(
-            num_warps=min(16, max(4, Bp * block // 1024)), num_stages=1),
+            num_warps=min(16, max(4, block // 512)), num_stages=1),
         interpret=interpret,
         name="union_top_k_local",
     )(scores.astype(jnp.float32))

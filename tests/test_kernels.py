@@ -671,8 +671,25 @@ def test_kth_keys_equal_numpy_per_row(rng):
         got = np.asarray(top_k.kth_keys(jnp.asarray(keys), k))
         want = np.sort(keys, axis=1)[:, ::-1][:, k - 1]
         np.testing.assert_array_equal(got, want, err_msg=f"{lanes} {k}")
-        one = int(top_k.kth_keys(jnp.asarray(keys[0]), k))
-        assert one == want[0]
+        one = [int(top_k.kth_keys(jnp.asarray(row), k)) for row in keys]   # row_kth_key
+        np.testing.assert_array_equal(one, want, err_msg=f"one row, {lanes} {k}")
+
+
+def test_one_rows_search_narrow_and_full_ranges_equal_numpy(rng):
+    """The one-row search gives numpy's k-th key whether it starts from the range below
+    the largest key (Gaussian scores, top 10%) or falls back to the whole range (an
+    outlier far above the rest, or the k-th key across zero)."""
+    from dejavu_jax.kernels import top_k
+    gauss = rng.standard_normal(2048).astype(np.float32)
+    outlier = gauss.copy()
+    outlier[7] = 1e6
+    shifted = gauss - 1.5
+    for scores, k, narrow in [(gauss, 205, True), (outlier, 205, False),
+                              (shifted, 205, False), (gauss, 1, True), (gauss, 2048, False)]:
+        keys = np.asarray(top_k.score_keys(jnp.asarray(scores)))
+        want = np.sort(keys)[::-1][k - 1]
+        assert ((keys >= keys.max() - top_k.NARROW_KEYS).sum() >= k) == narrow
+        assert int(top_k.row_kth_key(jnp.asarray(keys), k)) == want
 
 
 def test_top_k_indices_validation():
