@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# A/B: the committed code (new), then the same with .devwork/rowwise.patch reversed (old).
+# A/B: the committed code (new), then the same with eval/results/h100/union-selection-by-row/old/rowwise.patch reversed (old).
 set -u
 export PYTHONUNBUFFERED=1 XLA_PYTHON_CLIENT_MEM_FRACTION=0.95
 R=/tmp/device_results; mkdir -p $R
@@ -7,7 +7,7 @@ pack() { tar czf $OUT/device_results.tgz -C /tmp device_results; }
 nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv > $R/gpus.csv
 BENCH="--models opt-13b --contexts 128 --batch 1,4 --modes dense,sparse --mlp 0.1,0.4 --heads 0.5 --batch-policy union --select local --loop-only"
 for v in new old; do
-  [ $v = old ] && { patch -R -p1 < .devwork/rowwise.patch > $R/patch.out 2>&1 || { echo patch failed; cat $R/patch.out; pack; exit 1; }; }
+  [ $v = old ] && { patch -R -p1 < eval/results/h100/union-selection-by-row/old/rowwise.patch > $R/patch.out 2>&1 || { echo patch failed; cat $R/patch.out; pack; exit 1; }; }
   python -c "from dejavu_jax.eval.provenance import code_fingerprint; print(code_fingerprint())" > $R/fp_$v.txt
   date -u +%FT%TZ > $R/date_$v.txt
   timeout 140 python -m dejavu_jax.eval.kernel_parity --out $R/kp_$v > $R/kp_$v.out 2>&1
