@@ -1,7 +1,9 @@
 """How often a row's k-th key search starts from the narrowed range, on SmolLM2-135M's real
 MLP activations (their magnitudes as the scores, 4 windows of 128 WikiText-2 test tokens).
 
-    python eval/results/cpu/key-search-start/study.py [DATA_ROOT]
+    python scripts/key_search_start.py [DATA_ROOT]
+
+(its output: eval/results/cpu/key-search-start/study.out).
 
 `kernels.top_k.row_kth_key` starts from the NARROW_KEYS keys below a row's largest key when
 they hold its k; otherwise it searches the whole key range (exact either way)."""
@@ -14,10 +16,11 @@ import numpy as np
 from dejavu_jax.kernels import top_k
 from dejavu_jax.loading import load_pretrained
 from dejavu_jax.model import sequence_forward
+from dejavu_jax.paths import data_root
 from dejavu_jax.fetch_model import fetch
 from dejavu_jax.tokenizer import default_tokenizer_for
 
-data = Path(sys.argv[1] if len(sys.argv) > 1 else "../shared/data")
+data = Path(sys.argv[1]) if len(sys.argv) > 1 else data_root()
 path = fetch("smollm2-135m")
 config, params = load_pretrained(path, progress=False)
 text = (data / "eval/wikitext-2/wiki.test.raw").read_text()[:20000]
