@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# A/B: the union search near the row before's key (bracket/), then narrowed/hint.patch reversed: main's narrowed start (narrowed/).
+# A/B: "new" = the search near the row before's key (bracket/), then "old" = narrowed/hint.patch reversed, main's narrowed start (narrowed/).
 set -u
 export PYTHONUNBUFFERED=1 XLA_PYTHON_CLIENT_MEM_FRACTION=0.95
 R=/tmp/device_results; mkdir -p $R
