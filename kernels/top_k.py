@@ -96,15 +96,23 @@ def row_kth_key(key: jax.Array, k: int) -> jax.Array:
     return lax.while_loop(lambda b: b[1] - b[0] > 1, halve, bounds)[0]
 
 
+def top_lanes(key: jax.Array, kth: jax.Array, k: int) -> jax.Array:
+    """The lanes of the k largest keys along the last axis of ``key`` (bool), from the
+    k-th key ``kth`` (a scalar, or one per row of a 2-D ``key``): the keys above it, then
+    its ties in lane order."""
+    rows = key.ndim > 1
+    above = key > (kth[:, None] if rows else kth)
+    tie = key == (kth[:, None] if rows else kth)
+    room = k - jnp.sum(above.astype(jnp.int32), axis=-1)
+    return above | (tie & (jnp.cumsum(tie.astype(jnp.int32), axis=-1)
+                           <= (room[:, None] if rows else room)))
+
+
 def _ranked_slots(key, k: int):
     """A distinct output slot per lane: the lanes of the k largest keys (ties to the lower
     lane) get 0..k-1 in lane order, every other lane one of its own after them
     (:func:`kth_keys` finds the k-th key)."""
-    kth = kth_keys(key, k)
-    above = key > kth
-    tie = key == kth
-    room = k - jnp.sum(above.astype(jnp.int32))
-    chosen = above | (tie & (jnp.cumsum(tie.astype(jnp.int32)) <= room))
+    chosen = top_lanes(key, kth_keys(key, k), k)
     return jnp.where(chosen, jnp.cumsum(chosen.astype(jnp.int32)),
                      k + jnp.cumsum((~chosen).astype(jnp.int32))) - 1
 

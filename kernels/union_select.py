@@ -26,7 +26,7 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
 from ._common import check_array, next_pow2, resolve_impl
-from .top_k import kth_keys, local_top_k_shape, row_kth_key, score_keys
+from .top_k import kth_keys, local_top_k_shape, row_kth_key, score_keys, top_lanes
 
 
 def union_local_shape(B: int, n: int, k: int, chunk: int) -> tuple[int, int, int, int]:
@@ -86,11 +86,7 @@ def rows_chosen(key: jax.Array, k: int) -> jax.Array:
     """Each row's k largest keys of ``key [R, block]`` (ties to the lower lane) as a bool
     mask, the R rows' k-th keys searched at once (:func:`.top_k.kth_keys`). Lanes outside
     a row's scores hold key -1."""
-    kth = kth_keys(key, k)
-    above = key > kth[:, None]
-    tie = key == kth[:, None]
-    room = k - jnp.sum(above.astype(jnp.int32), axis=1)
-    return above | (tie & (jnp.cumsum(tie.astype(jnp.int32), axis=1) <= room[:, None]))
+    return top_lanes(key, kth_keys(key, k), k)
 
 
 def union_members(row_keys, B: int, k: int, block: int) -> jax.Array:
@@ -100,11 +96,7 @@ def union_members(row_keys, B: int, k: int, block: int) -> jax.Array:
 
     def add_row(b, member):
         key = row_keys(b)
-        kth = row_kth_key(key, k)
-        above = key > kth
-        tie = key == kth
-        room = k - jnp.sum(above.astype(jnp.int32))
-        chosen = above | (tie & (jnp.cumsum(tie.astype(jnp.int32)) <= room))
+        chosen = top_lanes(key, row_kth_key(key, k), k)
         return jnp.maximum(member, chosen.astype(jnp.int32))
 
     return lax.fori_loop(0, B, add_row, jnp.zeros((block,), jnp.int32))
