@@ -35,8 +35,8 @@ from .predictor_select import ACTIVATIONS, _rounded
 from .top_k import score_keys, top_k_indices_reference
 
 MAX_HEADS = 1024   # head scores one program selects from
-from .union_select import (last_chunk_cap, member_slots, rows_chosen, union_local_shape,
-                           union_local_size, union_members, union_top_k_local_reference)
+from .union_select import (chunk_lanes, last_chunk_cap, rows_chosen, union_local_shape,
+                           union_local_size, union_slots, union_top_k_local_reference)
 
 
 def batch_scores_reference(x_rms, w1t, b1, w2_mlp, b2_mlp, w2_heads, b2_heads, layer, *,
@@ -83,20 +83,18 @@ def _hidden_rows_loader(act_refs, r, valid, rows, *, nds, B, Bp, r_mlp, r_all, a
 def _union_body(p, layer, sp_ref, b2m_ref, om_ref, *, B, n_sp, F, c, kc, cap, cap_last, C,
                 block):
     """Chunk program p < C: the union of the rows' local top-k of its chunk, one row at a
-    time (:func:`~.union_select.union_members`)."""
-    lane = jnp.arange(block, dtype=jnp.int32)
-    ids = p * c + lane
-    valid = (lane < c) & (ids < F)
+    time (:func:`~.union_select.union_slots`)."""
+    ids, valid = chunk_lanes(p, c, F, block)
     bias = plgpu.load(b2m_ref.at[layer * F + ids], mask=valid, other=0).astype(jnp.float32)
 
-    def row_keys(b):
+    def row_scores(b):
         s = bias
         for i in range(n_sp):
             s = s + plgpu.load(sp_ref.at[i, b, ids], mask=valid, other=0.0)
-        return jnp.where(valid, score_keys(s), -1)
+        return s
 
-    cap_p = cap + (cap_last - cap) * (p == C - 1).astype(jnp.int32)
-    slot = member_slots(union_members(row_keys, B, kc, block), valid, cap_p)
+    slot, cap_p = union_slots(row_scores, p, valid, B=B, kc=kc, cap=cap, cap_last=cap_last,
+                              last=C - 1, block=block)
     plgpu.store(om_ref.at[p * cap + slot], ids, mask=slot < cap_p)
 
 

@@ -69,17 +69,32 @@ def union_top_k_local_reference(scores: jax.Array, k: int, chunk: int = 2048) ->
 
 def _union_kernel(s_ref, o_ref, *, B, n, c, kc, cap, cap_last, P, block):
     p = pl.program_id(0)
+    ids, valid = chunk_lanes(p, c, n, block)
+    slot, _ = union_slots(lambda b: plgpu.load(s_ref.at[b, ids], mask=valid, other=0.0),
+                          p, valid, B=B, kc=kc, cap=cap, cap_last=cap_last, last=P - 1,
+                          block=block)
+    plgpu.store(o_ref.at[p, slot], ids)
+
+
+def chunk_lanes(p, c: int, n: int, block: int) -> tuple[jax.Array, jax.Array]:
+    """Chunk p's lanes: their ids ``p * c + lane`` (int32 [block]) and whether each is one
+    of the chunk's scores (lane below c and id below n)."""
     lane = jnp.arange(block, dtype=jnp.int32)
     ids = p * c + lane
-    valid = (lane < c) & (ids < n)
+    return ids, (lane < c) & (ids < n)
+
+
+def union_slots(row_scores, p, valid, *, B: int, kc: int, cap: int, cap_last: int,
+                last: int, block: int) -> tuple[jax.Array, jax.Array]:
+    """Chunk p's output slots (:func:`member_slots`) for the union of B rows' ``kc`` largest
+    scores, row b's scores ``row_scores(b)`` ([block], read on the valid lanes), and the
+    chunk's id count (``cap_last`` for chunk ``last``, else ``cap``)."""
 
     def row_keys(b):
-        s = plgpu.load(s_ref.at[b, ids], mask=valid, other=0.0)
-        return jnp.where(valid, score_keys(s), -1)
+        return jnp.where(valid, score_keys(row_scores(b)), -1)
 
-    cap_p = cap + (cap_last - cap) * (p == P - 1).astype(jnp.int32)
-    member = union_members(row_keys, B, kc, block)
-    plgpu.store(o_ref.at[p, member_slots(member, valid, cap_p)], ids)
+    cap_p = cap + (cap_last - cap) * (p == last).astype(jnp.int32)
+    return member_slots(union_members(row_keys, B, kc, block), valid, cap_p), cap_p
 
 
 def rows_chosen(key: jax.Array, k: int) -> jax.Array:
