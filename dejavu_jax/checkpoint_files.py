@@ -48,19 +48,22 @@ class TensorSource:
         return self._reader(key, self._index[key])
 
 
-def _safetensors_source(files: list[Path]) -> TensorSource:
+def _safetensors_source(files: list[Path], weight_map: dict[str, Path] | None = None
+                        ) -> TensorSource:
     """Tensors of safetensors files through `safetensors.safe_open`, which checks each
-    header (its length, JSON, dtypes, and offsets that cover the file exactly)."""
+    header (its length, JSON, dtypes, and offsets that cover the file exactly); a sharded
+    checkpoint's tensors from the files its index names (:func:`_follow_index`)."""
     from safetensors import SafetensorError, safe_open
     handles = {}
-    index = {}
+    found: dict[str, list[Path]] = {}
     for path in files:
         try:
             handles[path] = safe_open(path, framework="numpy")
         except (SafetensorError, OSError) as e:
             raise CheckpointError(f"{path}: not a readable safetensors file ({e})") from None
         for key in handles[path].keys():
-            index[key] = path
+            found.setdefault(key, []).append(path)
+    index = _follow_index(found, weight_map, files[0].parent)
 
     def read(key: str, path: Path) -> np.ndarray:
         try:
@@ -71,7 +74,8 @@ def _safetensors_source(files: list[Path]) -> TensorSource:
     return TensorSource(index, read)
 
 
-def _torch_source(files: list[Path]) -> TensorSource:
+def _torch_source(files: list[Path], weight_map: dict[str, Path] | None = None
+                  ) -> TensorSource:
     try:
         import torch
     except ImportError:
@@ -79,18 +83,18 @@ def _torch_source(files: list[Path]) -> TensorSource:
             f"{files[0]}: reading pytorch_model.bin needs torch, which is not installed. "
             "Install torch, or convert the checkpoint to safetensors.") from None
     tensors = {}
-    index = {}
+    found: dict[str, list[Path]] = {}
     for path in files:
         try:
-            sd = torch.load(path, map_location="cpu", weights_only=True, mmap=True)
+            tensors[path] = torch.load(path, map_location="cpu", weights_only=True, mmap=True)
         except Exception as e:  # torch raises many types for corrupt files
             raise CheckpointError(f"{path}: cannot read pytorch checkpoint ({e})") from None
-        for key, t in sd.items():
-            tensors[key] = t
-            index[key] = path
+        for key in tensors[path]:
+            found.setdefault(key, []).append(path)
+    index = _follow_index(found, weight_map, files[0].parent)
 
     def read(key: str, path: Path) -> np.ndarray:
-        t = tensors[key]
+        t = tensors[path][key]
         if t.dtype == torch.bfloat16:
             return t.view(torch.int16).numpy().view(ml_dtypes.bfloat16)
         return t.numpy()
@@ -98,17 +102,57 @@ def _torch_source(files: list[Path]) -> TensorSource:
     return TensorSource(index, read)
 
 
-def _sharded_files(directory: Path, index_name: str) -> list[Path]:
+def _shard_index(directory: Path, index_name: str) -> dict[str, Path]:
+    """{tensor name: shard file} of a sharded checkpoint's index (its ``weight_map``);
+    CheckpointError for an index that is unreadable, maps a name to anything but a file
+    name inside the directory, or names a missing shard."""
     index_path = directory / index_name
     try:
-        weight_map = json.loads(index_path.read_text())["weight_map"]
-    except (OSError, json.JSONDecodeError, KeyError) as e:
+        index = json.loads(index_path.read_text())
+    except (OSError, ValueError) as e:
         raise CheckpointError(f"{index_path}: unreadable shard index ({e})") from None
-    files = sorted({directory / name for name in weight_map.values()})
-    for f in files:
-        if not f.exists():
-            raise CheckpointError(f"{index_path}: lists shard {f.name}, which is missing")
-    return files
+    if not isinstance(index, dict) or "weight_map" not in index:
+        raise CheckpointError(f"{index_path}: a shard index is a JSON object with a "
+                              f"weight_map")
+    weight_map = index["weight_map"]
+    if not isinstance(weight_map, dict) or not all(
+            isinstance(v, str) for v in weight_map.values()):
+        raise CheckpointError(f"{index_path}: weight_map must map tensor names to shard "
+                              f"file names")
+    if not weight_map:
+        raise CheckpointError(f"{index_path}: weight_map lists no tensors")
+    shards = {}
+    for name in set(weight_map.values()):
+        path = directory / name
+        if Path(name).is_absolute() or path.resolve().parent != directory.resolve():
+            raise CheckpointError(f"{index_path}: shard {name!r} is not a file of "
+                                  f"{directory}")
+        if not path.is_file():
+            raise CheckpointError(f"{index_path}: lists shard {name}, which is missing")
+        shards[name] = path
+    return {key: shards[name] for key, name in weight_map.items()}
+
+
+def _follow_index(found: dict[str, list[Path]], weight_map: dict[str, Path] | None,
+                  where: Path) -> dict[str, Path]:
+    """{tensor name: file} from the names each file holds: the index's file for a name it
+    lists (CheckpointError when that file lacks it), else the one file holding it
+    (CheckpointError when several do and the index names none of them)."""
+    weight_map = weight_map or {}
+    index = {}
+    for key, paths in found.items():
+        if key in weight_map:
+            continue
+        if len(paths) > 1:
+            raise CheckpointError(f"{where}: tensor {key!r} is in {len(paths)} files "
+                                  f"({', '.join(p.name for p in paths)})")
+        index[key] = paths[0]
+    for key, path in weight_map.items():
+        if path not in found.get(key, []):
+            raise CheckpointError(f"{where}: the index puts tensor {key!r} in {path.name}, "
+                                  f"which does not hold it")
+        index[key] = path
+    return index
 
 
 def open_tensors(directory: Path) -> TensorSource:
@@ -117,11 +161,13 @@ def open_tensors(directory: Path) -> TensorSource:
     if (directory / "model.safetensors").exists():
         return _safetensors_source([directory / "model.safetensors"])
     if (directory / "model.safetensors.index.json").exists():
-        return _safetensors_source(_sharded_files(directory, "model.safetensors.index.json"))
+        shards = _shard_index(directory, "model.safetensors.index.json")
+        return _safetensors_source(sorted(set(shards.values())), shards)
     if (directory / "pytorch_model.bin").exists():
         return _torch_source([directory / "pytorch_model.bin"])
     if (directory / "pytorch_model.bin.index.json").exists():
-        return _torch_source(_sharded_files(directory, "pytorch_model.bin.index.json"))
+        shards = _shard_index(directory, "pytorch_model.bin.index.json")
+        return _torch_source(sorted(set(shards.values())), shards)
     found = sorted(p.name for p in directory.iterdir()) if directory.is_dir() else []
     raise CheckpointError(
         f"{directory}: no weights found (looked for model.safetensors, "

@@ -11,6 +11,8 @@ import json
 import math
 from typing import Any
 
+from dejavu_jax.hf_values import check_hf_values
+
 FAMILIES = ("opt", "llama", "qwen2", "gemma3")
 ACTIVATIONS = ("relu", "silu", "gelu", "gelu_tanh")
 
@@ -168,9 +170,11 @@ class ModelConfig:
 
     @property
     def stop_token_ids(self) -> list[int]:
-        """Every id that ends a sequence: the eos id and the config's further ones."""
-        first = [] if self.eos_token_id is None else [self.eos_token_id]
-        return first + [i for i in self.extra_eos_token_ids if i not in first]
+        """Every id that ends a sequence: the eos id and the config's further ones, less
+        those outside the vocabulary (which no step can produce)."""
+        ids = ([] if self.eos_token_id is None else [self.eos_token_id]) + [
+            i for i in self.extra_eos_token_ids if i != self.eos_token_id]
+        return [i for i in ids if 0 <= i < self.vocab_size]
 
     def fingerprint(self) -> str:
         """A short stable hash of what the model computes (not its name, which is the
@@ -248,6 +252,7 @@ def _hash(fields: dict) -> str:
 def from_hf_config(hf: dict, name: str = "custom") -> ModelConfig:
     """Build a ModelConfig from a Hugging Face `config.json` dict (OPT, Llama, Mistral,
     Qwen2, Qwen3, Phi-3 or Gemma 3; for the multimodal `gemma3` its `text_config`)."""
+    check_hf_values(hf)
     model_type = hf.get("model_type")
     if model_type == "opt":
         return _opt_from_hf(hf, name)
@@ -256,6 +261,7 @@ def from_hf_config(hf: dict, name: str = "custom") -> ModelConfig:
     if model_type == "gemma3":  # its special ids may sit at the top level only
         text = {**{k: hf[k] for k in ("bos_token_id", "pad_token_id") if k in hf},
                 **hf.get("text_config", {}), "model_type": "gemma3_text"}
+        check_hf_values(text)
         eos = _as_list(text.get("eos_token_id")) + _as_list(hf.get("eos_token_id"))
         if eos:  # the text model's end ids and the top level's (an end-of-turn id)
             text["eos_token_id"] = list(dict.fromkeys(eos))
@@ -287,7 +293,9 @@ def _rope(params: dict | None, legacy_theta, default_theta: float, name: str,
                          f"supported: {', '.join(known)}")
     theta = settings.get("rope_theta",
                          legacy_theta if legacy_theta is not None else default_theta)
-    factor = settings.get("factor", 1.0) if kind == "linear" else 1.0
+    if kind == "linear" and settings.get("factor") is None:
+        raise ValueError(f"linear RoPE scaling without a factor (model {name!r})")
+    factor = settings["factor"] if kind == "linear" else 1.0
     return float(theta), float(factor)
 
 
@@ -389,9 +397,10 @@ def _window(hf: dict) -> int | None:
     `use_sliding_window`; for Phi-3, None when absent."""
     if hf.get("model_type") in ("qwen2", "qwen3") and not hf.get("use_sliding_window", False):
         return None
-    if hf.get("model_type") == "phi3":   # Phi3Config's default: none
-        return hf.get("sliding_window")
-    return hf.get("sliding_window", 4096)
+    window = hf.get("sliding_window", None if hf.get("model_type") == "phi3" else 4096)
+    if window is not None and window < 1:   # Phi3Config's default is none, Mistral's 4096
+        raise ValueError(f"sliding_window must be positive or null, got {window}")
+    return window
 
 
 def _as_list(value) -> list:
@@ -400,13 +409,14 @@ def _as_list(value) -> list:
 
 
 def _first(value):
-    """The first id of a list of ids (config eos lists), or the value itself."""
-    return value[0] if isinstance(value, list) else value
+    """The first id of an id or a list of ids (config eos lists; None for an empty one)."""
+    ids = _as_list(value)
+    return ids[0] if ids else None
 
 
 def _rest(value) -> tuple[int, ...]:
     """The ids after the first of a list of ids (config eos lists)."""
-    return tuple(value[1:]) if isinstance(value, list) else ()
+    return tuple(_as_list(value)[1:])
 
 
 def _opt_from_hf(hf: dict, name: str) -> ModelConfig:

@@ -22,6 +22,7 @@ from dejavu_jax.checkpoint_files import CheckpointError, TensorSource, open_tens
 from dejavu_jax.cli import first_line
 from dejavu_jax.config import ModelConfig, from_hf_config
 from dejavu_jax.fused_tensors import split_fused_projections
+from dejavu_jax.hf_values import check_token_ids
 from dejavu_jax.params import LayerParams, ModelParams, layer_shapes, model_shapes
 
 Transform = Callable[[np.ndarray, ModelConfig], np.ndarray]
@@ -283,13 +284,24 @@ def _hf_directory_config(location: Path) -> ModelConfig:
 
 def _with_generation_end_ids(config: ModelConfig, path: Path) -> ModelConfig:
     """`config` with the end-of-sequence ids of the checkpoint's generation_config.json
-    (instruct models list their end-of-turn id there) among its stop ids."""
-    try:
-        ids = json.loads(path.read_text()).get("eos_token_id")
-    except (OSError, ValueError, AttributeError):
+    (instruct models list their end-of-turn id there) among its stop ids; CheckpointError
+    for a file that is not a JSON object or whose ids are not ids."""
+    if not path.exists():
         return config
-    ids = ids if isinstance(ids, list) else [ids]
-    extra = [i for i in ids if isinstance(i, int) and i not in config.stop_token_ids]
+    try:
+        settings = json.loads(path.read_text())
+    except (OSError, ValueError) as e:
+        raise CheckpointError(f"{path}: unreadable ({e})") from None
+    if not isinstance(settings, dict):
+        raise CheckpointError(f"{path}: expected a JSON object")
+    ids = settings.get("eos_token_id")
+    try:
+        check_token_ids("eos_token_id", ids)
+    except ValueError as e:
+        raise CheckpointError(f"{path}: {e}") from None
+    ids = ids if isinstance(ids, list) else [] if ids is None else [ids]
+    extra = [i for i in dict.fromkeys(ids) if i not in config.stop_token_ids
+             and 0 <= i < config.vocab_size]
     if not extra:
         return config
     if config.eos_token_id is None:
@@ -300,7 +312,7 @@ def _with_generation_end_ids(config: ModelConfig, path: Path) -> ModelConfig:
 def _config_from(hf_config: dict, name: str, origin: Path) -> ModelConfig:
     try:
         return from_hf_config(hf_config, name=name)
-    except (ValueError, KeyError, TypeError) as e:
+    except (ValueError, KeyError, TypeError, IndexError, AttributeError) as e:
         what = f"missing key {e}" if isinstance(e, KeyError) else str(e)
         raise CheckpointError(f"{origin}: {what}") from None
 

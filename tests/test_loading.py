@@ -456,3 +456,128 @@ def test_absent_kv_heads_and_positions_default_as_in_transformers(model_type):
     assert (config.n_kv_heads, config.max_positions) == \
         (theirs.num_key_value_heads, theirs.max_position_embeddings)
     assert config.head_dim == (getattr(theirs, "head_dim", None) or 256 // 32)
+
+
+def _shard(directory, weight_map_of):
+    """Split ``directory``'s model.safetensors into a.safetensors (even keys) and
+    b.safetensors (odd keys), with the index ``weight_map_of({key: shard})`` writes."""
+    tensors = load_file(directory / "model.safetensors")
+    (directory / "model.safetensors").unlink()
+    keys = sorted(tensors)
+    shards = {"a.safetensors": keys[::2], "b.safetensors": keys[1::2]}
+    for name, part in shards.items():
+        save_file({k: tensors[k] for k in part}, directory / name)
+    where = {k: name for name, part in shards.items() for k in part}
+    (directory / "model.safetensors.index.json").write_text(
+        json.dumps(weight_map_of(where)))
+    return tensors, where
+
+
+def _reference_logits_match(directory):
+    config, params = dj.load_pretrained(directory, dtype=jnp.float32, progress=False)
+    ref = np.load(directory / "reference.npz")
+    real = ref["attention_mask"].astype(bool)
+    out = np.asarray(dj.logits(config, params, ref["input_ids"], ref["attention_mask"]))[real]
+    want = ref["logits"][real]
+    assert np.isfinite(out).all() and np.abs(want).max() > 1.0
+    return np.abs(out - want).max() <= 1e-4 * np.abs(want).max()
+
+
+def test_a_sharded_checkpoint_reads_each_tensor_from_the_file_its_index_names(tmp_path):
+    """Shards with an index load to Hugging Face's logits. A zeroed copy of a tensor in
+    the other shard is not read (the index names the file); a tensor in two files that
+    the index does not list, or one the index puts in a file that lacks it, is refused."""
+    d = _copy("llama-gqa", tmp_path)
+    tensors, where = _shard(d, lambda w: {"metadata": {}, "weight_map": w})
+    assert _reference_logits_match(d)
+    key = "model.embed_tokens.weight"
+    other = "b.safetensors" if where[key] == "a.safetensors" else "a.safetensors"
+    copy = load_file(d / other)
+    copy[key] = np.zeros_like(tensors[key])
+    save_file(copy, d / other)
+    assert _reference_logits_match(d)
+    index = json.loads((d / "model.safetensors.index.json").read_text())
+    del index["weight_map"][key]
+    (d / "model.safetensors.index.json").write_text(json.dumps(index))
+    with pytest.raises(CheckpointError, match=r"embed_tokens.weight' is in 2 files"):
+        dj.load_pretrained(d, progress=False)
+    index["weight_map"][key] = other
+    index["weight_map"]["model.norm.weight"] = ("b.safetensors" if where["model.norm.weight"]
+                                                == "a.safetensors" else "a.safetensors")
+    (d / "model.safetensors.index.json").write_text(json.dumps(index))
+    with pytest.raises(CheckpointError, match=r"model.norm.weight' in .*does not hold it"):
+        dj.load_pretrained(d, progress=False)
+
+
+@pytest.mark.parametrize("index,message", [
+    (lambda w: [], "JSON object with a weight_map"),
+    (lambda w: {"weight_map": list(w)}, "weight_map must map"),
+    (lambda w: {"weight_map": None}, "weight_map must map"),
+    (lambda w: {"weight_map": {k: 3 for k in w}}, "weight_map must map"),
+    (lambda w: {"weight_map": {}}, "lists no tensors"),
+    (lambda w: {"weight_map": {k: f"../{v}" for k, v in w.items()}}, "is not a file of"),
+    (lambda w: {"weight_map": {k: "c.safetensors" for k in w}}, "c.safetensors, which is missing"),
+], ids=["array", "list", "null", "numbers", "empty", "outside", "missing"])
+def test_a_malformed_shard_index_is_one_checkpoint_error(tmp_path, index, message):
+    d = _copy("llama-gqa", tmp_path)
+    _shard(d, index)
+    with pytest.raises(CheckpointError, match=message):
+        dj.load_pretrained(d, progress=False)
+
+
+@pytest.mark.parametrize("name,key,value,message", [
+    ("llama-gqa", "hidden_size", 32.0, "hidden_size must be a whole number"),
+    ("llama-gqa", "vocab_size", None, "vocab_size must be a whole number"),
+    ("llama-gqa", "num_hidden_layers", True, "num_hidden_layers must be a whole number"),
+    ("llama-gqa", "rms_norm_eps", "1e-5", "rms_norm_eps must be a number"),
+    ("llama-gqa", "rms_norm_eps", "null", "rms_norm_eps must be a number"),
+    ("llama-gqa", "rope_theta", "10000", "rope_theta must be a number"),
+    ("llama-gqa", "rope_scaling", "linear", "rope_scaling must be a JSON object"),
+    ("llama-gqa", "rope_parameters", {"rope_type": "linear", "rope_theta": 1e4},
+     "linear RoPE scaling without a factor"),
+    ("llama-gqa", "rope_parameters", {"rope_type": "yarn", "factor": "4", "rope_theta": 1e4},
+     "rope_parameters.factor must be a number"),
+    ("llama-gqa", "eos_token_id", [[2]], "eos_token_id must be a token id"),
+    ("llama-gqa", "tie_word_embeddings", "yes", "tie_word_embeddings must be true or false"),
+    ("mistral-window", "sliding_window", "4", "sliding_window must be a whole number"),
+    ("mistral-window", "sliding_window", 4.5, "sliding_window must be a whole number"),
+    ("mistral-window", "sliding_window", 0, "sliding_window must be positive"),
+    ("gemma3", "text_config", "null", "text_config must be a JSON object"),
+], ids=lambda v: str(v)[:24])
+def test_config_values_of_the_wrong_type_are_refused_naming_the_key(tmp_path, name, key,
+                                                                   value, message):
+    """A config.json value of a type the key cannot hold is one CheckpointError naming the
+    key (``"null"`` writes JSON null)."""
+    d = _copy(name, tmp_path)
+    cfg = json.loads((d / "config.json").read_text())
+    if key == "text_config":
+        cfg = {"model_type": "gemma3", "text_config": None}
+    else:
+        cfg[key] = None if value == "null" else value
+    (d / "config.json").write_text(json.dumps(cfg))
+    with pytest.raises(CheckpointError, match=message):
+        dj.load_pretrained(d, progress=False)
+
+
+def test_end_ids_outside_the_vocabulary_or_an_empty_list_stop_nothing(tmp_path):
+    """An empty eos list loads with no stop ids; end ids past the vocabulary (in
+    config.json or generation_config.json, however large) are not stop ids, as no step
+    can produce them; a generation_config.json whose ids are not ids is refused."""
+    from dejavu_jax.loading import read_config
+    d = _copy("llama-gqa", tmp_path)
+    vocab = read_config(d).vocab_size
+    _edit_config(d, eos_token_id=[])
+    assert read_config(d).stop_token_ids == []
+    _edit_config(d, eos_token_id=[vocab, 2])
+    (d / "generation_config.json").write_text(json.dumps({"eos_token_id": [10 ** 30, -1, 3]}))
+    assert read_config(d).stop_token_ids == [2, 3]
+    config, params = dj.load_pretrained(d, dtype=jnp.float32, progress=False)
+    out = dj.generate_tokens(dj.dense_engine(config), params, [[1, 4, 5]],
+                             max_new_tokens=3).tokens
+    assert len(out) == 1 and len(out[0]) >= 1 and all(0 <= i < vocab for i in out[0])
+    (d / "generation_config.json").write_text(json.dumps({"eos_token_id": "2"}))
+    with pytest.raises(CheckpointError, match="generation_config.json: eos_token_id must be"):
+        read_config(d)
+    (d / "generation_config.json").write_text("{not json")
+    with pytest.raises(CheckpointError, match="generation_config.json: unreadable"):
+        read_config(d)

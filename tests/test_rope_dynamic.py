@@ -28,9 +28,11 @@ def test_dynamic_rope_is_read_and_its_factor_checked():
                           ).rope_dynamic   # the older key
     assert not from_hf_config(LLAMA).rope_dynamic
     assert config.fingerprint() != from_hf_config(LLAMA).fingerprint()
-    for bad in ({}, {"factor": 0.5}, {"factor": "2"}):
+    for bad in ({}, {"factor": 0.5}):
         with pytest.raises(ValueError, match="dynamic RoPE scaling needs a factor"):
             dynamic(**bad)
+    with pytest.raises(ValueError, match=r"rope_\w+\.factor must be a number, got '2'"):
+        dynamic(factor="2")
 
 
 def test_within_its_positions_dynamic_rope_gives_the_default_ropes_logits():
