@@ -300,8 +300,7 @@ def _with_generation_end_ids(config: ModelConfig, path: Path) -> ModelConfig:
     except ValueError as e:
         raise CheckpointError(f"{path}: {e}") from None
     ids = ids if isinstance(ids, list) else [] if ids is None else [ids]
-    extra = [i for i in dict.fromkeys(ids) if i not in config.stop_token_ids
-             and 0 <= i < config.vocab_size]
+    extra = [i for i in dict.fromkeys(ids) if i not in config.stop_token_ids]
     if not extra:
         return config
     if config.eos_token_id is None:
@@ -312,7 +311,7 @@ def _with_generation_end_ids(config: ModelConfig, path: Path) -> ModelConfig:
 def _config_from(hf_config: dict, name: str, origin: Path) -> ModelConfig:
     try:
         return from_hf_config(hf_config, name=name)
-    except (ValueError, KeyError, TypeError, IndexError, AttributeError) as e:
+    except (ValueError, KeyError, TypeError) as e:
         what = f"missing key {e}" if isinstance(e, KeyError) else str(e)
         raise CheckpointError(f"{origin}: {what}") from None
 

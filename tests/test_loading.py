@@ -30,6 +30,18 @@ def _rewrite(directory, edit):
     return path
 
 
+def _reference_logits_match(directory):
+    """Whether the checkpoint in ``directory`` loads to the logits transformers recorded
+    beside it (``reference.npz``), within 1e-4 of their largest; they must be finite."""
+    config, params = dj.load_pretrained(directory, dtype=jnp.float32, progress=False)
+    ref = np.load(directory / "reference.npz")
+    real = ref["attention_mask"].astype(bool)
+    out = np.asarray(dj.logits(config, params, ref["input_ids"], ref["attention_mask"]))[real]
+    want = ref["logits"][real]
+    assert np.isfinite(out).all() and np.abs(want).max() > 1.0
+    return np.abs(out - want).max() <= 1e-4 * np.abs(want).max()
+
+
 def test_missing_tensor_names_file_and_key(tmp_path):
     d = _copy("opt-preln", tmp_path)
     path = _rewrite(d, lambda t: t.pop("model.decoder.layers.1.fc2.bias"))
@@ -356,13 +368,7 @@ def test_swish_is_read_as_silu(tmp_path):
     cfg = json.loads((d / "config.json").read_text())
     assert cfg.get("hidden_act", "silu") == "silu"
     (d / "config.json").write_text(json.dumps(dict(cfg, hidden_act="swish")))
-    config, params = dj.load_pretrained(d, dtype=jnp.float32, progress=False)
-    ref = np.load(d / "reference.npz")
-    real = ref["attention_mask"].astype(bool)
-    out = np.asarray(dj.logits(config, params, ref["input_ids"], ref["attention_mask"]))[real]
-    want = ref["logits"][real]
-    assert np.isfinite(out).all() and np.abs(want).max() > 1.0
-    assert np.abs(out - want).max() <= 1e-4 * np.abs(want).max()
+    assert _reference_logits_match(d)
 
 
 def test_a_renamed_checkpoint_keeps_its_fingerprint_and_stop_ids(tmp_path):
@@ -471,16 +477,6 @@ def _shard(directory, weight_map_of):
     (directory / "model.safetensors.index.json").write_text(
         json.dumps(weight_map_of(where)))
     return tensors, where
-
-
-def _reference_logits_match(directory):
-    config, params = dj.load_pretrained(directory, dtype=jnp.float32, progress=False)
-    ref = np.load(directory / "reference.npz")
-    real = ref["attention_mask"].astype(bool)
-    out = np.asarray(dj.logits(config, params, ref["input_ids"], ref["attention_mask"]))[real]
-    want = ref["logits"][real]
-    assert np.isfinite(out).all() and np.abs(want).max() > 1.0
-    return np.abs(out - want).max() <= 1e-4 * np.abs(want).max()
 
 
 def test_a_sharded_checkpoint_reads_each_tensor_from_the_file_its_index_names(tmp_path):
