@@ -11,7 +11,7 @@ import json
 import math
 from typing import Any
 
-from dejavu_jax.hf_values import check_hf_values
+from dejavu_jax.hf_values import check_hf_values, id_list
 
 FAMILIES = ("opt", "llama", "qwen2", "gemma3")
 ACTIVATIONS = ("relu", "silu", "gelu", "gelu_tanh")
@@ -262,7 +262,7 @@ def from_hf_config(hf: dict, name: str = "custom") -> ModelConfig:
         text = {**{k: hf[k] for k in ("bos_token_id", "pad_token_id") if k in hf},
                 **hf.get("text_config", {}), "model_type": "gemma3_text"}
         check_hf_values(text)
-        eos = _as_list(text.get("eos_token_id")) + _as_list(hf.get("eos_token_id"))
+        eos = id_list(text.get("eos_token_id")) + id_list(hf.get("eos_token_id"))
         if eos:  # the text model's end ids and the top level's (an end-of-turn id)
             text["eos_token_id"] = list(dict.fromkeys(eos))
         return _gemma3_from_hf(text, name)
@@ -403,20 +403,15 @@ def _window(hf: dict) -> int | None:
     return window
 
 
-def _as_list(value) -> list:
-    """A config's id or list of ids as a list (empty for None)."""
-    return list(value) if isinstance(value, list) else [] if value is None else [value]
-
-
 def _first(value):
     """The first id of an id or a list of ids (config eos lists; None for an empty one)."""
-    ids = _as_list(value)
+    ids = id_list(value)
     return ids[0] if ids else None
 
 
 def _rest(value) -> tuple[int, ...]:
     """The ids after the first of a list of ids (config eos lists)."""
-    return tuple(_as_list(value)[1:])
+    return tuple(id_list(value)[1:])
 
 
 def _opt_from_hf(hf: dict, name: str) -> ModelConfig:

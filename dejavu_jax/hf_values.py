@@ -37,10 +37,14 @@ def _is_whole(value) -> bool:
     return isinstance(value, int) and not isinstance(value, bool)
 
 
+def id_list(value) -> list:
+    """A config's token id or list of ids as a list (empty for null)."""
+    return list(value) if isinstance(value, list) else [] if value is None else [value]
+
+
 def check_token_ids(key: str, value) -> None:
     """ValueError unless ``value`` is null, one whole-number id or a list of them."""
-    ids = value if isinstance(value, list) else [value]
-    if value is not None and not all(_is_whole(i) for i in ids):
+    if not all(_is_whole(i) for i in id_list(value)):
         raise ValueError(f"{key} must be a token id or a list of token ids, got {value!r}")
 
 

@@ -22,7 +22,7 @@ from dejavu_jax.checkpoint_files import CheckpointError, TensorSource, open_tens
 from dejavu_jax.cli import first_line
 from dejavu_jax.config import ModelConfig, from_hf_config
 from dejavu_jax.fused_tensors import split_fused_projections
-from dejavu_jax.hf_values import check_token_ids
+from dejavu_jax.hf_values import check_token_ids, id_list
 from dejavu_jax.params import LayerParams, ModelParams, layer_shapes, model_shapes
 
 Transform = Callable[[np.ndarray, ModelConfig], np.ndarray]
@@ -299,8 +299,7 @@ def _with_generation_end_ids(config: ModelConfig, path: Path) -> ModelConfig:
         check_token_ids("eos_token_id", ids)
     except ValueError as e:
         raise CheckpointError(f"{path}: {e}") from None
-    ids = ids if isinstance(ids, list) else [] if ids is None else [ids]
-    extra = [i for i in dict.fromkeys(ids) if i not in config.stop_token_ids]
+    extra = [i for i in dict.fromkeys(id_list(ids)) if i not in config.stop_token_ids]
     if not extra:
         return config
     if config.eos_token_id is None:
