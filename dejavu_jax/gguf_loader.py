@@ -233,14 +233,33 @@ def _architecture(reader, path) -> str:
 
 
 def _rope_scaling(reader, arch, path) -> dict | None:
-    """HF `rope_scaling` from `{arch}.rope.scaling.*` (none or linear)."""
+    """HF `rope_scaling` from `{arch}.rope.scaling.*`: none, linear or YaRN. llama.cpp's
+    YaRN is transformers': the same ramp between the betas' turn counts (rounded outward)
+    over the original context length, and the attention factor 0.1 ln(factor) + 1, which a
+    file's `attn_factor` or `yarn_log_multiplier` would change (refused)."""
     kind = _get(reader, f"{arch}.rope.scaling.type")
     if kind in (None, "none"):
         return None
-    if kind != "linear":
+    factor = _optional_f32(_get(reader, f"{arch}.rope.scaling.factor"))
+    if kind == "linear":
+        return {"rope_type": "linear", "factor": factor}
+    if kind != "yarn":
         raise GGUFLoadError(f"{path}: RoPE scaling {kind!r} ({arch}.rope.scaling.type) is not "
-                            "supported (supported: none, linear)")
-    return {"rope_type": "linear", "factor": _f32(_get(reader, f"{arch}.rope.scaling.factor"))}
+                            "supported (supported: none, linear, yarn)")
+    for key, neutral in (("attn_factor", 1.0), ("yarn_log_multiplier", 0.0)):
+        value = _get(reader, f"{arch}.rope.scaling.{key}")
+        if value is not None and _f32(value) != neutral:
+            raise GGUFLoadError(f"{path}: YaRN with {arch}.rope.scaling.{key} = {_f32(value)} "
+                                "is not supported")
+    scaling = {"rope_type": "yarn", "factor": factor}
+    original = _get(reader, f"{arch}.rope.scaling.original_context_length")
+    if original is not None:
+        scaling["original_max_position_embeddings"] = int(original)
+    for beta in ("beta_fast", "beta_slow"):
+        value = _get(reader, f"{arch}.rope.scaling.yarn_{beta}")
+        if value is not None:
+            scaling[beta] = _f32(value)
+    return scaling
 
 
 def _hf_config(reader, path) -> dict:

@@ -415,11 +415,12 @@ _GEMMA3_STEMS = {**_QWEN2_STEMS, "post_attention_layernorm": "post_attention_nor
                  "self_attn.q_norm": "attn_q_norm", "self_attn.k_norm": "attn_k_norm"}
 
 
-def _fixture_as_gguf(name, path, extra_tensors=None):
+def _fixture_as_gguf(name, path, extra_tensors=None, rope_scaling=None):
     """Write the tiny HF fixture `name` (qwen2, qwen3-window, phi3-window or gemma3) as
     llama.cpp would: its names (Phi-3's fused tensors kept fused), Gemma's norms stored as
     1 + w, no q/k permutation (rotate-half RoPE in all four); Qwen3's sliding window is not
-    written (llama.cpp's qwen3 has none), Phi-3's is."""
+    written (llama.cpp's qwen3 has none), Phi-3's is. rope_scaling: `{arch}.rope.scaling.*`
+    keys to add (strings, ints as uint32, floats as float32)."""
     import json
 
     from safetensors.numpy import load_file
@@ -457,6 +458,9 @@ def _fixture_as_gguf(name, path, extra_tensors=None):
             w.add_value_length(hf["head_dim"])
         if arch == "phi3":
             w.add_sliding_window(hf["sliding_window"])
+    for key, value in (rope_scaling or {}).items():
+        add = {str: w.add_string, int: w.add_uint32, float: w.add_float32}[type(value)]
+        add(f"{arch}.rope.scaling.{key}", value)
     for key, t in sd.items():
         if key == "model.embed_tokens.weight":
             stem = "token_embd.weight"
@@ -513,6 +517,47 @@ def test_gguf_of_a_tiny_hf_model_loads_as_the_hf_checkpoint(tmp_path, name):
     real = ref["attention_mask"].astype(bool)
     err = np.abs(out[real] - ref["logits"][real]).max()
     assert err <= 1e-4 * np.abs(ref["logits"][real]).max(), err
+
+
+@pytest.mark.parametrize("betas", [{}, {"yarn_beta_fast": 16.0, "yarn_beta_slow": 2.0}])
+def test_a_yarn_gguf_loads_as_its_hf_checkpoint_with_yarn(tmp_path, betas):
+    """llama.cpp's YaRN keys (type, factor, original context length, optional betas) give
+    the config and logits of the HF checkpoint with the same RoPE parameters (whose
+    transformers parity test_model.py's llama-yarn fixture checks), not the unscaled ones."""
+    import json
+
+    import dejavu_jax as dj
+    import jax.numpy as jnp
+    from dejavu_jax.config import from_hf_config
+    path = _fixture_as_gguf("qwen2", tmp_path / "m.gguf", rope_scaling={
+        "type": "yarn", "factor": 4.0, "original_context_length": 32, **betas})
+    config, params = dj.load_pretrained(path, dtype=jnp.float32, progress=False)
+    _, hf_params = dj.load_pretrained(HF_FIXTURES / "qwen2", dtype=jnp.float32, progress=False)
+    hf = json.loads((HF_FIXTURES / "qwen2" / "config.json").read_text())
+    hf["rope_parameters"] = {"rope_theta": 1e6, "rope_type": "yarn", "factor": 4.0,
+                          "original_max_position_embeddings": 32,
+                          **{k.removeprefix("yarn_"): v for k, v in betas.items()}}
+    hf_config = from_hf_config(hf, name="m")
+    assert config.rope_yarn == hf_config.rope_yarn
+    assert config.rope_yarn[2:5] == ((16.0, 2.0) if betas else (32.0, 1.0)) + (32.0,)
+    ref = np.load(HF_FIXTURES / "qwen2" / "reference.npz")
+    real = ref["attention_mask"].astype(bool)
+    ignored = dict(name="m", pad_token_id=hf_config.pad_token_id)
+    out = np.asarray(dj.logits(config.replace(**ignored), params, ref["input_ids"],
+                               ref["attention_mask"]))[real]
+    want = np.asarray(dj.logits(hf_config, hf_params, ref["input_ids"],
+                                ref["attention_mask"]))[real]
+    assert np.isfinite(out).all()
+    np.testing.assert_allclose(out, want, rtol=0, atol=1e-5 * np.abs(want).max())
+    assert np.abs(want - ref["logits"][real]).max() > 1e-2 * np.abs(want).max()  # scaled
+
+
+@pytest.mark.parametrize("key, value", [("attn_factor", 0.5), ("yarn_log_multiplier", 0.1)])
+def test_a_yarn_gguf_with_a_changed_attention_factor_is_refused(tmp_path, key, value):
+    path = _fixture_as_gguf("qwen2", tmp_path / "m.gguf", rope_scaling={
+        "type": "yarn", "factor": 4.0, key: value})
+    with pytest.raises(gl.GGUFLoadError, match=key):
+        gl.gguf_config(path)
 
 
 def test_a_phi3_gguf_with_longrope_factors_is_refused(tmp_path):
