@@ -54,6 +54,12 @@ class ModelConfig:
     rope_dynamic: dynamic NTK RoPE, whose frequencies are the default ones up to
       max_positions (as transformers computes them there) and change past them; positions
       past max_positions are refused.
+    rope_longrope: LongRoPE (Phi-3's 128k models) as (attention_factor,
+      original_max_position_embeddings, one short factor per frequency...), or None: each
+      frequency is divided by its short factor and the rotary tables are scaled by
+      attention_factor, as transformers computes them up to the original context; past it
+      transformers switches to the long factors and recomputes the cache, so positions
+      past it are refused.
     final_logit_softcap: logits become cap * tanh(logits / cap) when set.
     """
 
@@ -94,6 +100,7 @@ class ModelConfig:
     rope_llama3: tuple[float, float, float, float] | None = None
     rope_yarn: tuple[float, float, float, float, float, float] | None = None
     rope_dynamic: bool = False
+    rope_longrope: tuple[float, ...] | None = None
 
     def __post_init__(self):
         if self.family not in FAMILIES:
@@ -116,6 +123,12 @@ class ModelConfig:
             object.__setattr__(self, "rope_llama3", tuple(float(v) for v in self.rope_llama3))
         if self.rope_yarn is not None:
             object.__setattr__(self, "rope_yarn", tuple(float(v) for v in self.rope_yarn))
+        if self.rope_longrope is not None:
+            object.__setattr__(self, "rope_longrope",
+                               tuple(float(v) for v in self.rope_longrope))
+            if len(self.rope_longrope) != 2 + self.head_dim // 2:
+                raise ValueError(f"LongRoPE needs one short factor per frequency "
+                                 f"({self.head_dim // 2}), got {len(self.rope_longrope) - 2}")
         if self.sliding_layers and len(self.sliding_layers) != self.n_layers:
             raise ValueError(f"sliding_layers has {len(self.sliding_layers)} flags for "
                              f"{self.n_layers} layers")
@@ -219,6 +232,12 @@ def _check_numbers(config: "ModelConfig") -> None:
             for i, key in enumerate(("factor", "attention_factor", "beta_fast", "beta_slow",
                                      "original_max_position_embeddings")):
                 positive[f"yarn RoPE {key}"] = config.rope_yarn[i]
+        if config.rope_longrope is not None:
+            attention, original, *short = config.rope_longrope
+            positive["longrope attention_factor"] = attention
+            positive["longrope original_max_position_embeddings"] = original
+            for i, value in enumerate(short):
+                positive[f"longrope short_factor[{i}]"] = value
         if config.head_dim % 2:
             raise ValueError(f"head_dim must be even for rotary embeddings, got "
                              f"{config.head_dim}")
@@ -237,7 +256,7 @@ def _fields_of_older_configs(config: "ModelConfig") -> dict:
     """The config's fields, less the later ones at their defaults (so that a config that
     does not use them keeps the fingerprint it had before they existed)."""
     fields = dataclasses.asdict(config)
-    for later in ("rope_llama3", "rope_yarn"):
+    for later in ("rope_llama3", "rope_yarn", "rope_longrope"):
         if fields[later] is None:
             fields.pop(later)
     if not fields["rope_dynamic"]:
@@ -327,6 +346,27 @@ def _rope_dynamic(params: dict | None) -> bool:
     if isinstance(factor, bool) or not isinstance(factor, (int, float)) or not factor >= 1:
         raise ValueError(f"dynamic RoPE scaling needs a factor >= 1, got {factor!r}")
     return True
+
+
+def _rope_longrope(params: dict, hf: dict, max_positions: int, head_dim: int,
+                   name: str) -> tuple[float, ...]:
+    """Phi-3's LongRoPE settings as transformers reads them (`ModelConfig.rope_longrope`):
+    the original context is the config's top-level original_max_position_embeddings
+    (Phi3Config's default 4096), a missing factor the ratio of the two context lengths,
+    and a missing attention_factor sqrt(1 + ln(factor) / ln(original)) (1 for a factor
+    <= 1)."""
+    head_dim = hf.get("head_dim") or head_dim
+    original = hf.get("original_max_position_embeddings", 4096)
+    short = params.get("short_factor")
+    if not isinstance(short, (list, tuple)) or len(short) != head_dim // 2 or any(
+            isinstance(v, bool) or not isinstance(v, (int, float)) for v in short):
+        raise ValueError(f"longrope RoPE scaling needs short_factor, a list of "
+                         f"{head_dim // 2} numbers (model {name!r}), got {short!r}")
+    factor = params.get("factor") or max_positions / original
+    attention = params.get("attention_factor")
+    if attention is None:
+        attention = 1.0 if factor <= 1 else math.sqrt(1 + math.log(factor) / math.log(original))
+    return (float(attention), float(original), *(float(v) for v in short))
 
 
 def _rope_yarn(params: dict | None, max_positions) -> tuple[float, ...] | None:
@@ -461,14 +501,18 @@ def _llama_from_hf(hf: dict, name: str) -> ModelConfig:
     hidden = hf["hidden_size"]
     n_heads = hf["num_attention_heads"]
     rope = hf.get("rope_scaling") or hf.get("rope_parameters")  # as transformers reads them
-    if hf["model_type"] == "phi3":
-        kind = _rope_kind(rope)[0]
-        if kind != "default":   # Phi3Config reads "su" and "yarn" as its longrope
-            raise ValueError(f"Phi-3 rope type {kind!r} (longrope) is not supported "
-                             f"(model {name!r}); supported: default")
-    theta, factor = _rope(rope, hf.get("rope_theta"), 10000.0, name, llama3=True)
     kv_default, positions_default = LLAMA_FAMILY_DEFAULTS[hf["model_type"]]
     max_positions = hf.get("max_position_embeddings", positions_default)
+    longrope = None
+    if hf["model_type"] == "phi3":
+        kind = _rope_kind(rope)[0]
+        if kind not in ("default", "longrope", "su", "yarn"):
+            raise ValueError(f"Phi-3 rope type {kind!r} is not supported (model {name!r}); "
+                             "supported: default, longrope (also read from 'su' and 'yarn')")
+        if kind != "default":   # Phi3Config reads "su" and "yarn" as its longrope
+            longrope = _rope_longrope(rope, hf, max_positions, hidden // n_heads, name)
+            rope = {k: v for k, v in rope.items() if k not in ("rope_type", "type")}
+    theta, factor = _rope(rope, hf.get("rope_theta"), 10000.0, name, llama3=True)
     llama3 = _rope_llama3(rope, max_positions)
     yarn = _rope_yarn(rope, max_positions)
     partial = (rope or {}).get("partial_rotary_factor", hf.get("partial_rotary_factor", 1.0))
@@ -510,6 +554,7 @@ def _llama_from_hf(hf: dict, name: str) -> ModelConfig:
         rope_llama3=llama3,
         rope_yarn=yarn,
         rope_dynamic=_rope_dynamic(rope),
+        rope_longrope=longrope,
         sliding_window=_window(hf) if any(sliding) else None,
         sliding_layers=sliding if any(sliding) else (),
         tie_embeddings=hf.get("tie_word_embeddings", False),

@@ -153,11 +153,13 @@ def cache_length(config: ModelConfig, prompt_len: int, max_new_tokens: int,
                  bucket: int = 64) -> int:
     """KV cache slots for a run, rounded up to `bucket` so nearby lengths share compiles."""
     needed = prompt_len + max_new_tokens
-    if needed > config.max_positions:
-        what = "learned positions" if config.family == "opt" else "positions of context"
+    limit, what = model.position_limit(config) or (config.max_positions, "positions of context")
+    if needed > min(limit, config.max_positions):
+        if limit > config.max_positions:
+            limit, what = config.max_positions, "positions of context"
         raise ValueError(
             f"prompt ({prompt_len}) + max_new_tokens ({max_new_tokens}) = {needed} exceeds "
-            f"the model's {config.max_positions} {what}")
+            f"the model's {limit} {what}")
     return -(-needed // bucket) * bucket
 
 

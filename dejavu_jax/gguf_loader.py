@@ -262,6 +262,26 @@ def _rope_scaling(reader, arch, path) -> dict | None:
     return scaling
 
 
+def _phi3_longrope(reader, path) -> dict:
+    """Phi-3's LongRoPE as HF config keys: the per-frequency factors from the
+    `rope_factors_short` / `_long` tensors, the original context and the attention factor
+    that llama.cpp's converter wrote (without one, transformers' default)."""
+    factors = {}
+    for which in ("short", "long"):
+        tensor = next((t for t in reader.tensors if t.name == f"rope_factors_{which}.weight"),
+                      None)
+        if tensor is None:
+            raise GGUFLoadError(f"{path}: rope_factors_{which}.weight is missing beside the "
+                                "other LongRoPE factors")
+        factors[f"{which}_factor"] = [_f32(v) for v in _dequantize(tensor, path).reshape(-1)]
+    scaling = {"rope_type": "longrope", **factors}
+    attention = _get(reader, "phi3.rope.scaling.attn_factor")
+    if attention is not None:
+        scaling["attention_factor"] = _f32(attention)
+    original = _get(reader, "phi3.rope.scaling.original_context_length", 4096)
+    return {"rope_scaling": scaling, "original_max_position_embeddings": int(original)}
+
+
 def _hf_config(reader, path) -> dict:
     """A HF `config.json`-style dict of the file's architecture from the GGUF metadata."""
     arch = _architecture(reader, path)
@@ -322,8 +342,7 @@ def _hf_config(reader, path) -> dict:
     else:
         if arch == "phi3":
             if any(n.startswith("rope_factors_") for n in names):
-                raise GGUFLoadError(f"{path}: Phi-3's longrope (rope_factors_long / _short "
-                                    "tensors) is not supported")
+                config.update(_phi3_longrope(reader, path))
             window = meta("attention.sliding_window")
             config["sliding_window"] = int(window) if window else None
         config.update({
@@ -347,6 +366,8 @@ def open_gguf(path):
     for tensor in reader.tensors:
         if tensor.tensor_type.name not in SUPPORTED_QUANT_TYPES:
             _dequantize(tensor, path)  # raises the unsupported-type error
+        if arch == "phi3" and tensor.name.startswith("rope_factors_"):
+            continue  # read into the config (LongRoPE)
         tensors[_hf_name(tensor.name, arch, path)] = tensor
     if "model.embed_tokens.weight" not in tensors:
         raise GGUFLoadError(f"{path}: no token_embd.weight tensor")

@@ -169,33 +169,38 @@ def _logits(config, params, input_ids, attention_mask):
     return unembed(config, params, hidden)
 
 
-def _bounded_positions(config: ModelConfig) -> str | None:
-    """What a model's `max_positions` bound, where nothing exists past it: an OPT model's
-    learned positions, dynamic RoPE's default frequencies; None for the other rotary
-    models, which compute any position."""
+def position_limit(config: ModelConfig) -> tuple[int, str] | None:
+    """(positions, what bounds them) for a model with nothing computed past a bound: an OPT
+    model's learned positions and dynamic RoPE's default frequencies end at
+    `max_positions`, LongRoPE's short factors at the original context; None for the other
+    rotary models, which compute any position."""
     if config.family == "opt":
-        return "learned positions"
+        return config.max_positions, "learned positions"
     if config.rope_dynamic:
-        return "positions (dynamic RoPE rescales its frequencies past them; not implemented)"
+        return config.max_positions, ("positions (dynamic RoPE rescales its frequencies past "
+                                      "them; not implemented)")
+    if config.rope_longrope is not None:
+        return int(config.rope_longrope[1]), ("positions of its original context (LongRoPE "
+                                              "switches to its long factors past them; not "
+                                              "implemented)")
     return None
 
 
 def check_positions(config: ModelConfig, length: int) -> None:
-    """ValueError when a sequence of `length` tokens passes an OPT model's learned
-    positions (past them its position embedding does not exist) or a dynamic RoPE
-    model's `max_positions`."""
-    what = _bounded_positions(config)
-    if what is not None and length > config.max_positions:
-        raise ValueError(f"{length} tokens exceed the model's {config.max_positions} {what}")
+    """ValueError when a sequence of `length` tokens passes `position_limit` (an OPT
+    model's learned positions, a dynamic RoPE model's `max_positions`, a LongRoPE model's
+    original context)."""
+    limit = position_limit(config)
+    if limit is not None and length > limit[0]:
+        raise ValueError(f"{length} tokens exceed the model's {limit[0]} {limit[1]}")
 
 
 def check_step_positions(config: ModelConfig, state: DecodeState) -> None:
-    """ValueError when a decode step's tokens would sit past an OPT model's learned
-    positions or a dynamic RoPE model's `max_positions` (checked when the state's
-    positions are concrete)."""
-    what = _bounded_positions(config)
-    if what is not None:
-        check_next_positions(state.positions, config.max_positions, what)
+    """ValueError when a decode step's tokens would sit past `position_limit` (checked
+    when the state's positions are concrete)."""
+    limit = position_limit(config)
+    if limit is not None:
+        check_next_positions(state.positions, *limit)
 
 
 def logits(config: ModelConfig, params: ModelParams, input_ids,

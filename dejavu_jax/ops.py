@@ -90,13 +90,15 @@ def yarn_inverse_frequencies(inv_freq: jax.Array, head_dim: int, theta: float, f
 
 
 def rope_tables(positions: jax.Array, head_dim: int, theta: float,
-                linear_factor: float = 1.0, llama3=None, yarn=None):
+                linear_factor: float = 1.0, llama3=None, yarn=None, longrope=None):
     """cos and sin tables [..., head_dim] for integer positions (HF Llama convention);
     linear_factor > 1 divides the positions (linear RoPE scaling); llama3, Llama 3's
     scaling settings (`ModelConfig.rope_llama3`), rescales the frequencies; yarn
     (`ModelConfig.rope_yarn`) rescales them and multiplies both tables by its
-    attention factor."""
+    attention factor; longrope (`ModelConfig.rope_longrope`) divides each frequency by
+    its short factor and multiplies both tables by its attention factor."""
     inv_freq = 1.0 / (theta ** (jnp.arange(0, head_dim, 2, dtype=F32) / head_dim))
+    attention_factor = None
     if linear_factor != 1.0:
         inv_freq = inv_freq / linear_factor
     if llama3 is not None:
@@ -104,9 +106,12 @@ def rope_tables(positions: jax.Array, head_dim: int, theta: float,
     if yarn is not None:
         factor, attention_factor, *ramp = yarn
         inv_freq = yarn_inverse_frequencies(inv_freq, head_dim, theta, factor, *ramp)
+    if longrope is not None:
+        attention_factor, _, *short_factors = longrope
+        inv_freq = inv_freq / jnp.asarray(short_factors, F32)
     angles = positions.astype(F32)[..., None] * inv_freq
     angles = jnp.concatenate([angles, angles], axis=-1)
-    if yarn is not None:
+    if attention_factor is not None:
         return jnp.cos(angles) * attention_factor, jnp.sin(angles) * attention_factor
     return jnp.cos(angles), jnp.sin(angles)
 
@@ -134,7 +139,7 @@ def layer_rope_tables(config: ModelConfig, positions: jax.Array, layer=None):
     """cos and sin tables [..., head_dim] of `layer`: sliding layers use
     `rope_local_theta`, full-attention layers `rope_theta` and `rope_linear_factor`."""
     full = rope_tables(positions, config.head_dim, config.rope_theta, config.rope_linear_factor,
-                       config.rope_llama3, config.rope_yarn)
+                       config.rope_llama3, config.rope_yarn, config.rope_longrope)
     if config.rope_local_theta is None or not config.has_sliding_layers:
         return full
     sliding = is_sliding(config, layer)

@@ -560,13 +560,51 @@ def test_a_yarn_gguf_with_a_changed_attention_factor_is_refused(tmp_path, key, v
         gl.gguf_config(path)
 
 
-def test_a_phi3_gguf_with_longrope_factors_is_refused(tmp_path):
-    """Phi-3's 128k models carry longrope's per-frequency factors as tensors: refused with
-    one clear error, not loaded with the default RoPE."""
+@pytest.mark.parametrize("attn_factor", [None, 1.25])
+def test_a_phi3_gguf_with_longrope_factors_loads_as_its_hf_checkpoint(tmp_path, attn_factor):
+    """Phi-3's 128k models carry LongRoPE's per-frequency factors as tensors and the
+    original context and attention factor as keys: the config and logits of the HF
+    checkpoint with the same `rope_scaling` (transformers' default attention factor where
+    the file has none), not those of the default RoPE."""
+    import json
+
+    import dejavu_jax as dj
+    import jax.numpy as jnp
+    from dejavu_jax.config import from_hf_config
+    short = np.array([1.0, 1.5, 2.0, 3.0, 1.25, 4.0, 6.0, 8.0], np.float32)
+    path = _fixture_as_gguf(
+        "phi3-window", tmp_path / "m.gguf",
+        extra_tensors={"rope_factors_long.weight": 3 * short, "rope_factors_short.weight": short},
+        rope_scaling={"original_context_length": 32,
+                      **({} if attn_factor is None else {"attn_factor": attn_factor})})
+    config, params = dj.load_pretrained(path, dtype=jnp.float32, progress=False)
+    _, hf_params = dj.load_pretrained(HF_FIXTURES / "phi3-window", dtype=jnp.float32,
+                                      progress=False)
+    hf = json.loads((HF_FIXTURES / "phi3-window" / "config.json").read_text())
+    hf["original_max_position_embeddings"] = 32
+    hf["rope_scaling"] = {"rope_type": "longrope", "short_factor": short.tolist(),
+                          "long_factor": (3 * short).tolist(),
+                          **({} if attn_factor is None else {"attention_factor": attn_factor})}
+    hf_config = from_hf_config(hf, name="m")
+    assert config.rope_longrope == hf_config.rope_longrope
+    assert config.rope_longrope[:2] == ((1.25 if attn_factor else
+                                         float(np.sqrt(1 + np.log(4) / np.log(32)))), 32.0)
+    ref = np.load(HF_FIXTURES / "phi3-window" / "reference.npz")
+    real = ref["attention_mask"].astype(bool)
+    ignored = dict(name="m", pad_token_id=hf_config.pad_token_id)
+    out = np.asarray(dj.logits(config.replace(**ignored), params, ref["input_ids"],
+                               ref["attention_mask"]))[real]
+    want = np.asarray(dj.logits(hf_config, hf_params, ref["input_ids"],
+                                ref["attention_mask"]))[real]
+    assert np.isfinite(out).all()
+    np.testing.assert_allclose(out, want, rtol=0, atol=1e-5 * np.abs(want).max())
+    assert np.abs(want - ref["logits"][real]).max() > 1e-2 * np.abs(want).max()  # scaled
+
+
+def test_a_phi3_gguf_with_one_longrope_factor_tensor_is_refused(tmp_path):
     path = _fixture_as_gguf("phi3-window", tmp_path / "m.gguf", extra_tensors={
-        "rope_factors_long.weight": np.ones(8, np.float32),
-        "rope_factors_short.weight": np.ones(8, np.float32)})
-    with pytest.raises(gl.GGUFLoadError, match="longrope"):
+        "rope_factors_long.weight": np.ones(8, np.float32)})
+    with pytest.raises(gl.GGUFLoadError, match="rope_factors_short.weight is missing"):
         gl.gguf_config(path)
 
 
