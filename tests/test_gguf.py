@@ -519,6 +519,23 @@ def test_gguf_of_a_tiny_hf_model_loads_as_the_hf_checkpoint(tmp_path, name):
     assert err <= 1e-4 * np.abs(ref["logits"][real]).max(), err
 
 
+def _assert_scaled_logits_equal(fixture, config, params, hf_config, hf_params):
+    """The GGUF's logits on the fixture's reference ids equal those of the HF checkpoint
+    under `hf_config` (a scaled RoPE), which differ clearly from the fixture's recorded
+    unscaled ones."""
+    import dejavu_jax as dj
+    ref = np.load(fixture / "reference.npz")
+    real = ref["attention_mask"].astype(bool)
+    ignored = dict(name="m", pad_token_id=hf_config.pad_token_id)
+    out = np.asarray(dj.logits(config.replace(**ignored), params, ref["input_ids"],
+                               ref["attention_mask"]))[real]
+    want = np.asarray(dj.logits(hf_config, hf_params, ref["input_ids"],
+                                ref["attention_mask"]))[real]
+    assert np.isfinite(out).all()
+    np.testing.assert_allclose(out, want, rtol=0, atol=1e-5 * np.abs(want).max())
+    assert np.abs(want - ref["logits"][real]).max() > 1e-2 * np.abs(want).max()
+
+
 @pytest.mark.parametrize("betas", [{}, {"yarn_beta_fast": 16.0, "yarn_beta_slow": 2.0}])
 def test_a_yarn_gguf_loads_as_its_hf_checkpoint_with_yarn(tmp_path, betas):
     """llama.cpp's YaRN keys (type, factor, original context length, optional betas) give
@@ -540,16 +557,7 @@ def test_a_yarn_gguf_loads_as_its_hf_checkpoint_with_yarn(tmp_path, betas):
     hf_config = from_hf_config(hf, name="m")
     assert config.rope_yarn == hf_config.rope_yarn
     assert config.rope_yarn[2:5] == ((16.0, 2.0) if betas else (32.0, 1.0)) + (32.0,)
-    ref = np.load(HF_FIXTURES / "qwen2" / "reference.npz")
-    real = ref["attention_mask"].astype(bool)
-    ignored = dict(name="m", pad_token_id=hf_config.pad_token_id)
-    out = np.asarray(dj.logits(config.replace(**ignored), params, ref["input_ids"],
-                               ref["attention_mask"]))[real]
-    want = np.asarray(dj.logits(hf_config, hf_params, ref["input_ids"],
-                                ref["attention_mask"]))[real]
-    assert np.isfinite(out).all()
-    np.testing.assert_allclose(out, want, rtol=0, atol=1e-5 * np.abs(want).max())
-    assert np.abs(want - ref["logits"][real]).max() > 1e-2 * np.abs(want).max()  # scaled
+    _assert_scaled_logits_equal(HF_FIXTURES / "qwen2", config, params, hf_config, hf_params)
 
 
 @pytest.mark.parametrize("key, value", [("attn_factor", 0.5), ("yarn_log_multiplier", 0.1)])
@@ -589,16 +597,7 @@ def test_a_phi3_gguf_with_longrope_factors_loads_as_its_hf_checkpoint(tmp_path, 
     assert config.rope_longrope == hf_config.rope_longrope
     assert config.rope_longrope[:2] == ((1.25 if attn_factor else
                                          float(np.sqrt(1 + np.log(4) / np.log(32)))), 32.0)
-    ref = np.load(HF_FIXTURES / "phi3-window" / "reference.npz")
-    real = ref["attention_mask"].astype(bool)
-    ignored = dict(name="m", pad_token_id=hf_config.pad_token_id)
-    out = np.asarray(dj.logits(config.replace(**ignored), params, ref["input_ids"],
-                               ref["attention_mask"]))[real]
-    want = np.asarray(dj.logits(hf_config, hf_params, ref["input_ids"],
-                                ref["attention_mask"]))[real]
-    assert np.isfinite(out).all()
-    np.testing.assert_allclose(out, want, rtol=0, atol=1e-5 * np.abs(want).max())
-    assert np.abs(want - ref["logits"][real]).max() > 1e-2 * np.abs(want).max()  # scaled
+    _assert_scaled_logits_equal(HF_FIXTURES / "phi3-window", config, params, hf_config, hf_params)
 
 
 def test_a_phi3_gguf_with_one_longrope_factor_tensor_is_refused(tmp_path):
