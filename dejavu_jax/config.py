@@ -355,7 +355,6 @@ def _rope_longrope(params: dict, hf: dict, max_positions: int, head_dim: int,
     (Phi3Config's default 4096), a missing factor the ratio of the two context lengths,
     and a missing attention_factor sqrt(1 + ln(factor) / ln(original)) (1 for a factor
     <= 1)."""
-    head_dim = hf.get("head_dim") or head_dim
     original = hf.get("original_max_position_embeddings", 4096)
     short = params.get("short_factor")
     if not isinstance(short, (list, tuple)) or len(short) != head_dim // 2 or any(
@@ -510,7 +509,8 @@ def _llama_from_hf(hf: dict, name: str) -> ModelConfig:
             raise ValueError(f"Phi-3 rope type {kind!r} is not supported (model {name!r}); "
                              "supported: default, longrope (also read from 'su' and 'yarn')")
         if kind != "default":   # Phi3Config reads "su" and "yarn" as its longrope
-            longrope = _rope_longrope(rope, hf, max_positions, hidden // n_heads, name)
+            longrope = _rope_longrope(rope, hf, max_positions,
+                                      hf.get("head_dim") or hidden // n_heads, name)
             rope = {k: v for k, v in rope.items() if k not in ("rope_type", "type")}
     theta, factor = _rope(rope, hf.get("rope_theta"), 10000.0, name, llama3=True)
     llama3 = _rope_llama3(rope, max_positions)

@@ -153,10 +153,11 @@ def cache_length(config: ModelConfig, prompt_len: int, max_new_tokens: int,
                  bucket: int = 64) -> int:
     """KV cache slots for a run, rounded up to `bucket` so nearby lengths share compiles."""
     needed = prompt_len + max_new_tokens
-    limit, what = model.position_limit(config) or (config.max_positions, "positions of context")
-    if needed > min(limit, config.max_positions):
-        if limit > config.max_positions:
-            limit, what = config.max_positions, "positions of context"
+    limit, what = config.max_positions, "positions of context"
+    bound = model.position_limit(config)
+    if bound is not None and bound[0] <= limit:
+        limit, what = bound
+    if needed > limit:
         raise ValueError(
             f"prompt ({prompt_len}) + max_new_tokens ({max_new_tokens}) = {needed} exceeds "
             f"the model's {limit} {what}")
