@@ -24,7 +24,8 @@ class ModelConfig:
     family: "opt" (learned positions, LayerNorm, ReLU MLP, biases), or a rotary family
       with RMSNorm and a gated MLP: "llama" (SwiGLU, grouped-query attention; also Mistral,
       Phi-3, and Qwen3 with q/k norms), "qwen2" (Llama with q/k/v biases) or "gemma3"
-      (GeGLU, q/k norms, post-norms, sliding-window layers). The family picks the
+      (GeGLU, post-norms, sliding-window layers; Gemma 3 with q/k norms, Gemma 2 with
+      soft-capped attention logits instead). The family picks the
       checkpoint's tensor names; the switches below pick the math, so every family runs
       the same model code.
     hidden: residual width d.  ffn: MLP width F.  head_dim * n_heads need not
@@ -61,6 +62,8 @@ class ModelConfig:
       transformers switches to the long factors and recomputes the cache, so positions
       past it are refused.
     final_logit_softcap: logits become cap * tanh(logits / cap) when set.
+    attn_logit_softcap: the attention logits (after the query scale) likewise, before the
+      softmax (Gemma 2).
     """
 
     family: str
@@ -101,6 +104,7 @@ class ModelConfig:
     rope_yarn: tuple[float, float, float, float, float, float] | None = None
     rope_dynamic: bool = False
     rope_longrope: tuple[float, ...] | None = None
+    attn_logit_softcap: float | None = None
 
     def __post_init__(self):
         if self.family not in FAMILIES:
@@ -220,7 +224,8 @@ def _check_numbers(config: "ModelConfig") -> None:
     scaling factor <= 0, an odd rotary head_dim, a negative norm epsilon, a query scale or
     soft-cap <= 0), naming the config.json key in parentheses where it differs."""
     positive = {"query_scale (query_pre_attn_scalar)": config.query_scale,
-                "final_logit_softcap (final_logit_softcapping)": config.final_logit_softcap}
+                "final_logit_softcap (final_logit_softcapping)": config.final_logit_softcap,
+                "attn_logit_softcap (attn_logit_softcapping)": config.attn_logit_softcap}
     if config.rotary:
         positive.update({"rope_theta": config.rope_theta,
                          "rope_local_theta (rope_local_base_freq)": config.rope_local_theta,
@@ -256,7 +261,7 @@ def _fields_of_older_configs(config: "ModelConfig") -> dict:
     """The config's fields, less the later ones at their defaults (so that a config that
     does not use them keeps the fingerprint it had before they existed)."""
     fields = dataclasses.asdict(config)
-    for later in ("rope_llama3", "rope_yarn", "rope_longrope"):
+    for later in ("rope_llama3", "rope_yarn", "rope_longrope", "attn_logit_softcap"):
         if fields[later] is None:
             fields.pop(later)
     if not fields["rope_dynamic"]:
@@ -270,7 +275,8 @@ def _hash(fields: dict) -> str:
 
 def from_hf_config(hf: dict, name: str = "custom") -> ModelConfig:
     """Build a ModelConfig from a Hugging Face `config.json` dict (OPT, Llama, Mistral,
-    Qwen2, Qwen3, Phi-3 or Gemma 3; for the multimodal `gemma3` its `text_config`)."""
+    Qwen2, Qwen3, Phi-3, Gemma 2 or Gemma 3; for the multimodal `gemma3` its
+    `text_config`)."""
     check_hf_values(hf)
     model_type = hf.get("model_type")
     if model_type == "opt":
@@ -287,10 +293,12 @@ def from_hf_config(hf: dict, name: str = "custom") -> ModelConfig:
         return _gemma3_from_hf(text, name)
     if model_type == "gemma3_text":
         return _gemma3_from_hf(hf, name)
+    if model_type == "gemma2":
+        return _gemma2_from_hf(hf, name)
     raise ValueError(
         f"unknown model_type {model_type!r} in config.json (model {name!r}); "
-        "supported: 'opt', 'llama', 'mistral', 'qwen2', 'qwen3', 'phi3', 'gemma3_text', "
-        "'gemma3'")
+        "supported: 'opt', 'llama', 'mistral', 'qwen2', 'qwen3', 'phi3', 'gemma2', "
+        "'gemma3_text', 'gemma3'")
 
 
 def _rope_kind(params: dict | None) -> tuple[str, dict]:
@@ -578,8 +586,6 @@ def _gemma3_from_hf(hf: dict, name: str) -> ModelConfig:
     act = hf.get("hidden_activation", hf.get("hidden_act", "gelu_pytorch_tanh"))
     if act != "gelu_pytorch_tanh":
         raise ValueError(f"gemma3 hidden_activation {act!r} is not supported (model {name!r})")
-    if hf.get("attn_logit_softcapping") is not None:
-        raise ValueError(f"attn_logit_softcapping is not supported (model {name!r})")
     if hf.get("use_bidirectional_attention"):
         raise ValueError(f"use_bidirectional_attention is not supported (model {name!r})")
     hidden = hf["hidden_size"]
@@ -624,6 +630,58 @@ def _gemma3_from_hf(hf: dict, name: str) -> ModelConfig:
         sliding_window=hf.get("sliding_window", 4096) if any(sliding) else None,
         sliding_layers=sliding if any(sliding) else (),
         final_logit_softcap=hf.get("final_logit_softcapping"),
+        attn_logit_softcap=hf.get("attn_logit_softcapping"),
+        tie_embeddings=hf.get("tie_word_embeddings", True),
+        bos_token_id=hf.get("bos_token_id", 2),
+        eos_token_id=_first(hf.get("eos_token_id", 1)),
+        extra_eos_token_ids=_rest(hf.get("eos_token_id", 1)),
+        pad_token_id=hf.get("pad_token_id", 0),
+        name=name,
+    )
+
+
+def _gemma2_from_hf(hf: dict, name: str) -> ModelConfig:
+    """Gemma 2: Gemma 3's layout without q/k norms, one RoPE for every layer, sliding
+    windows on the even layers, and soft-capped attention and final logits."""
+    act = hf.get("hidden_activation", hf.get("hidden_act", "gelu_pytorch_tanh"))
+    if act != "gelu_pytorch_tanh":
+        raise ValueError(f"gemma2 hidden_activation {act!r} is not supported (model {name!r})")
+    if hf.get("use_bidirectional_attention"):
+        raise ValueError(f"use_bidirectional_attention is not supported (model {name!r})")
+    hidden = hf.get("hidden_size", 2304)
+    n_layers = hf.get("num_hidden_layers", 26)
+    n_heads = hf.get("num_attention_heads", 8)
+    rope = {**(hf.get("rope_parameters") or {}), **(hf.get("rope_scaling") or {})}
+    theta, factor = _rope(rope, hf.get("rope_theta"), 10_000.0, name)
+    sliding = _sliding_layers(hf, n_layers, pattern=2)
+    window = hf.get("sliding_window", 4096)
+    if any(sliding) and window is None:
+        raise ValueError(f"gemma2 has sliding layers but no sliding_window (model {name!r})")
+    return ModelConfig(
+        family="gemma3",
+        vocab_size=hf.get("vocab_size", 256_000),
+        hidden=hidden,
+        n_layers=n_layers,
+        n_heads=n_heads,
+        n_kv_heads=hf.get("num_key_value_heads") or n_heads,
+        head_dim=hf.get("head_dim", 256),
+        ffn=hf.get("intermediate_size", 9216),
+        max_positions=hf.get("max_position_embeddings", 8192),
+        embed_dim=hidden,
+        norm_eps=hf.get("rms_norm_eps", 1e-6),
+        activation="gelu_tanh",
+        gated_mlp=True,
+        attention_bias=hf.get("attention_bias", False),
+        mlp_bias=False,
+        rope_theta=theta,
+        rope_linear_factor=factor,
+        post_norms=True,
+        embed_scale=hidden ** 0.5,
+        query_scale=_query_scale(hf.get("query_pre_attn_scalar", 256)),
+        sliding_window=window if any(sliding) else None,
+        sliding_layers=sliding if any(sliding) else (),
+        final_logit_softcap=hf.get("final_logit_softcapping", 30.0),
+        attn_logit_softcap=hf.get("attn_logit_softcapping", 50.0),
         tie_embeddings=hf.get("tie_word_embeddings", True),
         bos_token_id=hf.get("bos_token_id", 2),
         eos_token_id=_first(hf.get("eos_token_id", 1)),

@@ -1,9 +1,10 @@
-"""Read GGUF files (llama, qwen2, gemma3) as Hugging Face configs and tensors.
+"""Read GGUF files (llama, qwen2, qwen3, phi3, gemma2, gemma3) as Hugging Face configs and
+tensors.
 
 `open_gguf(path)` returns `(hf_config, tensors)`: a dict shaped like the Hugging Face
 `config.json` of the architecture (`LlamaForCausalLM`, `Qwen2ForCausalLM`,
-`Gemma3ForCausalLM`), and a `TensorSource` whose tensors are named and laid out as in that
-model's `state_dict()` (`[out_features, in_features]` for linear weights). A tensor is
+`Gemma2ForCausalLM`, ...), and a `TensorSource` whose tensors are named and laid out as in
+that model's `state_dict()` (`[out_features, in_features]` for linear weights). A tensor is
 dequantised to float32 (through `gguf.quants.dequantize`, in row chunks) only when it is
 read, so a loader can place each one into its final array before reading the next.
 `load_gguf(path)` reads every tensor into a dict at once.
@@ -11,9 +12,9 @@ read, so a loader can place each one into its final array before reading the nex
 What llama.cpp's converter changed is undone, so the weights equal the checkpoint's:
   - llama: the rows of q_proj / k_proj are permuted per head (the two rotary halves
     interleaved, for RoPE on adjacent pairs); they are un-permuted for HF's `rotate_half`.
-    Qwen2 and Gemma 3 use rotate-half RoPE in llama.cpp too and are stored as they are.
-  - gemma3: every RMSNorm weight w is stored as 1 + w (Gemma's norms multiply by 1 + w);
-    1 is subtracted again.
+    Qwen2 and Gemma use rotate-half RoPE in llama.cpp too and are stored as they are.
+  - gemma2, gemma3: every RMSNorm weight w is stored as 1 + w (Gemma's norms multiply by
+    1 + w); 1 is subtracted again.
 """
 
 from __future__ import annotations
@@ -41,7 +42,7 @@ __all__ = [
     "default_cache_dir",
 ]
 
-SUPPORTED_ARCHITECTURES = ("llama", "qwen2", "qwen3", "phi3", "gemma3")
+SUPPORTED_ARCHITECTURES = ("llama", "qwen2", "qwen3", "phi3", "gemma2", "gemma3")
 SUPPORTED_QUANT_TYPES = ("F32", "F16", "BF16", "Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q8_0",
                          "Q2_K", "Q3_K", "Q4_K", "Q5_K", "Q6_K")
 DEQUANT_CHUNK_VALUES = 1 << 24  # values dequantised per call (gguf's temporaries scale with it)
@@ -66,15 +67,15 @@ _LAYER_NAMES = {
     # Phi-3's fused q/k/v and gate/up (ffn_up holds both), split by `fused_tensors`
     "phi3": {**_LLAMA_LAYER_NAMES, "attn_qkv": "self_attn.qkv_proj",
              "ffn_up": "mlp.gate_up_proj"},
-    "gemma3": {
+    "gemma2": {
         **_LLAMA_LAYER_NAMES,
         "ffn_norm": "pre_feedforward_layernorm",
         "post_attention_norm": "post_attention_layernorm",
         "post_ffw_norm": "post_feedforward_layernorm",
-        "attn_q_norm": "self_attn.q_norm",
-        "attn_k_norm": "self_attn.k_norm",
     },
 }
+_LAYER_NAMES["gemma3"] = {**_LAYER_NAMES["gemma2"], "attn_q_norm": "self_attn.q_norm",
+                          "attn_k_norm": "self_attn.k_norm"}
 _GLOBAL_NAMES = {
     "token_embd": "model.embed_tokens",
     "output_norm": "model.norm",
@@ -84,6 +85,7 @@ _HF_ARCHITECTURES = {"llama": ("LlamaForCausalLM", "llama"),
                      "qwen2": ("Qwen2ForCausalLM", "qwen2"),
                      "qwen3": ("Qwen3ForCausalLM", "qwen3"),
                      "phi3": ("Phi3ForCausalLM", "phi3"),
+                     "gemma2": ("Gemma2ForCausalLM", "gemma2"),
                      "gemma3": ("Gemma3ForCausalLM", "gemma3_text")}
 GEMMA3_LOCAL_ROPE_THETA = 10_000.0  # llama.cpp's fixed base of Gemma 3's sliding layers
 GEMMA3_SLIDING_PATTERN = 6          # every 6th Gemma 3 layer attends globally
@@ -320,25 +322,29 @@ def _hf_config(reader, path) -> dict:
         "eos_token_id": _end_ids(reader),
         "pad_token_id": _get(reader, "tokenizer.ggml.padding_token_id"),
     }
-    if arch == "gemma3":
+    if arch in ("gemma2", "gemma3"):
         window = meta("attention.sliding_window")
-        pattern = meta("attention.sliding_window_pattern", GEMMA3_SLIDING_PATTERN)
+        pattern = meta("attention.sliding_window_pattern",
+                       2 if arch == "gemma2" else GEMMA3_SLIDING_PATTERN)
         if isinstance(pattern, list):  # one flag per layer: True where the layer slides
             layer_types = ["sliding_attention" if p else "full_attention" for p in pattern]
         else:
             layer_types = ["sliding_attention" if (i + 1) % int(pattern) else "full_attention"
                            for i in range(n_layers)]
-        # llama.cpp scales queries by head_dim^-0.5, except for Gemma 3 27B (hidden / heads)
-        scalar = hidden // n_head if (n_layers, hidden) == (62, 5376) else head_dim
+        # llama.cpp scales queries by head_dim^-0.5, except for the 27B models of Gemma 2
+        # and 3 (hidden / heads)
+        scalar = hidden // n_head if (n_layers, hidden) in ((46, 4608), (62, 5376)) \
+            else head_dim
         config.update({
             "hidden_activation": "gelu_pytorch_tanh",
             "query_pre_attn_scalar": scalar,
             "sliding_window": int(window) if window else None,
             "layer_types": layer_types if window else None,
-            "rope_local_base_freq": GEMMA3_LOCAL_ROPE_THETA,
             "final_logit_softcapping": _optional_f32(meta("final_logit_softcapping")),
             "attn_logit_softcapping": _optional_f32(meta("attn_logit_softcapping")),
         })
+        if arch == "gemma3":
+            config["rope_local_base_freq"] = GEMMA3_LOCAL_ROPE_THETA
     else:
         if arch == "phi3":
             if any(n.startswith("rope_factors_") for n in names):
@@ -378,7 +384,7 @@ def open_gguf(path):
             w = unpermute_qk(w, config["num_attention_heads"])
         elif arch == "llama" and ".self_attn.k_proj." in name:
             w = unpermute_qk(w, config["num_key_value_heads"])
-        elif arch == "gemma3" and name.endswith("norm.weight"):
+        elif arch in ("gemma2", "gemma3") and name.endswith("norm.weight"):
             w -= 1.0
         return w
 

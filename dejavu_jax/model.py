@@ -109,7 +109,7 @@ def sequence_attention(config: ModelConfig, lp, y: jax.Array, positions: jax.Arr
     if window is not None:
         causal = causal & window
     allowed = causal[None, None, None] & mask[:, None, None, None, :].astype(bool)
-    weights = ops.attention_weights(scores, allowed)
+    weights = ops.attention_weights(ops.softcap(scores, config.attn_logit_softcap), allowed)
     heads = jnp.einsum("bkgts,bskd->btkgd", weights, v).reshape(B, T, config.n_heads, -1)
     projected = heads if mask_heads is None else mask_heads(heads)
     return ops.out_project(lp, projected), heads, k, v
@@ -286,7 +286,8 @@ def cached_attention(config: ModelConfig, q: jax.Array, k_layer: jax.Array,
     qg = q.reshape(B, config.n_kv_heads, config.group_size, config.head_dim)
     scores = jnp.einsum("bkgd,bksd->bkgs", qg.astype(k_layer.dtype), k_layer,
                         preferred_element_type=F32)
-    weights = ops.attention_weights(scores, valid[:, None, None, :])
+    weights = ops.attention_weights(ops.softcap(scores, config.attn_logit_softcap),
+                                    valid[:, None, None, :])
     out = jnp.einsum("bkgs,bksd->bkgd", weights.astype(v_layer.dtype), v_layer,
                      preferred_element_type=F32)
     return out.reshape(B, config.n_heads, config.head_dim)

@@ -480,6 +480,8 @@ def _sparse_attention(config, scfg, view, io: _LayerIO, layer, y, heads, step,
         norms["norm_eps"] = config.norm_eps
     if config.query_scale is not None:
         norms["scale"] = config.attention_scale
+    if config.attn_logit_softcap is not None:
+        norms["softcap"] = config.attn_logit_softcap
     lp_flat = view.flat
     groups, head_mask = kernels.query_head_groups(heads, config.n_kv_heads, config.group_size)
     k_in, v_in, head_idx = _kernel_caches(config, view, io, layer, groups)
@@ -675,7 +677,8 @@ def _row_heads_attention(config, scfg, view, io: _LayerIO, layer, y, heads, step
     k_in, v_in, ids = _kernel_caches(config, view, io, layer, groups)
     heads_out, k_out, v_out = kernels.row_head_attention(
         q, k_in, v_in, step["slot"], mask, kv_mask=_attended_slots(config, layer, step),
-        group_ids=ids, impl=scfg.impl, config=scfg.attn_config)
+        group_ids=ids, softcap=config.attn_logit_softcap, impl=scfg.impl,
+        config=scfg.attn_config)
     io = _with_kernel_caches(view, io, layer, k_out, v_out)
     out = ops.out_project(lp, heads_out)
     return out.astype(F32), _all_written(config, io, layer, step)

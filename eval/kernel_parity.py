@@ -140,20 +140,33 @@ def gemma3_tiny():
         query_scale=0.25)
 
 
+def tiny_config(name: str):
+    """The config a parity case names: a preset, or one of the tiny variants
+    `gemma3-tiny`, `gemma2-tiny` (no q/k norms, attention logits soft-capped at 0.5, small
+    enough to bend them) and `opt-tiny-gelu` (the exact gelu's erf)."""
+    if name == "gemma3-tiny":
+        return gemma3_tiny()
+    if name == "gemma2-tiny":
+        return gemma3_tiny().replace(name=name, qk_norm=False, attn_logit_softcap=0.5,
+                                     sliding_layers=(True, False, True, False))
+    if name == "opt-tiny-gelu":
+        return config_lib.preset("opt-tiny").replace(activation="gelu", name=name)
+    return config_lib.preset(name)
+
+
 # (config, (MLP density, head density) pairs, layouts); density 1 runs the dense branches;
 # layout "rows": stacked, each batch row with its own heads
 DECODE_CASES = (("opt-tiny", ((1.0, 1.0), (0.3, 0.5)), ("unrolled", "stacked", "rows")),
                 ("llama-tiny", ((0.3, 0.5),), ("unrolled", "stacked", "rows")),
                 ("gemma3-tiny", ((0.3, 0.5),), ("unrolled",)),
-                ("opt-tiny-gelu", ((0.3, 0.5),), ("unrolled",)))   # the exact gelu's erf
+                ("gemma2-tiny", ((0.3, 0.5),), ("unrolled", "rows")),
+                ("opt-tiny-gelu", ((0.3, 0.5),), ("unrolled",)))
 
 
 def _decode_rows(impl: str, steps: int, cases) -> list[dict]:
     rows = []
     for preset, densities, layouts in cases:
-        config = (gemma3_tiny() if preset == "gemma3-tiny" else
-                  config_lib.preset("opt-tiny").replace(activation="gelu", name=preset)
-                  if preset == "opt-tiny-gelu" else config_lib.preset(preset))
+        config = tiny_config(preset)
         params = init_params(config, jax.random.key(0), jnp.float32, std=0.1)
         for mlp, heads in densities:
             # batch_policy "kernels": batch 2 would otherwise run XLA's dense layers
@@ -551,7 +564,7 @@ def _threshold_decode_rows(impl: str, steps: int, cases) -> list[dict]:
     from dejavu_jax.train.thresholds import calibration_stats, thresholds_at
     rows = []
     for name, up_rows in cases:
-        config = gemma3_tiny() if name == "gemma3-tiny" else config_lib.preset(name)
+        config = tiny_config(name)
         params = init_params(config, jax.random.key(0), jnp.float32, std=0.1)
         if up_rows:  # the gate site ranks neurons by |act(gate)| times gate weights
             weights = jax.random.uniform(jax.random.key(4), (config.n_layers, config.ffn),

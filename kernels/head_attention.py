@@ -389,7 +389,7 @@ def head_sparse_attention_reference(x, wq, bq, wk, bk, wv, bv, wo, bo, k_cache, 
                                     pos, head_idx, *, rope=None, kv_mask=None,
                                     window: KVWindow | None = None, out_dtype=None,
                                     qk_norm=None, norm_eps: float = 1e-6, scale=None,
-                                    head_mask=None):
+                                    head_mask=None, softcap=None):
     """Pure-jnp reference of :func:`head_sparse_attention` (same signature and result,
     without ``residual`` and ``extra_segments``; ``out_dtype`` overrides the output's
     dtype, ``x.dtype`` by default)."""
@@ -437,7 +437,8 @@ def head_sparse_attention_reference(x, wq, bq, wk, bk, wv, bv, wo, bo, k_cache, 
     v_cache = v_cache.at[:, head_idx, pos, :].set(
         jnp.where(act, v.astype(v_cache.dtype), v_cache[:, head_idx, pos, :]))
     o = _attention_core_reference(q.reshape(B, Kh, G, hd), k_cache[:, head_idx],
-                                  v_cache[:, head_idx], pos, kv_mask).reshape(B, Kh * G, hd)
+                                  v_cache[:, head_idx], pos, kv_mask,
+                                  softcap).reshape(B, Kh * G, hd)
     o = jnp.where(keep_q[:, :, None], o, 0.0)               # unselected query heads add 0
     Hl = wo.shape[1]                 # wo may stack H // Hl layers by rows
     wo_sel = wo.reshape(H // Hl, d, Hl, hd)[hq // Hl, :, hq % Hl]     # [Kh*G, d, hd]
@@ -454,7 +455,8 @@ def head_sparse_attention_reference(x, wq, bq, wk, bk, wv, bv, wo, bo, k_cache, 
 # ----------------------------------------------------------------------------
 
 def _decode_attention_kernel(*refs, nds, has_bq, has_bk, has_bv, has_rope, has_mask, G, Gp,
-                             hd, hdp, L, bs, scale, Kh, W, Wp, bitmap, has_hmask, row_hmask):
+                             hd, hdp, L, bs, scale, Kh, W, Wp, bitmap, has_hmask, row_hmask,
+                             softcap):
     # W > 0: a missing-KV window. Grid axis 1 then runs over Kh selected + R refresh heads;
     # a refresh head's programs only write its needed window entries. bitmap: the needed
     # entries come from the written bitmap (read, then set, per program's cache split).
@@ -614,10 +616,13 @@ def _decode_attention_kernel(*refs, nds, has_bq, has_bk, has_bv, has_rope, has_m
                         jnp.ones((Wp,), wout_ref.dtype), mask=wneed)
 
     # -- online softmax over this program's split of the cache ------------------------
+    def capped(sc):
+        return sc if softcap is None else softcap * jnp.tanh(sc / softcap)
+
     def scores_of(k):  # k [n, hdp] -> [n] or [Gp, n]
         if vec:
-            return jnp.sum(k.astype(f32) * q[None, :], axis=1)
-        return mma(q, k, trans_b=True)
+            return capped(jnp.sum(k.astype(f32) * q[None, :], axis=1))
+        return capped(mma(q, k, trans_b=True))
 
     def pv(p, v):  # p [n] or [Gp, n], v [n, hdp] -> [hdp] or [Gp, hdp]
         if vec:
@@ -663,7 +668,7 @@ def _decode_attention_kernel(*refs, nds, has_bq, has_bk, has_bv, has_rope, has_m
     # -- the program whose split holds `pos` folds in the current token, writes k/v ----
     mine = pos // L == s
     knf = kn.astype(f32)
-    sc = jnp.sum(knf * q) if vec else jnp.sum(q * knf[None, :], axis=1)
+    sc = capped(jnp.sum(knf * q) if vec else jnp.sum(q * knf[None, :], axis=1))
     m_new = jnp.where(mine, jnp.maximum(m, sc), m)
     corr = jnp.exp(m - m_new)
     p = jnp.where(mine, jnp.exp(sc - m_new), 0.0)
@@ -704,7 +709,7 @@ def decode_attention(qp, kp, vp, head_idx, pos, k_cache, v_cache, *, group, bq=N
                      bv=None, cos=None, sin=None, kv_mask=None, block_s=64, seq_splits=None,
                      target_programs=None, num_warps=4, batch=None,
                      window: KVWindow | None = None, interpret=False, scale=None,
-                     head_mask=None):
+                     head_mask=None, softcap=None):
     """Flash-decoding over the selected KV heads, writing the new k/v rows in place.
 
     Args:
@@ -717,6 +722,7 @@ def decode_attention(qp, kp, vp, head_idx, pos, k_cache, v_cache, *, group, bq=N
       kv_mask: optional ``[B, S]`` int32 (nonzero = attend).
       batch: rows B to attend for (default: q's partials' row count).
       scale: the attention logits' scale (default ``hd ** -0.5``).
+      softcap: the scaled logits become ``softcap * tanh(logits / softcap)`` (Gemma 2).
       head_mask: optional ``[Kh, group]`` query heads to compute (see
         :func:`head_sparse_attention`): a group with none reads and writes no cache entry;
         the other heads' outputs are left for the out-projection to skip. Per row,
@@ -756,7 +762,8 @@ def decode_attention(qp, kp, vp, head_idx, pos, k_cache, v_cache, *, group, bq=N
         Gp=Gp, hd=hd, hdp=next_pow2(hd), L=L, bs=bs,
         scale=float(hd) ** -0.5 if scale is None else float(scale), Kh=Kh, W=W,
         Wp=max(16, next_pow2(W)), bitmap=bitmap, has_hmask=head_mask is not None,
-        row_hmask=head_mask is not None and head_mask.ndim == 3)
+        row_hmask=head_mask is not None and head_mask.ndim == 3,
+        softcap=None if softcap is None else float(softcap))
     args = [qp, kp, vp]
     if window is not None:
         args.append(jnp.asarray(window.current, jnp.int32).reshape(1))
@@ -795,10 +802,11 @@ def decode_attention(qp, kp, vp, head_idx, pos, k_cache, v_cache, *, group, bq=N
     )(*args)
 
 
-def _attention_core_reference(q, k_cache, v_cache, pos, kv_mask=None):
+def _attention_core_reference(q, k_cache, v_cache, pos, kv_mask=None, softcap=None):
     """fp32 softmax attention of queries ``q [B, n, G, hd]`` (scaled) over caches
     ``[B, n, S, hd]``: slots up to ``pos``, those before it where ``kv_mask`` allows;
-    ``[B, n, G, hd]``. Unattended slots are zeroed first: they may hold anything."""
+    ``[B, n, G, hd]``. Unattended slots are zeroed first: they may hold anything. With
+    ``softcap`` the logits become ``softcap * tanh(logits / softcap)``."""
     f32 = jnp.float32
     hi = lax.Precision.HIGHEST
     B, S = k_cache.shape[0], k_cache.shape[2]
@@ -810,24 +818,27 @@ def _attention_core_reference(q, k_cache, v_cache, pos, kv_mask=None):
     kc = jnp.where(keep, k_cache.astype(f32), 0.0)
     vc = jnp.where(keep, v_cache.astype(f32), 0.0)
     s = jnp.einsum("bgjk,bgsk->bgjs", q.astype(f32), kc, precision=hi)
+    if softcap is not None:
+        s = softcap * jnp.tanh(s / softcap)
     p = jax.nn.softmax(jnp.where(valid[:, None, None, :], s, -jnp.inf), axis=-1)
     return jnp.einsum("bgjs,bgsk->bgjk", p, vc, precision=hi)
 
 
 def row_head_attention_reference(q, k_cache, v_cache, pos, head_mask, kv_mask=None,
-                                 group_ids=None):
+                                 group_ids=None, softcap=None):
     """jnp reference of :func:`row_head_attention` (fp32)."""
     B, H, hd = q.shape
     if group_ids is not None:
         k_cache, v_cache = k_cache[:, group_ids], v_cache[:, group_ids]
     n_kv = k_cache.shape[1]
     o = _attention_core_reference(q.reshape(B, n_kv, H // n_kv, hd), k_cache, v_cache, pos,
-                                  kv_mask)
+                                  kv_mask, softcap)
     return jnp.where(head_mask.astype(bool)[..., None], o, 0.0).reshape(B, H, hd)
 
 
 def row_head_attention(q, k_cache, v_cache, pos, head_mask, *, kv_mask=None, group_ids=None,
-                       impl: str | None = None, config: AttnConfig | None = None):
+                       softcap=None, impl: str | None = None,
+                       config: AttnConfig | None = None):
     """Each batch row's attention over its own query heads, for queries already projected:
     the attention core of a batch whose projections run dense (every head's K/V of this
     token already written at ``pos``).
@@ -841,6 +852,7 @@ def row_head_attention(q, k_cache, v_cache, pos, head_mask, *, kv_mask=None, gro
       kv_mask: optional ``[B, S]`` validity of the slots before ``pos``.
       group_ids: optional ``[n_kv]`` int32: the caches' groups the query heads use, when
         the caches hold more (stacked layers: ``layer * n_kv + arange(n_kv)``).
+      softcap: the logits become ``softcap * tanh(logits / softcap)`` (Gemma 2).
     Returns:
       ``(out [B, H, hd] fp32, k_cache, v_cache)``: softmax(q kᵀ) v for each row's selected
       heads, 0 for the others; the caches as given (the Pallas kernel rewrites the entries
@@ -861,15 +873,16 @@ def row_head_attention(q, k_cache, v_cache, pos, head_mask, *, kv_mask=None, gro
         check_array("kv_mask", kv_mask, shape=(B, k_cache.shape[2]))
     return _row_head_attention_jit(q, k_cache, v_cache, jnp.asarray(pos, jnp.int32).reshape(()),
                                    jnp.asarray(head_mask, bool), kv_mask, group_ids,
+                                   softcap=None if softcap is None else float(softcap),
                                    impl=resolve_impl(impl), config=config)
 
 
-@functools.partial(jax.jit, static_argnames=("impl", "config"))
-def _row_head_attention_jit(q, k_cache, v_cache, pos, head_mask, kv_mask, group_ids, *, impl,
-                            config):
+@functools.partial(jax.jit, static_argnames=("softcap", "impl", "config"))
+def _row_head_attention_jit(q, k_cache, v_cache, pos, head_mask, kv_mask, group_ids, *,
+                            softcap, impl, config):
     if impl == "reference":
         return (row_head_attention_reference(q, k_cache, v_cache, pos, head_mask, kv_mask,
-                                             group_ids), k_cache, v_cache)
+                                             group_ids, softcap), k_cache, v_cache)
     cfg = config or AttnConfig()
     B, H, hd = q.shape
     n_kv = head_mask.shape[1]
@@ -888,7 +901,7 @@ def _row_head_attention_jit(q, k_cache, v_cache, pos, head_mask, kv_mask, group_
         block_s=cfg.block_s, seq_splits=cfg.seq_splits,
         target_programs=cfg.attn_target_programs or 4 * sm_count(),
         num_warps=cfg.attn_num_warps, batch=B, interpret=impl == "interpret", scale=1.0,
-        head_mask=head_mask)
+        head_mask=head_mask, softcap=softcap)
     return merge_splits(o, m, l).reshape(B, H, hd), k_cache, v_cache
 
 
@@ -937,7 +950,7 @@ def head_sparse_attention_pallas(x, wq, bq, wk, bk, wv, bv, wo, bo, k_cache, v_c
                                  config: AttnConfig | None = None,
                                  window: KVWindow | None = None, extra_segments=(),
                                  residual=None, qk_norm=None, norm_eps: float = 1e-6,
-                                 scale=None, head_mask=None):
+                                 scale=None, head_mask=None, softcap=None):
     """Pallas path of :func:`head_sparse_attention` (no validation).
 
     Three Pallas launches (q/k/v projection, attention, out-projection), plus an XLA merge
@@ -1041,7 +1054,7 @@ def head_sparse_attention_pallas(x, wq, bq, wk, bk, wv, bv, wo, bo, k_cache, v_c
         kv_mask=mask, block_s=cfg.block_s, seq_splits=cfg.seq_splits,
         target_programs=cfg.attn_target_programs or 4 * sm_count(),
         num_warps=cfg.attn_num_warps, batch=B, window=window, interpret=interpret,
-        scale=scale, head_mask=head_mask, **biases)
+        scale=scale, head_mask=head_mask, softcap=softcap, **biases)
 
     ns = o.shape[0]
     if ns > 1:
@@ -1071,12 +1084,13 @@ def head_sparse_attention_pallas(x, wq, bq, wk, bk, wv, bv, wo, bo, k_cache, v_c
 
 
 @functools.partial(jax.jit, static_argnames=("impl", "config", "rope_fn", "norm_eps",
-                                             "scale"))
+                                             "scale", "softcap"))
 def _attn_jit(x, wq, bq, wk, bk, wv, bv, wo, bo, k_cache, v_cache, pos, head_idx, rope_arr,
               kv_mask, window, extra_segments, residual, qk_norm, head_mask, *, impl, config,
-              rope_fn, norm_eps, scale):
+              rope_fn, norm_eps, scale, softcap):
     rope = rope_fn if rope_fn is not None else rope_arr
-    norms = dict(qk_norm=qk_norm, norm_eps=norm_eps, scale=scale, head_mask=head_mask)
+    norms = dict(qk_norm=qk_norm, norm_eps=norm_eps, scale=scale, head_mask=head_mask,
+                 softcap=softcap)
     if impl == "reference":
         out, *rest = head_sparse_attention_reference(
             x, wq, bq, wk, bk, wv, bv, wo, bo, k_cache, v_cache, pos, head_idx, rope=rope,
@@ -1155,7 +1169,8 @@ def head_sparse_attention(x, wq, bq, wk, bk, wv, bv, wo, bo, k_cache, v_cache, p
                           *, head_mask=None, rope=None, kv_mask=None, impl: str | None = None,
                           config: AttnConfig | None = None, window: KVWindow | None = None,
                           residual=None, extra_segments=(), qk_norm=None,
-                          norm_eps: float = 1e-6, scale: float | None = None):
+                          norm_eps: float = 1e-6, scale: float | None = None,
+                          softcap: float | None = None):
     """One decode step of attention over the selected heads only.
 
     Args:
@@ -1201,6 +1216,8 @@ def head_sparse_attention(x, wq, bq, wk, bk, wv, bv, wo, bo, k_cache, v_cache, p
         (Gemma 3; the window's keys too). On the Pallas path q/k/v are then finished in
         XLA between the projection and attention launches.
       scale: the attention logits' scale (default ``hd ** -0.5``).
+      softcap: the scaled logits become ``softcap * tanh(logits / softcap)`` before the
+        softmax (Gemma 2); None leaves them.
     Returns:
       ``(out [B, d] in x.dtype, k_cache, v_cache)``: ``out = sum over selected query
       heads of softmax(scale q kᵀ) v @ wo[h] + bo`` (q, k after their norms and rotary
@@ -1226,6 +1243,8 @@ def head_sparse_attention(x, wq, bq, wk, bk, wv, bv, wo, bo, k_cache, v_cache, p
         check_array("residual", residual, shape=x.shape)
         if residual.dtype != jnp.float32:
             raise TypeError(f"residual must be float32, got {residual.dtype}")
+    if softcap is not None and not 0 < softcap < float("inf"):
+        raise ValueError(f"softcap must be positive and finite, got {softcap!r}")
     if qk_norm is not None:
         if callable(rope):
             raise ValueError("qk_norm needs the rotary embedding as (cos, sin) tables")
@@ -1236,4 +1255,5 @@ def head_sparse_attention(x, wq, bq, wk, bk, wv, bv, wo, bo, k_cache, v_cache, p
                      rope_arr, kv_mask, window, extra_segments, residual, qk_norm,
                      None if head_mask is None else jnp.asarray(head_mask, bool), impl=impl,
                      config=config, rope_fn=rope_fn, norm_eps=float(norm_eps),
-                     scale=None if scale is None else float(scale))
+                     scale=None if scale is None else float(scale),
+                     softcap=None if softcap is None else float(softcap))

@@ -409,17 +409,19 @@ _QWEN2_STEMS = {"input_layernorm": "attn_norm", "post_attention_layernorm": "ffn
 _QWEN3_STEMS = {**_QWEN2_STEMS, "self_attn.q_norm": "attn_q_norm",
                 "self_attn.k_norm": "attn_k_norm"}
 _PHI3_STEMS = {**_QWEN2_STEMS, "self_attn.qkv_proj": "attn_qkv", "mlp.gate_up_proj": "ffn_up"}
-_GEMMA3_STEMS = {**_QWEN2_STEMS, "post_attention_layernorm": "post_attention_norm",
+_GEMMA2_STEMS = {**_QWEN2_STEMS, "post_attention_layernorm": "post_attention_norm",
                  "pre_feedforward_layernorm": "ffn_norm",
-                 "post_feedforward_layernorm": "post_ffw_norm",
-                 "self_attn.q_norm": "attn_q_norm", "self_attn.k_norm": "attn_k_norm"}
+                 "post_feedforward_layernorm": "post_ffw_norm"}
+_GEMMA3_STEMS = {**_GEMMA2_STEMS, "self_attn.q_norm": "attn_q_norm",
+                 "self_attn.k_norm": "attn_k_norm"}
 
 
 def _fixture_as_gguf(name, path, extra_tensors=None, rope_scaling=None):
-    """Write the tiny HF fixture `name` (qwen2, qwen3-window, phi3-window or gemma3) as
-    llama.cpp would: its names (Phi-3's fused tensors kept fused), Gemma's norms stored as
-    1 + w, no q/k permutation (rotate-half RoPE in all four); Qwen3's sliding window is not
-    written (llama.cpp's qwen3 has none), Phi-3's is. rope_scaling: `{arch}.rope.scaling.*`
+    """Write the tiny HF fixture `name` (qwen2, qwen3-window, phi3-window, gemma2 or gemma3)
+    as llama.cpp would: its names (Phi-3's fused tensors kept fused), Gemma's norms stored
+    as 1 + w, no q/k permutation (rotate-half RoPE in all five); Qwen3's sliding window is
+    not written (llama.cpp's qwen3 has none), Phi-3's is, Gemma 2's without a pattern
+    (llama.cpp's gemma2 slides on the even layers). rope_scaling: `{arch}.rope.scaling.*`
     keys to add (strings, ints as uint32, floats as float32)."""
     import json
 
@@ -427,8 +429,8 @@ def _fixture_as_gguf(name, path, extra_tensors=None, rope_scaling=None):
     hf = json.loads((HF_FIXTURES / name / "config.json").read_text())
     sd = load_file(HF_FIXTURES / name / "model.safetensors")
     arch = name.split("-")[0]
-    stems = {"gemma3": _GEMMA3_STEMS, "qwen3": _QWEN3_STEMS, "qwen2": _QWEN2_STEMS,
-             "phi3": _PHI3_STEMS}[arch]
+    stems = {"gemma2": _GEMMA2_STEMS, "gemma3": _GEMMA3_STEMS, "qwen3": _QWEN3_STEMS,
+             "qwen2": _QWEN2_STEMS, "phi3": _PHI3_STEMS}[arch]
     w = gguf.GGUFWriter(str(path), arch)
     w.add_context_length(hf["max_position_embeddings"])
     w.add_embedding_length(hf["hidden_size"])
@@ -451,6 +453,13 @@ def _fixture_as_gguf(name, path, extra_tensors=None, rope_scaling=None):
         w.add_array("gemma3.attention.sliding_window_pattern",
                     [t == "sliding_attention" for t in hf["layer_types"]])
         w.add_float32("gemma3.final_logit_softcapping", hf["final_logit_softcapping"])
+    elif arch == "gemma2":
+        w.add_key_length(hf["head_dim"])
+        w.add_value_length(hf["head_dim"])
+        w.add_rope_freq_base(hf["rope_parameters"]["rope_theta"])
+        w.add_sliding_window(hf["sliding_window"])
+        w.add_float32("gemma2.attn_logit_softcapping", hf["attn_logit_softcapping"])
+        w.add_float32("gemma2.final_logit_softcapping", hf["final_logit_softcapping"])
     else:
         w.add_rope_freq_base(hf["rope_parameters"]["rope_theta"])
         if "head_dim" in hf:
@@ -471,7 +480,7 @@ def _fixture_as_gguf(name, path, extra_tensors=None, rope_scaling=None):
         else:
             parts = key.split(".")
             stem = f"blk.{parts[2]}.{stems['.'.join(parts[3:-1])]}.{parts[-1]}"
-        if arch == "gemma3" and key.endswith("norm.weight"):
+        if arch in ("gemma2", "gemma3") and key.endswith("norm.weight"):
             t = t + np.float32(1.0)
         w.add_tensor(stem, np.ascontiguousarray(t, np.float32))
     for stem, t in (extra_tensors or {}).items():
@@ -483,11 +492,12 @@ def _fixture_as_gguf(name, path, extra_tensors=None, rope_scaling=None):
     return path
 
 
-@pytest.mark.parametrize("name", ["qwen2", "gemma3", "qwen3-window", "phi3-window"])
+@pytest.mark.parametrize("name", ["qwen2", "gemma3", "qwen3-window", "phi3-window",
+                                  "gemma2"])
 def test_gguf_of_a_tiny_hf_model_loads_as_the_hf_checkpoint(tmp_path, name):
     """The GGUF of a fixture gives the config and the logits of its HF checkpoint; for
-    Gemma 3 all but the query scale, which GGUF does not carry (llama.cpp takes
-    head_dim^-0.5, the fixture 20^-0.5), for Qwen3 all but the sliding window (the
+    Gemma 2 and 3 all but the query scale, which GGUF does not carry (llama.cpp takes
+    head_dim^-0.5, the fixtures 20^-0.5), for Qwen3 all but the sliding window (the
     logits compared are then those of the HF checkpoint without it, and its weights
     equal)."""
     import dejavu_jax as dj
@@ -499,7 +509,7 @@ def test_gguf_of_a_tiny_hf_model_loads_as_the_hf_checkpoint(tmp_path, name):
                                         dtype=jnp.float32, progress=False)
     ignored = dict(name="m", max_positions=hf_config.max_positions,
                    pad_token_id=hf_config.pad_token_id)
-    if name == "gemma3":
+    if name in ("gemma2", "gemma3"):
         assert config.query_scale == config.head_dim ** -0.5
         ignored["query_scale"] = hf_config.query_scale
     if name == "qwen3-window":

@@ -123,3 +123,31 @@ def test_batch_select_check_replays_the_chosen_sets(monkeypatch, tmp_path, moved
     assert row["rides"] and row["select"] == "local"
     assert code == (1 if moved else 0)
     assert (row["logits"] > 1e-3) == bool(moved)
+
+
+def test_gemma2_decode_check_runs_the_soft_cap_through_the_kernels():
+    """The Gemma 2 case of the decode check: the interpreted kernels match the references
+    in both layouts (each batch row with its own heads included), and the soft-cap bends
+    the reference's logits, so a kernel that skipped it would fail the check."""
+    import dataclasses
+
+    import jax
+    import numpy as np
+
+    from dejavu_jax import sparse
+    from dejavu_jax.params import init_params
+    case = ("gemma2-tiny", ((0.3, 0.5),), ("unrolled", "rows"))
+    rows = kernel_parity.decode_rows("interpret", 3, cases=[case])
+    assert [r["layout"] for r in rows] == ["unrolled", "rows"]
+    assert all(kernel_parity.row_passes(r, 1e-4) for r in rows), rows
+    config = kernel_parity.tiny_config("gemma2-tiny")
+    params = init_params(config, jax.random.key(0), jnp.float32, std=0.1)
+    scfg = dataclasses.replace(sparse.sparse_config(config, 0.3, 0.5, dense_layers=1,
+                                                    kv_window=4),
+                               batch_policy="kernels", impl="reference")
+    sets = kernel_parity.random_sets(config, scfg, seed=3)
+    capped = kernel_parity._decode(config, scfg, params, sets, 3, False)[0]
+    uncapped = kernel_parity._decode(config.replace(attn_logit_softcap=None), scfg, params,
+                                     sets, 3, False)[0]
+    assert np.isfinite(capped).all()
+    assert np.abs(capped - uncapped).max() > 1e-2 * np.abs(capped).max()

@@ -323,11 +323,13 @@ def test_head_sparse_attention_matches_numpy(rng, impl, B, d, H, n_kv, hd, S, Kh
         np.testing.assert_array_equal(got[values], want[values])
 
 
+@pytest.mark.parametrize("softcap", [None, 0.5])
 @pytest.mark.parametrize("impl", ["interpret", "reference"])
-def test_head_sparse_attention_with_qk_norms_and_a_query_scale(rng, impl):
-    """Gemma 3's attention: RMSNorm over each query and key head (own weights, after the
-    biases, before the rotary embedding) and a logit scale other than hd^-0.5, against
-    numpy; GQA with 2 of 4 KV groups selected, a key mask."""
+def test_head_sparse_attention_with_qk_norms_and_a_query_scale(rng, impl, softcap):
+    """Gemma's attention: RMSNorm over each query and key head (own weights, after the
+    biases, before the rotary embedding), a logit scale other than hd^-0.5 and, as Gemma 2,
+    the scaled logits soft-capped (cap * tanh(logits / cap)), against numpy; GQA with 2 of
+    4 KV groups selected, a key mask."""
     B, d, H, n_kv, hd, S, Kh, pos, eps, scale = 2, 64, 8, 4, 16, 20, 2, 11, 1e-6, 0.3
     hidx, arrs = _attn_inputs(rng, B, d, H, n_kv, hd, S, Kh, pos, F32, True)
     x, wq, bq, wk, bk, wv, bv, wo, bo, kc, vc = arrs
@@ -339,6 +341,7 @@ def test_head_sparse_attention_with_qk_norms_and_a_query_scale(rng, impl):
     rot = lambda t: t * cos + _rotate_half(t) * sin
     valid = (np.arange(S)[None] < pos) & km | (np.arange(S) == pos)[None]
     want = np.zeros((B, d)) + bo
+    largest = 0.0
     for g in hidx:
         k_new = rot(rms(x @ wk[g].T + bk[g], kw))
         keys = np.where(valid[..., None], np.nan_to_num(kc[:, g]), 0)
@@ -347,14 +350,19 @@ def test_head_sparse_attention_with_qk_norms_and_a_query_scale(rng, impl):
         vals[:, pos] = x @ wv[g].T + bv[g]
         for h in range(g * (H // n_kv), (g + 1) * (H // n_kv)):
             q = rot(rms(x @ wq[h].T + bq[h], qw)) * scale
-            s = np.where(valid, np.einsum("bk,bsk->bs", q, keys), -np.inf)
+            s = np.einsum("bk,bsk->bs", q, keys)
+            largest = max(largest, np.abs(s).max())
+            if softcap is not None:
+                s = softcap * np.tanh(s / softcap)
+            s = np.where(valid, s, -np.inf)
             p = np.exp(s - s.max(1, keepdims=True))
             want += np.einsum("bs,bsk->bk", p / p.sum(1, keepdims=True), vals) @ wo[:, h].T
     c = lambda a: jnp.asarray(a, F32)
     out, k2, _ = head_sparse_attention(
         *(c(a) for a in arrs), jnp.int32(pos), jnp.asarray(hidx),
         rope=(c(cos), c(sin)), kv_mask=jnp.asarray(km), impl=impl,
-        qk_norm=(c(qw), c(kw)), norm_eps=eps, scale=scale)
+        qk_norm=(c(qw), c(kw)), norm_eps=eps, scale=scale, softcap=softcap)
+    assert softcap is None or largest > 2 * softcap, "the cap must bend the logits"
     assert _rel(out, want) < _tol(F32)
     assert_finite_close(np.asarray(k2)[:, hidx, pos],
                         np.stack([rot(rms(x @ wk[g].T + bk[g], kw)) for g in hidx], 1),

@@ -195,7 +195,9 @@ def _edit_config(directory, **changes):
     ("llama-gqa", "num_attention_heads", 0),
     ("gemma3", "query_pre_attn_scalar", 0),
     ("gemma3", "final_logit_softcapping", 0.0),
-], ids=["theta-0", "linear-0", "llama3-0", "eps", "heads-0", "query-scalar-0", "softcap-0"])
+    ("gemma2", "attn_logit_softcapping", 0.0),
+], ids=["theta-0", "linear-0", "llama3-0", "eps", "heads-0", "query-scalar-0", "softcap-0",
+        "attention-softcap-0"])
 def test_settings_that_give_nan_or_constant_logits_are_refused(tmp_path, name, key, value):
     """A RoPE base or factor of 0, a negative norm epsilon, no heads, a query scalar or
     logit soft-cap of 0 (NaN, a crash, or every logit 0): the load is refused naming the
@@ -384,7 +386,7 @@ def test_a_renamed_checkpoint_keeps_its_fingerprint_and_stop_ids(tmp_path):
     assert c1.name != c2.name and c1.fingerprint() == c2.fingerprint()
     fields = dataclasses.asdict(c1)
     for later in ("extra_eos_token_ids", "rope_llama3", "rope_yarn", "rope_dynamic",
-                  "rope_longrope"):  # added since
+                  "rope_longrope", "attn_logit_softcap"):  # added since
         fields.pop(later)
     older = hashlib.sha256(json.dumps(fields, sort_keys=True).encode()).hexdigest()[:16]
     assert c1.fits_fingerprint(older) and not c2.fits_fingerprint(older)

@@ -16,7 +16,7 @@ from dejavu_jax.params import fuse_qkv, has_fused_qkv, unstack_layers
 HF = Path(__file__).parent / "fixtures" / "hf"
 VARIANTS = ["opt-preln", "opt-postln-proj", "opt-fp16-prefix", "opt-bin",
             "llama-gqa", "llama-mha", "qwen2", "gemma3", "mistral-window", "llama-rope3",
-            "llama-yarn", "qwen3-window", "phi3-window"]
+            "llama-yarn", "qwen3-window", "phi3-window", "phi3-longrope", "gemma2"]
 
 
 def _load(name):
@@ -41,7 +41,7 @@ def test_logits_match_hugging_face(name):
 
 @pytest.mark.parametrize("name", ["opt-preln", "opt-postln-proj", "llama-gqa", "gemma3",
                                   "mistral-window", "llama-rope3", "llama-yarn",
-                                  "qwen3-window", "phi3-window"])
+                                  "qwen3-window", "phi3-window", "phi3-longrope", "gemma2"])
 def test_cached_decode_reproduces_full_forward(name):
     config, params, ref = _load(name)
     ids, mask = ref["input_ids"], ref["attention_mask"]
@@ -69,7 +69,7 @@ def test_greedy_ids_match_hugging_face(name):
 
 
 @pytest.mark.parametrize("name", ["opt-preln", "opt-bin", "llama-mha", "qwen2", "gemma3",
-                                  "qwen3-window", "phi3-window"])
+                                  "qwen3-window", "phi3-window", "phi3-longrope", "gemma2"])
 def test_decode_logits_along_greedy_path_match_hugging_face(name):
     config, params, ref = _load(name)
     _check_greedy_path_logits(config, params, ref)
@@ -121,6 +121,45 @@ def test_gemma3_fixture_exercises_every_switch():
         out = np.asarray(dj.logits(config.replace(**change), params, ref["input_ids"],
                                    ref["attention_mask"]))
         assert np.abs(out[real] - ref["logits"][real]).max() > 100 * 1e-4 * scale, what
+
+
+def test_gemma2_fixture_exercises_every_switch():
+    """The Gemma 2 fixture reads as Gemma's layout without q/k norms, one RoPE base,
+    sliding windows on the even layers and soft-capped attention and final logits; dropping
+    either cap, the windows or the query scale moves the logits well away from Hugging
+    Face's."""
+    config, params, ref = _load("gemma2")
+    assert config.family == "gemma3" and not config.qk_norm and config.post_norms
+    assert config.sliding_layers == (True, False, True, False) and config.sliding_window == 6
+    assert config.rope_theta == 1e4 and config.rope_local_theta is None
+    assert config.attn_logit_softcap == 3.0 and config.final_logit_softcap == 15.0
+    assert config.query_scale == 20 ** -0.5 and config.embed_scale == 8.0
+    assert params.layers.q_norm_scale is None
+    real = ref["attention_mask"].astype(bool)
+    scale = np.abs(ref["logits"][real]).max()
+    for what, change in {"no attention cap": dict(attn_logit_softcap=None),
+                         "no final cap": dict(final_logit_softcap=None),
+                         "no window": dict(sliding_layers=(), sliding_window=None),
+                         "head_dim scale": dict(query_scale=None)}.items():
+        out = np.asarray(dj.logits(config.replace(**change), params, ref["input_ids"],
+                                   ref["attention_mask"]))
+        assert np.abs(out[real] - ref["logits"][real]).max() > 100 * 1e-4 * scale, what
+
+
+def test_phi3_longrope_fixture_reads_its_factors():
+    """The LongRoPE fixture's short factors and attention factor (sqrt(1 + ln 4 / ln 64))
+    are read as transformers reads them; plain RoPE moves the logits well away from
+    Hugging Face's."""
+    import math
+    config, params, ref = _load("phi3-longrope")
+    attention, original, *short = config.rope_longrope
+    assert original == 64 and short == [1.0, 1.3, 1.7, 2.2, 3.0, 4.1, 5.5, 7.0]
+    assert attention == pytest.approx(math.sqrt(1 + math.log(4) / math.log(64)))
+    real = ref["attention_mask"].astype(bool)
+    scale = np.abs(ref["logits"][real]).max()
+    out = np.asarray(dj.logits(config.replace(rope_longrope=None), params, ref["input_ids"],
+                               ref["attention_mask"]))
+    assert np.abs(out[real] - ref["logits"][real]).max() > 100 * 1e-4 * scale
 
 
 def test_qwen3_fixture_exercises_every_switch():

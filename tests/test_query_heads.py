@@ -224,12 +224,14 @@ def test_per_row_query_head_groups_hold_the_union_and_each_rows_heads():
     np.testing.assert_array_equal(mask[..., 0], [[False, True], [True, False]])
 
 
-@pytest.mark.parametrize("impl,G,splits", [("interpret", 1, 2), ("interpret", 3, 1),
-                                           ("reference", 2, None)])
-def test_row_head_attention_equals_numpy_per_row(rng, impl, G, splits):
+@pytest.mark.parametrize("impl,G,splits,softcap", [
+    ("interpret", 1, 2, None), ("interpret", 3, 1, None), ("reference", 2, None, None),
+    ("interpret", 1, 2, 1.5), ("interpret", 3, 1, 1.5), ("reference", 2, None, 1.5)])
+def test_row_head_attention_equals_numpy_per_row(rng, impl, G, splits, softcap):
     """Projected queries, each row with its own heads and a key mask: numpy's softmax
-    attention of that row's selected heads, zeros for its other heads; the groups a row
-    does not select are NaN in its cache before pos (never read)."""
+    attention of that row's selected heads (its logits soft-capped when `softcap` is
+    given), zeros for its other heads; the groups a row does not select are NaN in its
+    cache before pos (never read)."""
     from dejavu_jax.kernels import AttnConfig, row_head_attention
     B, n_kv, hd, S, pos = 3, 4, 16, 48, 37
     H = n_kv * G
@@ -247,6 +249,8 @@ def test_row_head_attention_equals_numpy_per_row(rng, impl, G, splits):
         for g in range(n_kv):
             for j in np.nonzero(mask[b, g])[0]:
                 s = kc[b, g, :pos + 1] @ q[b, g * G + j]
+                if softcap is not None:
+                    s = softcap * np.tanh(s / softcap)
                 p = np.where(ok, np.exp(s - s[ok].max()), 0.0)
                 want[b, g * G + j] = (p / p.sum()) @ vc[b, g, :pos + 1]
     pk, pv = kc.copy(), vc.copy()
@@ -256,6 +260,7 @@ def test_row_head_attention_equals_numpy_per_row(rng, impl, G, splits):
     f = lambda a: jnp.asarray(a, F32)
     cfg = None if splits is None else AttnConfig(seq_splits=splits, block_s=16)
     out, k2, v2 = row_head_attention(f(q), f(pk), f(pv), jnp.int32(pos), jnp.asarray(mask),
-                                     kv_mask=jnp.asarray(kv_mask), impl=impl, config=cfg)
+                                     kv_mask=jnp.asarray(kv_mask), softcap=softcap, impl=impl,
+                                     config=cfg)
     assert_finite_close(out, want, rtol=1e-5, atol=1e-5)
     np.testing.assert_array_equal(np.asarray(k2)[:, :, pos], pk[:, :, pos].astype(np.float32))

@@ -1,9 +1,11 @@
-"""Sparse decoding of Qwen2, Qwen3 and Gemma 3: the tiny random HF checkpoints in fixtures/hf.
+"""Sparse decoding of Qwen2, Qwen3, Gemma 2 and Gemma 3: the tiny random HF checkpoints in
+fixtures/hf.
 
 The Qwen2 fixture has q/k/v biases; the Gemma 3 fixture has q/k norms, post-norms,
 GeGLU, a query scale other than head_dim^-0.5, per-type RoPE (linear scaling on the
-global layer) and a sliding window of 6 tokens on layers 0, 1 and 3. Decodes run past
-the window, so a sparse step that ignored it would not match.
+global layer) and a sliding window of 6 tokens on layers 0, 1 and 3; the Gemma 2 fixture
+has no q/k norms, attention logits soft-capped at 3 and a 6-token window on layers 0 and
+2. Decodes run past the window, so a sparse step that ignored it would not match.
 """
 
 from pathlib import Path
@@ -22,19 +24,21 @@ from dejavu_jax.generation import generate_tokens
 from dejavu_jax.train import predict as predict_mod
 
 HF = Path(__file__).parent / "fixtures" / "hf"
-FAMILIES = ["qwen2", "gemma3"]
+FAMILIES = ["qwen2", "gemma3", "gemma2"]
 PROMPTS = [[5, 9, 14, 3], [8, 2]]
 
 
 def _load(name):
     config, params = dj.load_pretrained(HF / name, dtype=jnp.float32, progress=False)
-    assert config.family == name
+    assert config.family == {"gemma2": "gemma3"}.get(name, name)
     return config, params
 
 
 @pytest.mark.parametrize("name,prompts", [("qwen2", PROMPTS), ("gemma3", PROMPTS),
-                                          ("gemma3", PROMPTS[:1])],
-                         ids=["qwen2-batch2", "gemma3-batch2", "gemma3-batch1"])
+                                          ("gemma3", PROMPTS[:1]), ("gemma2", PROMPTS),
+                                          ("gemma2", PROMPTS[:1])],
+                         ids=["qwen2-batch2", "gemma3-batch2", "gemma3-batch1",
+                              "gemma2-batch2", "gemma2-batch1"])
 def test_density_one_equals_dense_every_step(name, prompts):
     """Every unit selected, through the sparse kernels (their batch path for two rows, the
     batch-1 path for one), kv_window 4: each step's logits equal the dense model's, for 9
@@ -46,6 +50,13 @@ def test_density_one_equals_dense_every_step(name, prompts):
     for i, (dense_logits, sparse_logits) in enumerate(steps):
         assert_finite_close(sparse_logits, dense_logits, atol=2e-6 * scale,
                             err_msg=f"step {i}")
+    if name == "gemma2" and len(prompts) > 1:
+        # the attention cap matters: without it the last step is off
+        uncapped = config.replace(attn_logit_softcap=None)
+        far = _run_both(uncapped, params, _full_sparse(uncapped, kv_window=4,
+                                                       batch_policy="kernels"),
+                        _full_sets(config), prompts, steps=9)[-1][0]
+        assert np.abs(far - steps[-1][1]).max() > 1e-3 * scale
     if name == "gemma3" and len(prompts) > 1:
         # the window matters (checked once, on the batch): without it the last step is off
         no_window = config.replace(sliding_layers=(), sliding_window=None)
@@ -70,10 +81,12 @@ def test_qwen3_density_one_through_pallas_interpret_kernels():
                             err_msg=f"step {i}")
 
 
-def test_gemma3_density_one_through_pallas_interpret_kernels():
-    """The Pallas path (interpreted): Gemma's q/k norms finish q/k/v in XLA between the
-    projection and attention launches, for the current token and the window's rows."""
-    config, params = _load("gemma3")
+@pytest.mark.parametrize("name", ["gemma3", "gemma2"])
+def test_gemma_density_one_through_pallas_interpret_kernels(name):
+    """The Pallas path (interpreted): Gemma 3's q/k norms finish q/k/v in XLA between the
+    projection and attention launches, for the current token and the window's rows;
+    Gemma 2's q/k/v are finished in the attention launch, which soft-caps the logits."""
+    config, params = _load(name)
     scfg = _full_sparse(config, kv_window=4, impl="interpret")
     steps = _run_both(config, params, scfg, _full_sets(config), [[5, 9, 14, 3, 7]], steps=3)
     scale = max(np.abs(d).max() for d, _ in steps)
@@ -131,7 +144,9 @@ def _oracle_sets(config, scfg, params, prompt, tokens, monkeypatch):
 
 
 @pytest.mark.parametrize("name,impl,steps", [("qwen2", None, 10), ("gemma3", None, 10),
-                                              ("gemma3", "interpret", 5)])
+                                              ("gemma3", "interpret", 5),
+                                              ("gemma2", None, 10),
+                                              ("gemma2", "interpret", 5)])
 def test_oracle_sets_through_the_sparse_kernels_equal_the_oracle(name, impl, steps,
                                                                  monkeypatch):
     """The oracle (dense layers whose outputs are masked to the true top-k) and the sparse

@@ -64,14 +64,14 @@ def test_sparse_mlp_lowers(B, gated, residual, activation):
     assert text.count("gather_matvec") >= 2
 
 
-@pytest.mark.parametrize("B,n_kv,rope,window,residual,masked", [
-    (1, 8, False, True, True, False),
-    (2, 4, True, True, True, True),       # a query-head mask (GQA)
-    (1, 4, True, True, True, True),
-    (1, 8, False, False, False, False),
-    (3, 8, False, False, True, False),
-    (16, 4, False, True, True, False)])
-def test_head_sparse_attention_lowers(B, n_kv, rope, window, residual, masked):
+@pytest.mark.parametrize("B,n_kv,rope,window,residual,masked,softcap", [
+    (1, 8, False, True, True, False, None),
+    (2, 4, True, True, True, True, 50.0),       # a query-head mask (GQA), Gemma 2's cap
+    (1, 4, True, True, True, True, None),
+    (1, 8, False, False, False, False, 50.0),
+    (3, 8, False, False, True, False, None),
+    (16, 4, False, True, True, False, None)])
+def test_head_sparse_attention_lowers(B, n_kv, rope, window, residual, masked, softcap):
     from dejavu_jax.kernels.gather_matvec import Segment
     d, H, hd, S, W = 512, 8, 64, 64, 16
     w = [z(H, hd, d), z(H, hd), z(n_kv, hd, d), z(n_kv, hd), z(n_kv, hd, d), z(n_kv, hd),
@@ -92,10 +92,21 @@ def test_head_sparse_attention_lowers(B, n_kv, rope, window, residual, masked):
     def fn(x, caches, res):
         return kernels.head_sparse_attention(
             x, *w, *caches, jnp.int32(20), hidx, rope=rope_now, window=win, residual=res,
-            extra_segments=(seg,) if B == 1 else (), head_mask=head_mask, impl="pallas")
+            extra_segments=(seg,) if B == 1 else (), head_mask=head_mask, softcap=softcap,
+            impl="pallas")
 
     text = lowers(fn, z(B, d), (z(B, n_kv, S, hd), z(B, n_kv, S, hd)),
                   z(B, d, dtype=F32) if residual else None)
+    assert "head_sparse_decode_attention" in text
+
+
+@pytest.mark.parametrize("G,softcap", [(1, None), (2, 30.0)])
+def test_row_head_attention_lowers(G, softcap):
+    B, n_kv, hd, S = 4, 4, 64, 64
+    mask = jnp.ones((B, n_kv, G), bool)
+    text = lowers(lambda q, k, v: kernels.row_head_attention(
+        q, k, v, jnp.int32(9), mask, softcap=softcap, impl="pallas"),
+        z(B, n_kv * G, hd, dtype=F32), z(B, n_kv, S, hd), z(B, n_kv, S, hd))
     assert "head_sparse_decode_attention" in text
 
 
