@@ -56,11 +56,12 @@ class ModelConfig:
       max_positions (as transformers computes them there) and change past them; positions
       past max_positions are refused.
     rope_longrope: LongRoPE (Phi-3's 128k models) as (attention_factor,
-      original_max_position_embeddings, one short factor per frequency...), or None: each
-      frequency is divided by its short factor and the rotary tables are scaled by
-      attention_factor, as transformers computes them up to the original context; past it
-      transformers switches to the long factors and recomputes the cache, so positions
-      past it are refused.
+      original_max_position_embeddings, one short factor per frequency..., one long factor
+      per frequency...), or None: each frequency is divided by its short factor, or by its
+      long one for a sequence longer than the original context, and the rotary tables are
+      scaled by attention_factor, as transformers computes them (`generate_tokens`
+      recomputes the cache where a sequence crosses the original context, as
+      transformers' generate does).
     final_logit_softcap: logits become cap * tanh(logits / cap) when set.
     attn_logit_softcap: the attention logits (after the query scale) likewise, before the
       softmax (Gemma 2).
@@ -130,9 +131,10 @@ class ModelConfig:
         if self.rope_longrope is not None:
             object.__setattr__(self, "rope_longrope",
                                tuple(float(v) for v in self.rope_longrope))
-            if len(self.rope_longrope) != 2 + self.head_dim // 2:
-                raise ValueError(f"LongRoPE needs one short factor per frequency "
-                                 f"({self.head_dim // 2}), got {len(self.rope_longrope) - 2}")
+            if len(self.rope_longrope) != 2 + self.head_dim:
+                raise ValueError(f"LongRoPE needs one short and one long factor per frequency "
+                                 f"({self.head_dim // 2} each), got "
+                                 f"{len(self.rope_longrope) - 2} factors")
         if self.sliding_layers and len(self.sliding_layers) != self.n_layers:
             raise ValueError(f"sliding_layers has {len(self.sliding_layers)} flags for "
                              f"{self.n_layers} layers")
@@ -238,11 +240,13 @@ def _check_numbers(config: "ModelConfig") -> None:
                                      "original_max_position_embeddings")):
                 positive[f"yarn RoPE {key}"] = config.rope_yarn[i]
         if config.rope_longrope is not None:
-            attention, original, *short = config.rope_longrope
+            attention, original, *factors = config.rope_longrope
             positive["longrope attention_factor"] = attention
             positive["longrope original_max_position_embeddings"] = original
-            for i, value in enumerate(short):
-                positive[f"longrope short_factor[{i}]"] = value
+            half = len(factors) // 2
+            for i, value in enumerate(factors):
+                which = "short" if i < half else "long"
+                positive[f"longrope {which}_factor[{i % half}]"] = value
         if config.head_dim % 2:
             raise ValueError(f"head_dim must be even for rotary embeddings, got "
                              f"{config.head_dim}")
@@ -364,16 +368,19 @@ def _rope_longrope(params: dict, hf: dict, max_positions: int, head_dim: int,
     and a missing attention_factor sqrt(1 + ln(factor) / ln(original)) (1 for a factor
     <= 1)."""
     original = hf.get("original_max_position_embeddings", 4096)
-    short = params.get("short_factor")
-    if not isinstance(short, (list, tuple)) or len(short) != head_dim // 2 or any(
-            isinstance(v, bool) or not isinstance(v, (int, float)) for v in short):
-        raise ValueError(f"longrope RoPE scaling needs short_factor, a list of "
-                         f"{head_dim // 2} numbers (model {name!r}), got {short!r}")
+    lists = {}
+    for key in ("short_factor", "long_factor"):
+        values = params.get(key)
+        if not isinstance(values, (list, tuple)) or len(values) != head_dim // 2 or any(
+                isinstance(v, bool) or not isinstance(v, (int, float)) for v in values):
+            raise ValueError(f"longrope RoPE scaling needs {key}, a list of "
+                             f"{head_dim // 2} numbers (model {name!r}), got {values!r}")
+        lists[key] = [float(v) for v in values]
     factor = params.get("factor") or max_positions / original
     attention = params.get("attention_factor")
     if attention is None:
         attention = 1.0 if factor <= 1 else math.sqrt(1 + math.log(factor) / math.log(original))
-    return (float(attention), float(original), *(float(v) for v in short))
+    return (float(attention), float(original), *lists["short_factor"], *lists["long_factor"])
 
 
 def _rope_yarn(params: dict | None, max_positions) -> tuple[float, ...] | None:

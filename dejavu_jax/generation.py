@@ -164,6 +164,47 @@ def cache_length(config: ModelConfig, prompt_len: int, max_new_tokens: int,
     return -(-needed // bucket) * bucket
 
 
+def _longrope_crossing(config: ModelConfig, prompt_len: int, max_new_tokens: int):
+    """For a LongRoPE model whose padded sequence of `prompt_len` tokens crosses the
+    original context while `max_new_tokens` are made: the tokens to make before the
+    crossing (the last of them takes the sequence past it); else None. There transformers'
+    generate drops the cache, computed with the short factors, and runs the whole sequence
+    with the long ones."""
+    if config.rope_longrope is None:
+        return None
+    original = int(config.rope_longrope[1])
+    # the step feeding generated token j sees a sequence of prompt_len + j tokens
+    if prompt_len <= original < prompt_len + max_new_tokens - 1:
+        return original - prompt_len + 1
+    return None
+
+
+def _generate_across(engine, params, prompts, before, max_new_tokens, seed, on_token,
+                     options) -> "GenerationResult":
+    """`generate_tokens` over a LongRoPE crossing: `before` tokens, then the rest from the
+    prompts and those tokens prefilled afresh (a row that stopped keeps its tokens; it is
+    extended by repeats of its last one so that the batch keeps its positions)."""
+    first = generate_tokens(engine, params, prompts, before, seed=seed, on_token=on_token,
+                            **options)
+    stop = set(engine.config.stop_token_ids if options["stop_ids"] is None
+               else options["stop_ids"])
+    done = np.asarray([len(t) < before or t[-1] in stop for t in first.tokens])
+    if done.all():
+        return first
+    longer = [list(p) + t + [t[-1]] * (before - len(t)) for p, t in zip(prompts, first.tokens)]
+
+    def stream(tokens):
+        on_token(np.where(done, -1, tokens))
+
+    rest = generate_tokens(engine, params, longer, max_new_tokens - before, seed=seed + 1,
+                           on_token=None if on_token is None else stream, **options)
+    tokens = [t if d else t + r for t, r, d in zip(first.tokens, rest.tokens, done)]
+    return GenerationResult(tokens, first.prefill_seconds + rest.prefill_seconds,
+                            first.decode_seconds + rest.decode_seconds,
+                            first.decode_steps + rest.decode_steps, first.first_step_seconds,
+                            first.timed_steps + rest.timed_steps, first.chunk)
+
+
 def generate_tokens(engine: Engine, params, prompts: Sequence[Sequence[int]],
                     max_new_tokens: int = 32, sampling: SamplingConfig = SamplingConfig(),
                     seed: int = 0, stop_ids: Sequence[int] | None = None,
@@ -181,7 +222,9 @@ def generate_tokens(engine: Engine, params, prompts: Sequence[Sequence[int]],
     invalid choice raises. Raises ValueError for an empty prompt or an id outside the
     vocabulary, and `NonFiniteLogits` (a ValueError) when a step's logits hold NaN or
     inf. On a GPU, model weights in the fastest layout (`params.decode_layout`, as
-    `generate` passes them) decode fastest.
+    `generate` passes them) decode fastest. A LongRoPE model whose sequences cross its
+    original context is decoded as transformers does: up to the crossing, then the whole
+    sequence prefilled again with the long factors (`_longrope_crossing`).
     """
     config = engine.config
     if isinstance(max_new_tokens, bool) or not isinstance(max_new_tokens, (int, np.integer)):
@@ -208,6 +251,12 @@ def generate_tokens(engine: Engine, params, prompts: Sequence[Sequence[int]],
             check_token_ids(stop_ids, config.vocab_size, "stop_ids", "[batch]")
     ids, mask = left_pad(prompts, config.padding_id)
     B, T = ids.shape
+    before = _longrope_crossing(config, T, max_new_tokens)
+    if before is not None:
+        options = dict(sampling=sampling, stop_ids=stop_ids, cache_dtype=cache_dtype,
+                       chunk=chunk, choose=choose)
+        return _generate_across(engine, params, prompts, before, max_new_tokens, seed,
+                                on_token, options)
     dtype = cache_dtype or jax.tree.leaves(params)[0].dtype
     chunk = min(chunk, max(max_new_tokens - 1, 1))
     calls = -(-(max_new_tokens - 1) // chunk)

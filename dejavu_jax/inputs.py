@@ -123,12 +123,19 @@ def check_step_tokens(tokens, vocab_size: int, state=None) -> None:
                          "make the state with a larger max_len")
 
 
+def largest_position(positions) -> int | None:
+    """The largest of concrete position ids (this process's shards of an array spanning
+    several), or None for traced ones."""
+    if is_traced(positions):
+        return None
+    return max(int(b.max()) for b in _host_blocks(positions))
+
+
 def check_next_positions(positions, limit: int, what: str = "positions") -> None:
     """Raise ValueError when concrete position ids [B] of the next tokens reach `limit`
     (an OPT model's learned positions end there); traced ones are not checked."""
-    if is_traced(positions):
-        return
-    if max(int(b.max()) for b in _host_blocks(positions)) >= limit:
+    largest = largest_position(positions)
+    if largest is not None and largest >= limit:
         raise ValueError(f"the next token would pass the model's {limit} {what}")
 
 

@@ -16,7 +16,8 @@ from flax import struct
 from dejavu_jax import ops
 from dejavu_jax.config import ModelConfig
 from dejavu_jax.inputs import (check_mask, check_next_positions, check_prompt,
-                               check_step_tokens, check_token_ids, checked, is_traced)
+                               check_step_tokens, check_token_ids, checked, is_traced,
+                               largest_position)
 from dejavu_jax.params import OPT_POSITION_OFFSET, ModelParams, check_fits, scan_layers
 
 F32 = jnp.float32
@@ -172,17 +173,12 @@ def _logits(config, params, input_ids, attention_mask):
 def position_limit(config: ModelConfig) -> tuple[int, str] | None:
     """(positions, what bounds them) for a model with nothing computed past a bound: an OPT
     model's learned positions and dynamic RoPE's default frequencies end at
-    `max_positions`, LongRoPE's short factors at the original context; None for the other
-    rotary models, which compute any position."""
+    `max_positions`; None for the other rotary models, which compute any position."""
     if config.family == "opt":
         return config.max_positions, "learned positions"
     if config.rope_dynamic:
         return config.max_positions, ("positions (dynamic RoPE rescales its frequencies past "
                                       "them; not implemented)")
-    if config.rope_longrope is not None:
-        return int(config.rope_longrope[1]), ("positions of its original context (LongRoPE "
-                                              "switches to its long factors past them; not "
-                                              "implemented)")
     return None
 
 
@@ -196,11 +192,21 @@ def check_positions(config: ModelConfig, length: int) -> None:
 
 
 def check_step_positions(config: ModelConfig, state: DecodeState) -> None:
-    """ValueError when a decode step's tokens would sit past `position_limit` (checked
-    when the state's positions are concrete)."""
+    """ValueError when a decode step's tokens would sit past `position_limit`, or when a
+    LongRoPE model's step would take its sequence past the original context, where the
+    cache (computed with the short factors) must be recomputed with the long ones: prefill
+    the whole sequence instead, as `generate_tokens` does (checked when the state's
+    positions are concrete)."""
     limit = position_limit(config)
     if limit is not None:
         check_next_positions(state.positions, *limit)
+    if config.rope_longrope is not None:
+        original = int(config.rope_longrope[1])
+        if largest_position(state.positions) == original:
+            raise ValueError(
+                f"this step takes the sequence past the model's original context of "
+                f"{original} tokens, where LongRoPE switches to its long factors for every "
+                f"position: prefill the whole sequence again (generate_tokens does)")
 
 
 def logits(config: ModelConfig, params: ModelParams, input_ids,

@@ -90,13 +90,15 @@ def yarn_inverse_frequencies(inv_freq: jax.Array, head_dim: int, theta: float, f
 
 
 def rope_tables(positions: jax.Array, head_dim: int, theta: float,
-                linear_factor: float = 1.0, llama3=None, yarn=None, longrope=None):
+                linear_factor: float = 1.0, llama3=None, yarn=None, longrope=None,
+                long_factors=False):
     """cos and sin tables [..., head_dim] for integer positions (HF Llama convention);
     linear_factor > 1 divides the positions (linear RoPE scaling); llama3, Llama 3's
     scaling settings (`ModelConfig.rope_llama3`), rescales the frequencies; yarn
     (`ModelConfig.rope_yarn`) rescales them and multiplies both tables by its
     attention factor; longrope (`ModelConfig.rope_longrope`) divides each frequency by
-    its short factor and multiplies both tables by its attention factor."""
+    its short factor, or its long one where `long_factors` (a bool, may be traced), and
+    multiplies both tables by its attention factor."""
     inv_freq = 1.0 / (theta ** (jnp.arange(0, head_dim, 2, dtype=F32) / head_dim))
     attention_factor = None
     if linear_factor != 1.0:
@@ -107,8 +109,10 @@ def rope_tables(positions: jax.Array, head_dim: int, theta: float,
         factor, attention_factor, *ramp = yarn
         inv_freq = yarn_inverse_frequencies(inv_freq, head_dim, theta, factor, *ramp)
     if longrope is not None:
-        attention_factor, _, *short_factors = longrope
-        inv_freq = inv_freq / jnp.asarray(short_factors, F32)
+        attention_factor, _, *factors = longrope
+        half = head_dim // 2
+        inv_freq = inv_freq / jnp.where(long_factors, jnp.asarray(factors[half:], F32),
+                                        jnp.asarray(factors[:half], F32))
     angles = positions.astype(F32)[..., None] * inv_freq
     angles = jnp.concatenate([angles, angles], axis=-1)
     if attention_factor is not None:
@@ -135,11 +139,28 @@ def is_sliding(config: ModelConfig, layer):
     return jnp.asarray(config.sliding_layers)[layer]
 
 
-def layer_rope_tables(config: ModelConfig, positions: jax.Array, layer=None):
+def longrope_uses_long_factors(config: ModelConfig, length) -> jax.Array | bool:
+    """Whether a LongRoPE model computes a sequence of `length` tokens (may be traced) with
+    its long factors: past its original context, as transformers decides from the largest
+    position of the call (for the whole sequence: its cache is recomputed on crossing)."""
+    if config.rope_longrope is None:
+        return False
+    return length > config.rope_longrope[1]
+
+
+def layer_rope_tables(config: ModelConfig, positions: jax.Array, layer=None, length=None):
     """cos and sin tables [..., head_dim] of `layer`: sliding layers use
-    `rope_local_theta`, full-attention layers `rope_theta` and `rope_linear_factor`."""
+    `rope_local_theta`, full-attention layers `rope_theta` and `rope_linear_factor`.
+    length: the sequence length that picks LongRoPE's factors (default: the largest
+    position + 1, as transformers takes it)."""
+    long_factors = False
+    if config.rope_longrope is not None:
+        if length is None:
+            length = jnp.max(positions) + 1
+        long_factors = longrope_uses_long_factors(config, length)
     full = rope_tables(positions, config.head_dim, config.rope_theta, config.rope_linear_factor,
-                       config.rope_llama3, config.rope_yarn, config.rope_longrope)
+                       config.rope_llama3, config.rope_yarn, config.rope_longrope,
+                       long_factors)
     if config.rope_local_theta is None or not config.has_sliding_layers:
         return full
     sliding = is_sliding(config, layer)

@@ -379,6 +379,7 @@ def _window_step(config: ModelConfig, scfg: SparseConfig, step: dict) -> dict:
                           % config.n_kv_heads).astype(jnp.int32)
     if config.rotary:  # the window rows' positions; each layer takes its own RoPE tables
         out["positions"] = jnp.maximum(step["positions"][:, None] - back[None], 0)
+        out["length"] = jnp.max(step["positions"]) + 1
     return out
 
 
@@ -402,8 +403,9 @@ def _missing_kv_window(config: ModelConfig, view, io: _LayerIO, layer, win: dict
     # the kernels' head ids are base + group (stacked) or the group (unrolled layers)
     rows0 = layer * Hk - base
     cos = sin = None
-    if "positions" in win:  # this layer's RoPE (Gemma 3's sliding layers have their own)
-        cos, sin = ops.layer_rope_tables(config, win["positions"], layer)
+    if "positions" in win:  # this layer's RoPE (Gemma 3's sliding layers have their own;
+        # LongRoPE's factors are those of the step's length)
+        cos, sin = ops.layer_rope_tables(config, win["positions"], layer, win["length"])
     return kernels.KVWindow(
         x=ring, x_row0=None if ring_row0 is None else jnp.asarray(ring_row0, jnp.int32),
         current=win["current"],

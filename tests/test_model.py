@@ -147,13 +147,14 @@ def test_gemma2_fixture_exercises_every_switch():
 
 
 def test_phi3_longrope_fixture_reads_its_factors():
-    """The LongRoPE fixture's short factors and attention factor (sqrt(1 + ln 4 / ln 64))
-    are read as transformers reads them; plain RoPE moves the logits well away from
+    """The LongRoPE fixture's short and long factors and attention factor (sqrt(1 + ln 4 /
+    ln 64)) are read as transformers reads them; plain RoPE moves the logits well away from
     Hugging Face's."""
     import math
     config, params, ref = _load("phi3-longrope")
-    attention, original, *short = config.rope_longrope
-    assert original == 64 and short == [1.0, 1.3, 1.7, 2.2, 3.0, 4.1, 5.5, 7.0]
+    attention, original, *factors = config.rope_longrope
+    assert original == 64 and factors == [1.0, 1.3, 1.7, 2.2, 3.0, 4.1, 5.5, 7.0,
+                                          1.0, 2.0, 3.0, 5.0, 8.0, 13.0, 21.0, 34.0]
     assert attention == pytest.approx(math.sqrt(1 + math.log(4) / math.log(64)))
     real = ref["attention_mask"].astype(bool)
     scale = np.abs(ref["logits"][real]).max()
