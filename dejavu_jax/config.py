@@ -65,6 +65,11 @@ class ModelConfig:
     final_logit_softcap: logits become cap * tanh(logits / cap) when set.
     attn_logit_softcap: the attention logits (after the query scale) likewise, before the
       softmax (Gemma 2).
+    rotary_dim: the head dimensions RoPE rotates (Phi-3's partial_rotary_factor), or None
+      for all of them. The others pass unrotated; in our weights each query and key head is
+      laid out as (first rotary half, first pass half, second rotary half, second pass
+      half), `ops.rotary_order`, so that rotating halves of the whole head rotates the
+      rotary pairs only.
     """
 
     family: str
@@ -106,6 +111,7 @@ class ModelConfig:
     rope_dynamic: bool = False
     rope_longrope: tuple[float, ...] | None = None
     attn_logit_softcap: float | None = None
+    rotary_dim: int | None = None
 
     def __post_init__(self):
         if self.family not in FAMILIES:
@@ -131,9 +137,9 @@ class ModelConfig:
         if self.rope_longrope is not None:
             object.__setattr__(self, "rope_longrope",
                                tuple(float(v) for v in self.rope_longrope))
-            if len(self.rope_longrope) != 2 + self.head_dim:
+            if len(self.rope_longrope) != 2 + self.rotated_dims:
                 raise ValueError(f"LongRoPE needs one short and one long factor per frequency "
-                                 f"({self.head_dim // 2} each), got "
+                                 f"({self.rotated_dims // 2} each), got "
                                  f"{len(self.rope_longrope) - 2} factors")
         if self.sliding_layers and len(self.sliding_layers) != self.n_layers:
             raise ValueError(f"sliding_layers has {len(self.sliding_layers)} flags for "
@@ -147,6 +153,11 @@ class ModelConfig:
     def rotary(self) -> bool:
         """Whether positions enter through RoPE (every family but OPT)."""
         return self.family != "opt"
+
+    @property
+    def rotated_dims(self) -> int:
+        """The head dimensions RoPE rotates: `rotary_dim`, else the whole head."""
+        return self.head_dim if self.rotary_dim is None else self.rotary_dim
 
     @property
     def layer_norm(self) -> bool:
@@ -250,6 +261,11 @@ def _check_numbers(config: "ModelConfig") -> None:
         if config.head_dim % 2:
             raise ValueError(f"head_dim must be even for rotary embeddings, got "
                              f"{config.head_dim}")
+        rotary = config.rotary_dim
+        if rotary is not None and (isinstance(rotary, bool) or int(rotary) != rotary
+                                   or not 0 < rotary <= config.head_dim or rotary % 2):
+            raise ValueError(f"rotary_dim (head_dim x partial_rotary_factor) must be an even "
+                             f"number in (0, {config.head_dim}], got {rotary!r}")
     for what, value in positive.items():
         if value is not None and not 0 < value < float("inf"):
             raise ValueError(f"{what} must be positive and finite, got {value!r}")
@@ -265,7 +281,8 @@ def _fields_of_older_configs(config: "ModelConfig") -> dict:
     """The config's fields, less the later ones at their defaults (so that a config that
     does not use them keeps the fingerprint it had before they existed)."""
     fields = dataclasses.asdict(config)
-    for later in ("rope_llama3", "rope_yarn", "rope_longrope", "attn_logit_softcap"):
+    for later in ("rope_llama3", "rope_yarn", "rope_longrope", "attn_logit_softcap",
+                  "rotary_dim"):
         if fields[later] is None:
             fields.pop(later)
     if not fields["rope_dynamic"]:
@@ -517,6 +534,19 @@ def _llama_from_hf(hf: dict, name: str) -> ModelConfig:
     rope = hf.get("rope_scaling") or hf.get("rope_parameters")  # as transformers reads them
     kv_default, positions_default = LLAMA_FAMILY_DEFAULTS[hf["model_type"]]
     max_positions = hf.get("max_position_embeddings", positions_default)
+    head_dim = hf.get("head_dim") or hidden // n_heads
+    partial = (rope or {}).get("partial_rotary_factor", hf.get("partial_rotary_factor", 1.0))
+    rotary_dim = None
+    if partial not in (None, 1, 1.0):
+        if hf["model_type"] != "phi3":   # transformers' other Llama-family models ignore it
+            raise ValueError(f"partial_rotary_factor {partial!r} (RoPE on part of each head) "
+                             f"is supported for phi3 only (model {name!r})")
+        if isinstance(partial, bool) or not isinstance(partial, (int, float)) \
+                or not 0 < partial < 1:
+            raise ValueError(f"partial_rotary_factor must be in (0, 1], got {partial!r} "
+                             f"(model {name!r})")
+        # rounded down as transformers does (a GGUF's ratio of whole numbers: back to them)
+        rotary_dim = int(head_dim * partial + 1e-9)
     longrope = None
     if hf["model_type"] == "phi3":
         kind = _rope_kind(rope)[0]
@@ -524,16 +554,11 @@ def _llama_from_hf(hf: dict, name: str) -> ModelConfig:
             raise ValueError(f"Phi-3 rope type {kind!r} is not supported (model {name!r}); "
                              "supported: default, longrope (also read from 'su' and 'yarn')")
         if kind != "default":   # Phi3Config reads "su" and "yarn" as its longrope
-            longrope = _rope_longrope(rope, hf, max_positions,
-                                      hf.get("head_dim") or hidden // n_heads, name)
+            longrope = _rope_longrope(rope, hf, max_positions, rotary_dim or head_dim, name)
             rope = {k: v for k, v in rope.items() if k not in ("rope_type", "type")}
     theta, factor = _rope(rope, hf.get("rope_theta"), 10000.0, name, llama3=True)
     llama3 = _rope_llama3(rope, max_positions)
     yarn = _rope_yarn(rope, max_positions)
-    partial = (rope or {}).get("partial_rotary_factor", hf.get("partial_rotary_factor", 1.0))
-    if partial not in (None, 1, 1.0):
-        raise ValueError(f"partial_rotary_factor {partial!r} (RoPE on part of each head) is "
-                         f"not supported (model {name!r})")
     qwen2 = hf["model_type"] == "qwen2"
     qwen3 = hf["model_type"] == "qwen3"  # Llama's layout with RMSNorm on each head's q and k
     if hf.get("mlp_bias"):
@@ -570,6 +595,7 @@ def _llama_from_hf(hf: dict, name: str) -> ModelConfig:
         rope_yarn=yarn,
         rope_dynamic=_rope_dynamic(rope),
         rope_longrope=longrope,
+        rotary_dim=rotary_dim,
         sliding_window=_window(hf) if any(sliding) else None,
         sliding_layers=sliding if any(sliding) else (),
         tie_embeddings=hf.get("tie_word_embeddings", False),

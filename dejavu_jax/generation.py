@@ -167,9 +167,9 @@ def cache_length(config: ModelConfig, prompt_len: int, max_new_tokens: int,
 def _longrope_crossing(config: ModelConfig, prompt_len: int, max_new_tokens: int):
     """For a LongRoPE model whose padded sequence of `prompt_len` tokens crosses the
     original context while `max_new_tokens` are made: the tokens to make before the
-    crossing (the last of them takes the sequence past it); else None. There transformers'
-    generate drops the cache, computed with the short factors, and runs the whole sequence
-    with the long ones."""
+    crossing (the last of them takes the sequence past it); else None. There the cache,
+    computed with the short factors, is replaced by a prefill of the whole sequence with
+    the long ones."""
     if config.rope_longrope is None:
         return None
     original = int(config.rope_longrope[1])
@@ -223,8 +223,9 @@ def generate_tokens(engine: Engine, params, prompts: Sequence[Sequence[int]],
     vocabulary, and `NonFiniteLogits` (a ValueError) when a step's logits hold NaN or
     inf. On a GPU, model weights in the fastest layout (`params.decode_layout`, as
     `generate` passes them) decode fastest. A LongRoPE model whose sequences cross its
-    original context is decoded as transformers does: up to the crossing, then the whole
-    sequence prefilled again with the long factors (`_longrope_crossing`).
+    original context is decoded up to the crossing, then from the whole sequence
+    prefilled again with the long factors (`_longrope_crossing`), so every token's logits
+    are those of the model's forward over the sequence so far.
     """
     config = engine.config
     if isinstance(max_new_tokens, bool) or not isinstance(max_new_tokens, (int, np.integer)):

@@ -295,8 +295,9 @@ def _hf_config(reader, path) -> dict:
     n_head = int(meta("attention.head_count", required=True))
     n_kv = int(meta("attention.head_count_kv", n_head))
     n_layers = int(meta("block_count", required=True))
-    head_dim = int(meta("attention.key_length", 0) or meta("rope.dimension_count", 0)
-                   or hidden // n_head)
+    key_length = int(meta("attention.key_length", 0) or 0)
+    rope_dims = int(meta("rope.dimension_count", 0) or 0)
+    head_dim = key_length or max(rope_dims, hidden // n_head)
     tokens = reader.fields.get("tokenizer.ggml.tokens")
     vocab = meta("vocab_size") or (len(tokens.data) if tokens is not None else None)
     names = {t.name for t in reader.tensors}
@@ -349,6 +350,8 @@ def _hf_config(reader, path) -> dict:
         if arch == "phi3":
             if any(n.startswith("rope_factors_") for n in names):
                 config.update(_phi3_longrope(reader, path))
+            if 0 < rope_dims < head_dim:   # RoPE on part of each head (Phi-4-mini)
+                config["partial_rotary_factor"] = rope_dims / head_dim
             window = meta("attention.sliding_window")
             config["sliding_window"] = int(window) if window else None
         config.update({

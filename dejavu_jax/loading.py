@@ -18,6 +18,7 @@ import ml_dtypes
 import numpy as np
 from tqdm.auto import tqdm
 
+from dejavu_jax import ops
 from dejavu_jax.checkpoint_files import CheckpointError, TensorSource, open_tensors
 from dejavu_jax.cli import first_line
 from dejavu_jax.config import ModelConfig, from_hf_config
@@ -199,10 +200,27 @@ def params_from_tensors(config: ModelConfig, source: TensorSource, dtype=jnp.flo
             suffix, transform = layer_spec[name]
             stacked = np.empty(shape, np_dtype)  # filled by layer: one host copy at most
             for i in range(config.n_layers):
-                stacked[i] = fetch(prefix.format(i=i) + suffix, transform, shape[1:])
+                stacked[i] = in_rotary_order(config, name,
+                                             fetch(prefix.format(i=i) + suffix, transform,
+                                                   shape[1:]))
             layers[name] = jax.device_put(stacked)
             del stacked
     return ModelParams(layers=LayerParams(**layers), **top)
+
+
+# the head-dimension axis of one layer's tensors that RoPE rotates
+_ROTATED_HEAD_AXIS = {"wq": 1, "bq": 1, "wk": 1, "bk": 1, "q_norm_scale": 0,
+                      "k_norm_scale": 0}
+
+
+def in_rotary_order(config: ModelConfig, name: str, tensor: np.ndarray) -> np.ndarray:
+    """One layer's `name` tensor with each query and key head in `ops.rotary_order` for a
+    model whose RoPE rotates part of each head (`ModelConfig.rotary_dim`); else as given."""
+    if config.rotary_dim is None or config.rotary_dim == config.head_dim \
+            or name not in _ROTATED_HEAD_AXIS:
+        return tensor
+    order = ops.rotary_order(config.head_dim, config.rotary_dim)
+    return np.take(tensor, order, axis=_ROTATED_HEAD_AXIS[name])
 
 
 # per-layer tensors a checkpoint may hold that the math does not read

@@ -6,6 +6,7 @@ import math
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 
 from dejavu_jax.config import ModelConfig
 
@@ -89,16 +90,30 @@ def yarn_inverse_frequencies(inv_freq: jax.Array, head_dim: int, theta: float, f
     return inv_freq / factor * ramp + inv_freq * (1 - ramp)
 
 
+def rotary_order(head_dim: int, rotary_dim: int) -> np.ndarray:
+    """Where each of our head dimensions comes from in the checkpoint's head for RoPE on
+    its first `rotary_dim` dimensions: (first rotary half, first pass half, second rotary
+    half, second pass half), so that the rotary pairs (i, i + rotary_dim / 2) sit
+    head_dim / 2 apart, as rotating halves of the whole head pairs them."""
+    r, p = rotary_dim // 2, (head_dim - rotary_dim) // 2
+    return np.concatenate([np.arange(r), 2 * r + np.arange(p), r + np.arange(r),
+                           2 * r + p + np.arange(p)])
+
+
 def rope_tables(positions: jax.Array, head_dim: int, theta: float,
                 linear_factor: float = 1.0, llama3=None, yarn=None, longrope=None,
-                long_factors=False):
+                long_factors=False, rotary_dim=None):
     """cos and sin tables [..., head_dim] for integer positions (HF Llama convention);
     linear_factor > 1 divides the positions (linear RoPE scaling); llama3, Llama 3's
     scaling settings (`ModelConfig.rope_llama3`), rescales the frequencies; yarn
     (`ModelConfig.rope_yarn`) rescales them and multiplies both tables by its
     attention factor; longrope (`ModelConfig.rope_longrope`) divides each frequency by
     its short factor, or its long one where `long_factors` (a bool, may be traced), and
-    multiplies both tables by its attention factor."""
+    multiplies both tables by its attention factor. rotary_dim < head_dim: the
+    frequencies of a rotary_dim-wide RoPE, laid out as `rotary_order` orders the head,
+    with cos 1 and sin 0 on the dimensions that pass unrotated."""
+    full_width = head_dim
+    head_dim = rotary_dim or head_dim
     inv_freq = 1.0 / (theta ** (jnp.arange(0, head_dim, 2, dtype=F32) / head_dim))
     attention_factor = None
     if linear_factor != 1.0:
@@ -114,10 +129,13 @@ def rope_tables(positions: jax.Array, head_dim: int, theta: float,
         inv_freq = inv_freq / jnp.where(long_factors, jnp.asarray(factors[half:], F32),
                                         jnp.asarray(factors[:half], F32))
     angles = positions.astype(F32)[..., None] * inv_freq
-    angles = jnp.concatenate([angles, angles], axis=-1)
-    if attention_factor is not None:
-        return jnp.cos(angles) * attention_factor, jnp.sin(angles) * attention_factor
-    return jnp.cos(angles), jnp.sin(angles)
+    scale = 1.0 if attention_factor is None else attention_factor
+    cos, sin = jnp.cos(angles) * scale, jnp.sin(angles) * scale
+    if head_dim < full_width:   # the pass dimensions: cos 1, sin 0 (unscaled)
+        rest = (full_width - head_dim) // 2
+        cos = jnp.concatenate([cos, jnp.ones(cos.shape[:-1] + (rest,), F32)], axis=-1)
+        sin = jnp.concatenate([sin, jnp.zeros(sin.shape[:-1] + (rest,), F32)], axis=-1)
+    return jnp.concatenate([cos, cos], axis=-1), jnp.concatenate([sin, sin], axis=-1)
 
 
 def apply_rope(x: jax.Array, cos: jax.Array, sin: jax.Array) -> jax.Array:
@@ -139,35 +157,28 @@ def is_sliding(config: ModelConfig, layer):
     return jnp.asarray(config.sliding_layers)[layer]
 
 
-def longrope_uses_long_factors(config: ModelConfig, length) -> jax.Array | bool:
-    """Whether a LongRoPE model computes a sequence of `length` tokens (may be traced) with
-    its long factors: past its original context, as transformers decides from the largest
-    position of the call (for the whole sequence: its cache is recomputed on crossing)."""
-    if config.rope_longrope is None:
-        return False
-    return length > config.rope_longrope[1]
-
-
 def layer_rope_tables(config: ModelConfig, positions: jax.Array, layer=None, length=None):
     """cos and sin tables [..., head_dim] of `layer`: sliding layers use
     `rope_local_theta`, full-attention layers `rope_theta` and `rope_linear_factor`.
-    length: the sequence length that picks LongRoPE's factors (default: the largest
-    position + 1, as transformers takes it)."""
+    length: the sequence length (may be traced) that picks LongRoPE's factors, the long
+    ones past the original context (default: the largest position + 1, as transformers
+    takes it)."""
     long_factors = False
     if config.rope_longrope is not None:
         if length is None:
             length = jnp.max(positions) + 1
-        long_factors = longrope_uses_long_factors(config, length)
+        long_factors = length > config.rope_longrope[1]
     full = rope_tables(positions, config.head_dim, config.rope_theta, config.rope_linear_factor,
                        config.rope_llama3, config.rope_yarn, config.rope_longrope,
-                       long_factors)
+                       long_factors, config.rotary_dim)
     if config.rope_local_theta is None or not config.has_sliding_layers:
         return full
     sliding = is_sliding(config, layer)
     if sliding is True or sliding is False:
-        return rope_tables(positions, config.head_dim, config.rope_local_theta) if sliding \
-            else full
-    local = rope_tables(positions, config.head_dim, config.rope_local_theta)
+        return rope_tables(positions, config.head_dim, config.rope_local_theta,
+                           rotary_dim=config.rotary_dim) if sliding else full
+    local = rope_tables(positions, config.head_dim, config.rope_local_theta,
+                        rotary_dim=config.rotary_dim)
     return tuple(jnp.where(sliding, lo, fu) for lo, fu in zip(local, full))
 
 

@@ -416,13 +416,14 @@ _GEMMA3_STEMS = {**_GEMMA2_STEMS, "self_attn.q_norm": "attn_q_norm",
                  "self_attn.k_norm": "attn_k_norm"}
 
 
-def _fixture_as_gguf(name, path, extra_tensors=None, rope_scaling=None):
+def _fixture_as_gguf(name, path, extra_tensors=None, rope_scaling=None, extra_keys=None):
     """Write the tiny HF fixture `name` (qwen2, qwen3-window, phi3-window, gemma2 or gemma3)
     as llama.cpp would: its names (Phi-3's fused tensors kept fused), Gemma's norms stored
     as 1 + w, no q/k permutation (rotate-half RoPE in all five); Qwen3's sliding window is
     not written (llama.cpp's qwen3 has none), Phi-3's is, Gemma 2's without a pattern
     (llama.cpp's gemma2 slides on the even layers). rope_scaling: `{arch}.rope.scaling.*`
-    keys to add (strings, ints as uint32, floats as float32)."""
+    keys to add (strings, ints as uint32, floats as float32); extra_keys: other keys, by
+    their full names, likewise."""
     import json
 
     from safetensors.numpy import load_file
@@ -465,11 +466,13 @@ def _fixture_as_gguf(name, path, extra_tensors=None, rope_scaling=None):
         if "head_dim" in hf:
             w.add_key_length(hf["head_dim"])
             w.add_value_length(hf["head_dim"])
-        if arch == "phi3":
+        if arch == "phi3" and hf.get("sliding_window"):
             w.add_sliding_window(hf["sliding_window"])
-    for key, value in (rope_scaling or {}).items():
+    keys = {**{f"{arch}.rope.scaling.{k}": v for k, v in (rope_scaling or {}).items()},
+            **(extra_keys or {})}
+    for key, value in keys.items():
         add = {str: w.add_string, int: w.add_uint32, float: w.add_float32}[type(value)]
-        add(f"{arch}.rope.scaling.{key}", value)
+        add(key, value)
     for key, t in sd.items():
         if key == "model.embed_tokens.weight":
             stem = "token_embd.weight"
@@ -608,6 +611,38 @@ def test_a_phi3_gguf_with_longrope_factors_loads_as_its_hf_checkpoint(tmp_path, 
     assert config.rope_longrope[:2] == ((1.25 if attn_factor else
                                          float(np.sqrt(1 + np.log(4) / np.log(32)))), 32.0)
     _assert_scaled_logits_equal(HF_FIXTURES / "phi3-window", config, params, hf_config, hf_params)
+
+
+def test_a_phi4_mini_like_gguf_rotates_part_of_each_head(tmp_path):
+    """llama.cpp writes Phi-4-mini's partial RoPE as a rope dimension count below the head
+    width (and no key length): the GGUF of the phi3-partial fixture (RoPE on 8 of 16
+    dimensions, LongRoPE factors as tensors) gives its config and transformers' logits,
+    past its original context too."""
+    import json
+
+    import dejavu_jax as dj
+    import jax.numpy as jnp
+    hf = json.loads((HF_FIXTURES / "phi3-partial" / "config.json").read_text())
+    rope = hf["rope_parameters"]
+    path = _fixture_as_gguf(
+        "phi3-partial", tmp_path / "m.gguf",
+        extra_tensors={f"rope_factors_{w}.weight": np.asarray(rope[f"{w}_factor"], np.float32)
+                       for w in ("short", "long")},
+        rope_scaling={"original_context_length": 64},
+        extra_keys={"phi3.rope.dimension_count": 8})
+    config, params = dj.load_pretrained(path, dtype=jnp.float32, progress=False)
+    hf_config, _ = dj.load_pretrained(HF_FIXTURES / "phi3-partial", dtype=jnp.float32,
+                                      progress=False)
+    assert config.head_dim == 16 and config.rotary_dim == 8
+    assert config.replace(name="m", pad_token_id=0) == hf_config.replace(name="m",
+                                                                          pad_token_id=0)
+    ref = np.load(HF_FIXTURES / "phi3-partial" / "reference.npz")
+    for ids, mask, want in ((ref["input_ids"], ref["attention_mask"], ref["logits"]),
+                            (ref["long_input_ids"], ref["long_attention_mask"],
+                             ref["long_logits"])):
+        real = mask.astype(bool)
+        out = np.asarray(dj.logits(config, params, ids, mask))
+        assert np.abs(out[real] - want[real]).max() <= 1e-4 * np.abs(want[real]).max()
 
 
 def test_a_phi3_gguf_with_one_longrope_factor_tensor_is_refused(tmp_path):

@@ -16,7 +16,8 @@ from dejavu_jax.params import fuse_qkv, has_fused_qkv, unstack_layers
 HF = Path(__file__).parent / "fixtures" / "hf"
 VARIANTS = ["opt-preln", "opt-postln-proj", "opt-fp16-prefix", "opt-bin",
             "llama-gqa", "llama-mha", "qwen2", "gemma3", "mistral-window", "llama-rope3",
-            "llama-yarn", "qwen3-window", "phi3-window", "phi3-longrope", "gemma2"]
+            "llama-yarn", "qwen3-window", "phi3-window", "phi3-longrope", "phi3-partial",
+            "gemma2"]
 
 
 def _load(name):
@@ -41,7 +42,8 @@ def test_logits_match_hugging_face(name):
 
 @pytest.mark.parametrize("name", ["opt-preln", "opt-postln-proj", "llama-gqa", "gemma3",
                                   "mistral-window", "llama-rope3", "llama-yarn",
-                                  "qwen3-window", "phi3-window", "phi3-longrope", "gemma2"])
+                                  "qwen3-window", "phi3-window", "phi3-longrope",
+                                  "phi3-partial", "gemma2"])
 def test_cached_decode_reproduces_full_forward(name):
     config, params, ref = _load(name)
     ids, mask = ref["input_ids"], ref["attention_mask"]
@@ -69,7 +71,8 @@ def test_greedy_ids_match_hugging_face(name):
 
 
 @pytest.mark.parametrize("name", ["opt-preln", "opt-bin", "llama-mha", "qwen2", "gemma3",
-                                  "qwen3-window", "phi3-window", "phi3-longrope", "gemma2"])
+                                  "qwen3-window", "phi3-window", "phi3-longrope",
+                                  "phi3-partial", "gemma2"])
 def test_decode_logits_along_greedy_path_match_hugging_face(name):
     config, params, ref = _load(name)
     _check_greedy_path_logits(config, params, ref)

@@ -100,21 +100,24 @@ def test_equal_factors_give_linear_ropes_logits(length, factor):
 
 def _short_factors_only(config):
     """`config` with its long factors replaced by its short ones."""
-    half = config.head_dim // 2
+    half = config.rotated_dims // 2
     return config.replace(rope_longrope=config.rope_longrope[:2 + half]
                           + config.rope_longrope[2:2 + half])
 
 
-def _fixture():
-    config, params = dj.load_pretrained(HF / "phi3-longrope", dtype=jnp.float32,
-                                        progress=False)
-    return config, params, np.load(HF / "phi3-longrope" / "reference.npz")
+FIXTURES = ["phi3-longrope", "phi3-partial"]   # the second: RoPE on half of each head
 
 
-def test_logits_past_the_original_context_match_hugging_face():
+def _fixture(name):
+    config, params = dj.load_pretrained(HF / name, dtype=jnp.float32, progress=False)
+    return config, params, np.load(HF / name / "reference.npz")
+
+
+@pytest.mark.parametrize("name", FIXTURES)
+def test_logits_past_the_original_context_match_hugging_face(name):
     """80 tokens (the original context is 64), one row left-padded: transformers' logits,
     with the long factors for every position; the short ones give other logits."""
-    config, params, ref = _fixture()
+    config, params, ref = _fixture(name)
     ids, mask = ref["long_input_ids"], ref["long_attention_mask"]
     real = mask.astype(bool)
     want = ref["long_logits"][real]
@@ -124,12 +127,13 @@ def test_logits_past_the_original_context_match_hugging_face():
     assert np.abs(short - want).max() > 1e-2 * np.abs(want).max()
 
 
-@pytest.mark.parametrize("chunk", [1, 8])
-def test_generation_across_the_original_context_matches_hugging_face(chunk):
+@pytest.mark.parametrize("name,chunk", [("phi3-longrope", 1), ("phi3-longrope", 8),
+                                        ("phi3-partial", 8)])
+def test_generation_across_the_original_context_matches_hugging_face(name, chunk):
     """A 60-token prompt, 12 greedy tokens: the sequence passes 64 tokens at the 5th, where
     the cache is recomputed with the long factors; the ids and every step's logits are
     those of transformers' full forward of the sequence so far, for any chunk length."""
-    config, params, ref = _fixture()
+    config, params, ref = _fixture(name)
     prompt, want = ref["cross_prompt_ids"].tolist(), ref["cross_generated_ids"].tolist()
     out = dj.generate_tokens(dj.dense_engine(config), params, [prompt], len(want),
                              stop_ids=[], chunk=chunk)
@@ -158,7 +162,7 @@ def test_a_batch_crossing_the_original_context_keeps_its_rows():
     the same batch decoded with the whole sequence recomputed at every token (dj.logits on
     the left-padded batch, as transformers without a cache), and a row that stops before
     the crossing keeps its tokens."""
-    config, params, ref = _fixture()
+    config, params, ref = _fixture("phi3-longrope")
     long_prompt = ref["cross_prompt_ids"].tolist()
     prompts = [long_prompt, long_prompt[7:30]]
     got = dj.generate_tokens(dj.dense_engine(config), params, prompts, 9, stop_ids=[])
@@ -179,11 +183,12 @@ def test_a_batch_crossing_the_original_context_keeps_its_rows():
     assert len(upto(got.tokens[1])) == 2 and stopped.tokens == [upto(t) for t in got.tokens]
 
 
-def test_the_sparse_engine_crosses_the_original_context_as_transformers():
+@pytest.mark.parametrize("name", FIXTURES)
+def test_the_sparse_engine_crosses_the_original_context_as_transformers(name):
     """Every unit selected, kv_window 4, through the sparse engine: the reference's greedy
     ids across the crossing (the sparse prefill, steps and missing-KV window take the
     factors of the sequence's length)."""
-    config, params, ref = _fixture()
+    config, params, ref = _fixture(name)
     scfg = sparse.sparse_config(config, 1.0, 1.0, dense_layers=1, kv_window=4)
     eng = sparse.sparse_engine(config, scfg, sparse.fixed_selector)
     sets = (jnp.tile(jnp.arange(config.ffn, dtype=jnp.int32), (config.n_layers, 1)),
@@ -209,3 +214,41 @@ def test_the_sparse_step_applies_longrope_as_the_dense_one():
         assert_finite_close(sparse_logits, dense_logits, atol=2e-6 * scale, err_msg=f"step {i}")
     far = _run_both(_short_factors_only(config), params, scfg, _full_sets(config), prompts, steps=6, dense=False)
     assert np.abs(far[-1][1] - steps[-1][1]).max() > 1e-3 * scale
+
+
+@pytest.mark.parametrize("head_dim,rotary_dim", [(16, 8), (128, 96), (10, 4)])
+def test_partial_rotary_layout_rotates_as_transformers(head_dim, rotary_dim):
+    """RoPE on the first `rotary_dim` dimensions of a head, as transformers' Phi-3 applies
+    it (rotate halves of those dimensions, pass the others), equals our whole-head
+    rotation of the head in `rotary_order` with the tables `rope_tables` makes for it."""
+    rng = np.random.default_rng(0)
+    x = rng.standard_normal((3, 2, head_dim))                # [positions, heads, head_dim]
+    positions = np.array([0, 7, 300])
+    inv = 1.0 / (1e4 ** (np.arange(0, rotary_dim, 2) / rotary_dim))
+    angles = positions[:, None] * inv
+    cos, sin = (np.concatenate([f(angles)] * 2, -1)[:, None] for f in (np.cos, np.sin))
+    rot, rest = x[..., :rotary_dim], x[..., rotary_dim:]
+    half = rotary_dim // 2
+    turned = np.concatenate([-rot[..., half:], rot[..., :half]], -1)
+    want = np.concatenate([rot * cos + turned * sin, rest], -1)
+    order = ops.rotary_order(head_dim, rotary_dim)
+    assert sorted(order.tolist()) == list(range(head_dim))
+    tables = ops.rope_tables(jnp.asarray(positions), head_dim, 1e4, rotary_dim=rotary_dim)
+    got = np.asarray(ops.apply_rope(jnp.asarray(x[..., order], jnp.float32), *tables))
+    np.testing.assert_allclose(got, want[..., order], rtol=1e-5, atol=1e-4)
+
+
+@pytest.mark.parametrize("partial, words", [
+    (0.5, None), (1.5, "partial_rotary_factor must be in"),
+    (0.1, "rotary_dim .* must be an even number")])
+def test_partial_rotary_factor_read_for_phi3_only(partial, words):
+    """Phi-3 reads partial_rotary_factor (a rotary width of head_dim x factor, even); the
+    other Llama-family models, whose transformers code rotates whole heads, refuse it."""
+    hf = {**PHI3, "partial_rotary_factor": partial}
+    if words is None:
+        assert from_hf_config(hf).rotary_dim == HEAD_DIM // 2
+        with pytest.raises(ValueError, match="supported for phi3 only"):
+            from_hf_config({**hf, "model_type": "llama"})
+    else:
+        with pytest.raises(ValueError, match=words):
+            from_hf_config(hf)
