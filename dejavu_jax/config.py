@@ -60,8 +60,7 @@ class ModelConfig:
       per frequency...), or None: each frequency is divided by its short factor, or by its
       long one for a sequence longer than the original context, and the rotary tables are
       scaled by attention_factor, as transformers computes them (`generate_tokens`
-      recomputes the cache where a sequence crosses the original context, as
-      transformers' generate does).
+      recomputes the cache where a sequence crosses the original context).
     final_logit_softcap: logits become cap * tanh(logits / cap) when set.
     attn_logit_softcap: the attention logits (after the query scale) likewise, before the
       softmax (Gemma 2).
@@ -377,7 +376,7 @@ def _rope_dynamic(params: dict | None) -> bool:
     return True
 
 
-def _rope_longrope(params: dict, hf: dict, max_positions: int, head_dim: int,
+def _rope_longrope(params: dict, hf: dict, max_positions: int, rotary_dims: int,
                    name: str) -> tuple[float, ...]:
     """Phi-3's LongRoPE settings as transformers reads them (`ModelConfig.rope_longrope`):
     the original context is the config's top-level original_max_position_embeddings
@@ -388,10 +387,10 @@ def _rope_longrope(params: dict, hf: dict, max_positions: int, head_dim: int,
     lists = {}
     for key in ("short_factor", "long_factor"):
         values = params.get(key)
-        if not isinstance(values, (list, tuple)) or len(values) != head_dim // 2 or any(
+        if not isinstance(values, (list, tuple)) or len(values) != rotary_dims // 2 or any(
                 isinstance(v, bool) or not isinstance(v, (int, float)) for v in values):
             raise ValueError(f"longrope RoPE scaling needs {key}, a list of "
-                             f"{head_dim // 2} numbers (model {name!r}), got {values!r}")
+                             f"{rotary_dims // 2} numbers (model {name!r}), got {values!r}")
         lists[key] = [float(v) for v in values]
     factor = params.get("factor") or max_positions / original
     attention = params.get("attention_factor")

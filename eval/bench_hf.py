@@ -105,6 +105,14 @@ def hf_config_dict(config) -> tuple[str, dict]:
     full_rope = ({"rope_type": "linear", "factor": c.rope_linear_factor, "rope_theta": c.rope_theta}
                  if c.rope_linear_factor != 1.0 else
                  {"rope_type": "default", "rope_theta": c.rope_theta})
+    if c.family == "gemma3" and not c.qk_norm:   # Gemma 2: one RoPE, capped attention
+        kw.update(hidden_activation="gelu_pytorch_tanh", attention_bias=c.attention_bias,
+                  query_pre_attn_scalar=round(c.attention_scale ** -2),
+                  sliding_window=c.sliding_window or 4096,
+                  layer_types=layer_types or ["full_attention"] * c.n_layers,
+                  final_logit_softcapping=c.final_logit_softcap,
+                  attn_logit_softcapping=c.attn_logit_softcap, rope_parameters=full_rope)
+        return "gemma2", kw
     if c.family == "gemma3":
         local = c.rope_local_theta if c.rope_local_theta is not None else c.rope_theta
         kw.update(hidden_activation="gelu_pytorch_tanh", attention_bias=c.attention_bias,
@@ -112,11 +120,14 @@ def hf_config_dict(config) -> tuple[str, dict]:
                   sliding_window=c.sliding_window or 4096,
                   layer_types=layer_types or ["full_attention"] * c.n_layers,
                   final_logit_softcapping=c.final_logit_softcap,
+                  attn_logit_softcapping=c.attn_logit_softcap,
                   rope_parameters={"full_attention": full_rope,
                                    "sliding_attention": {"rope_type": "default",
                                                          "rope_theta": local}})
         return "gemma3_text", kw
     kw.update(hidden_act=c.activation, rope_theta=c.rope_theta, rope_parameters=full_rope)
+    if c.rope_longrope is not None or c.rotary_dim is not None:   # Phi-3's own RoPE
+        return "phi3", _phi3_kwargs(c, kw, layer_types)
     if c.family == "qwen2":
         if layer_types:
             kw.update(use_sliding_window=True, sliding_window=c.sliding_window,
@@ -131,15 +142,34 @@ def hf_config_dict(config) -> tuple[str, dict]:
     return "llama", kw
 
 
+def _phi3_kwargs(c, kw: dict, layer_types) -> dict:
+    """Phi3Config keywords: its LongRoPE factors and partial rotary factor."""
+    rope = dict(kw["rope_parameters"],
+                partial_rotary_factor=c.rotated_dims / c.head_dim)
+    kw = {k: v for k, v in kw.items() if k != "head_dim"}
+    if c.rope_longrope is not None:
+        attention, original, *factors = c.rope_longrope
+        half = len(factors) // 2
+        rope.update(rope_type="longrope", attention_factor=attention,
+                    original_max_position_embeddings=int(original),
+                    short_factor=factors[:half], long_factor=factors[half:])
+        kw["original_max_position_embeddings"] = int(original)
+    if layer_types:
+        kw["sliding_window"] = c.sliding_window
+    return dict(kw, rope_parameters=rope, partial_rotary_factor=rope["partial_rotary_factor"])
+
+
 HF_CLASSES = {"opt": ("OPTConfig", "OPTForCausalLM"), "llama": ("LlamaConfig", "LlamaForCausalLM"),
               "qwen2": ("Qwen2Config", "Qwen2ForCausalLM"),
               "qwen3": ("Qwen3Config", "Qwen3ForCausalLM"),
+              "gemma2": ("Gemma2Config", "Gemma2ForCausalLM"),
+              "phi3": ("Phi3Config", "Phi3ForCausalLM"),
               "gemma3_text": ("Gemma3TextConfig", "Gemma3ForCausalLM")}
 
 
 def hf_config(config):
-    """A transformers config (OPT, Llama, Qwen2, Qwen3 or Gemma 3 text) with our ModelConfig's
-    sizes."""
+    """A transformers config (OPT, Llama, Qwen2, Qwen3, Phi-3, Gemma 2 or Gemma 3 text) with
+    our ModelConfig's sizes."""
     import transformers
     kind, kw = hf_config_dict(config)
     return getattr(transformers, HF_CLASSES[kind][0])(**kw)

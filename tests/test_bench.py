@@ -136,6 +136,19 @@ def test_hf_config_round_trips(name):
     assert config_lib.from_hf_config(hf, name=name) == config
 
 
+@pytest.mark.parametrize("fixture", ["gemma2", "gemma3", "phi3-longrope", "phi3-partial"])
+def test_hf_config_round_trips_for_fixture_configs(fixture):
+    """The same for configs read from the fixtures' HF checkpoints: Gemma 2's attention
+    soft-cap, Phi-3's LongRoPE factors and partial rotary width survive the round trip."""
+    pytest.importorskip("transformers")
+    from pathlib import Path
+
+    from dejavu_jax.loading import read_config
+    config = read_config(Path(__file__).parent / "fixtures" / "hf" / fixture)
+    hf = bench_hf.hf_config(config).to_dict()
+    assert config_lib.from_hf_config(hf, name=config.name) == config
+
+
 def test_cache_len_holds_every_step():
     # prompt + synchronised warmup and steps + the two device-loop runs, with a margin
     assert bench_hf.cache_len(128, 3, 20) == 128 + 3 + 20 + 2 * 20 + 64
