@@ -13,7 +13,7 @@ from typing import Any
 
 from dejavu_jax.hf_values import check_hf_values, id_list
 
-FAMILIES = ("opt", "llama", "qwen2", "gemma3")
+FAMILIES = ("opt", "llama", "qwen2", "gemma", "gemma3")
 ACTIVATIONS = ("relu", "silu", "gelu", "gelu_tanh")
 
 
@@ -23,7 +23,8 @@ class ModelConfig:
 
     family: "opt" (learned positions, LayerNorm, ReLU MLP, biases), or a rotary family
       with RMSNorm and a gated MLP: "llama" (SwiGLU, grouped-query attention; also Mistral,
-      Phi-3, and Qwen3 with q/k norms), "qwen2" (Llama with q/k/v biases) or "gemma3"
+      Phi-3, and Qwen3 with q/k norms), "qwen2" (Llama with q/k/v biases), "gemma" (Gemma
+      1: Llama's layout, GeGLU, norms multiplying by 1 + w, a scaled embedding) or "gemma3"
       (GeGLU, post-norms, sliding-window layers; Gemma 3 with q/k norms, Gemma 2 with
       soft-capped attention logits instead). The family picks the
       checkpoint's tensor names; the switches below pick the math, so every family runs
@@ -295,7 +296,7 @@ def _hash(fields: dict) -> str:
 
 def from_hf_config(hf: dict, name: str = "custom") -> ModelConfig:
     """Build a ModelConfig from a Hugging Face `config.json` dict (OPT, Llama, Mistral,
-    Qwen2, Qwen3, Phi-3, Gemma 2 or Gemma 3; for the multimodal `gemma3` its
+    Qwen2, Qwen3, Phi-3, Gemma, Gemma 2 or Gemma 3; for the multimodal `gemma3` its
     `text_config`)."""
     check_hf_values(hf)
     model_type = hf.get("model_type")
@@ -315,10 +316,12 @@ def from_hf_config(hf: dict, name: str = "custom") -> ModelConfig:
         return _gemma3_from_hf(hf, name)
     if model_type == "gemma2":
         return _gemma2_from_hf(hf, name)
+    if model_type == "gemma":
+        return _gemma_from_hf(hf, name)
     raise ValueError(
         f"unknown model_type {model_type!r} in config.json (model {name!r}); "
-        "supported: 'opt', 'llama', 'mistral', 'qwen2', 'qwen3', 'phi3', 'gemma2', "
-        "'gemma3_text', 'gemma3'")
+        "supported: 'opt', 'llama', 'mistral', 'qwen2', 'qwen3', 'phi3', 'gemma', "
+        "'gemma2', 'gemma3_text', 'gemma3'")
 
 
 def _rope_kind(params: dict | None) -> tuple[str, dict]:
@@ -663,6 +666,51 @@ def _gemma3_from_hf(hf: dict, name: str) -> ModelConfig:
         sliding_layers=sliding if any(sliding) else (),
         final_logit_softcap=hf.get("final_logit_softcapping"),
         attn_logit_softcap=hf.get("attn_logit_softcapping"),
+        tie_embeddings=hf.get("tie_word_embeddings", True),
+        bos_token_id=hf.get("bos_token_id", 2),
+        eos_token_id=_first(hf.get("eos_token_id", 1)),
+        extra_eos_token_ids=_rest(hf.get("eos_token_id", 1)),
+        pad_token_id=hf.get("pad_token_id", 0),
+        name=name,
+    )
+
+
+_GEMMA_ACTIVATIONS = {"gelu_pytorch_tanh": "gelu_tanh", "gelu_new": "gelu_tanh",
+                      "gelu": "gelu"}   # transformers 5's GemmaMLP takes hidden_act as named
+
+
+def _gemma_from_hf(hf: dict, name: str) -> ModelConfig:
+    """Gemma (1): Llama's layout and names with GeGLU, RMSNorms multiplying by 1 + w and
+    the embedding scaled by sqrt(hidden); no windows, post-norms or soft-caps."""
+    act = hf.get("hidden_act", "gelu_pytorch_tanh")
+    if act not in _GEMMA_ACTIVATIONS:
+        raise ValueError(f"gemma hidden_act {act!r} is not supported (model {name!r}); "
+                         f"supported: {', '.join(_GEMMA_ACTIVATIONS)}")
+    if hf.get("use_bidirectional_attention"):
+        raise ValueError(f"use_bidirectional_attention is not supported (model {name!r})")
+    hidden = hf.get("hidden_size", 3072)
+    n_heads = hf.get("num_attention_heads", 16)
+    rope = {**(hf.get("rope_parameters") or {}), **(hf.get("rope_scaling") or {})}
+    theta, factor = _rope(rope, hf.get("rope_theta"), 10_000.0, name)
+    return ModelConfig(
+        family="gemma",
+        vocab_size=hf.get("vocab_size", 256_000),
+        hidden=hidden,
+        n_layers=hf.get("num_hidden_layers", 28),
+        n_heads=n_heads,
+        n_kv_heads=hf.get("num_key_value_heads") or n_heads,
+        head_dim=hf.get("head_dim", 256),
+        ffn=hf.get("intermediate_size", 24576),
+        max_positions=hf.get("max_position_embeddings", 8192),
+        embed_dim=hidden,
+        norm_eps=hf.get("rms_norm_eps", 1e-6),
+        activation=_GEMMA_ACTIVATIONS[act],
+        gated_mlp=True,
+        attention_bias=hf.get("attention_bias", False),
+        mlp_bias=False,
+        rope_theta=theta,
+        rope_linear_factor=factor,
+        embed_scale=hidden ** 0.5,
         tie_embeddings=hf.get("tie_word_embeddings", True),
         bos_token_id=hf.get("bos_token_id", 2),
         eos_token_id=_first(hf.get("eos_token_id", 1)),

@@ -1,5 +1,5 @@
-"""Read GGUF files (llama, qwen2, qwen3, phi3, gemma2, gemma3) as Hugging Face configs and
-tensors.
+"""Read GGUF files (llama, qwen2, qwen3, phi3, gemma, gemma2, gemma3) as Hugging Face
+configs and tensors.
 
 `open_gguf(path)` returns `(hf_config, tensors)`: a dict shaped like the Hugging Face
 `config.json` of the architecture (`LlamaForCausalLM`, `Qwen2ForCausalLM`,
@@ -13,7 +13,7 @@ What llama.cpp's converter changed is undone, so the weights equal the checkpoin
   - llama: the rows of q_proj / k_proj are permuted per head (the two rotary halves
     interleaved, for RoPE on adjacent pairs); they are un-permuted for HF's `rotate_half`.
     Qwen2 and Gemma use rotate-half RoPE in llama.cpp too and are stored as they are.
-  - gemma2, gemma3: every RMSNorm weight w is stored as 1 + w (Gemma's norms multiply by
+  - gemma, gemma2, gemma3: every RMSNorm weight w is stored as 1 + w (Gemma's norms multiply by
     1 + w); 1 is subtracted again.
 """
 
@@ -42,7 +42,7 @@ __all__ = [
     "default_cache_dir",
 ]
 
-SUPPORTED_ARCHITECTURES = ("llama", "qwen2", "qwen3", "phi3", "gemma2", "gemma3")
+SUPPORTED_ARCHITECTURES = ("llama", "qwen2", "qwen3", "phi3", "gemma", "gemma2", "gemma3")
 SUPPORTED_QUANT_TYPES = ("F32", "F16", "BF16", "Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q8_0",
                          "Q2_K", "Q3_K", "Q4_K", "Q5_K", "Q6_K")
 DEQUANT_CHUNK_VALUES = 1 << 24  # values dequantised per call (gguf's temporaries scale with it)
@@ -67,6 +67,7 @@ _LAYER_NAMES = {
     # Phi-3's fused q/k/v and gate/up (ffn_up holds both), split by `fused_tensors`
     "phi3": {**_LLAMA_LAYER_NAMES, "attn_qkv": "self_attn.qkv_proj",
              "ffn_up": "mlp.gate_up_proj"},
+    "gemma": _LLAMA_LAYER_NAMES,
     "gemma2": {
         **_LLAMA_LAYER_NAMES,
         "ffn_norm": "pre_feedforward_layernorm",
@@ -85,6 +86,7 @@ _HF_ARCHITECTURES = {"llama": ("LlamaForCausalLM", "llama"),
                      "qwen2": ("Qwen2ForCausalLM", "qwen2"),
                      "qwen3": ("Qwen3ForCausalLM", "qwen3"),
                      "phi3": ("Phi3ForCausalLM", "phi3"),
+                     "gemma": ("GemmaForCausalLM", "gemma"),
                      "gemma2": ("Gemma2ForCausalLM", "gemma2"),
                      "gemma3": ("Gemma3ForCausalLM", "gemma3_text")}
 GEMMA3_LOCAL_ROPE_THETA = 10_000.0  # llama.cpp's fixed base of Gemma 3's sliding layers
@@ -346,6 +348,9 @@ def _hf_config(reader, path) -> dict:
         })
         if arch == "gemma3":
             config["rope_local_base_freq"] = GEMMA3_LOCAL_ROPE_THETA
+    elif arch == "gemma":   # llama.cpp's GELU is the tanh approximation
+        config.update({"hidden_act": "gelu_pytorch_tanh",
+                       "attention_bias": any(n.endswith("attn_q.bias") for n in names)})
     else:
         if arch == "phi3":
             if any(n.startswith("rope_factors_") for n in names):
@@ -387,7 +392,7 @@ def open_gguf(path):
             w = unpermute_qk(w, config["num_attention_heads"])
         elif arch == "llama" and ".self_attn.k_proj." in name:
             w = unpermute_qk(w, config["num_key_value_heads"])
-        elif arch in ("gemma2", "gemma3") and name.endswith("norm.weight"):
+        elif arch.startswith("gemma") and name.endswith("norm.weight"):
             w -= 1.0
         return w
 

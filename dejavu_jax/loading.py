@@ -113,11 +113,16 @@ GEMMA3_LAYER = {
     "q_norm_scale": ("self_attn.q_norm.weight", _gemma_norm),
     "k_norm_scale": ("self_attn.k_norm.weight", _gemma_norm),
 }
+GEMMA_LAYER = {**LLAMA_LAYER,
+               "attn_norm_scale": ("input_layernorm.weight", _gemma_norm),
+               "mlp_norm_scale": ("post_attention_layernorm.weight", _gemma_norm)}
 LAYER_PREFIX = {"opt": "decoder.layers.{i}.", "llama": "model.layers.{i}.",
-                "qwen2": "model.layers.{i}.", "gemma3": "model.layers.{i}."}
+                "qwen2": "model.layers.{i}.", "gemma": "model.layers.{i}.",
+                "gemma3": "model.layers.{i}."}
 # Hugging Face names of a family's tensors, by ModelParams / LayerParams leaf
 NAME_SPECS = {"opt": (OPT_TOP, OPT_LAYER), "llama": (LLAMA_TOP, LLAMA_LAYER),
-              "qwen2": (LLAMA_TOP, LLAMA_LAYER), "gemma3": (GEMMA3_TOP, GEMMA3_LAYER)}
+              "qwen2": (LLAMA_TOP, LLAMA_LAYER), "gemma": (GEMMA3_TOP, GEMMA_LAYER),
+              "gemma3": (GEMMA3_TOP, GEMMA3_LAYER)}
 # a multimodal Gemma 3 checkpoint's text tensors sit under one of these prefixes
 _GEMMA3_TEXT_PREFIXES = (("model.language_model.", "model."),
                          ("language_model.model.", "model."),

@@ -105,6 +105,10 @@ def hf_config_dict(config) -> tuple[str, dict]:
     full_rope = ({"rope_type": "linear", "factor": c.rope_linear_factor, "rope_theta": c.rope_theta}
                  if c.rope_linear_factor != 1.0 else
                  {"rope_type": "default", "rope_theta": c.rope_theta})
+    if c.family == "gemma":
+        kw.update(hidden_act={"gelu_tanh": "gelu_pytorch_tanh"}.get(c.activation, c.activation),
+                  attention_bias=c.attention_bias, rope_parameters=full_rope)
+        return "gemma", kw
     if c.family == "gemma3" and not c.qk_norm:   # Gemma 2: one RoPE, capped attention
         kw.update(hidden_activation="gelu_pytorch_tanh", attention_bias=c.attention_bias,
                   query_pre_attn_scalar=round(c.attention_scale ** -2),
@@ -162,14 +166,15 @@ def _phi3_kwargs(c, kw: dict, layer_types) -> dict:
 HF_CLASSES = {"opt": ("OPTConfig", "OPTForCausalLM"), "llama": ("LlamaConfig", "LlamaForCausalLM"),
               "qwen2": ("Qwen2Config", "Qwen2ForCausalLM"),
               "qwen3": ("Qwen3Config", "Qwen3ForCausalLM"),
+              "gemma": ("GemmaConfig", "GemmaForCausalLM"),
               "gemma2": ("Gemma2Config", "Gemma2ForCausalLM"),
               "phi3": ("Phi3Config", "Phi3ForCausalLM"),
               "gemma3_text": ("Gemma3TextConfig", "Gemma3ForCausalLM")}
 
 
 def hf_config(config):
-    """A transformers config (OPT, Llama, Qwen2, Qwen3, Phi-3, Gemma 2 or Gemma 3 text) with
-    our ModelConfig's sizes."""
+    """A transformers config (OPT, Llama, Qwen2, Qwen3, Phi-3, Gemma, Gemma 2 or Gemma 3
+    text) with our ModelConfig's sizes."""
     import transformers
     kind, kw = hf_config_dict(config)
     return getattr(transformers, HF_CLASSES[kind][0])(**kw)

@@ -136,7 +136,8 @@ def test_hf_config_round_trips(name):
     assert config_lib.from_hf_config(hf, name=name) == config
 
 
-@pytest.mark.parametrize("fixture", ["gemma2", "gemma3", "phi3-longrope", "phi3-partial"])
+@pytest.mark.parametrize("fixture", ["gemma", "gemma2", "gemma3", "phi3-longrope",
+                                     "phi3-partial"])
 def test_hf_config_round_trips_for_fixture_configs(fixture):
     """The same for configs read from the fixtures' HF checkpoints: Gemma 2's attention
     soft-cap, Phi-3's LongRoPE factors and partial rotary width survive the round trip."""

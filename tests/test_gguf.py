@@ -431,7 +431,7 @@ def _fixture_as_gguf(name, path, extra_tensors=None, rope_scaling=None, extra_ke
     sd = load_file(HF_FIXTURES / name / "model.safetensors")
     arch = name.split("-")[0]
     stems = {"gemma2": _GEMMA2_STEMS, "gemma3": _GEMMA3_STEMS, "qwen3": _QWEN3_STEMS,
-             "qwen2": _QWEN2_STEMS, "phi3": _PHI3_STEMS}[arch]
+             "qwen2": _QWEN2_STEMS, "phi3": _PHI3_STEMS, "gemma": _QWEN2_STEMS}[arch]
     w = gguf.GGUFWriter(str(path), arch)
     w.add_context_length(hf["max_position_embeddings"])
     w.add_embedding_length(hf["hidden_size"])
@@ -454,13 +454,14 @@ def _fixture_as_gguf(name, path, extra_tensors=None, rope_scaling=None, extra_ke
         w.add_array("gemma3.attention.sliding_window_pattern",
                     [t == "sliding_attention" for t in hf["layer_types"]])
         w.add_float32("gemma3.final_logit_softcapping", hf["final_logit_softcapping"])
-    elif arch == "gemma2":
+    elif arch in ("gemma", "gemma2"):
         w.add_key_length(hf["head_dim"])
         w.add_value_length(hf["head_dim"])
         w.add_rope_freq_base(hf["rope_parameters"]["rope_theta"])
-        w.add_sliding_window(hf["sliding_window"])
-        w.add_float32("gemma2.attn_logit_softcapping", hf["attn_logit_softcapping"])
-        w.add_float32("gemma2.final_logit_softcapping", hf["final_logit_softcapping"])
+        if arch == "gemma2":
+            w.add_sliding_window(hf["sliding_window"])
+            w.add_float32("gemma2.attn_logit_softcapping", hf["attn_logit_softcapping"])
+            w.add_float32("gemma2.final_logit_softcapping", hf["final_logit_softcapping"])
     else:
         w.add_rope_freq_base(hf["rope_parameters"]["rope_theta"])
         if "head_dim" in hf:
@@ -483,7 +484,7 @@ def _fixture_as_gguf(name, path, extra_tensors=None, rope_scaling=None, extra_ke
         else:
             parts = key.split(".")
             stem = f"blk.{parts[2]}.{stems['.'.join(parts[3:-1])]}.{parts[-1]}"
-        if arch in ("gemma2", "gemma3") and key.endswith("norm.weight"):
+        if arch.startswith("gemma") and key.endswith("norm.weight"):
             t = t + np.float32(1.0)
         w.add_tensor(stem, np.ascontiguousarray(t, np.float32))
     for stem, t in (extra_tensors or {}).items():
@@ -496,13 +497,14 @@ def _fixture_as_gguf(name, path, extra_tensors=None, rope_scaling=None, extra_ke
 
 
 @pytest.mark.parametrize("name", ["qwen2", "gemma3", "qwen3-window", "phi3-window",
-                                  "gemma2"])
+                                  "gemma2", "gemma"])
 def test_gguf_of_a_tiny_hf_model_loads_as_the_hf_checkpoint(tmp_path, name):
     """The GGUF of a fixture gives the config and the logits of its HF checkpoint; for
     Gemma 2 and 3 all but the query scale, which GGUF does not carry (llama.cpp takes
     head_dim^-0.5, the fixtures 20^-0.5), for Qwen3 all but the sliding window (the
     logits compared are then those of the HF checkpoint without it, and its weights
-    equal)."""
+    equal), for Gemma all but the activation (llama.cpp's GELU is the tanh one, the
+    fixture's the exact one: likewise)."""
     import dejavu_jax as dj
     import jax
     import jax.numpy as jnp
@@ -515,9 +517,13 @@ def test_gguf_of_a_tiny_hf_model_loads_as_the_hf_checkpoint(tmp_path, name):
     if name in ("gemma2", "gemma3"):
         assert config.query_scale == config.head_dim ** -0.5
         ignored["query_scale"] = hf_config.query_scale
-    if name == "qwen3-window":
-        assert not config.sliding_layers and config.qk_norm and config.head_dim == 24
-        hf_config = hf_config.replace(sliding_layers=(), sliding_window=None)
+    if name == "gemma":   # llama.cpp's GELU is the tanh one; the fixture names the exact
+        assert config.activation == "gelu_tanh" and hf_config.activation == "gelu"
+        hf_config = hf_config.replace(activation="gelu_tanh")
+    if name in ("qwen3-window", "gemma"):
+        if name == "qwen3-window":
+            assert not config.sliding_layers and config.qk_norm and config.head_dim == 24
+            hf_config = hf_config.replace(sliding_layers=(), sliding_window=None)
         jax.tree.map(np.testing.assert_array_equal, params, hf_params)
         ref = {k: np.asarray(v) for k, v in np.load(HF_FIXTURES / name / "reference.npz").items()}
         ref["logits"] = np.asarray(dj.logits(hf_config, hf_params, ref["input_ids"],

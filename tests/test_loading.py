@@ -386,7 +386,7 @@ def test_a_renamed_checkpoint_keeps_its_fingerprint_and_stop_ids(tmp_path):
     assert c1.name != c2.name and c1.fingerprint() == c2.fingerprint()
     fields = dataclasses.asdict(c1)
     for later in ("extra_eos_token_ids", "rope_llama3", "rope_yarn", "rope_dynamic",
-                  "rope_longrope", "attn_logit_softcap"):  # added since
+                  "rope_longrope", "attn_logit_softcap", "rotary_dim"):  # added since
         fields.pop(later)
     older = hashlib.sha256(json.dumps(fields, sort_keys=True).encode()).hexdigest()[:16]
     assert c1.fits_fingerprint(older) and not c2.fits_fingerprint(older)

@@ -17,7 +17,7 @@ HF = Path(__file__).parent / "fixtures" / "hf"
 VARIANTS = ["opt-preln", "opt-postln-proj", "opt-fp16-prefix", "opt-bin",
             "llama-gqa", "llama-mha", "qwen2", "gemma3", "mistral-window", "llama-rope3",
             "llama-yarn", "qwen3-window", "phi3-window", "phi3-longrope", "phi3-partial",
-            "gemma2"]
+            "gemma", "gemma2"]
 
 
 def _load(name):
@@ -43,7 +43,7 @@ def test_logits_match_hugging_face(name):
 @pytest.mark.parametrize("name", ["opt-preln", "opt-postln-proj", "llama-gqa", "gemma3",
                                   "mistral-window", "llama-rope3", "llama-yarn",
                                   "qwen3-window", "phi3-window", "phi3-longrope",
-                                  "phi3-partial", "gemma2"])
+                                  "phi3-partial", "gemma", "gemma2"])
 def test_cached_decode_reproduces_full_forward(name):
     config, params, ref = _load(name)
     ids, mask = ref["input_ids"], ref["attention_mask"]
@@ -72,7 +72,7 @@ def test_greedy_ids_match_hugging_face(name):
 
 @pytest.mark.parametrize("name", ["opt-preln", "opt-bin", "llama-mha", "qwen2", "gemma3",
                                   "qwen3-window", "phi3-window", "phi3-longrope",
-                                  "phi3-partial", "gemma2"])
+                                  "phi3-partial", "gemma", "gemma2"])
 def test_decode_logits_along_greedy_path_match_hugging_face(name):
     config, params, ref = _load(name)
     _check_greedy_path_logits(config, params, ref)
@@ -121,6 +121,23 @@ def test_gemma3_fixture_exercises_every_switch():
                 "no soft-cap": dict(final_logit_softcap=None),
                 "no embed scale": dict(embed_scale=None)}
     for what, change in variants.items():
+        out = np.asarray(dj.logits(config.replace(**change), params, ref["input_ids"],
+                                   ref["attention_mask"]))
+        assert np.abs(out[real] - ref["logits"][real]).max() > 100 * 1e-4 * scale, what
+
+
+def test_gemma_fixture_reads_as_llamas_layout_with_gemmas_switches():
+    """The Gemma (1) fixture: Llama's layout with the exact GELU it names, norms of 1 + w
+    and a scaled embedding; the tanh GELU or no embedding scale moves the logits well away
+    from Hugging Face's."""
+    config, params, ref = _load("gemma")
+    assert config.family == "gemma" and config.activation == "gelu" and config.gated_mlp
+    assert (config.n_kv_heads, config.head_dim, config.embed_scale) == (1, 24, 8.0)
+    assert not (config.post_norms or config.qk_norm or config.sliding_layers)
+    real = ref["attention_mask"].astype(bool)
+    scale = np.abs(ref["logits"][real]).max()
+    for what, change in {"tanh gelu": dict(activation="gelu_tanh"),
+                         "no embed scale": dict(embed_scale=None)}.items():
         out = np.asarray(dj.logits(config.replace(**change), params, ref["input_ids"],
                                    ref["attention_mask"]))
         assert np.abs(out[real] - ref["logits"][real]).max() > 100 * 1e-4 * scale, what

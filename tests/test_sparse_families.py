@@ -1,5 +1,5 @@
-"""Sparse decoding of Qwen2, Qwen3, Gemma 2 and Gemma 3: the tiny random HF checkpoints in
-fixtures/hf.
+"""Sparse decoding of Qwen2, Qwen3, Gemma, Gemma 2 and Gemma 3: the tiny random HF
+checkpoints in fixtures/hf.
 
 The Qwen2 fixture has q/k/v biases; the Gemma 3 fixture has q/k norms, post-norms,
 GeGLU, a query scale other than head_dim^-0.5, per-type RoPE (linear scaling on the
@@ -24,21 +24,21 @@ from dejavu_jax.generation import generate_tokens
 from dejavu_jax.train import predict as predict_mod
 
 HF = Path(__file__).parent / "fixtures" / "hf"
-FAMILIES = ["qwen2", "gemma3", "gemma2"]
+FAMILIES = ["qwen2", "gemma3", "gemma2", "gemma"]
 PROMPTS = [[5, 9, 14, 3], [8, 2]]
 
 
 def _load(name):
     config, params = dj.load_pretrained(HF / name, dtype=jnp.float32, progress=False)
-    assert config.family == {"gemma2": "gemma3"}.get(name, name)
+    assert config.family == {"gemma2": "gemma3"}.get(name, name)   # Gemma 2: Gemma 3's layout
     return config, params
 
 
 @pytest.mark.parametrize("name,prompts", [("qwen2", PROMPTS), ("gemma3", PROMPTS),
                                           ("gemma3", PROMPTS[:1]), ("gemma2", PROMPTS),
-                                          ("gemma2", PROMPTS[:1])],
+                                          ("gemma2", PROMPTS[:1]), ("gemma", PROMPTS)],
                          ids=["qwen2-batch2", "gemma3-batch2", "gemma3-batch1",
-                              "gemma2-batch2", "gemma2-batch1"])
+                              "gemma2-batch2", "gemma2-batch1", "gemma-batch2"])
 def test_density_one_equals_dense_every_step(name, prompts):
     """Every unit selected, through the sparse kernels (their batch path for two rows, the
     batch-1 path for one), kv_window 4: each step's logits equal the dense model's, for 9
