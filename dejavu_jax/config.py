@@ -675,8 +675,10 @@ def _gemma3_from_hf(hf: dict, name: str) -> ModelConfig:
     )
 
 
+# Gemma's GELU is the tanh approximation; its first releases' config.json says "gelu",
+# which transformers (since 5.2x) and llama.cpp read as that approximation too
 _GEMMA_ACTIVATIONS = {"gelu_pytorch_tanh": "gelu_tanh", "gelu_new": "gelu_tanh",
-                      "gelu": "gelu"}   # transformers 5's GemmaMLP takes hidden_act as named
+                      "gelu": "gelu_tanh"}
 
 
 def _gemma_from_hf(hf: dict, name: str) -> ModelConfig:

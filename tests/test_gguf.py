@@ -503,8 +503,7 @@ def test_gguf_of_a_tiny_hf_model_loads_as_the_hf_checkpoint(tmp_path, name):
     Gemma 2 and 3 all but the query scale, which GGUF does not carry (llama.cpp takes
     head_dim^-0.5, the fixtures 20^-0.5), for Qwen3 all but the sliding window (the
     logits compared are then those of the HF checkpoint without it, and its weights
-    equal), for Gemma all but the activation (llama.cpp's GELU is the tanh one, the
-    fixture's the exact one: likewise)."""
+    equal)."""
     import dejavu_jax as dj
     import jax
     import jax.numpy as jnp
@@ -517,13 +516,9 @@ def test_gguf_of_a_tiny_hf_model_loads_as_the_hf_checkpoint(tmp_path, name):
     if name in ("gemma2", "gemma3"):
         assert config.query_scale == config.head_dim ** -0.5
         ignored["query_scale"] = hf_config.query_scale
-    if name == "gemma":   # llama.cpp's GELU is the tanh one; the fixture names the exact
-        assert config.activation == "gelu_tanh" and hf_config.activation == "gelu"
-        hf_config = hf_config.replace(activation="gelu_tanh")
-    if name in ("qwen3-window", "gemma"):
-        if name == "qwen3-window":
-            assert not config.sliding_layers and config.qk_norm and config.head_dim == 24
-            hf_config = hf_config.replace(sliding_layers=(), sliding_window=None)
+    if name == "qwen3-window":
+        assert not config.sliding_layers and config.qk_norm and config.head_dim == 24
+        hf_config = hf_config.replace(sliding_layers=(), sliding_window=None)
         jax.tree.map(np.testing.assert_array_equal, params, hf_params)
         ref = {k: np.asarray(v) for k, v in np.load(HF_FIXTURES / name / "reference.npz").items()}
         ref["logits"] = np.asarray(dj.logits(hf_config, hf_params, ref["input_ids"],
