@@ -35,6 +35,8 @@ def _share_compiled_programs() -> None:
     import shutil
     import tempfile
     folder = os.environ.get(COMPILE_CACHE_ENV)
+    if folder == "off":
+        return
     if not folder:
         folder = tempfile.mkdtemp(prefix="dejavu-test-compile-cache-")
         os.environ[COMPILE_CACHE_ENV] = folder
