@@ -30,7 +30,8 @@ def _share_compiled_programs() -> None:
     """Point JAX's persistent compilation cache at one fresh folder per test run, which the
     xdist workers and the fake-device subprocesses inherit through $DEJAVU_TEST_COMPILE_CACHE:
     the tests build many identical programs (each test its own engine), and each is then
-    compiled once. The process that made the folder removes it at exit."""
+    compiled once. The process that made the folder removes it at exit. "off" runs without
+    the cache."""
     import atexit
     import shutil
     import tempfile
