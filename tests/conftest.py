@@ -81,6 +81,18 @@ _collect_less_often()
 
 FIXTURES = Path(__file__).parent / "fixtures"
 
+
+@pytest.fixture(autouse=True, scope="module")
+def _release_compiled_programs():
+    """Drop every compiled program after each test module. Each one loaded keeps its code
+    mapped into the process, and a worker that ran a few hundred modules' programs neared
+    the kernel's limit of 65,530 memory mappings per process, where XLA's CPU compiler and
+    its cache reader crash. A later module's program is read back from the compile cache."""
+    yield
+    import gc
+    jax.clear_caches()
+    gc.collect()
+
 # Tests that each run a whole suite in other processes (tens of seconds): started first, so
 # that no worker is left running one alone at the end of a parallel run.
 LONG_FIRST = ("test_sharding.py::test_sharding_suite_on_8_fake_cpu_devices",
