@@ -623,10 +623,7 @@ def _gemma3_from_hf(hf: dict, name: str) -> ModelConfig:
         raise ValueError(f"gemma3 hidden_activation {act!r} is not supported (model {name!r})")
     if hf.get("use_bidirectional_attention"):
         raise ValueError(f"use_bidirectional_attention is not supported (model {name!r})")
-    hidden = hf["hidden_size"]
     n_layers = hf["num_hidden_layers"]
-    n_heads = hf["num_attention_heads"]
-    head_dim = hf.get("head_dim", 256)
     # per layer type, as transformers reads them: `rope_scaling` updates the full-attention
     # entry, and a flat `rope_parameters` (no per-type entries) is not read
     params = hf.get("rope_parameters") or {}
@@ -641,44 +638,24 @@ def _gemma3_from_hf(hf: dict, name: str) -> ModelConfig:
     sliding = _sliding_layers(hf, n_layers, pattern)
     return ModelConfig(
         family="gemma3",
-        vocab_size=hf.get("vocab_size", 262_208),
-        hidden=hidden,
-        n_layers=n_layers,
-        n_heads=n_heads,
-        n_kv_heads=hf.get("num_key_value_heads") or n_heads,
-        head_dim=head_dim,
-        ffn=hf["intermediate_size"],
-        max_positions=hf.get("max_position_embeddings", 131_072),
-        embed_dim=hidden,
-        norm_eps=hf.get("rms_norm_eps", 1e-6),
-        activation="gelu_tanh",
-        gated_mlp=True,
-        attention_bias=hf.get("attention_bias", False),
-        mlp_bias=False,
+        **_gemma_fields(hf, name, {"vocab_size": 262_208,
+                                   "max_position_embeddings": 131_072}),
         rope_theta=theta,
         rope_linear_factor=factor,
         rope_local_theta=local_theta,
         qk_norm=True,
         post_norms=True,
-        embed_scale=hidden ** 0.5,
         query_scale=_query_scale(hf.get("query_pre_attn_scalar", 256)),
         sliding_window=hf.get("sliding_window", 4096) if any(sliding) else None,
         sliding_layers=sliding if any(sliding) else (),
         final_logit_softcap=hf.get("final_logit_softcapping"),
         attn_logit_softcap=hf.get("attn_logit_softcapping"),
-        tie_embeddings=hf.get("tie_word_embeddings", True),
-        bos_token_id=hf.get("bos_token_id", 2),
-        eos_token_id=_first(hf.get("eos_token_id", 1)),
-        extra_eos_token_ids=_rest(hf.get("eos_token_id", 1)),
-        pad_token_id=hf.get("pad_token_id", 0),
-        name=name,
     )
 
 
 # Gemma's GELU is the tanh approximation; its first releases' config.json says "gelu",
 # which transformers (since 5.2x) and llama.cpp read as that approximation too
-_GEMMA_ACTIVATIONS = {"gelu_pytorch_tanh": "gelu_tanh", "gelu_new": "gelu_tanh",
-                      "gelu": "gelu_tanh"}
+_GEMMA_ACTIVATIONS = ("gelu_pytorch_tanh", "gelu_new", "gelu")
 
 
 def _gemma_from_hf(hf: dict, name: str) -> ModelConfig:
@@ -690,35 +667,16 @@ def _gemma_from_hf(hf: dict, name: str) -> ModelConfig:
                          f"supported: {', '.join(_GEMMA_ACTIVATIONS)}")
     if hf.get("use_bidirectional_attention"):
         raise ValueError(f"use_bidirectional_attention is not supported (model {name!r})")
-    hidden = hf.get("hidden_size", 3072)
-    n_heads = hf.get("num_attention_heads", 16)
     rope = {**(hf.get("rope_parameters") or {}), **(hf.get("rope_scaling") or {})}
     theta, factor = _rope(rope, hf.get("rope_theta"), 10_000.0, name)
     return ModelConfig(
         family="gemma",
-        vocab_size=hf.get("vocab_size", 256_000),
-        hidden=hidden,
-        n_layers=hf.get("num_hidden_layers", 28),
-        n_heads=n_heads,
-        n_kv_heads=hf.get("num_key_value_heads") or n_heads,
-        head_dim=hf.get("head_dim", 256),
-        ffn=hf.get("intermediate_size", 24576),
-        max_positions=hf.get("max_position_embeddings", 8192),
-        embed_dim=hidden,
-        norm_eps=hf.get("rms_norm_eps", 1e-6),
-        activation=_GEMMA_ACTIVATIONS[act],
-        gated_mlp=True,
-        attention_bias=hf.get("attention_bias", False),
-        mlp_bias=False,
+        **_gemma_fields(hf, name, {"vocab_size": 256_000, "hidden_size": 3072,
+                                   "num_hidden_layers": 28, "num_attention_heads": 16,
+                                   "intermediate_size": 24576,
+                                   "max_position_embeddings": 8192}),
         rope_theta=theta,
         rope_linear_factor=factor,
-        embed_scale=hidden ** 0.5,
-        tie_embeddings=hf.get("tie_word_embeddings", True),
-        bos_token_id=hf.get("bos_token_id", 2),
-        eos_token_id=_first(hf.get("eos_token_id", 1)),
-        extra_eos_token_ids=_rest(hf.get("eos_token_id", 1)),
-        pad_token_id=hf.get("pad_token_id", 0),
-        name=name,
     )
 
 
@@ -730,9 +688,7 @@ def _gemma2_from_hf(hf: dict, name: str) -> ModelConfig:
         raise ValueError(f"gemma2 hidden_activation {act!r} is not supported (model {name!r})")
     if hf.get("use_bidirectional_attention"):
         raise ValueError(f"use_bidirectional_attention is not supported (model {name!r})")
-    hidden = hf.get("hidden_size", 2304)
-    n_layers = hf.get("num_hidden_layers", 26)
-    n_heads = hf.get("num_attention_heads", 8)
+    n_layers = hf.get("num_hidden_layers", GEMMA2_DEFAULTS["num_hidden_layers"])
     rope = {**(hf.get("rope_parameters") or {}), **(hf.get("rope_scaling") or {})}
     theta, factor = _rope(rope, hf.get("rope_theta"), 10_000.0, name)
     sliding = _sliding_layers(hf, n_layers, pattern=2)
@@ -741,36 +697,40 @@ def _gemma2_from_hf(hf: dict, name: str) -> ModelConfig:
         raise ValueError(f"gemma2 has sliding layers but no sliding_window (model {name!r})")
     return ModelConfig(
         family="gemma3",
-        vocab_size=hf.get("vocab_size", 256_000),
-        hidden=hidden,
-        n_layers=n_layers,
-        n_heads=n_heads,
-        n_kv_heads=hf.get("num_key_value_heads") or n_heads,
-        head_dim=hf.get("head_dim", 256),
-        ffn=hf.get("intermediate_size", 9216),
-        max_positions=hf.get("max_position_embeddings", 8192),
-        embed_dim=hidden,
-        norm_eps=hf.get("rms_norm_eps", 1e-6),
-        activation="gelu_tanh",
-        gated_mlp=True,
-        attention_bias=hf.get("attention_bias", False),
-        mlp_bias=False,
+        **_gemma_fields(hf, name, GEMMA2_DEFAULTS),
         rope_theta=theta,
         rope_linear_factor=factor,
         post_norms=True,
-        embed_scale=hidden ** 0.5,
         query_scale=_query_scale(hf.get("query_pre_attn_scalar", 256)),
         sliding_window=window if any(sliding) else None,
         sliding_layers=sliding if any(sliding) else (),
         final_logit_softcap=hf.get("final_logit_softcapping", 30.0),
         attn_logit_softcap=hf.get("attn_logit_softcapping", 50.0),
-        tie_embeddings=hf.get("tie_word_embeddings", True),
-        bos_token_id=hf.get("bos_token_id", 2),
-        eos_token_id=_first(hf.get("eos_token_id", 1)),
-        extra_eos_token_ids=_rest(hf.get("eos_token_id", 1)),
-        pad_token_id=hf.get("pad_token_id", 0),
-        name=name,
     )
+
+
+GEMMA2_DEFAULTS = {"vocab_size": 256_000, "hidden_size": 2304, "num_hidden_layers": 26,
+                   "num_attention_heads": 8, "intermediate_size": 9216,
+                   "max_position_embeddings": 8192}   # Gemma2Config's
+
+
+def _gemma_fields(hf: dict, name: str, defaults: dict) -> dict:
+    """The ModelConfig fields every Gemma reads alike (shapes, GeGLU, the scaled
+    embedding, tying, special ids), `defaults` filling the shapes a config.json leaves out
+    as that version's transformers config class does."""
+    hf = {**defaults, **hf}
+    hidden, n_heads = hf["hidden_size"], hf["num_attention_heads"]
+    return dict(
+        vocab_size=hf["vocab_size"], hidden=hidden, n_layers=hf["num_hidden_layers"],
+        n_heads=n_heads, n_kv_heads=hf.get("num_key_value_heads") or n_heads,
+        head_dim=hf.get("head_dim", 256), ffn=hf["intermediate_size"],
+        max_positions=hf["max_position_embeddings"], embed_dim=hidden,
+        norm_eps=hf.get("rms_norm_eps", 1e-6), activation="gelu_tanh", gated_mlp=True,
+        attention_bias=hf.get("attention_bias", False), mlp_bias=False,
+        embed_scale=hidden ** 0.5, tie_embeddings=hf.get("tie_word_embeddings", True),
+        bos_token_id=hf.get("bos_token_id", 2), eos_token_id=_first(hf.get("eos_token_id", 1)),
+        extra_eos_token_ids=_rest(hf.get("eos_token_id", 1)),
+        pad_token_id=hf.get("pad_token_id", 0), name=name)
 
 
 def _query_scale(scalar) -> float:
