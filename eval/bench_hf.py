@@ -109,25 +109,19 @@ def hf_config_dict(config) -> tuple[str, dict]:
         kw.update(hidden_act={"gelu_tanh": "gelu_pytorch_tanh"}.get(c.activation, c.activation),
                   attention_bias=c.attention_bias, rope_parameters=full_rope)
         return "gemma", kw
-    if c.family == "gemma3" and not c.qk_norm:   # Gemma 2: one RoPE, capped attention
+    if c.family == "gemma3":   # Gemma 3, or Gemma 2 (no q/k norms, one RoPE)
         kw.update(hidden_activation="gelu_pytorch_tanh", attention_bias=c.attention_bias,
                   query_pre_attn_scalar=round(c.attention_scale ** -2),
                   sliding_window=c.sliding_window or 4096,
                   layer_types=layer_types or ["full_attention"] * c.n_layers,
                   final_logit_softcapping=c.final_logit_softcap,
-                  attn_logit_softcapping=c.attn_logit_softcap, rope_parameters=full_rope)
-        return "gemma2", kw
-    if c.family == "gemma3":
+                  attn_logit_softcapping=c.attn_logit_softcap)
+        if not c.qk_norm:
+            return "gemma2", dict(kw, rope_parameters=full_rope)
         local = c.rope_local_theta if c.rope_local_theta is not None else c.rope_theta
-        kw.update(hidden_activation="gelu_pytorch_tanh", attention_bias=c.attention_bias,
-                  query_pre_attn_scalar=round(c.attention_scale ** -2),
-                  sliding_window=c.sliding_window or 4096,
-                  layer_types=layer_types or ["full_attention"] * c.n_layers,
-                  final_logit_softcapping=c.final_logit_softcap,
-                  attn_logit_softcapping=c.attn_logit_softcap,
-                  rope_parameters={"full_attention": full_rope,
-                                   "sliding_attention": {"rope_type": "default",
-                                                         "rope_theta": local}})
+        kw["rope_parameters"] = {"full_attention": full_rope,
+                                 "sliding_attention": {"rope_type": "default",
+                                                       "rope_theta": local}}
         return "gemma3_text", kw
     kw.update(hidden_act=c.activation, rope_theta=c.rope_theta, rope_parameters=full_rope)
     if c.rope_longrope is not None or c.rotary_dim is not None:   # Phi-3's own RoPE
