@@ -303,7 +303,8 @@ def residual(config: ModelConfig, x: jax.Array, sublayer, scale, bias,
 
 def softcap(logits: jax.Array, cap: float | None) -> jax.Array:
     """cap * tanh(logits / cap), or the logits when cap is None."""
-    return logits if cap is None else cap * jnp.tanh(logits / cap)
+    from dejavu_jax.kernels._common import soft_cap
+    return soft_cap(logits, cap)
 
 
 def attention_weights(scores: jax.Array, mask: jax.Array) -> jax.Array:

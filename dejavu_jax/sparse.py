@@ -379,6 +379,7 @@ def _window_step(config: ModelConfig, scfg: SparseConfig, step: dict) -> dict:
                           % config.n_kv_heads).astype(jnp.int32)
     if config.rotary:  # the window rows' positions; each layer takes its own RoPE tables
         out["positions"] = jnp.maximum(step["positions"][:, None] - back[None], 0)
+    if config.rope_longrope is not None:  # the step's length picks LongRoPE's factors
         out["length"] = jnp.max(step["positions"]) + 1
     return out
 
@@ -405,7 +406,7 @@ def _missing_kv_window(config: ModelConfig, view, io: _LayerIO, layer, win: dict
     cos = sin = None
     if "positions" in win:  # this layer's RoPE (Gemma 3's sliding layers have their own;
         # LongRoPE's factors are those of the step's length)
-        cos, sin = ops.layer_rope_tables(config, win["positions"], layer, win["length"])
+        cos, sin = ops.layer_rope_tables(config, win["positions"], layer, win.get("length"))
     return kernels.KVWindow(
         x=ring, x_row0=None if ring_row0 is None else jnp.asarray(ring_row0, jnp.int32),
         current=win["current"],

@@ -71,6 +71,12 @@ def erf(x):
     return jnp.sign(x) * (1.0 - poly * jnp.exp(-a * a))
 
 
+def soft_cap(logits, cap: float | None):
+    """``cap * tanh(logits / cap)`` (Gemma 2's attention and final logits), or the logits
+    unchanged when ``cap`` is None. Plain jnp, so kernels call it on their tiles too."""
+    return logits if cap is None else cap * jnp.tanh(logits / cap)
+
+
 def activation_fn(name: str):
     """Elementwise activation by name, usable both in jnp and inside kernels."""
     if name == "relu":

@@ -54,7 +54,7 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
 from ._common import (balanced_chunks, cdiv, check_array, check_bias, check_indices, is_pow2,
-                      next_pow2, resolve_impl, sm_count)
+                      next_pow2, resolve_impl, sm_count, soft_cap)
 from .column_gather import gather_cols_matvec
 from .gather_matvec import (Segment, batch_pad, check_segment, gather_matvec, mma,
                             segment_reference)
@@ -616,13 +616,10 @@ def _decode_attention_kernel(*refs, nds, has_bq, has_bk, has_bv, has_rope, has_m
                         jnp.ones((Wp,), wout_ref.dtype), mask=wneed)
 
     # -- online softmax over this program's split of the cache ------------------------
-    def capped(sc):
-        return sc if softcap is None else softcap * jnp.tanh(sc / softcap)
-
     def scores_of(k):  # k [n, hdp] -> [n] or [Gp, n]
         if vec:
-            return capped(jnp.sum(k.astype(f32) * q[None, :], axis=1))
-        return capped(mma(q, k, trans_b=True))
+            return soft_cap(jnp.sum(k.astype(f32) * q[None, :], axis=1), softcap)
+        return soft_cap(mma(q, k, trans_b=True), softcap)
 
     def pv(p, v):  # p [n] or [Gp, n], v [n, hdp] -> [hdp] or [Gp, hdp]
         if vec:
@@ -668,7 +665,7 @@ def _decode_attention_kernel(*refs, nds, has_bq, has_bk, has_bv, has_rope, has_m
     # -- the program whose split holds `pos` folds in the current token, writes k/v ----
     mine = pos // L == s
     knf = kn.astype(f32)
-    sc = capped(jnp.sum(knf * q) if vec else jnp.sum(q * knf[None, :], axis=1))
+    sc = soft_cap(jnp.sum(knf * q) if vec else jnp.sum(q * knf[None, :], axis=1), softcap)
     m_new = jnp.where(mine, jnp.maximum(m, sc), m)
     corr = jnp.exp(m - m_new)
     p = jnp.where(mine, jnp.exp(sc - m_new), 0.0)
@@ -818,8 +815,7 @@ def _attention_core_reference(q, k_cache, v_cache, pos, kv_mask=None, softcap=No
     kc = jnp.where(keep, k_cache.astype(f32), 0.0)
     vc = jnp.where(keep, v_cache.astype(f32), 0.0)
     s = jnp.einsum("bgjk,bgsk->bgjs", q.astype(f32), kc, precision=hi)
-    if softcap is not None:
-        s = softcap * jnp.tanh(s / softcap)
+    s = soft_cap(s, softcap)
     p = jax.nn.softmax(jnp.where(valid[:, None, None, :], s, -jnp.inf), axis=-1)
     return jnp.einsum("bgjs,bgsk->bgjk", p, vc, precision=hi)
 
