@@ -38,9 +38,10 @@
 
 7. ("threshold") Activation-sparse decode (`kernels.threshold_matvec` on input-major
    weights, thresholds dropping about 40% of every site) on tiny Llama (the up projection
-   by the gate's neuron rows), OPT and Gemma 3 (post-norms): logits and K cache against the
-   jnp computation on the usual weights; and the two kernels alone, one row and three,
-   against their references.
+   by the gate's neuron rows), OPT, Gemma 3 (post-norms) and, two rows, Gemma 2 (capped
+   attention logits), each layer's attention through `row_head_attention` with this
+   token's K/V: logits and K cache against the jnp computation on the usual weights; and
+   the two kernels alone, one row and three, against their references.
 
 Writes kernel_parity.json and exits 1 when a difference exceeds --tol or a set differs
 (beyond key ties, for the split predictor). On a GPU host the checks' parts run in up to 8
@@ -546,8 +547,8 @@ def predictor_rows(impl: str) -> list[dict]:
 
 # (model, whether the up projection keeps its neuron rows: the gate site reads them; a
 # gated model without them runs TEAL's sites, its gate and up in one launch)
-THRESHOLD_CASES = (("llama-tiny", True), ("llama-tiny", False), ("opt-tiny", False),
-                   ("gemma3-tiny", True))
+THRESHOLD_CASES = (("llama-tiny", True, 1), ("llama-tiny", False, 1), ("opt-tiny", False, 1),
+                   ("gemma3-tiny", True, 1), ("gemma2-tiny", False, 2))
 
 
 def threshold_rows(impl: str, steps: int, cases=None, kernels: bool = True) -> list[dict]:
@@ -563,7 +564,7 @@ def _threshold_decode_rows(impl: str, steps: int, cases) -> list[dict]:
     from dejavu_jax.params import input_major, with_gate_weights
     from dejavu_jax.train.thresholds import calibration_stats, thresholds_at
     rows = []
-    for name, up_rows in cases:
+    for name, up_rows, batch in cases:
         config = tiny_config(name)
         params = init_params(config, jax.random.key(0), jnp.float32, std=0.1)
         if up_rows:  # the gate site ranks neurons by |act(gate)| times gate weights
@@ -578,12 +579,15 @@ def _threshold_decode_rows(impl: str, steps: int, cases) -> list[dict]:
         thresholds = jnp.asarray(thresholds_at(np.asarray(q), levels))
         sites = tuple(s for i, s in enumerate(("qkv", "o", "gate_up", "gate", "down"))
                       if levels[0, i] > 0)
-        ref = _decode(config, sparse.threshold_config(config, sites, impl="reference"),
-                      params, thresholds, steps, False, sparse.no_selector, batch=1)
+        # batch_policy "kernels": a batch would otherwise decode dense
+        scfg = dataclasses.replace(sparse.threshold_config(config, sites),
+                                   batch_policy="kernels")
+        ref = _decode(config, dataclasses.replace(scfg, impl="reference"), params, thresholds,
+                      steps, False, sparse.no_selector, batch=batch)
         moved = unstack_layers(input_major(params, up_rows=up_rows))
-        got = _decode(config, sparse.threshold_config(config, sites, impl=impl), moved,
-                      thresholds, steps, True, sparse.no_selector, batch=1)
-        rows.append(dict(check="threshold", model=name, sites=list(sites),
+        got = _decode(config, dataclasses.replace(scfg, impl=impl), moved, thresholds, steps,
+                      True, sparse.no_selector, batch=batch)
+        rows.append(dict(check="threshold", model=name, batch=batch, sites=list(sites),
                          gate_weights=up_rows, logits=float(np.abs(got[0] - ref[0]).max()),
                          k_cache=float(np.abs(got[1] - ref[1]).max())))
     return rows

@@ -151,3 +151,21 @@ def test_gemma2_decode_check_runs_the_soft_cap_through_the_kernels():
                                      sets, 3, False)[0]
     assert np.isfinite(capped).all()
     assert np.abs(capped - uncapped).max() > 1e-2 * np.abs(capped).max()
+
+
+def test_threshold_check_decodes_a_capped_batch_through_the_kernels(monkeypatch):
+    """The threshold check's two-row Gemma 2 case runs the activation-sparse kernels (not
+    the dense layers a batch decodes with by default): interpreted, it matches the
+    reference; with the attention's soft-cap dropped from the kernel path it does not."""
+    from dejavu_jax import kernels
+    case = [c for c in kernel_parity.THRESHOLD_CASES if c[0] == "gemma2-tiny"]
+    assert case and case[0][2] == 2
+    rows = kernel_parity.threshold_rows("interpret", 2, case, kernels=False)
+    assert len(rows) == 1 and kernel_parity.row_passes(rows[0], 1e-4), rows
+    real = kernels.row_head_attention
+    monkeypatch.setattr(kernels, "row_head_attention",
+                        lambda *a, **kw: real(*a, **dict(kw, softcap=None)))
+    kernel_parity._compiled.cache_clear()   # built once per configuration
+    rows = kernel_parity.threshold_rows("interpret", 2, case, kernels=False)
+    kernel_parity._compiled.cache_clear()
+    assert not kernel_parity.row_passes(rows[0], 1e-4), rows

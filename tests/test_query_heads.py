@@ -264,3 +264,46 @@ def test_row_head_attention_equals_numpy_per_row(rng, impl, G, splits, softcap):
                                      config=cfg)
     assert_finite_close(out, want, rtol=1e-5, atol=1e-5)
     np.testing.assert_array_equal(np.asarray(k2)[:, :, pos], pk[:, :, pos].astype(np.float32))
+
+
+@pytest.mark.parametrize("impl,G,splits,masked", [
+    ("interpret", 4, 2, False), ("interpret", 1, 1, True), ("reference", 2, None, True)])
+def test_row_head_attention_writes_the_new_keys_and_values(rng, impl, G, splits, masked):
+    """With this token's K/V given (`k_new`, `v_new`) the attention writes them at pos and
+    attends to them: numpy's softmax attention, every head (no mask) or each row's own;
+    groups a row does not attend with keep their old entries at pos."""
+    from dejavu_jax.kernels import AttnConfig, row_head_attention
+    B, n_kv, hd, S, pos = 2, 3, 16, 40, 29
+    H = n_kv * G
+    q = rng.standard_normal((B, H, hd)) / 4
+    kc, vc = rng.standard_normal((2, B, n_kv, S, hd))
+    kn, vn = rng.standard_normal((2, B, n_kv, hd))
+    mask = rng.random((B, n_kv, G)) > 0.4 if masked else np.ones((B, n_kv, G), bool)
+    mask[:, 0, 0] = True
+    if masked:
+        mask[1, 2] = False                                # row 1 skips group 2
+    kv_mask = rng.random((B, S)) > 0.2
+    want = np.zeros((B, H, hd))
+    for b in range(B):
+        ok = kv_mask[b, :pos + 1].copy()
+        ok[pos] = True
+        for g in range(n_kv):
+            keys, vals = kc[b, g, :pos + 1].copy(), vc[b, g, :pos + 1].copy()
+            keys[pos], vals[pos] = kn[b, g], vn[b, g]
+            for j in np.nonzero(mask[b, g])[0]:
+                s = keys @ q[b, g * G + j]
+                p = np.where(ok, np.exp(s - s[ok].max()), 0.0)
+                want[b, g * G + j] = (p / p.sum()) @ vals
+    f = lambda a: jnp.asarray(a, F32)
+    cfg = None if splits is None else AttnConfig(seq_splits=splits, block_s=16)
+    out, k2, v2 = row_head_attention(
+        f(q), f(kc), f(vc), jnp.int32(pos), jnp.asarray(mask) if masked else None,
+        kv_mask=jnp.asarray(kv_mask), k_new=f(kn), v_new=f(vn), impl=impl, config=cfg)
+    assert_finite_close(out, want, rtol=1e-5, atol=1e-5)
+    written = mask.any(-1)
+    for new, old, got in ((kn, kc, k2), (vn, vc, v2)):
+        got = np.asarray(got)
+        expect = np.where(written[..., None], new, old[:, :, pos]).astype(np.float32)
+        np.testing.assert_array_equal(got[:, :, pos], expect)
+        np.testing.assert_array_equal(np.delete(got, pos, axis=2),
+                                      np.delete(old, pos, axis=2).astype(np.float32))

@@ -6,6 +6,7 @@ tests use, does not see them). The GPU description is H200's; nothing is compile
 """
 
 import dataclasses
+import functools
 import re
 
 import jax
@@ -32,17 +33,26 @@ def lowers(fn, *args):
 
 def triton_launch_sites(text):
     """{kernel name: call sites} of the Triton launches in lowered text: a launch inside a
-    private function counts once per call of that function (one level of nesting)."""
-    sites = {}
+    private function counts once per call of that function, through any nesting."""
+    funcs = {}
     for func in re.split(r"(?=func\.func )", text):
         header = re.match(r"func\.func (public|private) @([\w$.-]+)\(", func)
-        if header is None:
-            continue
-        calls = 1 if header[1] == "public" else text.count(f"func.call @{header[2]}(")
-        for line in func.splitlines():
+        if header is not None:
+            funcs[header[2]] = (header[1], func)
+
+    @functools.cache
+    def calls(name):
+        if funcs[name][0] == "public":
+            return 1
+        return sum(n * calls(caller) for caller, (_, body) in funcs.items()
+                   if caller != name and (n := body.count(f"call @{name}(")))
+
+    sites = {}
+    for name, (_, body) in funcs.items():
+        for line in body.splitlines():
             if "@__gpu$xla.gpu.triton" in line:
-                name = re.search(r'\bname = "([^"]+)"', line)[1]
-                sites[name] = sites.get(name, 0) + calls
+                kernel = re.search(r'\bname = "([^"]+)"', line)[1]
+                sites[kernel] = sites.get(kernel, 0) + calls(name)
     return sites
 
 
@@ -100,12 +110,17 @@ def test_head_sparse_attention_lowers(B, n_kv, rope, window, residual, masked, s
     assert "head_sparse_decode_attention" in text
 
 
-@pytest.mark.parametrize("G,softcap", [(1, None), (2, 30.0)])
-def test_row_head_attention_lowers(G, softcap):
+@pytest.mark.parametrize("G,softcap,new_kv", [(1, None, False), (2, 30.0, False),
+                                               (4, None, True)])
+def test_row_head_attention_lowers(G, softcap, new_kv):
+    """Per-row head masks over written caches, and every head with this token's K/V given
+    (the activation-sparse step's attention)."""
     B, n_kv, hd, S = 4, 4, 64, 64
-    mask = jnp.ones((B, n_kv, G), bool)
+    mask = None if new_kv else jnp.ones((B, n_kv, G), bool)
+    kv = dict(k_new=z(B, n_kv, hd, dtype=F32), v_new=z(B, n_kv, hd, dtype=F32)) if new_kv \
+        else {}
     text = lowers(lambda q, k, v: kernels.row_head_attention(
-        q, k, v, jnp.int32(9), mask, softcap=softcap, impl="pallas"),
+        q, k, v, jnp.int32(9), mask, softcap=softcap, impl="pallas", **kv),
         z(B, n_kv * G, hd, dtype=F32), z(B, n_kv, S, hd), z(B, n_kv, S, hd))
     assert "head_sparse_decode_attention" in text
 
@@ -279,7 +294,7 @@ def test_threshold_decode_step_lowers(up_rows):
     """The threshold decode step of a gated model on input-major weights: with TEAL's
     sites the gate and up projections share one launch, under the gate site the up
     projection reads neuron rows; q/k/v, the out-projection and the down projection one
-    input-sparse launch each, in every layer."""
+    input-sparse launch each, and the attention one launch, in every layer."""
     from dejavu_jax.params import input_major, unstack_layers
     config = dj.preset("llama-tiny")
     params = unstack_layers(input_major(dj.init_params(config, jax.random.key(0), BF16),
@@ -297,6 +312,7 @@ def test_threshold_decode_step_lowers(up_rows):
              if "@__gpu$xla.gpu.triton" in line and 'name = "threshold_matvec' in line]
     assert calls and all(f"tensor<{L * 5}xf32>" in line and "tensor<1xf32>" not in line
                          for line in calls)
+    assert launches.get("head_sparse_decode_attention") == L
     if up_rows:
         assert launches.get("threshold_matvec") == 4 * L
         assert launches.get("row_masked_matvec") == L
