@@ -1,7 +1,7 @@
 """Reading named tensors from Hugging Face checkpoint files, lazily and without torch.
 
 `open_tensors(dir)` returns a TensorSource over model.safetensors, sharded safetensors
-(with an index) or pytorch_model*.bin (this last one needs torch). A missing, truncated or
+(with an index) or pytorch_model*.bin (torch's zip format). A missing, truncated or
 corrupt file raises CheckpointError naming it.
 
 Safetensors are read with `safetensors.safe_open(...).get_slice`, which copies each
@@ -76,30 +76,20 @@ def _safetensors_source(files: list[Path], weight_map: dict[str, Path] | None = 
 
 def _torch_source(files: list[Path], weight_map: dict[str, Path] | None = None
                   ) -> TensorSource:
-    try:
-        import torch
-    except ImportError:
-        raise CheckpointError(
-            f"{files[0]}: reading pytorch_model.bin needs torch, which is not installed. "
-            "Install torch, or convert the checkpoint to safetensors.") from None
+    """Tensors of torch.save'd files (pytorch_model*.bin), read without torch
+    (:mod:`dejavu_jax.torch_checkpoint`); a sharded checkpoint's from its index."""
+    from dejavu_jax.torch_checkpoint import TorchCheckpointError, read_state_dict
     tensors = {}
     found: dict[str, list[Path]] = {}
     for path in files:
         try:
-            tensors[path] = torch.load(path, map_location="cpu", weights_only=True, mmap=True)
-        except Exception as e:  # torch raises many types for corrupt files
+            tensors[path] = read_state_dict(path)
+        except (TorchCheckpointError, OSError) as e:
             raise CheckpointError(f"{path}: cannot read pytorch checkpoint ({e})") from None
         for key in tensors[path]:
             found.setdefault(key, []).append(path)
     index = _follow_index(found, weight_map, files[0].parent)
-
-    def read(key: str, path: Path) -> np.ndarray:
-        t = tensors[path][key]
-        if t.dtype == torch.bfloat16:
-            return t.view(torch.int16).numpy().view(ml_dtypes.bfloat16)
-        return t.numpy()
-
-    return TensorSource(index, read)
+    return TensorSource(index, lambda key, path: tensors[path][key])
 
 
 def _shard_index(directory: Path, index_name: str) -> dict[str, Path]:

@@ -22,8 +22,6 @@ VARIANTS = ["opt-preln", "opt-postln-proj", "opt-fp16-prefix", "opt-bin",
 
 
 def _load(name):
-    if name == "opt-bin":
-        pytest.importorskip("torch", reason="pytorch_model.bin needs torch (not in CI's venv)")
     config, params = dj.load_pretrained(HF / name, dtype=jnp.float32, progress=False)
     ref = np.load(HF / name / "reference.npz")
     return config, params, ref

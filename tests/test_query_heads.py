@@ -224,6 +224,25 @@ def test_per_row_query_head_groups_hold_the_union_and_each_rows_heads():
     np.testing.assert_array_equal(mask[..., 0], [[False, True], [True, False]])
 
 
+def _np_row_attention(q, kc, vc, pos, mask, kv_mask, softcap=None):
+    """numpy's softmax attention of each row's selected heads ([B, n_kv, G] mask) over the
+    caches' slots up to pos (those before it where kv_mask allows), zeros elsewhere."""
+    B, H, hd = q.shape
+    n_kv, G = mask.shape[1:]
+    want = np.zeros((B, H, hd))
+    for b in range(B):
+        ok = kv_mask[b, :pos + 1].copy()
+        ok[pos] = True
+        for g in range(n_kv):
+            for j in np.nonzero(mask[b, g])[0]:
+                s = kc[b, g, :pos + 1] @ q[b, g * G + j]
+                if softcap is not None:
+                    s = softcap * np.tanh(s / softcap)
+                p = np.where(ok, np.exp(s - s[ok].max()), 0.0)
+                want[b, g * G + j] = (p / p.sum()) @ vc[b, g, :pos + 1]
+    return want
+
+
 @pytest.mark.parametrize("impl,G,splits,softcap", [
     ("interpret", 1, 2, None), ("interpret", 3, 1, None), ("reference", 2, None, None),
     ("interpret", 1, 2, 1.5), ("interpret", 3, 1, 1.5), ("reference", 2, None, 1.5)])
@@ -242,17 +261,7 @@ def test_row_head_attention_equals_numpy_per_row(rng, impl, G, splits, softcap):
     mask[0] = False
     mask[0, 2, 0] = True                                      # row 0: one head
     kv_mask = rng.random((B, S)) > 0.2
-    want = np.zeros((B, H, hd))
-    for b in range(B):
-        ok = kv_mask[b, :pos + 1].copy()
-        ok[pos] = True
-        for g in range(n_kv):
-            for j in np.nonzero(mask[b, g])[0]:
-                s = kc[b, g, :pos + 1] @ q[b, g * G + j]
-                if softcap is not None:
-                    s = softcap * np.tanh(s / softcap)
-                p = np.where(ok, np.exp(s - s[ok].max()), 0.0)
-                want[b, g * G + j] = (p / p.sum()) @ vc[b, g, :pos + 1]
+    want = _np_row_attention(q, kc, vc, pos, mask, kv_mask, softcap)
     pk, pv = kc.copy(), vc.copy()
     for b in range(B):
         idle = ~mask[b].any(1)
@@ -283,17 +292,9 @@ def test_row_head_attention_writes_the_new_keys_and_values(rng, impl, G, splits,
     if masked:
         mask[1, 2] = False                                # row 1 skips group 2
     kv_mask = rng.random((B, S)) > 0.2
-    want = np.zeros((B, H, hd))
-    for b in range(B):
-        ok = kv_mask[b, :pos + 1].copy()
-        ok[pos] = True
-        for g in range(n_kv):
-            keys, vals = kc[b, g, :pos + 1].copy(), vc[b, g, :pos + 1].copy()
-            keys[pos], vals[pos] = kn[b, g], vn[b, g]
-            for j in np.nonzero(mask[b, g])[0]:
-                s = keys @ q[b, g * G + j]
-                p = np.where(ok, np.exp(s - s[ok].max()), 0.0)
-                want[b, g * G + j] = (p / p.sum()) @ vals
+    kw, vw = kc.copy(), vc.copy()
+    kw[:, :, pos], vw[:, :, pos] = kn, vn
+    want = _np_row_attention(q, kw, vw, pos, mask, kv_mask)
     f = lambda a: jnp.asarray(a, F32)
     cfg = None if splits is None else AttnConfig(seq_splits=splits, block_s=16)
     out, k2, v2 = row_head_attention(
