@@ -564,7 +564,7 @@ def _threshold_layer(config, scfg, view, io: _LayerIO, layer, x, step, table, re
     lp = view.lp
     if (lp.wqkv_t is not None and resolve_impl(scfg.impl) != "reference"
             and reduce is None and config.pre_norm):
-        return _threshold_layer_kernels(config, scfg, view, io, layer, x, step, table)
+        return _threshold_layer_kernels(config, scfg, lp, io, layer, x, step, table)
     thresholds = table[layer]
     mask_input, mask_heads = activation_sparsity.attention_hooks(thresholds)
     box = {}
@@ -585,20 +585,18 @@ def _threshold_layer(config, scfg, view, io: _LayerIO, layer, x, step, table, re
     return x, _all_written(config, box["io"], layer, step)
 
 
-def _threshold_layer_kernels(config, scfg, view, io: _LayerIO, layer, x, step, table):
+def _threshold_layer_kernels(config, scfg, lp, io: _LayerIO, layer, x, step, table):
     """`_threshold_layer` of a pre-norm model through the activation-sparse kernels: q/k/v
     and the out-projection, the gate (and without the gate site the up projection) read
     the kept input channels' rows of their input-major weights, the up projection under
     the gate site the rows of the neurons that pass it, fc2 the rows of nonzero
     activations; the out-projection and fc2 add into the residual rows in their launches
-    unless a post-norm comes between. The attention kernel writes this token's K/V and
-    attends over every head (`kernels.row_head_attention`). With the layers unrolled the
-    kernels read their thresholds from the table in place (a slice of it would be a copy
-    per launch)."""
+    unless a post-norm comes between. With the layers unrolled the kernels read their
+    thresholds from the table in place (a slice of it would be a copy per launch)."""
     from dejavu_jax import activation_sparsity as act
     from dejavu_jax.kernels.threshold_matvec import (row_masked_matvec, threshold_matvec,
                                                      threshold_matvecs)
-    lp = view.lp
+    from dejavu_jax.model import cache_layer, cached_attention, write_kv
     impl, eps = scfg.impl, config.norm_eps
     B = x.shape[0]
     t = table[layer]
@@ -612,14 +610,10 @@ def _threshold_layer_kernels(config, scfg, view, io: _LayerIO, layer, x, step, t
     y = ops.norm_input(x, lp.attn_norm_scale, lp.attn_norm_bias, eps)
     qkv = threshold_matvec(y, lp.wqkv_t, **at(act.QKV), impl=impl)
     q, k, v = ops.finish_qkv(config, lp, qkv, step["positions"], layer)
-    k_in, v_in, ids = _kernel_caches(config, view, io, layer,
-                                     jnp.arange(config.n_kv_heads, dtype=jnp.int32))
-    heads, k_out, v_out = kernels.row_head_attention(
-        q, k_in, v_in, step["slot"], None, kv_mask=_attended_slots(config, layer, step),
-        group_ids=ids, softcap=config.attn_logit_softcap, k_new=k, v_new=v, impl=impl,
-        config=scfg.attn_config)
-    io = _with_kernel_caches(view, io, layer, k_out, v_out)
-    heads = heads.reshape(B, -1)
+    k_all = write_kv(io.k, layer, step["slot"], k)
+    v_all = write_kv(io.v, layer, step["slot"], v)
+    heads = cached_attention(config, q, cache_layer(k_all, layer), cache_layer(v_all, layer),
+                             layer_valid(config, layer, step)).reshape(B, -1)
     if lp.post_attn_norm_scale is None:
         h = threshold_matvec(heads, lp.wo_t, **at(act.O), residual=x, bias=lp.bo, impl=impl)
     else:
@@ -652,7 +646,7 @@ def _threshold_layer_kernels(config, scfg, view, io: _LayerIO, layer, x, step, t
         mlp_out = threshold_matvec(hidden, lp.w_out_t, **at(act.DOWN), bias=lp.b_out,
                                    impl=impl)
         out = h + ops.norm(mlp_out, lp.post_mlp_norm_scale, None, eps)
-    return out, _all_written(config, io, layer, step)
+    return out, _all_written(config, io.replace(k=k_all, v=v_all), layer, step)
 
 
 def _all_written(config, io: _LayerIO, layer, step) -> _LayerIO:

@@ -39,9 +39,8 @@
 7. ("threshold") Activation-sparse decode (`kernels.threshold_matvec` on input-major
    weights, thresholds dropping about 40% of every site) on tiny Llama (the up projection
    by the gate's neuron rows), OPT, Gemma 3 (post-norms) and, two rows, Gemma 2 (capped
-   attention logits), each layer's attention through `row_head_attention` with this
-   token's K/V: logits and K cache against the jnp computation on the usual weights; and
-   the two kernels alone, one row and three, against their references.
+   attention logits): logits and K cache against the jnp computation on the usual
+   weights; and the two kernels alone, one row and three, against their references.
 
 Writes kernel_parity.json and exits 1 when a difference exceeds --tol or a set differs
 (beyond key ties, for the split predictor). On a GPU host the checks' parts run in up to 8

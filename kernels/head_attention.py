@@ -829,35 +829,30 @@ def row_head_attention_reference(q, k_cache, v_cache, pos, head_mask, kv_mask=No
     n_kv = k_cache.shape[1]
     o = _attention_core_reference(q.reshape(B, n_kv, H // n_kv, hd), k_cache, v_cache, pos,
                                   kv_mask, softcap)
-    if head_mask is not None:
-        o = jnp.where(head_mask.astype(bool)[..., None], o, 0.0)
-    return o.reshape(B, H, hd)
+    return jnp.where(head_mask.astype(bool)[..., None], o, 0.0).reshape(B, H, hd)
 
 
 def row_head_attention(q, k_cache, v_cache, pos, head_mask, *, kv_mask=None, group_ids=None,
-                       softcap=None, k_new=None, v_new=None, impl: str | None = None,
+                       softcap=None, impl: str | None = None,
                        config: AttnConfig | None = None):
     """Each batch row's attention over its own query heads, for queries already projected:
-    the attention core of a batch whose projections run dense.
+    the attention core of a batch whose projections run dense (every head's K/V of this
+    token already written at ``pos``).
 
     Args:
       q: ``[B, H, hd]`` queries, already scaled (and rotated, normed).
-      k_cache, v_cache: ``[B, n_kv, S, hd]``, holding this token's K/V at ``pos`` unless
-        ``k_new`` and ``v_new`` are given.
+      k_cache, v_cache: ``[B, n_kv, S, hd]`` holding this token's K/V at ``pos``.
       pos: int32 scalar, the current slot (attended to together with the valid ones before).
       head_mask: ``[B, n_kv, G]`` bool (``G = H // n_kv``): the query heads each row
         computes. A row reads the cache of the groups holding one of its heads only.
-        None: every head of every row.
       kv_mask: optional ``[B, S]`` validity of the slots before ``pos``.
       group_ids: optional ``[n_kv]`` int32: the caches' groups the query heads use, when
         the caches hold more (stacked layers: ``layer * n_kv + arange(n_kv)``).
       softcap: the logits become ``softcap * tanh(logits / softcap)`` (Gemma 2).
-      k_new, v_new: optional ``[B, n_kv, hd]``: this token's keys and values, written at
-        ``pos`` (in every group a row attends with) and attended to.
     Returns:
       ``(out [B, H, hd] fp32, k_cache, v_cache)``: softmax(q kᵀ) v for each row's selected
-      heads, 0 for the others; the caches, with ``k_new``/``v_new`` written (the Pallas
-      kernel writes the entries at ``pos`` in place: pass the caches donated under jit).
+      heads, 0 for the others; the caches as given (the Pallas kernel rewrites the entries
+      at ``pos`` in place: pass them donated under jit).
     """
     check_array("q", q, ndim=3, floating=True)
     B, H, hd = q.shape
@@ -867,47 +862,32 @@ def row_head_attention(q, k_cache, v_cache, pos, head_mask, *, kv_mask=None, gro
         raise ValueError(f"k_cache must be [B, n_kv, S, hd] = [{B}, n_kv, S, {hd}] with n_kv "
                          f"dividing {H}, got {tuple(k_cache.shape)}")
     check_array("v_cache", v_cache, shape=k_cache.shape, floating=True)
-    if head_mask is not None:
-        check_array("head_mask", head_mask, shape=(B, n_kv, H // n_kv))
-        head_mask = jnp.asarray(head_mask, bool)
-    if (k_new is None) != (v_new is None):
-        raise ValueError("k_new and v_new are given together or not at all")
-    if k_new is not None:
-        check_array("k_new", k_new, shape=(B, n_kv, hd), floating=True)
-        check_array("v_new", v_new, shape=(B, n_kv, hd), floating=True)
+    check_array("head_mask", head_mask, shape=(B, n_kv, H // n_kv))
     if group_ids is not None:
         check_indices("group_ids", group_ids, k_cache.shape[1])
     if kv_mask is not None:
         check_array("kv_mask", kv_mask, shape=(B, k_cache.shape[2]))
     return _row_head_attention_jit(q, k_cache, v_cache, jnp.asarray(pos, jnp.int32).reshape(()),
-                                   head_mask, kv_mask, group_ids, k_new, v_new,
+                                   jnp.asarray(head_mask, bool), kv_mask, group_ids,
                                    softcap=None if softcap is None else float(softcap),
                                    impl=resolve_impl(impl), config=config)
 
 
 @functools.partial(jax.jit, static_argnames=("softcap", "impl", "config"))
-def _row_head_attention_jit(q, k_cache, v_cache, pos, head_mask, kv_mask, group_ids, k_new,
-                            v_new, *, softcap, impl, config):
-    B, H, hd = q.shape
-    n_kv = k_new.shape[1] if k_new is not None else (
-        k_cache.shape[1] if group_ids is None else group_ids.shape[0])
-    ids = (jnp.arange(n_kv, dtype=jnp.int32) if group_ids is None
-           else group_ids.astype(jnp.int32))
+def _row_head_attention_jit(q, k_cache, v_cache, pos, head_mask, kv_mask, group_ids, *,
+                            softcap, impl, config):
     if impl == "reference":
-        if k_new is not None:   # as the kernel: in the groups a row attends with
-            writes = (jnp.ones((B, n_kv), bool) if head_mask is None
-                      else jnp.any(head_mask, axis=-1))[..., None]
-            k_cache = k_cache.at[:, ids, pos].set(
-                jnp.where(writes, k_new.astype(k_cache.dtype), k_cache[:, ids, pos]))
-            v_cache = v_cache.at[:, ids, pos].set(
-                jnp.where(writes, v_new.astype(v_cache.dtype), v_cache[:, ids, pos]))
         return (row_head_attention_reference(q, k_cache, v_cache, pos, head_mask, kv_mask,
                                              group_ids, softcap), k_cache, v_cache)
     cfg = config or AttnConfig()
-    # the current token's K/V as one-split "partials" of the whole groups: given, or read
-    # back from the cache (the kernel writes them again where a row attends: the same values)
-    cur_k = k_cache[:, ids, pos] if k_new is None else k_new
-    cur_v = v_cache[:, ids, pos] if v_new is None else v_new
+    B, H, hd = q.shape
+    n_kv = head_mask.shape[1]
+    ids = (jnp.arange(n_kv, dtype=jnp.int32) if group_ids is None
+           else group_ids.astype(jnp.int32))
+    # the current token's K/V as one-split "partials" of the whole groups, read back from
+    # the cache (the kernel writes them again where a row attends: the same values)
+    cur_k = k_cache[:, ids, pos]
+    cur_v = v_cache[:, ids, pos]
     f32 = jnp.float32
     o, m, l, k_cache, v_cache = decode_attention(
         q.astype(f32).reshape(1, B, H * hd), cur_k.astype(f32).reshape(1, B, n_kv * hd),

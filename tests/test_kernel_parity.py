@@ -155,17 +155,33 @@ def test_gemma2_decode_check_runs_the_soft_cap_through_the_kernels():
 
 def test_threshold_check_decodes_a_capped_batch_through_the_kernels(monkeypatch):
     """The threshold check's two-row Gemma 2 case runs the activation-sparse kernels (not
-    the dense layers a batch decodes with by default): interpreted, it matches the
-    reference; with the attention's soft-cap dropped from the kernel path it does not."""
-    from dejavu_jax import kernels
+    the dense layers a batch decodes with by default) and matches the reference, whose
+    logits the soft-cap bends beyond the check's tolerance."""
+    import dataclasses
+
+    import jax
+    import numpy as np
+
+    from dejavu_jax import sparse
+    from dejavu_jax.kernels import threshold_matvec as tm
+    from dejavu_jax.params import init_params
     case = [c for c in kernel_parity.THRESHOLD_CASES if c[0] == "gemma2-tiny"]
     assert case and case[0][2] == 2
-    rows = kernel_parity.threshold_rows("interpret", 2, case, kernels=False)
-    assert len(rows) == 1 and kernel_parity.row_passes(rows[0], 1e-4), rows
-    real = kernels.row_head_attention
-    monkeypatch.setattr(kernels, "row_head_attention",
-                        lambda *a, **kw: real(*a, **dict(kw, softcap=None)))
+    calls = []
+    real = tm.threshold_matvec
+    monkeypatch.setattr(tm, "threshold_matvec",
+                        lambda *a, **kw: calls.append(kw.get("impl")) or real(*a, **kw))
     kernel_parity._compiled.cache_clear()   # built once per configuration
     rows = kernel_parity.threshold_rows("interpret", 2, case, kernels=False)
     kernel_parity._compiled.cache_clear()
-    assert not kernel_parity.row_passes(rows[0], 1e-4), rows
+    assert len(rows) == 1 and kernel_parity.row_passes(rows[0], 1e-4), rows
+    assert "interpret" in calls
+    config = kernel_parity.tiny_config("gemma2-tiny")
+    params = init_params(config, jax.random.key(0), jnp.float32, std=0.1)
+    thresholds = jnp.zeros((config.n_layers, 5), jnp.float32)
+    scfg = dataclasses.replace(sparse.threshold_config(config, rows[0]["sites"]),
+                               batch_policy="kernels", impl="reference")
+    capped, uncapped = (kernel_parity._decode(c, scfg, params, thresholds, 2, False,
+                                              sparse.no_selector, batch=2)[0]
+                        for c in (config, config.replace(attn_logit_softcap=None)))
+    assert np.abs(capped - uncapped).max() > 1e-2
