@@ -174,11 +174,12 @@ def layer_rope_tables(config: ModelConfig, positions: jax.Array, layer=None, len
     if config.rope_local_theta is None or not config.has_sliding_layers:
         return full
     sliding = is_sliding(config, layer)
-    if sliding is True or sliding is False:
-        return rope_tables(positions, config.head_dim, config.rope_local_theta,
-                           rotary_dim=config.rotary_dim) if sliding else full
+    if sliding is False:
+        return full
     local = rope_tables(positions, config.head_dim, config.rope_local_theta,
                         rotary_dim=config.rotary_dim)
+    if sliding is True:
+        return local
     return tuple(jnp.where(sliding, lo, fu) for lo, fu in zip(local, full))
 
 
