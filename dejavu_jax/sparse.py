@@ -24,6 +24,7 @@ row reads and writes only its own heads' cache entries.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import math
 from typing import Callable
 
@@ -71,8 +72,9 @@ class SparseConfig:
     that keeps every entry exact, ceil(n_kv_heads / kv_window); fewer, 0 included, gives
     up exactness: entries missed for longer than the window stay missing). Under tensor
     parallelism both count per shard, over the shard's own KV groups.
-    attn_config / mlp_config: block sizes and load layouts of the Pallas kernels
-    (`kernels.AttnConfig`, `kernels.MLPConfig`; None: their defaults).
+    attn_config / mlp_config / threshold_blocks: block sizes and load layouts of the Pallas
+    kernels (`kernels.AttnConfig`, `kernels.MLPConfig`, `kernels.ThresholdConfig` for the
+    activation-sparse layers; None: their defaults).
     batch_policy: how a step of several rows decodes. "dense" (the default): every layer
     runs dense, since a batch's union of per-row sets and its selection cost more than they
     save (eval/results/h200/: opt-13b at batch 4 with predictors ran at 0.64 of dense, fixed
@@ -115,6 +117,7 @@ class SparseConfig:
     kv_refresh: int | None = None
     attn_config: kernels.AttnConfig | None = None
     mlp_config: kernels.MLPConfig | None = None
+    threshold_blocks: kernels.ThresholdConfig | None = None
     batch_policy: str = "dense"
     batch_dense_mlp: float = 0.5
     threshold_sites: tuple[str, ...] = ()
@@ -594,18 +597,28 @@ def _threshold_layer_kernels(config, scfg, lp, io: _LayerIO, layer, x, step, tab
     unless a post-norm comes between. With the layers unrolled the kernels read their
     thresholds from the table in place (a slice of it would be a copy per launch)."""
     from dejavu_jax import activation_sparsity as act
-    from dejavu_jax.kernels.threshold_matvec import (row_masked_matvec, threshold_matvec,
+    from dejavu_jax.kernels.threshold_matvec import (GatedInput, ThresholdConfig,
+                                                     gated_threshold_matvec,
+                                                     row_masked_matvec, threshold_matvec,
                                                      threshold_matvecs)
     from dejavu_jax.model import cache_layer, cached_attention, write_kv
     impl, eps = scfg.impl, config.norm_eps
+    blocks = scfg.threshold_blocks or ThresholdConfig()
+    by_site = {act.QKV: blocks.qkv, act.O: blocks.o, act.GATE_UP: blocks.gate_up,
+               act.DOWN: blocks.down}
     B = x.shape[0]
     t = table[layer]
     if isinstance(layer, int):
-        def at(site):
-            return dict(threshold=table, threshold_index=int(layer) * table.shape[1] + site)
+        def index(site):
+            return int(layer) * table.shape[1] + site
+        thresholds = table
     else:
-        def at(site):
-            return dict(threshold=t[site])
+        def index(site):
+            return site
+        thresholds = t
+
+    def at(site):
+        return dict(threshold=thresholds, threshold_index=index(site), **by_site[site].kwargs())
     x = x.astype(F32)
     y = ops.norm_input(x, lp.attn_norm_scale, lp.attn_norm_bias, eps)
     qkv = threshold_matvec(y, lp.wqkv_t, **at(act.QKV), impl=impl)
@@ -620,31 +633,37 @@ def _threshold_layer_kernels(config, scfg, lp, io: _LayerIO, layer, x, step, tab
         out = threshold_matvec(heads, lp.wo_t, **at(act.O), bias=lp.bo, impl=impl)
         h = x + ops.norm(out, lp.post_attn_norm_scale, None, eps)
     ym = ops.norm_input(h, lp.mlp_norm_scale, lp.mlp_norm_bias, eps)
-    if lp.w_in_t is not None and lp.w_gate_t is not None:
+    gated_mlp = lp.w_in_t is not None and lp.w_gate_t is not None
+    if gated_mlp and blocks.gated_down:  # the down launch sums the partials itself
         gate, up = threshold_matvecs(ym, [lp.w_gate_t, lp.w_in_t], **at(act.GATE_UP),
-                                     impl=impl)
-        gate = ops.activation(config.activation, gate)
-        up = ops.add_bias(up, lp.b_in)
-    elif lp.w_in_t is not None:
-        up = ops.add_bias(threshold_matvec(ym, lp.w_in_t, **at(act.GATE_UP), impl=impl),
-                          lp.b_in)
-    elif lp.w_gate_t is not None:
-        gate = ops.activation(config.activation,
-                              threshold_matvec(ym, lp.w_gate_t, **at(act.GATE_UP), impl=impl))
-    if lp.w_gate_t is not None:
-        neurons = act.gate_magnitude(lp, gate) > t[act.GATE]
-        if lp.w_in_t is None:  # the gate site's layout: whole rows of the kept neurons
-            up = ops.add_bias(row_masked_matvec(act.sparse_input(ym, t[act.GATE_UP]),
-                                                lp.w_in, neurons, impl=impl), lp.b_in)
-        hidden = jnp.where(neurons, gate * up, 0.0)
+                                     partials=True, impl=impl)
+        down = functools.partial(gated_threshold_matvec, GatedInput(
+            gate, up, config.activation, index(act.GATE), lp.b_in, lp.gate_weight))
     else:
-        hidden = ops.activation(config.activation, up)
+        if gated_mlp:
+            gate, up = threshold_matvecs(ym, [lp.w_gate_t, lp.w_in_t], **at(act.GATE_UP),
+                                         impl=impl)
+            gate = ops.activation(config.activation, gate)
+            up = ops.add_bias(up, lp.b_in)
+        elif lp.w_in_t is not None:
+            up = ops.add_bias(threshold_matvec(ym, lp.w_in_t, **at(act.GATE_UP), impl=impl),
+                              lp.b_in)
+        else:
+            gate = ops.activation(config.activation, threshold_matvec(
+                ym, lp.w_gate_t, **at(act.GATE_UP), impl=impl))
+        if lp.w_gate_t is not None:
+            neurons = act.gate_magnitude(lp, gate) > t[act.GATE]
+            if lp.w_in_t is None:  # the gate site's layout: whole rows of the kept neurons
+                up = ops.add_bias(row_masked_matvec(act.sparse_input(ym, t[act.GATE_UP]),
+                                                    lp.w_in, neurons, impl=impl), lp.b_in)
+            hidden = jnp.where(neurons, gate * up, 0.0)
+        else:
+            hidden = ops.activation(config.activation, up)
+        down = functools.partial(threshold_matvec, hidden)
     if lp.post_mlp_norm_scale is None:
-        out = threshold_matvec(hidden, lp.w_out_t, **at(act.DOWN), residual=h, bias=lp.b_out,
-                               impl=impl)
+        out = down(lp.w_out_t, **at(act.DOWN), residual=h, bias=lp.b_out, impl=impl)
     else:
-        mlp_out = threshold_matvec(hidden, lp.w_out_t, **at(act.DOWN), bias=lp.b_out,
-                                   impl=impl)
+        mlp_out = down(lp.w_out_t, **at(act.DOWN), bias=lp.b_out, impl=impl)
         out = h + ops.norm(mlp_out, lp.post_mlp_norm_scale, None, eps)
     return out, _all_written(config, io.replace(k=k_all, v=v_all), layer, step)
 

@@ -23,6 +23,7 @@ kernels alone at MLP shapes against XLA's dense ones (`time_kernels`). The run o
 from __future__ import annotations
 
 import functools
+import itertools
 import json
 import sys
 import time
@@ -232,8 +233,22 @@ def time_threshold_variants(log, timed, shapes, sparsities=(0.0, 0.5)) -> list[d
     return rows
 
 
-def run_model(name, specs, contexts, warmup, steps, log) -> list[dict]:
-    """Dense and threshold rows of one preset."""
+def block_variants(spec: str) -> list[tuple[str, object]]:
+    """[(name, kernels.ThresholdConfig)] of a --block-variants spec: the defaults
+    ("default") and then each ``NAME:SITE.FIELD=VALUE,...`` of the ``;``-separated list."""
+    from dejavu_jax.kernels import ThresholdConfig
+    out = [("default", ThresholdConfig())]
+    for item in filter(None, (p.strip() for p in spec.split(";"))):
+        name, sep, settings = item.partition(":")
+        if not sep or not name.strip() or name.strip() in dict(out):
+            raise ValueError(f"block variant {item!r} is not NAME:SETTINGS with a new NAME")
+        out.append((name.strip(), ThresholdConfig().with_settings(settings)))
+    return out
+
+
+def run_model(name, specs, contexts, warmup, steps, log, variants=None) -> list[dict]:
+    """Dense and threshold rows of one preset (each level spec under each of `variants`,
+    `block_variants`; None: the default blocks)."""
     from dejavu_jax import sparse
     from dejavu_jax.eval.bench_decode import measure_engine, rates, step_bytes
     from dejavu_jax.eval.bench_hf import cache_len
@@ -265,9 +280,16 @@ def run_model(name, specs, contexts, warmup, steps, log) -> list[dict]:
                          **rates(dense_bytes, 1, res["ms"], res["ms_loop"])))
         log(json.dumps(rows[-1]))
     del dense_params
-    for spec, _, sites in prepared:
-        moved = unstack_layers(input_major(params, up_rows="gate" in sites))
-        scfg = sparse.threshold_config(config, sites)
+    import dataclasses
+    moved, moved_for = None, None
+    for (spec, _, sites), (blocks_name, blocks) in itertools.product(
+            prepared, variants or block_variants("")):
+        if moved_for != ("gate" in sites):
+            moved = None  # one input-major copy at a time
+            moved_for = "gate" in sites
+            moved = unstack_layers(input_major(params, up_rows=moved_for))
+        scfg = dataclasses.replace(sparse.threshold_config(config, sites),
+                                   threshold_blocks=blocks)
         engine = sparse.sparse_engine(config, scfg, sparse.no_selector)
         for ctx in contexts:
             max_len = cache_len(ctx, warmup, steps)
@@ -278,13 +300,13 @@ def run_model(name, specs, contexts, warmup, steps, log) -> list[dict]:
                 res = measure_engine(engine, (moved, thresholds[spec]), prompt, mask, tokens,
                                      max_len, warmup, steps, dict(per_layer=True))
             except Exception as e:  # report (OOM, lowering) and go on
-                log(f"FAILED {name} {spec} ctx={ctx}: {type(e).__name__}: {str(e)[:400]}")
+                log(f"FAILED {name} {spec} {blocks_name} ctx={ctx}: {type(e).__name__}: {str(e)[:400]}")
                 continue
             rows.append(dict(model=name, mode="threshold", levels=spec, sites=list(sites),
+                             blocks=blocks_name, block_settings=dataclasses.asdict(blocks),
                              context=ctx, skipped=skips[spec], **res,
                              **rates(int(nbytes), 1, res["ms"], res["ms_loop"])))
             log(json.dumps(rows[-1]))
-        del moved
     return rows
 
 
@@ -322,6 +344,10 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--kernels", type=cli.choice_list(KERNEL_GROUPS), default=(),
                    help=f"also time the kernels alone: a comma list of {', '.join(KERNEL_GROUPS)}")
     p.add_argument("--no-models", action="store_true", help="the kernels only")
+    p.add_argument("--block-variants", default="",
+                   help="kernel block settings to time each level under, besides the "
+                        "defaults: NAME:SITE.FIELD=VALUE,...;NAME:... (SITE qkv, o, gate_up, "
+                        "down; FIELD of kernels.ThresholdBlocks)")
     p.add_argument("--out", type=Path, required=True)
     add_parity_argument(p)
     args = p.parse_args(argv)
@@ -331,6 +357,10 @@ def main(argv: list[str] | None = None) -> int:
         if not spec.startswith("uniform:") and not Path(spec).is_file():
             p.error(f"--levels: {spec} is neither uniform:S[:METHOD] nor a profile file")
     contexts = [int(c) for c in args.contexts.split(",") if c]
+    try:
+        variants = block_variants(args.block_variants)
+    except ValueError as e:
+        p.error(f"--block-variants: {e}")
     args.out.mkdir(parents=True, exist_ok=True)
     log_file = open(args.out / "bench_thresholds.log", "a")
 
@@ -361,7 +391,7 @@ def main(argv: list[str] | None = None) -> int:
         save()
     rows = [dict(r, mode=r["mode"], levels="-", skipped=0.0) for r in (hf or {}).get("rows", [])]
     for name in [] if args.no_models else models:
-        rows += run_model(name, specs, contexts, args.warmup, args.steps, log)
+        rows += run_model(name, specs, contexts, args.warmup, args.steps, log, variants)
         result["rows"] = with_speedups(rows)
         save()
     log_file.close()

@@ -18,9 +18,11 @@ from .head_attention import (AttnConfig, KVWindow, head_sparse_attention,
                              row_head_attention, row_head_attention_reference)
 from .layer_norm import layer_norm, layer_norm_reference
 from .sparse_mlp import MLPConfig, sparse_mlp, sparse_mlp_reference
+from .threshold_matvec import ThresholdBlocks, ThresholdConfig
 from .top_k import top_k_indices, top_k_indices_reference
 
-__all__ = ["sparse_mlp", "sparse_mlp_reference", "MLPConfig", "head_sparse_attention",
+__all__ = ["sparse_mlp", "sparse_mlp_reference", "MLPConfig", "ThresholdBlocks",
+           "ThresholdConfig", "head_sparse_attention",
            "head_sparse_attention_reference", "AttnConfig", "KVWindow", "query_head_groups",
            "row_head_attention", "row_head_attention_reference", "top_k_indices",
            "top_k_indices_reference", "layer_norm", "layer_norm_reference"]

@@ -122,3 +122,24 @@ def test_small_matrices_take_fewer_blocks_per_program():
     assert auto_row_blocks(4864, 896, 16, 512) == 2      # qwen2.5-0.5b down: 152 x 2
     assert auto_row_blocks(1536, 2048, 16, 512) == 1     # qwen2.5-1.5b q/k/v: 96 x 4
     assert auto_row_blocks(1536, 1536, 16, 512) == 1     # qwen2.5-1.5b o: 96 x 3
+
+
+def test_threshold_config_settings_parse_and_refuse_bad_ones():
+    """`ThresholdConfig.with_settings` replaces the named sites' fields only, and a bad
+    site, field, value or block size is a ValueError naming it."""
+    from dejavu_jax.eval.bench_thresholds import block_variants
+    from dejavu_jax.kernels import ThresholdBlocks, ThresholdConfig
+    cfg = ThresholdConfig().with_settings("down.row_blocks=8, down.num_stages=4,o.block_n=256")
+    assert cfg.down == ThresholdBlocks(row_blocks=8, num_stages=4)
+    assert cfg.o == ThresholdBlocks(block_n=256) and cfg.qkv == cfg.gate_up == ThresholdBlocks()
+    assert cfg.with_settings("down.row_blocks=None").down.row_blocks is None
+    for bad, match in (("mlp.row_blocks=8", "SITE.FIELD"), ("down.rows=8", "SITE.FIELD"),
+                       ("down.row_blocks", "SITE.FIELD"), ("down.row_blocks=x", "'x'"),
+                       ("down.block_n=300", "powers of 2"), ("o.row_blocks=0", "at least 1"),
+                       ("qkv.num_warps=3", "num_warps")):
+        with pytest.raises(ValueError, match=match):
+            ThresholdConfig().with_settings(bad)
+    names = [n for n, _ in block_variants("a:down.row_blocks=8;b:o.num_stages=3")]
+    assert names == ["default", "a", "b"]
+    with pytest.raises(ValueError, match="NAME:SETTINGS"):
+        block_variants("a:down.row_blocks=8;a:o.num_stages=3")
