@@ -6,7 +6,8 @@ import numpy as np
 import pytest
 from conftest import assert_finite_close
 
-from dejavu_jax.kernels.threshold_matvec import (auto_row_blocks, row_masked_matvec,
+from dejavu_jax.kernels.threshold_matvec import (GatedInput, auto_row_blocks,
+                                                 gated_threshold_matvec, row_masked_matvec,
                                                  threshold_matvec, threshold_matvecs)
 
 
@@ -143,3 +144,45 @@ def test_threshold_config_settings_parse_and_refuse_bad_ones():
     assert names == ["default", "a", "b"]
     with pytest.raises(ValueError, match="NAME:SETTINGS"):
         block_variants("a:down.row_blocks=8;a:o.num_stages=3")
+
+
+@pytest.mark.parametrize("B,row_blocks,activation,extras", [
+    (1, 2, "silu", True), (3, 2, "gelu_tanh", False), (2, 8, "silu", True)])
+def test_gated_threshold_matvec_equals_numpy(rng, B, row_blocks, activation, extras):
+    """The down projection's launch forming a gated MLP's hidden units from the gate and up
+    projections' unsummed partials: ``act(g) (u + b)`` where ``|act(g)| w > t_gate``, then
+    input-sparse at the down threshold, into the residual; ragged F and d, several chunks
+    of partials (and their loop, from 5 on)."""
+    d, F = 100, 300
+    x = rng.standard_normal((B, d)).astype(np.float32)
+    wg, wu = (rng.standard_normal((d, F)).astype(np.float32) * 0.3 for _ in range(2))
+    wd = rng.standard_normal((F, d)).astype(np.float32) * 0.1
+    up_bias = rng.standard_normal(F).astype(np.float32) if extras else None
+    gate_weight = rng.uniform(0.2, 2.0, F).astype(np.float32) if extras else None
+    res = rng.standard_normal((B, d)).astype(np.float32)
+    g, u = x @ wg, x @ wu   # no input threshold: the partials are plain products
+    act = g / (1 + np.exp(-g)) if activation == "silu" else 0.5 * g * (1 + np.tanh(
+        np.sqrt(2 / np.pi) * (g + 0.044715 * g ** 3)))
+    up = u + (up_bias if extras else 0)
+    magnitude = np.abs(act) * (gate_weight if extras else 1)
+    t_gate = float(np.quantile(magnitude, 0.3))
+    hidden = np.where(magnitude > t_gate, act * up, 0.0)
+    t_down = float(np.quantile(np.abs(hidden), 0.6))
+    table = jnp.asarray([0.0, t_gate, t_down], jnp.float32)
+    gp, up_p = threshold_matvecs(jnp.asarray(x), [jnp.asarray(wg), jnp.asarray(wu)], table,
+                                 block_n=64, row_blocks=1, partials=True, impl="interpret")
+    assert gp.shape == (7, B, F)  # 100 channels in chunks of 16
+    gated = GatedInput(gp, up_p, activation, 1,
+                       None if up_bias is None else jnp.asarray(up_bias),
+                       None if gate_weight is None else jnp.asarray(gate_weight))
+    got = gated_threshold_matvec(gated, jnp.asarray(wd), table, residual=jnp.asarray(res),
+                                 threshold_index=2, block_n=64, row_blocks=row_blocks,
+                                 impl="interpret")
+    assert_finite_close(np.asarray(got), _numpy_threshold(hidden, wd, t_down, res),
+                        rtol=1e-4, atol=1e-4)
+    with pytest.raises(ValueError, match="partials"):
+        gated_threshold_matvec(GatedInput(gp, up_p[:, :, :-1], activation), jnp.asarray(wd),
+                               table, impl="interpret")
+    with pytest.raises(ValueError, match="gate_index"):
+        gated_threshold_matvec(GatedInput(gp, up_p, activation, 3), jnp.asarray(wd), table,
+                               impl="interpret")
