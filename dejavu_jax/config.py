@@ -582,12 +582,14 @@ def _llama_from_hf(hf: dict, name: str) -> ModelConfig:
         ffn=hf["intermediate_size"],
         max_positions=max_positions,
         embed_dim=hidden,
-        norm_eps=hf.get("rms_norm_eps", 1e-6),
+        norm_eps=hf.get("rms_norm_eps", 1e-5 if hf["model_type"] == "phi3" else 1e-6),
         pre_norm=True,
         final_norm=True,
         activation="silu",
         gated_mlp=True,
-        attention_bias=True if qwen2 else hf.get("attention_bias", False),
+        # Mistral's and Phi-3's projections have no biases whatever attention_bias says
+        attention_bias=qwen2 or (hf["model_type"] in ("llama", "qwen3")
+                                 and bool(hf.get("attention_bias", False))),
         attention_out_bias=False if qwen2 else None,
         mlp_bias=False,
         qk_norm=qwen3,
@@ -710,8 +712,8 @@ def _gemma2_from_hf(hf: dict, name: str) -> ModelConfig:
 
 
 GEMMA2_DEFAULTS = {"vocab_size": 256_000, "hidden_size": 2304, "num_hidden_layers": 26,
-                   "num_attention_heads": 8, "intermediate_size": 9216,
-                   "max_position_embeddings": 8192}   # Gemma2Config's
+                   "num_attention_heads": 8, "num_key_value_heads": 4,
+                   "intermediate_size": 9216, "max_position_embeddings": 8192}  # Gemma2Config's
 
 
 def _gemma_fields(hf: dict, name: str, defaults: dict) -> dict:

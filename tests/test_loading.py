@@ -443,9 +443,9 @@ def test_gemma3_multimodal_checkpoint_loads_its_text_model(tmp_path):
 
 @pytest.mark.parametrize("model_type", ["llama", "mistral", "qwen2", "qwen3", "phi3"])
 def test_absent_kv_heads_and_positions_default_as_in_transformers(model_type):
-    """A config.json without num_key_value_heads, max_position_embeddings or head_dim reads
-    them as transformers' config class of that model type defaults them (Qwen3's head
-    width is 128 whatever the hidden size)."""
+    """A config.json without num_key_value_heads, max_position_embeddings, head_dim or
+    rms_norm_eps reads them as transformers' config class of that model type defaults them
+    (Qwen3's head width is 128 whatever the hidden size; Phi-3's eps is 1e-5)."""
     import transformers
     cls = {"llama": transformers.LlamaConfig, "mistral": transformers.MistralConfig,
            "qwen2": transformers.Qwen2Config, "qwen3": transformers.Qwen3Config,
@@ -457,6 +457,30 @@ def test_absent_kv_heads_and_positions_default_as_in_transformers(model_type):
     assert (config.n_kv_heads, config.max_positions) == \
         (theirs.num_key_value_heads, theirs.max_position_embeddings)
     assert config.head_dim == (getattr(theirs, "head_dim", None) or 256 // 32)
+    assert config.norm_eps == theirs.rms_norm_eps
+
+
+def test_gemma2_without_kv_heads_reads_transformers_default():
+    """Gemma2Config gives 4 KV heads to a config.json that leaves the key out, whatever the
+    query heads (8 here), as the checkpoint's k/v weights then have."""
+    import transformers
+    raw = dict(model_type="gemma2", vocab_size=64, hidden_size=128, num_hidden_layers=2,
+               num_attention_heads=8, intermediate_size=64, head_dim=16)
+    theirs = transformers.Gemma2Config(**{k: v for k, v in raw.items() if k != "model_type"})
+    assert dj.config.from_hf_config(raw).n_kv_heads == theirs.num_key_value_heads == 4
+
+
+@pytest.mark.parametrize("model_type,biased", [("llama", True), ("qwen3", True),
+                                                ("qwen2", True), ("mistral", False),
+                                                ("phi3", False)])
+def test_attention_bias_as_each_architecture_builds_it(model_type, biased):
+    """attention_bias true gives q/k/v biases only where transformers' architecture builds
+    them from that key (Llama, Qwen3; Qwen2 always has them): Mistral's and Phi-3's
+    projections have none whatever it says, so their checkpoints load without biases."""
+    raw = dict(model_type=model_type, vocab_size=64, hidden_size=64, num_hidden_layers=2,
+               num_attention_heads=4, num_key_value_heads=4, intermediate_size=64,
+               attention_bias=True)
+    assert dj.config.from_hf_config(raw).attention_bias is biased
 
 
 def _shard(directory, weight_map_of):
