@@ -598,6 +598,7 @@ def _threshold_layer_kernels(config, scfg, lp, io: _LayerIO, layer, x, step, tab
     thresholds from the table in place (a slice of it would be a copy per launch)."""
     from dejavu_jax import activation_sparsity as act
     from dejavu_jax.kernels.threshold_matvec import (GatedInput, ThresholdConfig,
+                                                     gated_row_blocks,
                                                      gated_threshold_matvec,
                                                      row_masked_matvec, threshold_matvec,
                                                      threshold_matvecs)
@@ -635,7 +636,12 @@ def _threshold_layer_kernels(config, scfg, lp, io: _LayerIO, layer, x, step, tab
     ym = ops.norm_input(h, lp.mlp_norm_scale, lp.mlp_norm_bias, eps)
     gated_mlp = lp.w_in_t is not None and lp.w_gate_t is not None
     if gated_mlp and blocks.gated_down:  # the down launch sums the partials itself
-        gate, up = threshold_matvecs(ym, [lp.w_gate_t, lp.w_in_t], **at(act.GATE_UP),
+        settings = at(act.GATE_UP)
+        if settings["row_blocks"] is None:
+            settings["row_blocks"] = gated_row_blocks(*lp.w_gate_t.shape,
+                                                      settings["block_rows"],
+                                                      settings["block_n"])
+        gate, up = threshold_matvecs(ym, [lp.w_gate_t, lp.w_in_t], **settings,
                                      partials=True, impl=impl)
         down = functools.partial(gated_threshold_matvec, GatedInput(
             gate, up, config.activation, index(act.GATE), lp.b_in, lp.gate_weight))

@@ -31,6 +31,7 @@ from .gather_matvec import accumulate_blocks, batch_pad, mma, write_split_k
 from .launch import LaunchPart, launch
 
 F32 = jnp.float32
+GATED_CHUNKS = 16  # the most gate/up partials a down launch sums (`ThresholdConfig.gated_down`)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -66,7 +67,9 @@ class ThresholdConfig:
     o: ThresholdBlocks = ThresholdBlocks()
     gate_up: ThresholdBlocks = ThresholdBlocks()
     down: ThresholdBlocks = ThresholdBlocks()
-    gated_down: bool = False  # a gated MLP's down launch forms its input (`GatedInput`)
+    # a gated MLP's down launch forms its input (`GatedInput`) from the gate and up
+    # partials, at most GATED_CHUNKS of them where gate_up.row_blocks is None
+    gated_down: bool = False
 
     def with_settings(self, spec: str) -> "ThresholdConfig":
         """This config with ``SITE.FIELD=VALUE`` (or ``gated_down=0|1``) settings, comma-
@@ -212,6 +215,14 @@ def auto_row_blocks(K: int, N: int, block_rows: int, block_n: int) -> int:
         if cdiv(K, block_rows * blocks) * cdiv(N, block_n) >= 2 * sm_count():
             return blocks
     return 1
+
+
+def gated_row_blocks(K: int, N: int, block_rows: int, block_n: int) -> int:
+    """Blocks per program of the gate and up projections whose partials a down launch
+    sums (`ThresholdConfig.gated_down`): `auto_row_blocks`, or more where that would leave
+    over `GATED_CHUNKS` chunks of ``K`` channels."""
+    return max(auto_row_blocks(K, N, block_rows, block_n),
+               cdiv(K, GATED_CHUNKS * block_rows))
 
 
 def threshold_matvec_part(x, w_t, threshold, *, residual=None, bias=None, block_rows=16,

@@ -447,6 +447,7 @@ def test_threshold_kernels_take_each_projections_block_settings(monkeypatch, gat
     import dataclasses
     from dejavu_jax.kernels import ThresholdConfig
     from dejavu_jax.kernels import threshold_matvec as module
+    from dejavu_jax.kernels.threshold_matvec import gated_row_blocks
     from dejavu_jax.params import input_major
     config, params = _model("llama-tiny")
     ids = np.random.default_rng(9).integers(3, config.vocab_size, (1, 6)).astype(np.int32)
@@ -476,5 +477,7 @@ def test_threshold_kernels_take_each_projections_block_settings(monkeypatch, gat
     expected = {("threshold_matvec", (d, (config.n_heads + 2 * config.n_kv_heads)
                                       * config.head_dim)): (16, 512, 1, 4, 2),
                 ("threshold_matvec", (config.n_heads * config.head_dim, d)): (16, 64, None, 2, 2),
-                ("threshold_matvecs", 2): (32, 64, None, 4, 2), (down, (F, d)): (16, 512, 8, 4, 3)}
+                ("threshold_matvecs", 2): (32, 64, gated_row_blocks(d, F, 32, 64) if gated_down
+                                           else None, 4, 2),
+                (down, (F, d)): (16, 512, 8, 4, 3)}
     assert {(n, shape): tuple(rest) for n, shape, *rest in seen} == expected

@@ -186,3 +186,14 @@ def test_gated_threshold_matvec_equals_numpy(rng, B, row_blocks, activation, ext
     with pytest.raises(ValueError, match="gate_index"):
         gated_threshold_matvec(GatedInput(gp, up_p, activation, 3), jnp.asarray(wd), table,
                                impl="interpret")
+
+
+@pytest.mark.parametrize("K,N", [(4096, 14336), (1536, 8960), (576, 1536), (8192, 28672)])
+def test_gated_row_blocks_cap_the_partials_a_down_launch_sums(K, N):
+    """The gate and up projections feeding a gated down launch leave at most GATED_CHUNKS
+    chunks of partials, and never fewer blocks a program than `auto_row_blocks`."""
+    from dejavu_jax.kernels.threshold_matvec import GATED_CHUNKS, gated_row_blocks
+    rb = gated_row_blocks(K, N, 16, 512)
+    assert -(-K // (16 * rb)) <= GATED_CHUNKS and rb >= auto_row_blocks(K, N, 16, 512)
+    assert -(-K // (16 * (rb - 1))) > GATED_CHUNKS if rb > auto_row_blocks(K, N, 16, 512) \
+        else True
