@@ -87,7 +87,7 @@ def test_equal_factors_give_linear_ropes_logits(length, factor):
     config = phi3(short=[2.5] * 4, long=[6.0] * 4, attention_factor=1.3)
     linear = from_hf_config({**PHI3, "rope_scaling": {"type": "linear", "factor": factor},
                              "model_type": "llama"}).replace(
-        query_scale=1.3 ** 2 * HEAD_DIM ** -0.5)
+        query_scale=1.3 ** 2 * HEAD_DIM ** -0.5, norm_eps=config.norm_eps)
     params = dj.init_params(config, jax.random.key(0), jnp.float32, std=0.3)
     ids = jnp.asarray(np.random.default_rng(0).integers(0, 128, (2, length)))
     got = np.asarray(dj.logits(config, params, ids))
