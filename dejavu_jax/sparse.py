@@ -24,7 +24,6 @@ row reads and writes only its own heads' cache entries.
 from __future__ import annotations
 
 import dataclasses
-import functools
 import math
 from typing import Callable
 
@@ -595,13 +594,11 @@ def _threshold_layer_kernels(config, scfg, lp, io: _LayerIO, layer, x, step, tab
     the gate site the rows of the neurons that pass it, fc2 the rows of nonzero
     activations; the out-projection and fc2 add into the residual rows in their launches
     unless a post-norm comes between. With the layers unrolled the kernels read their
-    thresholds from the table in place (a slice of it would be a copy per launch)."""
+    thresholds from the table in place (a slice of it would be a copy per launch); each
+    projection's block settings come from `scfg.threshold_blocks`."""
     from dejavu_jax import activation_sparsity as act
-    from dejavu_jax.kernels.threshold_matvec import (GatedInput, ThresholdConfig,
-                                                     gated_row_blocks,
-                                                     gated_threshold_matvec,
-                                                     row_masked_matvec, threshold_matvec,
-                                                     threshold_matvecs)
+    from dejavu_jax.kernels.threshold_matvec import (ThresholdConfig, row_masked_matvec,
+                                                     threshold_matvec, threshold_matvecs)
     from dejavu_jax.model import cache_layer, cached_attention, write_kv
     impl, eps = scfg.impl, config.norm_eps
     blocks = scfg.threshold_blocks or ThresholdConfig()
@@ -609,17 +606,13 @@ def _threshold_layer_kernels(config, scfg, lp, io: _LayerIO, layer, x, step, tab
                act.DOWN: blocks.down}
     B = x.shape[0]
     t = table[layer]
-    if isinstance(layer, int):
-        def index(site):
-            return int(layer) * table.shape[1] + site
-        thresholds = table
-    else:
-        def index(site):
-            return site
-        thresholds = t
 
     def at(site):
-        return dict(threshold=thresholds, threshold_index=index(site), **by_site[site].kwargs())
+        settings = by_site[site].kwargs()
+        if isinstance(layer, int):
+            return dict(threshold=table, threshold_index=int(layer) * table.shape[1] + site,
+                        **settings)
+        return dict(threshold=t[site], **settings)
     x = x.astype(F32)
     y = ops.norm_input(x, lp.attn_norm_scale, lp.attn_norm_bias, eps)
     qkv = threshold_matvec(y, lp.wqkv_t, **at(act.QKV), impl=impl)
@@ -634,42 +627,31 @@ def _threshold_layer_kernels(config, scfg, lp, io: _LayerIO, layer, x, step, tab
         out = threshold_matvec(heads, lp.wo_t, **at(act.O), bias=lp.bo, impl=impl)
         h = x + ops.norm(out, lp.post_attn_norm_scale, None, eps)
     ym = ops.norm_input(h, lp.mlp_norm_scale, lp.mlp_norm_bias, eps)
-    gated_mlp = lp.w_in_t is not None and lp.w_gate_t is not None
-    if gated_mlp and blocks.gated_down:  # the down launch sums the partials itself
-        settings = at(act.GATE_UP)
-        if settings["row_blocks"] is None:
-            settings["row_blocks"] = gated_row_blocks(*lp.w_gate_t.shape,
-                                                      settings["block_rows"],
-                                                      settings["block_n"])
-        gate, up = threshold_matvecs(ym, [lp.w_gate_t, lp.w_in_t], **settings,
-                                     partials=True, impl=impl)
-        down = functools.partial(gated_threshold_matvec, GatedInput(
-            gate, up, config.activation, index(act.GATE), lp.b_in, lp.gate_weight))
+    if lp.w_in_t is not None and lp.w_gate_t is not None:
+        gate, up = threshold_matvecs(ym, [lp.w_gate_t, lp.w_in_t], **at(act.GATE_UP),
+                                     impl=impl)
+        gate = ops.activation(config.activation, gate)
+        up = ops.add_bias(up, lp.b_in)
+    elif lp.w_in_t is not None:
+        up = ops.add_bias(threshold_matvec(ym, lp.w_in_t, **at(act.GATE_UP), impl=impl),
+                          lp.b_in)
+    elif lp.w_gate_t is not None:
+        gate = ops.activation(config.activation,
+                              threshold_matvec(ym, lp.w_gate_t, **at(act.GATE_UP), impl=impl))
+    if lp.w_gate_t is not None:
+        neurons = act.gate_magnitude(lp, gate) > t[act.GATE]
+        if lp.w_in_t is None:  # the gate site's layout: whole rows of the kept neurons
+            up = ops.add_bias(row_masked_matvec(act.sparse_input(ym, t[act.GATE_UP]),
+                                                lp.w_in, neurons, impl=impl), lp.b_in)
+        hidden = jnp.where(neurons, gate * up, 0.0)
     else:
-        if gated_mlp:
-            gate, up = threshold_matvecs(ym, [lp.w_gate_t, lp.w_in_t], **at(act.GATE_UP),
-                                         impl=impl)
-            gate = ops.activation(config.activation, gate)
-            up = ops.add_bias(up, lp.b_in)
-        elif lp.w_in_t is not None:
-            up = ops.add_bias(threshold_matvec(ym, lp.w_in_t, **at(act.GATE_UP), impl=impl),
-                              lp.b_in)
-        else:
-            gate = ops.activation(config.activation, threshold_matvec(
-                ym, lp.w_gate_t, **at(act.GATE_UP), impl=impl))
-        if lp.w_gate_t is not None:
-            neurons = act.gate_magnitude(lp, gate) > t[act.GATE]
-            if lp.w_in_t is None:  # the gate site's layout: whole rows of the kept neurons
-                up = ops.add_bias(row_masked_matvec(act.sparse_input(ym, t[act.GATE_UP]),
-                                                    lp.w_in, neurons, impl=impl), lp.b_in)
-            hidden = jnp.where(neurons, gate * up, 0.0)
-        else:
-            hidden = ops.activation(config.activation, up)
-        down = functools.partial(threshold_matvec, hidden)
+        hidden = ops.activation(config.activation, up)
     if lp.post_mlp_norm_scale is None:
-        out = down(lp.w_out_t, **at(act.DOWN), residual=h, bias=lp.b_out, impl=impl)
+        out = threshold_matvec(hidden, lp.w_out_t, **at(act.DOWN), residual=h, bias=lp.b_out,
+                               impl=impl)
     else:
-        mlp_out = down(lp.w_out_t, **at(act.DOWN), bias=lp.b_out, impl=impl)
+        mlp_out = threshold_matvec(hidden, lp.w_out_t, **at(act.DOWN), bias=lp.b_out,
+                                   impl=impl)
         out = h + ops.norm(mlp_out, lp.post_mlp_norm_scale, None, eps)
     return out, _all_written(config, io.replace(k=k_all, v=v_all), layer, step)
 

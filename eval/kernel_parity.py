@@ -545,13 +545,9 @@ def predictor_rows(impl: str) -> list[dict]:
 
 
 # (model, whether the up projection keeps its neuron rows: the gate site reads them; a
-# gated model without them runs TEAL's sites, its gate and up in one launch, batch, whether
-# the down launch forms the hidden units from the gate and up partials: then with the gate
-# site and gate weights too)
-THRESHOLD_CASES = (("llama-tiny", True, 1, False), ("llama-tiny", False, 1, False),
-                   ("opt-tiny", False, 1, False), ("gemma3-tiny", True, 1, False),
-                   ("gemma2-tiny", False, 2, False), ("llama-tiny", False, 1, True),
-                   ("gemma2-tiny", False, 2, True))
+# gated model without them runs TEAL's sites, its gate and up in one launch)
+THRESHOLD_CASES = (("llama-tiny", True, 1), ("llama-tiny", False, 1), ("opt-tiny", False, 1),
+                   ("gemma3-tiny", True, 1), ("gemma2-tiny", False, 2))
 
 
 def threshold_rows(impl: str, steps: int, cases=None, kernels: bool = True) -> list[dict]:
@@ -564,43 +560,40 @@ def threshold_rows(impl: str, steps: int, cases=None, kernels: bool = True) -> l
 
 
 def _threshold_decode_rows(impl: str, steps: int, cases) -> list[dict]:
-    from dejavu_jax.kernels.threshold_matvec import ThresholdConfig
     from dejavu_jax.params import input_major, with_gate_weights
     from dejavu_jax.train.thresholds import calibration_stats, thresholds_at
     rows = []
-    for name, up_rows, batch, gated_down in cases:
+    for name, up_rows, batch in cases:
         config = tiny_config(name)
         params = init_params(config, jax.random.key(0), jnp.float32, std=0.1)
-        if up_rows or gated_down:  # the gate site ranks by |act(gate)| times gate weights
+        if up_rows:  # the gate site ranks neurons by |act(gate)| times gate weights
             weights = jax.random.uniform(jax.random.key(4), (config.n_layers, config.ffn),
                                          jnp.float32, 0.2, 3.0)
             params = with_gate_weights(params, weights)
         ids = jax.random.randint(jax.random.key(3), (1, 32), 3, config.vocab_size)
         q = calibration_stats(config, params, ids, jnp.ones_like(ids), ())["quantiles"]
         levels = np.full((config.n_layers, 5), 0.4)
-        if not (up_rows or gated_down):
+        if not up_rows:
             levels[:, 3] = 0.0  # the gate site (none on OPT)
         thresholds = jnp.asarray(thresholds_at(np.asarray(q), levels))
         sites = tuple(s for i, s in enumerate(("qkv", "o", "gate_up", "gate", "down"))
                       if levels[0, i] > 0)
         # batch_policy "kernels": a batch would otherwise decode dense
         scfg = dataclasses.replace(sparse.threshold_config(config, sites),
-                                   batch_policy="kernels",
-                                   threshold_blocks=ThresholdConfig(gated_down=gated_down))
+                                   batch_policy="kernels")
         ref = _decode(config, dataclasses.replace(scfg, impl="reference"), params, thresholds,
                       steps, False, sparse.no_selector, batch=batch)
         moved = unstack_layers(input_major(params, up_rows=up_rows))
         got = _decode(config, dataclasses.replace(scfg, impl=impl), moved, thresholds, steps,
                       True, sparse.no_selector, batch=batch)
         rows.append(dict(check="threshold", model=name, batch=batch, sites=list(sites),
-                         gate_weights=up_rows or gated_down, gated_down=gated_down, logits=float(np.abs(got[0] - ref[0]).max()),
+                         gate_weights=up_rows, logits=float(np.abs(got[0] - ref[0]).max()),
                          k_cache=float(np.abs(got[1] - ref[1]).max())))
     return rows
 
 
 def _threshold_kernel_rows(impl: str) -> list[dict]:
-    from dejavu_jax.kernels.threshold_matvec import (GatedInput, gated_threshold_matvec,
-                                                     row_masked_matvec, threshold_matvec,
+    from dejavu_jax.kernels.threshold_matvec import (row_masked_matvec, threshold_matvec,
                                                      threshold_matvecs)
     rng = np.random.default_rng(9)
     rows = []
@@ -609,11 +602,14 @@ def _threshold_kernel_rows(impl: str) -> list[dict]:
         w = jnp.asarray(rng.standard_normal((K, N)) * K ** -0.5, jnp.float32)
         t = float(np.quantile(np.abs(np.asarray(x)), 0.5))
         res = jnp.asarray(rng.standard_normal((B, N)), jnp.float32)
-        for residual in (None, res):
-            got, ref = (jax.jit(functools.partial(threshold_matvec, impl=i))(
+        # the residual path also as the down projection's default runs it: 8 blocks a
+        # program in a loop Triton pipelines 4 deep (`ThresholdConfig`)
+        for residual, looped in ((None, False), (res, False), (res, True)):
+            blocks = dict(row_blocks=8, num_stages=4) if looped else {}
+            got, ref = (jax.jit(functools.partial(threshold_matvec, impl=i, **blocks))(
                 x, w, t, residual=residual) for i in (impl, "reference"))
             rows.append(dict(check="threshold", kernel="threshold_matvec", B=B, K=K, N=N,
-                             residual=residual is not None,
+                             residual=residual is not None, looped=looped,
                              logits=float(jnp.abs(got - ref).max()), k_cache=0.0))
         keep = jnp.asarray(rng.random(K) < 0.5)
         xr = jnp.asarray(rng.standard_normal((B, N)), jnp.float32)
@@ -627,21 +623,6 @@ def _threshold_kernel_rows(impl: str) -> list[dict]:
         rows.append(dict(check="threshold", kernel="threshold_matvecs", B=B, K=K, N=N,
                          logits=max(float(jnp.abs(g - r).max()) for g, r in zip(got, ref)),
                          k_cache=0.0))
-        # the gate and up partials of [x, x] by [w, w2[:, :N]] into a down projection [N, K]
-        table = jnp.asarray([t, 0.3, 0.2], jnp.float32)
-        wd = jnp.asarray(rng.standard_normal((N, K)) * N ** -0.5, jnp.float32)
-        extras = [jnp.asarray(rng.uniform(0.2, 2.0, N), jnp.float32) for _ in range(2)]
-        res_d = jnp.asarray(rng.standard_normal((B, K)), jnp.float32)
-
-        def gated_down(x, w, w2, wd, table, up_bias, gate_weight, res_d, impl):
-            g, u = threshold_matvecs(x, [w, w2[:, :N]], table, partials=True, impl=impl)
-            return gated_threshold_matvec(GatedInput(g, u, "silu", 1, up_bias, gate_weight),
-                                          wd, table, residual=res_d, threshold_index=2,
-                                          impl=impl)
-        got, ref = (jax.jit(functools.partial(gated_down, impl=i))(
-            x, w, w2, wd, table, *extras, res_d) for i in (impl, "reference"))
-        rows.append(dict(check="threshold", kernel="gated_threshold_matvec", B=B, F=N, d=K,
-                         logits=float(jnp.abs(got - ref).max()), k_cache=0.0))
     return rows
 
 

@@ -26,21 +26,21 @@ import jax.numpy as jnp
 from jax import lax
 from jax.experimental.pallas import triton as plgpu
 
-from ._common import activation_fn, cdiv, check_array, is_pow2, resolve_impl, sm_count
+from ._common import cdiv, check_array, is_pow2, resolve_impl, sm_count
 from .gather_matvec import accumulate_blocks, batch_pad, mma, write_split_k
 from .launch import LaunchPart, launch
 
 F32 = jnp.float32
-GATED_CHUNKS = 16  # the most gate/up partials a down launch sums (`ThresholdConfig.gated_down`)
 
 
 @dataclasses.dataclass(frozen=True)
 class ThresholdBlocks:
     """Block settings of one :func:`threshold_matvec` call (its keyword arguments of the
-    same names; row_blocks None: `auto_row_blocks`)."""
+    same names); row_blocks None: `auto_row_blocks` up to max_row_blocks."""
     block_rows: int = 16
     block_n: int = 512
     row_blocks: int | None = None
+    max_row_blocks: int = 4
     num_warps: int = 4
     num_stages: int = 2
 
@@ -48,8 +48,9 @@ class ThresholdBlocks:
         if not (is_pow2(self.block_rows) and is_pow2(self.block_n)):
             raise ValueError(f"block_rows={self.block_rows} and block_n={self.block_n} must "
                              f"be powers of 2")
-        if self.row_blocks is not None and self.row_blocks < 1:
-            raise ValueError(f"row_blocks={self.row_blocks} must be None or at least 1")
+        if (self.row_blocks is not None and self.row_blocks < 1) or self.max_row_blocks < 1:
+            raise ValueError(f"row_blocks={self.row_blocks} must be None or at least 1, and "
+                             f"max_row_blocks={self.max_row_blocks} at least 1")
         if not (is_pow2(self.num_warps) and self.num_warps <= 16 and self.num_stages >= 1):
             raise ValueError(f"num_warps={self.num_warps} must be a power of 2 up to 16 and "
                              f"num_stages={self.num_stages} at least 1")
@@ -62,30 +63,27 @@ class ThresholdBlocks:
 @dataclasses.dataclass(frozen=True)
 class ThresholdConfig:
     """:class:`ThresholdBlocks` of each projection of the activation-sparse layer: q/k/v,
-    the out-projection, the gate and up projections (one launch) and the down projection."""
+    the out-projection, the gate and up projections (one launch) and the down projection.
+    The down projection's long split-k takes up to 8 blocks a program in a loop Triton
+    pipelines 4 deep: on an H100, Llama-3-8B's step at 50% took 4.342 ms against 4.556
+    with 4 unrolled blocks (eval/results/h100/threshold-down-launch)."""
     qkv: ThresholdBlocks = ThresholdBlocks()
     o: ThresholdBlocks = ThresholdBlocks()
     gate_up: ThresholdBlocks = ThresholdBlocks()
-    down: ThresholdBlocks = ThresholdBlocks()
-    # a gated MLP's down launch forms its input (`GatedInput`) from the gate and up
-    # partials, at most GATED_CHUNKS of them where gate_up.row_blocks is None
-    gated_down: bool = False
+    down: ThresholdBlocks = ThresholdBlocks(max_row_blocks=8, num_stages=4)
 
     def with_settings(self, spec: str) -> "ThresholdConfig":
-        """This config with ``SITE.FIELD=VALUE`` (or ``gated_down=0|1``) settings, comma-
-        separated, replaced, e.g. ``"down.row_blocks=8,down.num_stages=4"``."""
+        """This config with ``SITE.FIELD=VALUE`` settings (comma-separated) replaced, e.g.
+        ``"down.row_blocks=8,down.num_stages=4"``; ``None`` for row_blocks."""
         out = self
-        sites = ("qkv", "o", "gate_up", "down")
+        sites = tuple(f.name for f in dataclasses.fields(ThresholdConfig))
         fields = {f.name for f in dataclasses.fields(ThresholdBlocks)}
         for item in filter(None, (p.strip() for p in spec.split(","))):
             name, sep, value = (part.strip() for part in item.partition("="))
             site, dot, field = name.partition(".")
-            if sep and name == "gated_down" and value in ("0", "1"):
-                out = dataclasses.replace(out, gated_down=value == "1")
-                continue
             if not sep or not dot or site not in sites or field not in fields:
                 raise ValueError(f"{item!r} is not SITE.FIELD=VALUE (SITE one of {sites}, "
-                                 f"FIELD one of {sorted(fields)}) or gated_down=0|1")
+                                 f"FIELD one of {sorted(fields)})")
             try:
                 number = None if value == "None" else int(value)
             except ValueError:
@@ -93,32 +91,6 @@ class ThresholdConfig:
             blocks = dataclasses.replace(getattr(out, site), **{field: number})
             out = dataclasses.replace(out, **{site: blocks})
         return out
-
-
-@dataclasses.dataclass(frozen=True)
-class GatedInput:
-    """A gated MLP's hidden units as a down projection's input, formed in its kernel from
-    the gate and up projections' fp32 partials ``[chunks, B, F]``
-    (:func:`threshold_matvecs` with ``partials=True``): ``act(g) (u + up_bias)`` where
-    ``|act(g)| gate_weight > t[gate_index]`` (the threshold table's entry), else 0, with
-    ``g`` and ``u`` the partials' sums."""
-    gate_partials: jax.Array
-    up_partials: jax.Array
-    activation: str
-    gate_index: int = 0
-    up_bias: jax.Array | None = None
-    gate_weight: jax.Array | None = None
-
-    def hidden(self, table) -> jax.Array:
-        """The hidden units fp32 ``[B, F]`` (the jnp computation)."""
-        gate = activation_fn(self.activation)(jnp.sum(self.gate_partials, axis=0))
-        up = jnp.sum(self.up_partials, axis=0)
-        if self.up_bias is not None:
-            up = up + self.up_bias.astype(F32)
-        magnitude = jnp.abs(gate)
-        if self.gate_weight is not None:
-            magnitude = magnitude * self.gate_weight.astype(F32)
-        return jnp.where(magnitude > table[self.gate_index], gate * up, 0.0)
 
 
 def threshold_matvec_reference(x, w_t, threshold, *, residual=None, bias=None):
@@ -130,55 +102,8 @@ def threshold_matvec_reference(x, w_t, threshold, *, residual=None, bias=None):
     return out if residual is None else residual + out
 
 
-def _rows_loader(x_refs, r, valid, *, B, Bp):
-    """x's rows ``r`` as fp32 ``[bk]`` (batch 1) or ``[Bp, bk]``, 0 where not valid."""
-    x_ref, = x_refs
-    if Bp == 1:
-        return plgpu.load(x_ref.at[0, r], mask=valid, other=0).astype(F32)
-    brow = jnp.arange(Bp, dtype=jnp.int32)
-    return plgpu.load(x_ref.at[brow[:, None], r[None, :]],
-                      mask=(brow < B)[:, None] & valid[None, :], other=0).astype(F32)
-
-
-def _gated_loader(x_refs, r, valid, *, B, Bp, chunks, activation, gate_index, has_up_bias,
-                  has_gate_weight):
-    """A gated MLP's hidden units ``r`` from the gate and up projections' fp32 partials
-    ``[chunks, B, F]`` (:func:`threshold_matvecs` with ``partials=True``): ``act(g) (u + b)``
-    where ``|act(g)| w_gate`` passes the gate threshold (entry ``gate_index`` of the
-    table), else 0."""
-    it = iter(x_refs)
-    g_ref, u_ref, t_ref = next(it), next(it), next(it)
-    b_ref = next(it) if has_up_bias else None
-    gw_ref = next(it) if has_gate_weight else None
-    brow = jnp.arange(Bp, dtype=jnp.int32)
-
-    def summed(ref):
-        def add(c, total):
-            if Bp == 1:
-                return total + plgpu.load(ref.at[c, 0, r], mask=valid, other=0.0)
-            return total + plgpu.load(ref.at[c, brow[:, None], r[None, :]],
-                                      mask=(brow < B)[:, None] & valid[None, :], other=0.0)
-        return accumulate_blocks(add, chunks, r.shape if Bp == 1 else (Bp, r.shape[0]))
-
-    def per_unit(ref):
-        v = plgpu.load(ref.at[r], mask=valid, other=0).astype(F32)
-        return v if Bp == 1 else v[None, :]
-
-    gate = activation_fn(activation)(summed(g_ref))
-    up = summed(u_ref)
-    if b_ref is not None:
-        up = up + per_unit(b_ref)
-    magnitude = jnp.abs(gate)
-    if gw_ref is not None:
-        magnitude = magnitude * per_unit(gw_ref)
-    return jnp.where(magnitude > t_ref[gate_index].astype(F32), gate * up, 0.0)
-
-
-def _threshold_body(pids, *refs, n_x, load_x, B, Bp, K, N, bk, bn, kblocks, accumulate,
-                    has_bias, t_index):
-    x_refs = refs[:n_x]
-    t_ref, w_ref = refs[n_x:n_x + 2]
-    rest = refs[n_x + 2:]
+def _threshold_body(pids, x_ref, t_ref, w_ref, *rest, B, Bp, K, N, bk, bn, kblocks,
+                    accumulate, has_bias, t_index):
     if accumulate:
         b_ref = rest[1] if has_bias else None
         o_ref = rest[-1]
@@ -186,6 +111,8 @@ def _threshold_body(pids, *refs, n_x, load_x, B, Bp, K, N, bk, bn, kblocks, accu
         o_ref = rest[0]
     i, j = pids
     kk = jnp.arange(bk, dtype=jnp.int32)
+    brow = jnp.arange(Bp, dtype=jnp.int32)
+    bmask = brow < B
     cols = j * bn + jnp.arange(bn, dtype=jnp.int32)
     cm = cols < N
     t = t_ref[t_index].astype(F32)
@@ -193,10 +120,16 @@ def _threshold_body(pids, *refs, n_x, load_x, B, Bp, K, N, bk, bn, kblocks, accu
     def block(s, acc):
         r = (i * kblocks + s) * bk + kk
         valid = r < K
-        xr = load_x(x_refs, r, valid)
-        own = jnp.abs(xr) > t
-        xr = jnp.where(own, xr, 0.0)
-        kept = own if Bp == 1 else jnp.max(own.astype(jnp.int32), axis=0) > 0
+        if Bp == 1:
+            xr = plgpu.load(x_ref.at[0, r], mask=valid, other=0).astype(F32)
+            kept = jnp.abs(xr) > t
+            xr = jnp.where(kept, xr, 0.0)
+        else:
+            xr = plgpu.load(x_ref.at[brow[:, None], r[None, :]],
+                            mask=bmask[:, None] & valid[None, :], other=0).astype(F32)
+            own = jnp.abs(xr) > t
+            xr = jnp.where(own, xr, 0.0)
+            kept = jnp.max(own.astype(jnp.int32), axis=0) > 0
         w = plgpu.load(w_ref.at[r[:, None], cols[None, :]],
                        mask=(kept & valid)[:, None] & cm[None, :], other=0)
         if Bp == 1:
@@ -208,59 +141,37 @@ def _threshold_body(pids, *refs, n_x, load_x, B, Bp, K, N, bk, bn, kblocks, accu
                   accumulate=accumulate, has_bias=has_bias)
 
 
-def auto_row_blocks(K: int, N: int, block_rows: int, block_n: int) -> int:
-    """Blocks per program: 4, or fewer where a matrix is too small to give every
-    streaming multiprocessor two programs (an attention projection of a small model)."""
-    for blocks in (4, 2):
+def auto_row_blocks(K: int, N: int, block_rows: int, block_n: int, most: int = 4) -> int:
+    """Blocks per program: `most`, or half as many, and so on, where a matrix is too small
+    to give every streaming multiprocessor two programs (an attention projection of a
+    small model)."""
+    blocks = most
+    while blocks >= 2:
         if cdiv(K, block_rows * blocks) * cdiv(N, block_n) >= 2 * sm_count():
             return blocks
+        blocks //= 2
     return 1
 
 
-def gated_row_blocks(K: int, N: int, block_rows: int, block_n: int) -> int:
-    """Blocks per program of the gate and up projections whose partials a down launch
-    sums (`ThresholdConfig.gated_down`): `auto_row_blocks`, or more where that would leave
-    over `GATED_CHUNKS` chunks of ``K`` channels."""
-    return max(auto_row_blocks(K, N, block_rows, block_n),
-               cdiv(K, GATED_CHUNKS * block_rows))
-
-
 def threshold_matvec_part(x, w_t, threshold, *, residual=None, bias=None, block_rows=16,
-                          block_n=512, row_blocks=None, threshold_index=0,
-                          gated=None) -> LaunchPart:
+                          block_n=512, row_blocks=None, max_row_blocks=4,
+                          threshold_index=0) -> LaunchPart:
     """:func:`threshold_matvec`'s kernel as a :class:`~.launch.LaunchPart`: outputs fp32
     partials ``[n_chunks, B, N]``, or ``[B, N]`` (residual, bias and the product) with
-    ``residual``. With ``gated`` (:class:`GatedInput`) x is None and the input rows are
-    the gated MLP's hidden units, formed in the kernel's loader."""
-    K, N = w_t.shape
-    B = x.shape[0] if gated is None else gated.gate_partials.shape[1]
+    ``residual``."""
+    B, K = x.shape
+    N = w_t.shape[1]
     Bp = batch_pad(B)
     bk = block_rows if Bp == 1 else max(16, block_rows)
     if row_blocks is None:
-        row_blocks = auto_row_blocks(K, N, bk, block_n)
+        row_blocks = auto_row_blocks(K, N, bk, block_n, max_row_blocks)
     kblocks = max(1, min(row_blocks, cdiv(K, bk)))
     nkc, ndb = cdiv(K, bk * kblocks), cdiv(N, block_n)
     accumulate = residual is not None
-    table = _threshold_table(threshold, threshold_index)
-    if gated is None:
-        x_args = [x]
-        load_x = functools.partial(_rows_loader, B=B, Bp=Bp)
-    else:
-        x_args = [gated.gate_partials, gated.up_partials, table] + [
-            a for a in (gated.up_bias, gated.gate_weight) if a is not None]
-        if not 0 <= gated.gate_index < table.shape[0]:
-            raise ValueError(f"gate_index={gated.gate_index} is outside a threshold of "
-                             f"{table.shape[0]} values")
-        load_x = functools.partial(
-            _gated_loader, B=B, Bp=Bp, chunks=gated.gate_partials.shape[0],
-            activation=gated.activation, gate_index=gated.gate_index,
-            has_up_bias=gated.up_bias is not None,
-            has_gate_weight=gated.gate_weight is not None)
-    body = functools.partial(_threshold_body, n_x=len(x_args), load_x=load_x, B=B, Bp=Bp,
-                             K=K, N=N, bk=bk, bn=block_n, kblocks=kblocks,
-                             accumulate=accumulate, has_bias=bias is not None,
-                             t_index=threshold_index)
-    args = [*x_args, table, w_t]
+    body = functools.partial(_threshold_body, B=B, Bp=Bp, K=K, N=N, bk=bk, bn=block_n,
+                             kblocks=kblocks, accumulate=accumulate,
+                             has_bias=bias is not None, t_index=threshold_index)
+    args = [x, _threshold_table(threshold, threshold_index), w_t]
     if accumulate:
         if block_n > N:
             raise ValueError(f"block_n={block_n} must not exceed N={N} with a residual")
@@ -295,8 +206,8 @@ def _check_inputs(x, w_ts, block_rows, block_n):
 
 
 def threshold_matvec(x, w_t, threshold, *, residual=None, bias=None, block_rows=16,
-                     block_n=512, row_blocks=None, num_warps=4, num_stages=2,
-                     threshold_index=0, impl=None):
+                     block_n=512, row_blocks=None, max_row_blocks=4, num_warps=4,
+                     num_stages=2, threshold_index=0, impl=None):
     """``(x masked to |x| > threshold) @ w_t`` (+ bias, + residual) as fp32 ``[B, N]``,
     reading only the rows of ``w_t [K, N]`` that some row of ``x [B, K]`` keeps.
 
@@ -304,8 +215,8 @@ def threshold_matvec(x, w_t, threshold, *, residual=None, bias=None, block_rows=
     used (a table of every layer's thresholds, read in place); residual: fp32 ``[B, N]``,
     updated in place when the caller donates it (the chunks add into it atomically, so the
     low bits of the fp32 sums vary between runs). block_rows (a power of two) rows per
-    block, row_blocks blocks per program (None: `auto_row_blocks`), block_n (a power of
-    two) columns per program; num_stages: Triton's software pipelining depth of the loop
+    block, row_blocks blocks per program (None: `auto_row_blocks` up to max_row_blocks),
+    block_n (a power of two) columns per program; num_stages: Triton's software pipelining depth of the loop
     over the blocks (from 5 blocks on).
     """
     _check_inputs(x, [w_t], block_rows, block_n)
@@ -321,7 +232,8 @@ def threshold_matvec(x, w_t, threshold, *, residual=None, bias=None, block_rows=
         else block_n
     part = threshold_matvec_part(x, w_t, threshold, residual=residual, bias=bias,
                                  block_rows=block_rows, block_n=block_n,
-                                 row_blocks=row_blocks, threshold_index=threshold_index)
+                                 row_blocks=row_blocks, max_row_blocks=max_row_blocks,
+                                 threshold_index=threshold_index)
     (out,), = launch([part], num_warps=num_warps, num_stages=num_stages,
                      interpret=impl == "interpret")
     if residual is not None:
@@ -331,68 +243,22 @@ def threshold_matvec(x, w_t, threshold, *, residual=None, bias=None, block_rows=
 
 
 def threshold_matvecs(x, w_ts, threshold, *, block_rows=16, block_n=512, row_blocks=None,
-                      num_warps=4, num_stages=2, threshold_index=0, partials=False,
+                      max_row_blocks=4, num_warps=4, num_stages=2, threshold_index=0,
                       impl=None) -> list:
     """:func:`threshold_matvec` of one masked ``x`` by several matrices (a gated MLP's gate
-    and up projections) in one launch: fp32 ``[B, N_i]`` per ``w_ts[i] [K, N_i]``, or with
-    ``partials`` the split-k chunks' fp32 partials ``[chunks, B, N_i]`` unsummed (one chunk
-    from the reference), as :class:`GatedInput` takes them."""
+    and up projections) in one launch: fp32 ``[B, N_i]`` per ``w_ts[i] [K, N_i]``."""
     _check_inputs(x, w_ts, block_rows, block_n)
     impl = resolve_impl(impl)
     if impl == "reference":
         t = _threshold_table(threshold, threshold_index)[threshold_index]
-        outs = [threshold_matvec_reference(x, w_t, t) for w_t in w_ts]
-        return [o[None] for o in outs] if partials else outs
+        return [threshold_matvec_reference(x, w_t, t) for w_t in w_ts]
     parts = [threshold_matvec_part(x, w_t, threshold, block_rows=block_rows,
                                    block_n=block_n, row_blocks=row_blocks,
+                                   max_row_blocks=max_row_blocks,
                                    threshold_index=threshold_index) for w_t in w_ts]
     outs = launch(parts, num_warps=num_warps, num_stages=num_stages,
                   interpret=impl == "interpret")
-    return [out if partials else jnp.sum(out, axis=0) for (out,) in outs]
-
-
-def gated_threshold_matvec(gated: GatedInput, w_t, threshold, *, residual=None, bias=None,
-                           block_rows=16, block_n=512, row_blocks=None, num_warps=4,
-                           num_stages=2, threshold_index=0, impl=None):
-    """:func:`threshold_matvec` of a gated MLP's hidden units (:class:`GatedInput`, formed
-    from the gate and up partials inside the kernel, so no launch sums them first) by the
-    down projection ``w_t [F, N]``: fp32 ``[B, N]``. The gate's threshold is the table's
-    entry ``gated.gate_index``, the hidden units' entry ``threshold_index``."""
-    g, u = gated.gate_partials, gated.up_partials
-    check_array("gate_partials", g, ndim=3, floating=True)
-    check_array("w_t", w_t, ndim=2, floating=True)
-    if u.shape != g.shape or g.shape[2] != w_t.shape[0]:
-        raise ValueError(f"gate and up partials must both be [chunks, B, {w_t.shape[0]}], got "
-                         f"{tuple(g.shape)} and {tuple(u.shape)}")
-    for name, a in (("up_bias", gated.up_bias), ("gate_weight", gated.gate_weight)):
-        if a is not None and tuple(a.shape) != (w_t.shape[0],):
-            raise ValueError(f"{name} must be [{w_t.shape[0]}], got {tuple(a.shape)}")
-    B, N = g.shape[1], w_t.shape[1]
-    if residual is not None and (residual.shape != (B, N) or residual.dtype != F32):
-        raise ValueError(f"residual must be fp32 {(B, N)}, got {residual.dtype} "
-                         f"{tuple(residual.shape)}")
-    if not (is_pow2(block_rows) and is_pow2(block_n)):
-        raise ValueError(f"block_rows={block_rows} and block_n={block_n} must be powers of 2")
-    impl = resolve_impl(impl)
-    table = _threshold_table(threshold, threshold_index)
-    if impl == "reference":
-        if not 0 <= gated.gate_index < table.shape[0]:
-            raise ValueError(f"gate_index={gated.gate_index} is outside a threshold of "
-                             f"{table.shape[0]} values")
-        return threshold_matvec_reference(gated.hidden(table), w_t, table[threshold_index],
-                                          residual=residual, bias=bias)
-    if residual is not None:
-        block_n = min(block_n, 1 << (N.bit_length() - 1))
-    part = threshold_matvec_part(None, w_t, threshold, residual=residual, bias=bias,
-                                 block_rows=block_rows, block_n=block_n,
-                                 row_blocks=row_blocks, threshold_index=threshold_index,
-                                 gated=gated)
-    (out,), = launch([part], num_warps=num_warps, num_stages=num_stages,
-                     interpret=impl == "interpret")
-    if residual is not None:
-        return out
-    out = jnp.sum(out, axis=0)
-    return out if bias is None else out + bias.astype(F32)
+    return [jnp.sum(out, axis=0) for (out,) in outs]
 
 
 def row_masked_matvec_reference(x, w, keep):

@@ -437,47 +437,48 @@ def test_threshold_kernels_decode_like_the_reference(name, up_rows, unrolled):
     assert_finite_close(steps[1], steps[0], atol=2e-5 * scale)
 
 
-@pytest.mark.parametrize("gated_down", [False, True])
-def test_threshold_kernels_take_each_projections_block_settings(monkeypatch, gated_down):
+def test_threshold_kernels_take_each_projections_block_settings(monkeypatch):
     """`SparseConfig.threshold_blocks` reaches each projection's launch (a looped, pipelined
-    down projection, narrow gate/up blocks, one row block for q/k/v), and with
-    `gated_down` the down launch forms the hidden units from the gate and up partials
-    (under the gate site's threshold and gate weights); the interpreted step still equals
-    the jnp computation."""
+    down projection, narrow gate/up blocks, one row block for q/k/v), and the interpreted
+    step still equals the jnp computation."""
     import dataclasses
     from dejavu_jax.kernels import ThresholdConfig
     from dejavu_jax.kernels import threshold_matvec as module
-    from dejavu_jax.kernels.threshold_matvec import gated_row_blocks
     from dejavu_jax.params import input_major
     config, params = _model("llama-tiny")
     ids = np.random.default_rng(9).integers(3, config.vocab_size, (1, 6)).astype(np.int32)
-    params = _gate_weighted(config, params, ids)
     thresholds = jnp.asarray(_thresholds(config, params, jnp.asarray(ids)))
+    sites = tuple(s for s in _sites(config) if s != "gate")
     blocks = ThresholdConfig().with_settings(
         "down.row_blocks=8,down.num_stages=3,gate_up.block_rows=32,gate_up.block_n=64,"
-        f"qkv.row_blocks=1,o.block_n=64,o.num_warps=2,gated_down={int(gated_down)}")
+        "qkv.row_blocks=1,o.block_n=64,o.num_warps=2")
     seen = []
-    for name in ("threshold_matvec", "threshold_matvecs", "gated_threshold_matvec"):
+    for name in ("threshold_matvec", "threshold_matvecs"):
         real = getattr(module, name)
 
-        def spy(x, w, *a, real=real, name=name, **kw):
-            seen.append((name, w.shape if hasattr(w, "shape") else len(w), kw["block_rows"],
-                         kw["block_n"], kw["row_blocks"], kw["num_warps"], kw["num_stages"]))
+        def spy(x, w, *a, real=real, **kw):
+            seen.append((w.shape if hasattr(w, "shape") else len(w), kw["block_rows"],
+                         kw["block_n"], kw["row_blocks"], kw["max_row_blocks"],
+                         kw["num_warps"], kw["num_stages"]))
             return real(x, w, *a, **kw)
         monkeypatch.setattr(module, name, spy)
     steps = []
-    moved = unstack_layers(input_major(params, up_rows=False))
-    for impl, p in (("reference", params), ("interpret", moved)):
-        scfg = dataclasses.replace(sparse.threshold_config(config, _sites(config), impl=impl),
+    for impl, p in (("reference", params), ("interpret", unstack_layers(input_major(params)))):
+        scfg = dataclasses.replace(sparse.threshold_config(config, sites, impl=impl),
                                    threshold_blocks=blocks)
         steps.append(_decode_rows(config, p, scfg, thresholds, ids, (2,))[0])
     assert_finite_close(steps[1], steps[0], atol=2e-5 * np.abs(steps[0]).max())
     d, F = config.hidden, config.ffn
-    down = "gated_threshold_matvec" if gated_down else "threshold_matvec"
-    expected = {("threshold_matvec", (d, (config.n_heads + 2 * config.n_kv_heads)
-                                      * config.head_dim)): (16, 512, 1, 4, 2),
-                ("threshold_matvec", (config.n_heads * config.head_dim, d)): (16, 64, None, 2, 2),
-                ("threshold_matvecs", 2): (32, 64, gated_row_blocks(d, F, 32, 64) if gated_down
-                                           else None, 4, 2),
-                (down, (F, d)): (16, 512, 8, 4, 3)}
-    assert {(n, shape): tuple(rest) for n, shape, *rest in seen} == expected
+    expected = {(d, (config.n_heads + 2 * config.n_kv_heads) * config.head_dim):
+                (16, 512, 1, 4, 4, 2), (config.n_heads * config.head_dim, d):
+                (16, 64, None, 4, 2, 2), 2: (32, 64, None, 4, 4, 2), (F, d): (16, 512, 8, 8, 4, 3)}
+    assert {shape: tuple(rest) for shape, *rest in seen} == expected
+
+
+def test_the_default_threshold_blocks_loop_the_down_projection_deeper():
+    """The measured defaults: up to 8 blocks a program for the down projection, pipelined
+    4 deep; q/k/v, the out-projection and the gate and up projections up to 4, 2 deep."""
+    from dejavu_jax.kernels import ThresholdBlocks, ThresholdConfig
+    cfg = ThresholdConfig()
+    assert cfg.down == ThresholdBlocks(max_row_blocks=8, num_stages=4)
+    assert cfg.qkv == cfg.o == cfg.gate_up == ThresholdBlocks(max_row_blocks=4, num_stages=2)

@@ -6,8 +6,7 @@ import numpy as np
 import pytest
 from conftest import assert_finite_close
 
-from dejavu_jax.kernels.threshold_matvec import (GatedInput, auto_row_blocks,
-                                                 gated_threshold_matvec, row_masked_matvec,
+from dejavu_jax.kernels.threshold_matvec import (auto_row_blocks, row_masked_matvec,
                                                  threshold_matvec, threshold_matvecs)
 
 
@@ -130,14 +129,14 @@ def test_threshold_config_settings_parse_and_refuse_bad_ones():
     site, field, value or block size is a ValueError naming it."""
     from dejavu_jax.eval.bench_thresholds import block_variants
     from dejavu_jax.kernels import ThresholdBlocks, ThresholdConfig
-    cfg = ThresholdConfig().with_settings("down.row_blocks=8, down.num_stages=4,o.block_n=256")
-    assert cfg.down == ThresholdBlocks(row_blocks=8, num_stages=4)
+    cfg = ThresholdConfig().with_settings("down.row_blocks=8, down.num_stages=3,o.block_n=256")
+    assert cfg.down == ThresholdBlocks(row_blocks=8, max_row_blocks=8, num_stages=3)
     assert cfg.o == ThresholdBlocks(block_n=256) and cfg.qkv == cfg.gate_up == ThresholdBlocks()
     assert cfg.with_settings("down.row_blocks=None").down.row_blocks is None
     for bad, match in (("mlp.row_blocks=8", "SITE.FIELD"), ("down.rows=8", "SITE.FIELD"),
                        ("down.row_blocks", "SITE.FIELD"), ("down.row_blocks=x", "'x'"),
                        ("down.block_n=300", "powers of 2"), ("o.row_blocks=0", "at least 1"),
-                       ("qkv.num_warps=3", "num_warps")):
+                       ("o.max_row_blocks=0", "at least 1"), ("qkv.num_warps=3", "num_warps")):
         with pytest.raises(ValueError, match=match):
             ThresholdConfig().with_settings(bad)
     names = [n for n, _ in block_variants("a:down.row_blocks=8;b:o.num_stages=3")]
@@ -146,54 +145,14 @@ def test_threshold_config_settings_parse_and_refuse_bad_ones():
         block_variants("a:down.row_blocks=8;a:o.num_stages=3")
 
 
-@pytest.mark.parametrize("B,row_blocks,activation,extras", [
-    (1, 2, "silu", True), (3, 2, "gelu_tanh", False), (2, 8, "silu", True)])
-def test_gated_threshold_matvec_equals_numpy(rng, B, row_blocks, activation, extras):
-    """The down projection's launch forming a gated MLP's hidden units from the gate and up
-    projections' unsummed partials: ``act(g) (u + b)`` where ``|act(g)| w > t_gate``, then
-    input-sparse at the down threshold, into the residual; ragged F and d, several chunks
-    of partials (and their loop, from 5 on)."""
-    d, F = 100, 300
-    x = rng.standard_normal((B, d)).astype(np.float32)
-    wg, wu = (rng.standard_normal((d, F)).astype(np.float32) * 0.3 for _ in range(2))
-    wd = rng.standard_normal((F, d)).astype(np.float32) * 0.1
-    up_bias = rng.standard_normal(F).astype(np.float32) if extras else None
-    gate_weight = rng.uniform(0.2, 2.0, F).astype(np.float32) if extras else None
-    res = rng.standard_normal((B, d)).astype(np.float32)
-    g, u = x @ wg, x @ wu   # no input threshold: the partials are plain products
-    act = g / (1 + np.exp(-g)) if activation == "silu" else 0.5 * g * (1 + np.tanh(
-        np.sqrt(2 / np.pi) * (g + 0.044715 * g ** 3)))
-    up = u + (up_bias if extras else 0)
-    magnitude = np.abs(act) * (gate_weight if extras else 1)
-    t_gate = float(np.quantile(magnitude, 0.3))
-    hidden = np.where(magnitude > t_gate, act * up, 0.0)
-    t_down = float(np.quantile(np.abs(hidden), 0.6))
-    table = jnp.asarray([0.0, t_gate, t_down], jnp.float32)
-    gp, up_p = threshold_matvecs(jnp.asarray(x), [jnp.asarray(wg), jnp.asarray(wu)], table,
-                                 block_n=64, row_blocks=1, partials=True, impl="interpret")
-    assert gp.shape == (7, B, F)  # 100 channels in chunks of 16
-    gated = GatedInput(gp, up_p, activation, 1,
-                       None if up_bias is None else jnp.asarray(up_bias),
-                       None if gate_weight is None else jnp.asarray(gate_weight))
-    got = gated_threshold_matvec(gated, jnp.asarray(wd), table, residual=jnp.asarray(res),
-                                 threshold_index=2, block_n=64, row_blocks=row_blocks,
-                                 impl="interpret")
-    assert_finite_close(np.asarray(got), _numpy_threshold(hidden, wd, t_down, res),
-                        rtol=1e-4, atol=1e-4)
-    with pytest.raises(ValueError, match="partials"):
-        gated_threshold_matvec(GatedInput(gp, up_p[:, :, :-1], activation), jnp.asarray(wd),
-                               table, impl="interpret")
-    with pytest.raises(ValueError, match="gate_index"):
-        gated_threshold_matvec(GatedInput(gp, up_p, activation, 3), jnp.asarray(wd), table,
-                               impl="interpret")
-
-
-@pytest.mark.parametrize("K,N", [(4096, 14336), (1536, 8960), (576, 1536), (8192, 28672)])
-def test_gated_row_blocks_cap_the_partials_a_down_launch_sums(K, N):
-    """The gate and up projections feeding a gated down launch leave at most GATED_CHUNKS
-    chunks of partials, and never fewer blocks a program than `auto_row_blocks`."""
-    from dejavu_jax.kernels.threshold_matvec import GATED_CHUNKS, gated_row_blocks
-    rb = gated_row_blocks(K, N, 16, 512)
-    assert -(-K // (16 * rb)) <= GATED_CHUNKS and rb >= auto_row_blocks(K, N, 16, 512)
-    assert -(-K // (16 * (rb - 1))) > GATED_CHUNKS if rb > auto_row_blocks(K, N, 16, 512) \
-        else True
+@pytest.mark.parametrize("K,N,most,expected", [
+    (14336, 4096, 8, 8), (4096, 14336, 4, 4), (8960, 1536, 8, 4), (1536, 2048, 4, 1),
+    (576, 1536, 8, 1), (18944, 3584, 8, 8)])
+def test_auto_row_blocks_halve_until_every_sm_has_two_programs(monkeypatch, K, N, most,
+                                                               expected):
+    """`auto_row_blocks` takes `most` blocks a program, or half as many (down to one) where
+    more would leave fewer than two programs per multiprocessor (132 here, an H100's or an
+    H200's): Llama-3-8B's down projection 8, Qwen2.5-1.5B's 4, its q/k/v 1."""
+    from dejavu_jax.kernels import threshold_matvec as module
+    monkeypatch.setattr(module, "sm_count", lambda: 132)
+    assert auto_row_blocks(K, N, 16, 512, most) == expected

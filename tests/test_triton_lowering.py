@@ -274,8 +274,7 @@ def test_dense_decode_step_lowers(preset, monkeypatch):
 def test_threshold_kernels_lower(B):
     """The activation-sparse kernels at Qwen2.5-1.5B's MLP shapes: the input-sparse GEMV
     (partials and the residual path) and the row-masked GEMV."""
-    from dejavu_jax.kernels.threshold_matvec import (GatedInput, gated_threshold_matvec,
-                                                     row_masked_matvec, threshold_matvec)
+    from dejavu_jax.kernels.threshold_matvec import row_masked_matvec, threshold_matvec
     d, F = 1536, 8960
     t = jnp.float32(0.1)
     lowers(lambda x, w: threshold_matvec(x, w, t, impl="pallas"), z(B, d), z(d, F))
@@ -283,29 +282,20 @@ def test_threshold_kernels_lower(B):
            z(B, F), z(F, d), z(B, d, dtype=F32), z(d))
     lowers(lambda x, w, k: row_masked_matvec(x, w, k, impl="pallas"), z(B, d), z(F, d),
            jnp.zeros((F,), bool))
-    table = jnp.full((10,), 0.1, F32)
-    lowers(lambda g, u, w, r, b, gw: gated_threshold_matvec(
-        GatedInput(g, u, "silu", 3, b, gw), w, table, residual=r, threshold_index=4,
-        impl="pallas"), z(24, B, F, dtype=F32), z(24, B, F, dtype=F32), z(F, d),
-        z(B, d, dtype=F32), z(F), z(F))
 
 
-@pytest.mark.parametrize("up_rows,gated_down", [(False, False), (True, False), (False, True)])
-def test_threshold_decode_step_lowers(up_rows, gated_down):
+@pytest.mark.parametrize("up_rows", [False, True])
+def test_threshold_decode_step_lowers(up_rows):
     """The threshold decode step of a gated model on input-major weights: with TEAL's
     sites the gate and up projections share one launch, under the gate site the up
     projection reads neuron rows; q/k/v, the out-projection and the down projection one
-    input-sparse launch each, in every layer (with `gated_down` the down launch reading the
-    gate and up partials)."""
-    import dataclasses
-    from dejavu_jax.kernels import ThresholdConfig
+    input-sparse launch each, in every layer."""
     from dejavu_jax.params import input_major, unstack_layers
     config = dj.preset("llama-tiny")
     params = unstack_layers(input_major(dj.init_params(config, jax.random.key(0), BF16),
                                         up_rows=up_rows))
     sites = ("qkv", "o", "gate_up", "down") + (("gate",) if up_rows else ())
-    scfg = dataclasses.replace(sparse.threshold_config(config, sites, impl="pallas"),
-                               threshold_blocks=ThresholdConfig(gated_down=gated_down))
+    scfg = sparse.threshold_config(config, sites, impl="pallas")
     eng = sparse.sparse_engine(config, scfg, sparse.no_selector)
     thresholds = jnp.full((config.n_layers, 5), 0.1, F32)
     state = jax.eval_shape(lambda: eng.init_state(1, 32, BF16, per_layer=True))
