@@ -73,7 +73,7 @@ class SparseConfig:
     parallelism both count per shard, over the shard's own KV groups.
     attn_config / mlp_config / threshold_blocks: block sizes and load layouts of the Pallas
     kernels (`kernels.AttnConfig`, `kernels.MLPConfig`, `kernels.ThresholdConfig` for the
-    activation-sparse layers; None: their defaults).
+    activation-sparse layers' input-sparse GEMVs; None: their defaults).
     batch_policy: how a step of several rows decodes. "dense" (the default): every layer
     runs dense, since a batch's union of per-row sets and its selection cost more than they
     save (eval/results/h200/: opt-13b at batch 4 with predictors ran at 0.64 of dense, fixed
@@ -594,8 +594,8 @@ def _threshold_layer_kernels(config, scfg, lp, io: _LayerIO, layer, x, step, tab
     the gate site the rows of the neurons that pass it, fc2 the rows of nonzero
     activations; the out-projection and fc2 add into the residual rows in their launches
     unless a post-norm comes between. With the layers unrolled the kernels read their
-    thresholds from the table in place (a slice of it would be a copy per launch); each
-    projection's block settings come from `scfg.threshold_blocks`."""
+    thresholds from the table in place (a slice of it would be a copy per launch); the
+    input-sparse GEMVs' block settings come from `scfg.threshold_blocks`."""
     from dejavu_jax import activation_sparsity as act
     from dejavu_jax.kernels.threshold_matvec import (ThresholdConfig, row_masked_matvec,
                                                      threshold_matvec, threshold_matvecs)

@@ -22,6 +22,7 @@ kernels alone at MLP shapes against XLA's dense ones (`time_kernels`). The run o
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import itertools
 import json
@@ -36,6 +37,7 @@ import numpy as np
 from dejavu_jax import cli
 from dejavu_jax import config as config_lib
 from dejavu_jax.activation_sparsity import SITES, layer_elements
+from dejavu_jax.kernels import ThresholdBlocks, ThresholdConfig
 
 BF16 = jnp.bfloat16
 
@@ -134,7 +136,8 @@ def time_gemvs(log, timed, shapes, sparsities=(0.0, 0.4, 0.5, 0.6)) -> list[dict
                          gbs=nbytes / dense_us / 1e3))
         for s in sparsities:
             t = float(np.quantile(np.abs(np.asarray(x, np.float32)), s)) if s else 0.0
-            us = timed(lambda a, b: threshold_matvec(a, b, t, impl="pallas"), x, w_t)
+            down = ThresholdConfig().down.kwargs()  # the step's settings for this shape
+            us = timed(lambda a, b: threshold_matvec(a, b, t, impl="pallas", **down), x, w_t)
             read = nbytes * (1 - s)
             rows.append(dict(kernel="threshold_matvec", d=d, F=F, sparsity=s, us=us,
                              gbs=read / us / 1e3, vs_dense=dense_us / us))
@@ -233,16 +236,38 @@ def time_threshold_variants(log, timed, shapes, sparsities=(0.0, 0.5)) -> list[d
     return rows
 
 
-def block_variants(spec: str) -> list[tuple[str, object]]:
-    """[(name, kernels.ThresholdConfig)] of a --block-variants spec: the defaults
-    ("default") and then each ``NAME:SITE.FIELD=VALUE,...`` of the ``;``-separated list."""
-    from dejavu_jax.kernels import ThresholdConfig
+def with_settings(config: ThresholdConfig, spec: str) -> ThresholdConfig:
+    """`config` with ``SITE.FIELD=VALUE`` settings (comma-separated) replaced, e.g.
+    ``"down.row_blocks=8,down.num_stages=4"``; integers, or ``None`` for row_blocks."""
+    sites = tuple(f.name for f in dataclasses.fields(ThresholdConfig))
+    fields = {f.name for f in dataclasses.fields(ThresholdBlocks)}
+    for item in filter(None, (p.strip() for p in spec.split(","))):
+        name, sep, value = (part.strip() for part in item.partition("="))
+        site, dot, field = name.partition(".")
+        if not sep or not dot or site not in sites or field not in fields:
+            raise ValueError(f"{item!r} is not SITE.FIELD=VALUE (SITE one of {sites}, FIELD "
+                             f"one of {sorted(fields)})")
+        if value == "None" and field == "row_blocks":
+            number = None
+        else:
+            try:
+                number = int(value)
+            except ValueError:
+                raise ValueError(f"{item!r}: {value!r} is not an integer") from None
+        blocks = dataclasses.replace(getattr(config, site), **{field: number})
+        config = dataclasses.replace(config, **{site: blocks})
+    return config
+
+
+def block_variants(spec: str) -> list[tuple[str, ThresholdConfig]]:
+    """[(name, ThresholdConfig)] of a --block-variants spec: the defaults ("default") and
+    then each ``NAME:SITE.FIELD=VALUE,...`` of the ``;``-separated list."""
     out = [("default", ThresholdConfig())]
     for item in filter(None, (p.strip() for p in spec.split(";"))):
         name, sep, settings = item.partition(":")
         if not sep or not name.strip() or name.strip() in dict(out):
             raise ValueError(f"block variant {item!r} is not NAME:SETTINGS with a new NAME")
-        out.append((name.strip(), ThresholdConfig().with_settings(settings)))
+        out.append((name.strip(), with_settings(ThresholdConfig(), settings)))
     return out
 
 
@@ -280,7 +305,6 @@ def run_model(name, specs, contexts, warmup, steps, log, variants=None) -> list[
                          **rates(dense_bytes, 1, res["ms"], res["ms_loop"])))
         log(json.dumps(rows[-1]))
     del dense_params
-    import dataclasses
     moved, moved_for = None, None
     for (spec, _, sites), (blocks_name, blocks) in itertools.product(
             prepared, variants or block_variants("")):

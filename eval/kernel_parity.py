@@ -602,9 +602,9 @@ def _threshold_kernel_rows(impl: str) -> list[dict]:
         w = jnp.asarray(rng.standard_normal((K, N)) * K ** -0.5, jnp.float32)
         t = float(np.quantile(np.abs(np.asarray(x)), 0.5))
         res = jnp.asarray(rng.standard_normal((B, N)), jnp.float32)
-        # the residual path also as the down projection's default runs it: 8 blocks a
+        # both paths also as the down projection's default may run them: up to 8 blocks a
         # program in a loop Triton pipelines 4 deep (`ThresholdConfig`)
-        for residual, looped in ((None, False), (res, False), (res, True)):
+        for residual, looped in ((None, False), (res, False), (None, True), (res, True)):
             blocks = dict(row_blocks=8, num_stages=4) if looped else {}
             got, ref = (jax.jit(functools.partial(threshold_matvec, impl=i, **blocks))(
                 x, w, t, residual=residual) for i in (impl, "reference"))

@@ -62,35 +62,15 @@ class ThresholdBlocks:
 
 @dataclasses.dataclass(frozen=True)
 class ThresholdConfig:
-    """:class:`ThresholdBlocks` of each projection of the activation-sparse layer: q/k/v,
-    the out-projection, the gate and up projections (one launch) and the down projection.
-    The down projection's long split-k takes up to 8 blocks a program in a loop Triton
-    pipelines 4 deep: on an H100, Llama-3-8B's step at 50% took 4.342 ms against 4.556
-    with 4 unrolled blocks (eval/results/h100/threshold-down-launch)."""
+    """:class:`ThresholdBlocks` of the activation-sparse layer's input-sparse GEMVs: q/k/v,
+    the out-projection, the gate (with input-major up weights, the gate and up in one
+    launch) and the down projection. The down projection's long split-k takes up to 8
+    blocks a program in a loop Triton pipelines 4 deep, measured faster
+    (docs/activation-sparsity.md)."""
     qkv: ThresholdBlocks = ThresholdBlocks()
     o: ThresholdBlocks = ThresholdBlocks()
     gate_up: ThresholdBlocks = ThresholdBlocks()
     down: ThresholdBlocks = ThresholdBlocks(max_row_blocks=8, num_stages=4)
-
-    def with_settings(self, spec: str) -> "ThresholdConfig":
-        """This config with ``SITE.FIELD=VALUE`` settings (comma-separated) replaced, e.g.
-        ``"down.row_blocks=8,down.num_stages=4"``; ``None`` for row_blocks."""
-        out = self
-        sites = tuple(f.name for f in dataclasses.fields(ThresholdConfig))
-        fields = {f.name for f in dataclasses.fields(ThresholdBlocks)}
-        for item in filter(None, (p.strip() for p in spec.split(","))):
-            name, sep, value = (part.strip() for part in item.partition("="))
-            site, dot, field = name.partition(".")
-            if not sep or not dot or site not in sites or field not in fields:
-                raise ValueError(f"{item!r} is not SITE.FIELD=VALUE (SITE one of {sites}, "
-                                 f"FIELD one of {sorted(fields)})")
-            try:
-                number = None if value == "None" else int(value)
-            except ValueError:
-                raise ValueError(f"{item!r}: {value!r} is not an integer") from None
-            blocks = dataclasses.replace(getattr(out, site), **{field: number})
-            out = dataclasses.replace(out, **{site: blocks})
-        return out
 
 
 def threshold_matvec_reference(x, w_t, threshold, *, residual=None, bias=None):
@@ -216,8 +196,8 @@ def threshold_matvec(x, w_t, threshold, *, residual=None, bias=None, block_rows=
     updated in place when the caller donates it (the chunks add into it atomically, so the
     low bits of the fp32 sums vary between runs). block_rows (a power of two) rows per
     block, row_blocks blocks per program (None: `auto_row_blocks` up to max_row_blocks),
-    block_n (a power of two) columns per program; num_stages: Triton's software pipelining depth of the loop
-    over the blocks (from 5 blocks on).
+    block_n (a power of two) columns per program; num_stages: Triton's software pipelining
+    depth of the loop over the blocks (from 5 blocks on).
     """
     _check_inputs(x, [w_t], block_rows, block_n)
     if residual is not None and (residual.shape != (x.shape[0], w_t.shape[1])

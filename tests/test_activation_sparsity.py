@@ -437,11 +437,14 @@ def test_threshold_kernels_decode_like_the_reference(name, up_rows, unrolled):
     assert_finite_close(steps[1], steps[0], atol=2e-5 * scale)
 
 
-def test_threshold_kernels_take_each_projections_block_settings(monkeypatch):
-    """`SparseConfig.threshold_blocks` reaches each projection's launch (a looped, pipelined
-    down projection, narrow gate/up blocks, one row block for q/k/v), and the interpreted
+@pytest.mark.parametrize("unrolled", [True, False])
+def test_threshold_kernels_take_each_projections_block_settings(monkeypatch, unrolled):
+    """`SparseConfig.threshold_blocks` reaches each projection's launch in every layer (a
+    looped, pipelined down projection, narrow gate/up blocks, one row block for q/k/v),
+    over per-layer buffers and under `lax.scan` over stacked weights, and the interpreted
     step still equals the jnp computation."""
     import dataclasses
+    from dejavu_jax.eval.bench_thresholds import with_settings
     from dejavu_jax.kernels import ThresholdConfig
     from dejavu_jax.kernels import threshold_matvec as module
     from dejavu_jax.params import input_major
@@ -449,9 +452,9 @@ def test_threshold_kernels_take_each_projections_block_settings(monkeypatch):
     ids = np.random.default_rng(9).integers(3, config.vocab_size, (1, 6)).astype(np.int32)
     thresholds = jnp.asarray(_thresholds(config, params, jnp.asarray(ids)))
     sites = tuple(s for s in _sites(config) if s != "gate")
-    blocks = ThresholdConfig().with_settings(
-        "down.row_blocks=8,down.num_stages=3,gate_up.block_rows=32,gate_up.block_n=64,"
-        "qkv.row_blocks=1,o.block_n=64,o.num_warps=2")
+    blocks = with_settings(ThresholdConfig(),
+                           "down.row_blocks=8,down.num_stages=3,gate_up.block_rows=32,"
+                           "gate_up.block_n=64,qkv.row_blocks=1,o.block_n=64,o.num_warps=2")
     seen = []
     for name in ("threshold_matvec", "threshold_matvecs"):
         real = getattr(module, name)
@@ -462,23 +465,22 @@ def test_threshold_kernels_take_each_projections_block_settings(monkeypatch):
                          kw["num_warps"], kw["num_stages"]))
             return real(x, w, *a, **kw)
         monkeypatch.setattr(module, name, spy)
+    moved = input_major(params)
     steps = []
-    for impl, p in (("reference", params), ("interpret", unstack_layers(input_major(params)))):
+    for impl, p in (("reference", params), ("interpret", unstack_layers(moved) if unrolled
+                                            else moved)):
         scfg = dataclasses.replace(sparse.threshold_config(config, sites, impl=impl),
                                    threshold_blocks=blocks)
         steps.append(_decode_rows(config, p, scfg, thresholds, ids, (2,))[0])
     assert_finite_close(steps[1], steps[0], atol=2e-5 * np.abs(steps[0]).max())
     d, F = config.hidden, config.ffn
     expected = {(d, (config.n_heads + 2 * config.n_kv_heads) * config.head_dim):
-                (16, 512, 1, 4, 4, 2), (config.n_heads * config.head_dim, d):
-                (16, 64, None, 4, 2, 2), 2: (32, 64, None, 4, 4, 2), (F, d): (16, 512, 8, 8, 4, 3)}
-    assert {shape: tuple(rest) for shape, *rest in seen} == expected
-
-
-def test_the_default_threshold_blocks_loop_the_down_projection_deeper():
-    """The measured defaults: up to 8 blocks a program for the down projection, pipelined
-    4 deep; q/k/v, the out-projection and the gate and up projections up to 4, 2 deep."""
-    from dejavu_jax.kernels import ThresholdBlocks, ThresholdConfig
-    cfg = ThresholdConfig()
-    assert cfg.down == ThresholdBlocks(max_row_blocks=8, num_stages=4)
-    assert cfg.qkv == cfg.o == cfg.gate_up == ThresholdBlocks(max_row_blocks=4, num_stages=2)
+                {(16, 512, 1, 4, 4, 2)}, (config.n_heads * config.head_dim, d):
+                {(16, 64, None, 4, 2, 2)}, 2: {(32, 64, None, 4, 4, 2)},
+                (F, d): {(16, 512, 8, 8, 4, 3)}}
+    got = {}
+    for shape, *settings in seen:
+        got.setdefault(shape, set()).add(tuple(settings))
+    assert got == expected
+    calls = len(seen)
+    assert calls == 4 * (config.n_layers if unrolled else 1)   # traced once per layer or scan

@@ -609,3 +609,25 @@ def test_dispatch_overhead_times_every_layout(tmp_path, monkeypatch):
     assert rows["per-layer"]["args_stacked_cache"] > 0
     assert rows["per-layer-packed"]["leaves"] < rows["per-layer"]["leaves"]
     assert result["meta"]["code_fingerprint"]
+
+
+def test_bench_thresholds_times_each_level_under_each_block_variant(monkeypatch):
+    """`bench_thresholds.run_model` builds each level's engine with each variant's
+    `ThresholdConfig` and labels its rows with the variant's name and settings."""
+    from dejavu_jax import sparse
+    from dejavu_jax.eval import bench_thresholds
+    built = []
+    real = sparse.sparse_engine
+
+    def spy(config, scfg, selector):
+        built.append(scfg.threshold_blocks)
+        return real(config, scfg, selector)
+    monkeypatch.setattr(sparse, "sparse_engine", spy)
+    variants = bench_thresholds.block_variants("deep:down.row_blocks=8,down.num_stages=4")
+    rows = bench_thresholds.run_model("llama-tiny", ["uniform:0.5"], [16], 1, 2,
+                                      lambda msg: None, variants)
+    assert built == [cfg for _, cfg in variants]
+    sparse_rows = [r for r in rows if r["mode"] == "threshold"]
+    assert [r["blocks"] for r in sparse_rows] == ["default", "deep"]
+    assert sparse_rows[1]["block_settings"]["down"]["row_blocks"] == 8
+    assert all(np.isfinite(r["ms_loop"]) and r["ms_loop"] > 0 for r in rows)

@@ -124,25 +124,42 @@ def test_small_matrices_take_fewer_blocks_per_program():
     assert auto_row_blocks(1536, 1536, 16, 512) == 1     # qwen2.5-1.5b o: 96 x 3
 
 
-def test_threshold_config_settings_parse_and_refuse_bad_ones():
-    """`ThresholdConfig.with_settings` replaces the named sites' fields only, and a bad
+def test_block_settings_parse_and_refuse_bad_ones():
+    """`bench_thresholds.with_settings` replaces the named sites' fields only, and a bad
     site, field, value or block size is a ValueError naming it."""
-    from dejavu_jax.eval.bench_thresholds import block_variants
+    from dejavu_jax.eval.bench_thresholds import block_variants, with_settings
     from dejavu_jax.kernels import ThresholdBlocks, ThresholdConfig
-    cfg = ThresholdConfig().with_settings("down.row_blocks=8, down.num_stages=3,o.block_n=256")
+    cfg = with_settings(ThresholdConfig(), "down.row_blocks=8, down.num_stages=3,o.block_n=256")
     assert cfg.down == ThresholdBlocks(row_blocks=8, max_row_blocks=8, num_stages=3)
     assert cfg.o == ThresholdBlocks(block_n=256) and cfg.qkv == cfg.gate_up == ThresholdBlocks()
-    assert cfg.with_settings("down.row_blocks=None").down.row_blocks is None
+    assert with_settings(cfg, "down.row_blocks=None").down.row_blocks is None
     for bad, match in (("mlp.row_blocks=8", "SITE.FIELD"), ("down.rows=8", "SITE.FIELD"),
                        ("down.row_blocks", "SITE.FIELD"), ("down.row_blocks=x", "'x'"),
-                       ("down.block_n=300", "powers of 2"), ("o.row_blocks=0", "at least 1"),
-                       ("o.max_row_blocks=0", "at least 1"), ("qkv.num_warps=3", "num_warps")):
+                       ("down.num_stages=None", "'None'"), ("down.block_n=300", "powers of 2"),
+                       ("o.row_blocks=0", "at least 1"), ("o.max_row_blocks=0", "at least 1"),
+                       ("qkv.num_warps=3", "num_warps")):
         with pytest.raises(ValueError, match=match):
-            ThresholdConfig().with_settings(bad)
-    names = [n for n, _ in block_variants("a:down.row_blocks=8;b:o.num_stages=3")]
-    assert names == ["default", "a", "b"]
+            with_settings(ThresholdConfig(), bad)
+    variants = block_variants("a:down.row_blocks=8;b:o.num_stages=3")
+    assert [n for n, _ in variants] == ["default", "a", "b"]
+    assert variants[0][1] == ThresholdConfig() and variants[1][1].down.row_blocks == 8
     with pytest.raises(ValueError, match="NAME:SETTINGS"):
         block_variants("a:down.row_blocks=8;a:o.num_stages=3")
+
+
+def test_block_defaults_are_the_kernels_own():
+    """`ThresholdBlocks()` passes the kernels' own keyword defaults, so q/k/v, the
+    out-projection and the gate and up projections run as the kernels do by default; the
+    down projection alone differs (up to 8 blocks, 4 stages)."""
+    import inspect
+
+    from dejavu_jax.kernels import ThresholdBlocks, ThresholdConfig
+    for fn in (threshold_matvec, threshold_matvecs):
+        defaults = {k: p.default for k, p in inspect.signature(fn).parameters.items()}
+        assert all(defaults[k] == v for k, v in ThresholdBlocks().kwargs().items())
+    cfg = ThresholdConfig()
+    assert cfg.qkv == cfg.o == cfg.gate_up == ThresholdBlocks()
+    assert cfg.down == ThresholdBlocks(max_row_blocks=8, num_stages=4)
 
 
 @pytest.mark.parametrize("K,N,most,expected", [

@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# one device call: kernel_parity on this tree and on a copy whose ThresholdConfig defaults
+# one run: kernel_parity on this tree and on a copy whose ThresholdConfig defaults
 # to gated_down (in parallel), then the Llama-3-8B threshold step under block variants
 set -u
 nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv > $OUT/gpus.csv
