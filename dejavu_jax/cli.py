@@ -143,6 +143,14 @@ def utf8_text(text: str) -> str:
     return text
 
 
+def output_dir(text: str) -> Path:
+    """An argparse type: a folder to write into (made if missing), not an existing file."""
+    path = Path(text).expanduser()
+    if path.exists() and not path.is_dir():
+        raise argparse.ArgumentTypeError(f"{text} is a file, not a folder")
+    return path
+
+
 def existing_path(text: str) -> Path:
     """An argparse type: a file or folder that exists."""
     path = Path(text).expanduser()

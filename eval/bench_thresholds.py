@@ -372,7 +372,7 @@ def main(argv: list[str] | None = None) -> int:
                    help="kernel block settings to time each level under, besides the "
                         "defaults: NAME:SITE.FIELD=VALUE,...;NAME:... (SITE qkv, o, gate_up, "
                         "down; FIELD of kernels.ThresholdBlocks)")
-    p.add_argument("--out", type=Path, required=True)
+    p.add_argument("--out", type=cli.output_dir, required=True)
     add_parity_argument(p)
     args = p.parse_args(argv)
     models = args.models
@@ -385,6 +385,11 @@ def main(argv: list[str] | None = None) -> int:
         variants = block_variants(args.block_variants)
     except ValueError as e:
         p.error(f"--block-variants: {e}")
+    if args.no_models and not args.kernels:
+        p.error("--no-models leaves nothing to time without --kernels")
+    if args.kernels and jax.default_backend() != "gpu":
+        p.error(f"--kernels times the compiled kernels, which need a GPU (this host: "
+                f"{jax.default_backend()})")
     args.out.mkdir(parents=True, exist_ok=True)
     log_file = open(args.out / "bench_thresholds.log", "a")
 

@@ -171,7 +171,7 @@ def build_parser() -> argparse.ArgumentParser:
     p = cli.ArgumentParser(prog="python -m dejavu_jax.eval.frontier",
                            description=__doc__.split("\n")[0])
     p.add_argument("--model", type=cli.model_source, help="default: smollm2-135m")
-    p.add_argument("--out", type=Path, required=True)
+    p.add_argument("--out", type=cli.output_dir, required=True)
     p.add_argument("--methods", help="threshold methods, comma-separated: "
                    f"{', '.join(METHODS)} (default: all the model runs)")
     p.add_argument("--skips", type=cli.fractions, default=list(DEFAULT_SKIPS),

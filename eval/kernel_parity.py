@@ -63,6 +63,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from dejavu_jax import cli
 from dejavu_jax import config as config_lib
 from dejavu_jax import sparse
 from dejavu_jax.eval.bench_decode import random_sets
@@ -688,20 +689,26 @@ def _run_parts_in_processes(args, parts: list[int], jobs: int):
 
 def main(argv=None) -> int:
     """Run the checks; print one JSON line per check; exit 1 on a failure."""
-    p = argparse.ArgumentParser(prog="python -m dejavu_jax.eval.kernel_parity")
-    p.add_argument("--impl", default="pallas", choices=("pallas", "interpret"))
-    p.add_argument("--steps", type=int, default=6, help="decoded tokens per decode check")
-    p.add_argument("--tol", type=float, default=1e-4)
+    p = cli.ArgumentParser(prog="python -m dejavu_jax.eval.kernel_parity",
+                           description=__doc__.strip().split("\n")[0])
+    p.add_argument("--impl", default="pallas", choices=("pallas", "interpret"),
+                   help="pallas: the kernels compiled for the GPU (default); interpret: the "
+                        "Pallas interpreter, on any host")
+    p.add_argument("--steps", type=cli.positive_int, default=6,
+                   help="decoded tokens per decode check")
+    p.add_argument("--tol", type=cli.positive_float, default=1e-4,
+                   help="largest absolute difference a check passes with")
     p.add_argument("--checks", default=",".join(CHECKS),
                    help=f"comma list of {', '.join(CHECKS)}")
     p.add_argument("--jobs", type=int, default=0,
                    help="checks run in this many processes at once (default: 1 with "
                         "--impl interpret or on a host of fewer than 8 cores, else up to 8)")
     p.add_argument("--part", type=int, default=None, help=argparse.SUPPRESS)
-    p.add_argument("--out", default="eval/results/kernel_parity")
+    p.add_argument("--out", type=cli.output_dir, default="eval/results/kernel_parity")
     args = p.parse_args(argv)
-    if args.steps < 1:
-        p.error(f"--steps must be at least 1, got {args.steps}")
+    if args.impl == "pallas" and jax.default_backend() != "gpu":
+        p.error(f"--impl pallas compiles the kernels for a GPU and this host has none "
+                f"({jax.default_backend()}); --impl interpret runs them in the interpreter")
     if args.jobs < 0:
         p.error(f"--jobs must be 0 (automatic) or more, got {args.jobs}")
     parts = check_parts(args.impl, args.steps)

@@ -25,6 +25,7 @@ import glob
 import gzip
 import json
 import os
+import sys
 import time
 from pathlib import Path
 
@@ -298,7 +299,7 @@ def main(argv=None) -> int:
     p.add_argument("--trace-steps", type=cli.positive_int, default=3)
     p.add_argument("--hlo", action="store_true",
                    help="also write each mode's optimised HLO (hlo_MODE.txt.gz)")
-    p.add_argument("--out", default="eval/results/profile")
+    p.add_argument("--out", type=cli.output_dir, default="eval/results/profile")
     from dejavu_jax.eval.parity_gate import add_parity_argument, require_parity
     add_parity_argument(p)
     args = p.parse_args(argv)
@@ -307,6 +308,9 @@ def main(argv=None) -> int:
         p.error(f"--dense-layers {args.dense_layers}: {args.model} has {config.n_layers} layers")
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
+    if jax.default_backend() != "gpu":
+        print(f"note: no GPU ({jax.default_backend()}): the trace holds no device kernels, so "
+              "the per-kernel sums and launch counts are empty", file=sys.stderr)
     parity = require_parity(args.parity, out)
     params = init_params(config, jax.random.key(0), BF16)
     unrolled = args.layout == "unrolled"

@@ -115,6 +115,25 @@ def plot(points: list[dict], path: Path, title: str) -> None:
     plt.close(fig)
 
 
+def resumed_points(path: Path, meta: dict) -> list[dict]:
+    """The points of an earlier sweep.json to resume (none when it does not exist); a file
+    made by another model or other settings (its `meta`) is refused, since its points
+    would then be labelled with these."""
+    if not path.exists():
+        return []
+    try:
+        earlier = json.loads(path.read_text())
+        points, old_meta = earlier["points"], earlier["meta"]
+    except (OSError, ValueError, KeyError, TypeError) as e:
+        cli.fail(f"--resume: {path} is not a sweep.json ({cli.first_line(e)})")
+    differ = sorted(k for k in set(meta) | set(old_meta) if meta.get(k) != old_meta.get(k))
+    if differ:
+        cli.fail(f"--resume: {path} was made with other settings ("
+                 + ", ".join(f"{k}: {old_meta.get(k)!r} there, {meta.get(k)!r} now"
+                             for k in differ) + "); use another --out")
+    return points
+
+
 def write_outputs(points: list[dict], out: Path, title: str, meta: dict) -> None:
     """sweep.json, sweep.md and sweep.png in `out`."""
     out.mkdir(parents=True, exist_ok=True)
@@ -158,7 +177,7 @@ def build_parser() -> argparse.ArgumentParser:
     """The CLI's argument parser (its errors: one `error:` line, exit status 2)."""
     p = cli.ArgumentParser(prog="python -m dejavu_jax.eval.sweep",
                            description=__doc__.split("\n")[0])
-    p.add_argument("--out", required=True, help="output folder")
+    p.add_argument("--out", type=cli.output_dir, required=True, help="output folder")
     p.add_argument("--mlp", type=cli.fractions, default=[1.0, 0.9, 0.8, 0.7, 0.6, 0.5],
                    help="MLP densities, a comma list (default 1.0,0.9,0.8,0.7,0.6,0.5)")
     p.add_argument("--heads", type=cli.fractions, default=[1.0],
@@ -230,6 +249,12 @@ def main(argv: list[str] | None = None) -> int:
                  "none would run sparse")
     pred = (common.load_predictor_params(common.predictors_dir(args), config)
             if any(m == "sparse" for m, _, _ in points) else None)
+    meta = {"model": config.name, "predictors": str(common.predictors_dir(args)),
+            "ppl_tokens": args.ppl_tokens,
+            "text": args.text or str(ppl_mod.wikitext2_path()), "window": args.window,
+            "stride": args.stride, "tasks": list(prepared_items), "limit": args.limit,
+            "dense_layers": dense_layers, "dense_prefix": args.dense_prefix}
+    done = resumed_points(out / "sweep.json", meta) if args.resume else []
     config, params, tok = common.load_model(args)
     ids = None
     if text is not None:
@@ -248,14 +273,6 @@ def main(argv: list[str] | None = None) -> int:
     prepared = {name: (its, tasks_mod.encode_items(tok, its))
                 for name, its in prepared_items.items()}
     task_points = {(m, round(a, 4), round(h, 4)) for m, a, h in args.task_points}
-    meta = {"model": config.name, "predictors": str(common.predictors_dir(args)),
-            "ppl_tokens": args.ppl_tokens,
-            "text": args.text or str(ppl_mod.wikitext2_path()), "window": args.window,
-            "stride": args.stride, "tasks": list(prepared), "limit": args.limit,
-            "dense_layers": dense_layers, "dense_prefix": args.dense_prefix}
-    done: list[dict] = []
-    if args.resume and (out / "sweep.json").exists():
-        done = json.loads((out / "sweep.json").read_text())["points"]
     seen = {_key(p) for p in done}
     for name, mlp, heads in points:
         key = (name, round(mlp, 4), round(heads, 4))

@@ -19,7 +19,8 @@ import pytest
 
 from dejavu_jax import fetch_model, generate, loading
 from dejavu_jax.config import preset
-from dejavu_jax.eval import bench_decode, common, perplexity, profile_decode, sweep, tasks
+from dejavu_jax.eval import (bench_decode, bench_thresholds, common, frontier, kernel_parity,
+                             perplexity, profile_decode, sweep, tasks)
 from dejavu_jax.train import collect, predictors, profile
 
 FIXTURE = Path(__file__).parent / "fixtures" / "hf" / "opt-preln"  # vocab_size 512
@@ -300,6 +301,27 @@ CASES = [
     # the search ran for minutes, then its file could not be written
     ("profile-out-folder", profile.main, ["--corpus", "CORPUS", "--model", "FIXTURE", "--out",
                                           "EMPTY"], ["--out", "EMPTY", "is a folder"]),
+    # each wrote its results (after the work) into a path that is a file: a traceback
+    *[(f"{name}-out-file", main, ["--out", "CORPUS", *rest], ["--out", "CORPUS", "a file"])
+      for name, main, rest in (
+          ("bench", bench_decode.main, ["--models", "opt-tiny"]),
+          ("bench-thresholds", bench_thresholds.main, ["--models", "llama-tiny"]),
+          ("profile-decode", profile_decode.main, ["--model", "opt-tiny"]),
+          ("kernel-parity", kernel_parity.main, ["--impl", "interpret"]),
+          ("sweep", sweep.main, ["--modes", "oracle"]),
+          ("frontier", frontier.main, ["--preset", "llama-tiny"]))],
+    # the compiled kernels on a host without a GPU: a traceback from deep inside Pallas
+    ("kernel-parity-pallas-on-cpu", kernel_parity.main, ["--out", "OUT", "--impl", "pallas"],
+     ["--impl pallas", "GPU", "--impl interpret"]),
+    ("bench-thresholds-kernels-on-cpu", bench_thresholds.main,
+     ["--out", "OUT", "--no-models", "--kernels", "gemv"], ["--kernels", "GPU"]),
+    ("bench-thresholds-nothing", bench_thresholds.main, ["--out", "OUT", "--no-models"],
+     ["--no-models", "--kernels"]),
+    # accepted, then every check reported as a kernel mismatch
+    ("kernel-parity-tol-negative", kernel_parity.main, ["--out", "OUT", "--impl", "interpret",
+                                                        "--tol=-1"], ["--tol", "-1"]),
+    ("kernel-parity-tol-nan", kernel_parity.main, ["--out", "OUT", "--impl", "interpret",
+                                                   "--tol", "nan"], ["--tol", "nan"]),
 ]
 
 
@@ -605,3 +627,23 @@ def test_an_hf_text_source_of_another_shape_is_refused(source, capsys, no_loadin
         perplexity.main(["--preset", "opt-tiny", "--text", source])
     err = capsys.readouterr().err
     assert exit_.value.code == 2 and "hf:NAME[:CONFIG[:SPLIT]] expected" in err, err
+
+
+def test_sweep_resume_refuses_a_folder_of_other_settings(tmp_path, capsys, no_loading):
+    """--resume keeps an earlier sweep.json's points only when it was made with the same
+    model and settings; otherwise its points would be relabelled with these."""
+    import json
+    corpus = tmp_path / "corpus.txt"
+    corpus.write_text("a b c d e f g h " * 40)
+    out = tmp_path / "sweep"
+    out.mkdir()
+    (out / "sweep.json").write_text(json.dumps({"meta": {"model": "opt-tiny", "window": 64},
+                                                "points": [{"mode": "dense"}]}))
+    last = _error_line(sweep.main, ["--preset", "llama-tiny", "--text", str(corpus), "--out",
+                                    str(out), "--modes", "oracle", "--mlp", "0.5",
+                                    "--resume", "--no-progress"], capsys)
+    assert "--resume" in last and "other settings" in last and "'opt-tiny' there" in last
+    (out / "sweep.json").write_text("not json")
+    last = _error_line(sweep.main, ["--preset", "llama-tiny", "--text", str(corpus), "--out",
+                                    str(out), "--modes", "oracle", "--resume"], capsys)
+    assert "is not a sweep.json" in last
