@@ -94,10 +94,25 @@ def fraction(text: str) -> float:
     return value
 
 
+def comma_items(text: str, unique: bool = True) -> list[str]:
+    """The items of a comma list, spaces around each dropped; an empty item in the middle
+    (``a,,b``), or with `unique` a name given twice, is an argparse error; a trailing
+    comma is not."""
+    items = [t.strip() for t in text.split(",")]
+    if items and not items[-1]:
+        items.pop()
+    if any(not t for t in items):
+        raise argparse.ArgumentTypeError(f"an empty item in {text!r}")
+    twice = sorted({t for t in items if items.count(t) > 1}) if unique else []
+    if twice:
+        raise argparse.ArgumentTypeError(f"{', '.join(twice)} given twice in {text!r}")
+    return items
+
+
 def presets(text: str) -> list[str]:
     """An argparse type: a comma list of preset names (`config.PRESETS`)."""
     from dejavu_jax.config import PRESETS
-    names = [t.strip() for t in text.split(",") if t.strip()]
+    names = comma_items(text)
     unknown = [n for n in names if n not in PRESETS]
     if unknown or not names:
         raise argparse.ArgumentTypeError(f"unknown presets {unknown or text!r}; known: "
@@ -108,7 +123,7 @@ def presets(text: str) -> list[str]:
 def choice_list(choices):
     """An argparse type: a comma list of names from `choices`."""
     def parse(text: str) -> tuple[str, ...]:
-        names = tuple(t.strip() for t in text.split(",") if t.strip())
+        names = tuple(comma_items(text))
         unknown = [n for n in names if n not in choices]
         if unknown or not names:
             raise argparse.ArgumentTypeError(f"unknown {unknown or text!r}; choose from "
@@ -126,6 +141,8 @@ def fractions(text: str) -> list[float]:
             raise argparse.ArgumentTypeError(f"cannot read {text[1:]}: {e}") from None
     else:
         items = [t for t in text.split(",") if t.strip()]
+        if len(items) != len([t for t in text.rstrip(", ").split(",")]):
+            raise argparse.ArgumentTypeError(f"an empty item in {text!r}")
     if not items:
         raise argparse.ArgumentTypeError(f"no values in {text!r}")
     return [fraction(t.strip()) for t in items]

@@ -412,7 +412,10 @@ def build_parser() -> argparse.ArgumentParser:
 def parse_tasks(text: str) -> list[str]:
     """Task names/paths from a comma list, spaces around each dropped ('copa, piqa'); 'all'
     stands for every known task, also beside others ('all,my_task.jsonl')."""
-    names = [t.strip() for t in text.split(",") if t.strip()]
+    try:
+        names = cli.comma_items(text, unique=False)
+    except argparse.ArgumentTypeError as e:
+        cli.fail(f"--tasks: {e}")
     expanded = [n for t in names for n in (TASK_FILES if t == "all" else [t])]
     return list(dict.fromkeys(expanded))
 

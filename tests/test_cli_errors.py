@@ -322,6 +322,15 @@ CASES = [
                                                         "--tol=-1"], ["--tol", "-1"]),
     ("kernel-parity-tol-nan", kernel_parity.main, ["--out", "OUT", "--impl", "interpret",
                                                    "--tol", "nan"], ["--tol", "nan"]),
+    # an empty item was dropped, a repeated model timed twice (and compared with itself)
+    ("bench-models-empty-item", bench_decode.main, ["--out", "OUT", "--models",
+                                                    "opt-tiny,,llama-tiny"], ["empty item"]),
+    ("bench-models-twice", bench_decode.main, ["--out", "OUT", "--models", "opt-tiny,opt-tiny"],
+     ["opt-tiny given twice"]),
+    ("tasks-empty-item", tasks.main, ["--preset", "opt-tiny", "--tasks", "copa,,piqa"],
+     ["--tasks", "empty item", "'copa,,piqa'"]),
+    ("gen-density-empty-item", G, ["--preset", "opt-tiny", "--oracle", "--mlp-density",
+                                   "0.5,,0.6,0.7,0.8"], ["--mlp-density", "empty item"]),
 ]
 
 
