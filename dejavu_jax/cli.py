@@ -140,9 +140,7 @@ def fractions(text: str) -> list[float]:
         except (OSError, UnicodeDecodeError) as e:
             raise argparse.ArgumentTypeError(f"cannot read {text[1:]}: {e}") from None
     else:
-        items = [t for t in text.split(",") if t.strip()]
-        if len(items) != len([t for t in text.rstrip(", ").split(",")]):
-            raise argparse.ArgumentTypeError(f"an empty item in {text!r}")
+        items = comma_items(text, unique=False)
     if not items:
         raise argparse.ArgumentTypeError(f"no values in {text!r}")
     return [fraction(t.strip()) for t in items]

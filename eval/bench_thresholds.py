@@ -134,9 +134,9 @@ def time_gemvs(log, timed, shapes, sparsities=(0.0, 0.4, 0.5, 0.6)) -> list[dict
         nbytes = F * d * 2
         rows.append(dict(kernel="xla-dense-gemv", d=d, F=F, sparsity=0.0, us=dense_us,
                          gbs=nbytes / dense_us / 1e3))
+        down = ThresholdConfig().down.kwargs()  # the step's settings for this shape
         for s in sparsities:
             t = float(np.quantile(np.abs(np.asarray(x, np.float32)), s)) if s else 0.0
-            down = ThresholdConfig().down.kwargs()  # the step's settings for this shape
             us = timed(lambda a, b: threshold_matvec(a, b, t, impl="pallas", **down), x, w_t)
             read = nbytes * (1 - s)
             rows.append(dict(kernel="threshold_matvec", d=d, F=F, sparsity=s, us=us,
@@ -324,7 +324,8 @@ def run_model(name, specs, contexts, warmup, steps, log, variants=None) -> list[
                 res = measure_engine(engine, (moved, thresholds[spec]), prompt, mask, tokens,
                                      max_len, warmup, steps, dict(per_layer=True))
             except Exception as e:  # report (OOM, lowering) and go on
-                log(f"FAILED {name} {spec} {blocks_name} ctx={ctx}: {type(e).__name__}: {str(e)[:400]}")
+                log(f"FAILED {name} {spec} {blocks_name} ctx={ctx}: {type(e).__name__}: "
+                    f"{str(e)[:400]}")
                 continue
             rows.append(dict(model=name, mode="threshold", levels=spec, sites=list(sites),
                              blocks=blocks_name, block_settings=dataclasses.asdict(blocks),

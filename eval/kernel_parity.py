@@ -700,7 +700,7 @@ def main(argv=None) -> int:
                    help="largest absolute difference a check passes with")
     p.add_argument("--checks", default=",".join(CHECKS),
                    help=f"comma list of {', '.join(CHECKS)}")
-    p.add_argument("--jobs", type=int, default=0,
+    p.add_argument("--jobs", type=cli.non_negative_int, default=0,
                    help="checks run in this many processes at once (default: 1 with "
                         "--impl interpret or on a host of fewer than 8 cores, else up to 8)")
     p.add_argument("--part", type=int, default=None, help=argparse.SUPPRESS)
@@ -709,8 +709,6 @@ def main(argv=None) -> int:
     if args.impl == "pallas" and jax.default_backend() != "gpu":
         p.error(f"--impl pallas compiles the kernels for a GPU and this host has none "
                 f"({jax.default_backend()}); --impl interpret runs them in the interpreter")
-    if args.jobs < 0:
-        p.error(f"--jobs must be 0 (automatic) or more, got {args.jobs}")
     parts = check_parts(args.impl, args.steps)
     if args.part is not None:  # one part, in a worker process: its rows on stdout
         for r in parts[args.part][1]():
