@@ -349,7 +349,8 @@ def _offset_sets(sets, layer, n_neurons: int, n_heads: int):
     return neurons + layer * n_neurons, heads + layer * n_heads
 
 
-_KERNEL_WEIGHTS = ("wq", "bq", "wk", "bk", "wv", "bv", "wo", "w_in", "b_in", "w_gate", "w_out_t")
+_KERNEL_WEIGHTS = ("wq", "bq", "wk", "bk", "wv", "bv", "wo", "w_in", "b_in", "w_gate", "w_out_t",
+                   "wqkv_t", "wo_t", "w_gate_t", "w_in_t")
 
 
 def _layer_view(params: ModelParams, layer) -> _LayerView:
@@ -566,7 +567,7 @@ def _threshold_layer(config, scfg, view, io: _LayerIO, layer, x, step, table, re
     lp = view.lp
     if (lp.wqkv_t is not None and resolve_impl(scfg.impl) != "reference"
             and reduce is None and config.pre_norm):
-        return _threshold_layer_kernels(config, scfg, lp, io, layer, x, step, table)
+        return _threshold_layer_kernels(config, scfg, view, io, layer, x, step, table)
     thresholds = table[layer]
     mask_input, mask_heads = activation_sparsity.attention_hooks(thresholds)
     box = {}
@@ -587,15 +588,16 @@ def _threshold_layer(config, scfg, view, io: _LayerIO, layer, x, step, table, re
     return x, _all_written(config, box["io"], layer, step)
 
 
-def _threshold_layer_kernels(config, scfg, lp, io: _LayerIO, layer, x, step, table):
+def _threshold_layer_kernels(config, scfg, view, io: _LayerIO, layer, x, step, table):
     """`_threshold_layer` of a pre-norm model through the activation-sparse kernels: q/k/v
     and the out-projection, the gate (and without the gate site the up projection) read
     the kept input channels' rows of their input-major weights, the up projection under
     the gate site the rows of the neurons that pass it, fc2 the rows of nonzero
     activations; the out-projection and fc2 add into the residual rows in their launches
-    unless a post-norm comes between. With the layers unrolled the kernels read their
-    thresholds from the table in place (a slice of it would be a copy per launch); the
-    input-sparse GEMVs' block settings come from `scfg.threshold_blocks`."""
+    unless a post-norm comes between. The kernels read their thresholds from the table in
+    place, and over stacked weights each layer's rows among every layer's (a slice of
+    either would be a copy per launch); the input-sparse GEMVs' block settings come from
+    `scfg.threshold_blocks`."""
     from dejavu_jax import activation_sparsity as act
     from dejavu_jax.kernels.threshold_matvec import (ThresholdConfig, row_masked_matvec,
                                                      threshold_matvec, threshold_matvecs)
@@ -606,51 +608,58 @@ def _threshold_layer_kernels(config, scfg, lp, io: _LayerIO, layer, x, step, tab
                act.DOWN: blocks.down}
     B = x.shape[0]
     t = table[layer]
+    lp, stacked = view.lp, not view.unrolled
+
+    def weight(name):  # stacked: every layer's rows, this layer's read in place
+        return view.flat[name] if stacked else getattr(lp, name)
 
     def at(site):
         settings = by_site[site].kwargs()
-        if isinstance(layer, int):
-            return dict(threshold=table, threshold_index=int(layer) * table.shape[1] + site,
-                        **settings)
-        return dict(threshold=t[site], **settings)
+        if stacked:
+            return dict(threshold=table, threshold_index=site, layer=layer, **settings)
+        return dict(threshold=table, threshold_index=int(layer) * table.shape[1] + site,
+                    **settings)
     x = x.astype(F32)
     y = ops.norm_input(x, lp.attn_norm_scale, lp.attn_norm_bias, eps)
-    qkv = threshold_matvec(y, lp.wqkv_t, **at(act.QKV), impl=impl)
+    qkv = threshold_matvec(y, weight("wqkv_t"), **at(act.QKV), impl=impl)
     q, k, v = ops.finish_qkv(config, lp, qkv, step["positions"], layer)
     k_all = write_kv(io.k, layer, step["slot"], k)
     v_all = write_kv(io.v, layer, step["slot"], v)
     heads = cached_attention(config, q, cache_layer(k_all, layer), cache_layer(v_all, layer),
                              layer_valid(config, layer, step)).reshape(B, -1)
     if lp.post_attn_norm_scale is None:
-        h = threshold_matvec(heads, lp.wo_t, **at(act.O), residual=x, bias=lp.bo, impl=impl)
+        h = threshold_matvec(heads, weight("wo_t"), **at(act.O), residual=x, bias=lp.bo,
+                             impl=impl)
     else:
-        out = threshold_matvec(heads, lp.wo_t, **at(act.O), bias=lp.bo, impl=impl)
+        out = threshold_matvec(heads, weight("wo_t"), **at(act.O), bias=lp.bo, impl=impl)
         h = x + ops.norm(out, lp.post_attn_norm_scale, None, eps)
     ym = ops.norm_input(h, lp.mlp_norm_scale, lp.mlp_norm_bias, eps)
     if lp.w_in_t is not None and lp.w_gate_t is not None:
-        gate, up = threshold_matvecs(ym, [lp.w_gate_t, lp.w_in_t], **at(act.GATE_UP),
-                                     impl=impl)
+        gate, up = threshold_matvecs(ym, [weight("w_gate_t"), weight("w_in_t")],
+                                     **at(act.GATE_UP), impl=impl)
         gate = ops.activation(config.activation, gate)
         up = ops.add_bias(up, lp.b_in)
     elif lp.w_in_t is not None:
-        up = ops.add_bias(threshold_matvec(ym, lp.w_in_t, **at(act.GATE_UP), impl=impl),
-                          lp.b_in)
+        up = ops.add_bias(threshold_matvec(ym, weight("w_in_t"), **at(act.GATE_UP),
+                                           impl=impl), lp.b_in)
     elif lp.w_gate_t is not None:
         gate = ops.activation(config.activation,
-                              threshold_matvec(ym, lp.w_gate_t, **at(act.GATE_UP), impl=impl))
+                              threshold_matvec(ym, weight("w_gate_t"), **at(act.GATE_UP),
+                                               impl=impl))
     if lp.w_gate_t is not None:
         neurons = act.gate_magnitude(lp, gate) > t[act.GATE]
         if lp.w_in_t is None:  # the gate site's layout: whole rows of the kept neurons
-            up = ops.add_bias(row_masked_matvec(act.sparse_input(ym, t[act.GATE_UP]),
-                                                lp.w_in, neurons, impl=impl), lp.b_in)
+            up = ops.add_bias(row_masked_matvec(
+                act.sparse_input(ym, t[act.GATE_UP]), weight("w_in"), neurons,
+                layer=layer if stacked else None, impl=impl), lp.b_in)
         hidden = jnp.where(neurons, gate * up, 0.0)
     else:
         hidden = ops.activation(config.activation, up)
     if lp.post_mlp_norm_scale is None:
-        out = threshold_matvec(hidden, lp.w_out_t, **at(act.DOWN), residual=h, bias=lp.b_out,
-                               impl=impl)
+        out = threshold_matvec(hidden, weight("w_out_t"), **at(act.DOWN), residual=h,
+                               bias=lp.b_out, impl=impl)
     else:
-        mlp_out = threshold_matvec(hidden, lp.w_out_t, **at(act.DOWN), bias=lp.b_out,
+        mlp_out = threshold_matvec(hidden, weight("w_out_t"), **at(act.DOWN), bias=lp.b_out,
                                    impl=impl)
         out = h + ops.norm(mlp_out, lp.post_mlp_norm_scale, None, eps)
     return out, _all_written(config, io.replace(k=k_all, v=v_all), layer, step)

@@ -15,7 +15,10 @@ prompt (`train.thresholds`), so each site drops its fraction of channels. Rows: 
 on input-major weights (`kernels.threshold_matvec`), and with --hf the Hugging Face
 modes (`eval.bench_hf`). ms per token with the host synchronising each step (`ms`) and
 with the steps chained on the device (`ms_loop`); the decoder bytes each step skips are
-measured by the scorer on a random window at the same thresholds. `--kernels` adds the
+measured by the scorer on a random window at the same thresholds. `--layouts` picks the
+threshold rows' weight layout: per-layer buffers (`unrolled`, as `generate` decodes) and/or
+`stacked` (a `lax.scan` over stacked weights, whose host-synchronised step hands over a few
+arrays instead of several per layer); the dense row always runs per-layer buffers. `--kernels` adds the
 kernels alone at MLP shapes against XLA's dense ones (`time_kernels`). The run opens with
 `eval.kernel_parity` on the GPU.
 """
@@ -271,9 +274,13 @@ def block_variants(spec: str) -> list[tuple[str, ThresholdConfig]]:
     return out
 
 
-def run_model(name, specs, contexts, warmup, steps, log, variants=None) -> list[dict]:
+LAYOUTS = ("unrolled", "stacked")
+
+
+def run_model(name, specs, contexts, warmup, steps, log, variants=None,
+              layouts=("unrolled",)) -> list[dict]:
     """Dense and threshold rows of one preset (each level spec under each of `variants`,
-    `block_variants`; None: the default blocks)."""
+    `block_variants`; None: the default blocks) in each weight layout of `layouts`."""
     from dejavu_jax import sparse
     from dejavu_jax.eval.bench_decode import measure_engine, rates, step_bytes
     from dejavu_jax.eval.bench_hf import cache_len
@@ -306,12 +313,14 @@ def run_model(name, specs, contexts, warmup, steps, log, variants=None) -> list[
         log(json.dumps(rows[-1]))
     del dense_params
     moved, moved_for = None, None
-    for (spec, _, sites), (blocks_name, blocks) in itertools.product(
-            prepared, variants or block_variants("")):
-        if moved_for != ("gate" in sites):
+    for layout, (spec, _, sites), (blocks_name, blocks) in itertools.product(
+            layouts, prepared, variants or block_variants("")):
+        if moved_for != (layout, "gate" in sites):
             moved = None  # one input-major copy at a time
-            moved_for = "gate" in sites
-            moved = unstack_layers(input_major(params, up_rows=moved_for))
+            moved_for = (layout, "gate" in sites)
+            moved = input_major(params, up_rows="gate" in sites)
+            if layout == "unrolled":
+                moved = unstack_layers(moved)
         scfg = dataclasses.replace(sparse.threshold_config(config, sites),
                                    threshold_blocks=blocks)
         engine = sparse.sparse_engine(config, scfg, sparse.no_selector)
@@ -322,13 +331,14 @@ def run_model(name, specs, contexts, warmup, steps, log, variants=None) -> list[
             nbytes = step_bytes(config, None, ctx, 1, 0, False) - skips[spec] * layer_bytes
             try:
                 res = measure_engine(engine, (moved, thresholds[spec]), prompt, mask, tokens,
-                                     max_len, warmup, steps, dict(per_layer=True))
+                                     max_len, warmup, steps,
+                                     dict(per_layer=layout == "unrolled"))
             except Exception as e:  # report (OOM, lowering) and go on
-                log(f"FAILED {name} {spec} {blocks_name} ctx={ctx}: {type(e).__name__}: "
-                    f"{str(e)[:400]}")
+                log(f"FAILED {name} {spec} {blocks_name} {layout} ctx={ctx}: "
+                    f"{type(e).__name__}: {str(e)[:400]}")
                 continue
             rows.append(dict(model=name, mode="threshold", levels=spec, sites=list(sites),
-                             blocks=blocks_name, block_settings=dataclasses.asdict(blocks),
+                             layout=layout, blocks=blocks_name, block_settings=dataclasses.asdict(blocks),
                              context=ctx, skipped=skips[spec], **res,
                              **rates(int(nbytes), 1, res["ms"], res["ms_loop"])))
             log(json.dumps(rows[-1]))
@@ -373,6 +383,9 @@ def main(argv: list[str] | None = None) -> int:
                    help="kernel block settings to time each level under, besides the "
                         "defaults: NAME:SITE.FIELD=VALUE,...;NAME:... (SITE qkv, o, gate_up, "
                         "down; FIELD of kernels.ThresholdBlocks)")
+    p.add_argument("--layouts", type=cli.choice_list(LAYOUTS), default=("unrolled",),
+                   help="the threshold rows' weight layouts, a comma list of unrolled "
+                        "(per-layer buffers) and stacked (lax.scan over stacked weights)")
     p.add_argument("--out", type=cli.output_dir, required=True)
     add_parity_argument(p)
     args = p.parse_args(argv)
@@ -421,7 +434,8 @@ def main(argv: list[str] | None = None) -> int:
         save()
     rows = [dict(r, mode=r["mode"], levels="-", skipped=0.0) for r in (hf or {}).get("rows", [])]
     for name in [] if args.no_models else models:
-        rows += run_model(name, specs, contexts, args.warmup, args.steps, log, variants)
+        rows += run_model(name, specs, contexts, args.warmup, args.steps, log, variants,
+                          args.layouts)
         result["rows"] = with_speedups(rows)
         save()
     log_file.close()

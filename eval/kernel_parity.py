@@ -546,9 +546,12 @@ def predictor_rows(impl: str) -> list[dict]:
 
 
 # (model, whether the up projection keeps its neuron rows: the gate site reads them; a
-# gated model without them runs TEAL's sites, its gate and up in one launch)
-THRESHOLD_CASES = (("llama-tiny", True, 1), ("llama-tiny", False, 1), ("opt-tiny", False, 1),
-                   ("gemma3-tiny", True, 1), ("gemma2-tiny", False, 2))
+# gated model without them runs TEAL's sites, its gate and up in one launch; batch; weight
+# layout: per-layer buffers, or stacked, each layer's rows read in place under lax.scan)
+THRESHOLD_CASES = (("llama-tiny", True, 1, "unrolled"), ("llama-tiny", False, 1, "unrolled"),
+                   ("opt-tiny", False, 1, "unrolled"), ("gemma3-tiny", True, 1, "unrolled"),
+                   ("gemma2-tiny", False, 2, "unrolled"), ("llama-tiny", True, 1, "stacked"),
+                   ("llama-tiny", False, 2, "stacked"), ("opt-tiny", False, 1, "stacked"))
 
 
 def threshold_rows(impl: str, steps: int, cases=None, kernels: bool = True) -> list[dict]:
@@ -564,7 +567,7 @@ def _threshold_decode_rows(impl: str, steps: int, cases) -> list[dict]:
     from dejavu_jax.params import input_major, with_gate_weights
     from dejavu_jax.train.thresholds import calibration_stats, thresholds_at
     rows = []
-    for name, up_rows, batch in cases:
+    for name, up_rows, batch, layout in cases:
         config = tiny_config(name)
         params = init_params(config, jax.random.key(0), jnp.float32, std=0.1)
         if up_rows:  # the gate site ranks neurons by |act(gate)| times gate weights
@@ -584,10 +587,13 @@ def _threshold_decode_rows(impl: str, steps: int, cases) -> list[dict]:
                                    batch_policy="kernels")
         ref = _decode(config, dataclasses.replace(scfg, impl="reference"), params, thresholds,
                       steps, False, sparse.no_selector, batch=batch)
-        moved = unstack_layers(input_major(params, up_rows=up_rows))
-        got = _decode(config, dataclasses.replace(scfg, impl=impl), moved, thresholds, steps,
-                      True, sparse.no_selector, batch=batch)
-        rows.append(dict(check="threshold", model=name, batch=batch, sites=list(sites),
+        moved = input_major(params, up_rows=up_rows)
+        unrolled = layout == "unrolled"
+        got = _decode(config, dataclasses.replace(scfg, impl=impl),
+                      unstack_layers(moved) if unrolled else moved, thresholds, steps,
+                      unrolled, sparse.no_selector, batch=batch)
+        rows.append(dict(check="threshold", model=name, batch=batch, layout=layout,
+                         sites=list(sites),
                          gate_weights=up_rows, logits=float(np.abs(got[0] - ref[0]).max()),
                          k_cache=float(np.abs(got[1] - ref[1]).max())))
     return rows

@@ -83,7 +83,12 @@ def threshold_matvec_reference(x, w_t, threshold, *, residual=None, bias=None):
 
 
 def _threshold_body(pids, x_ref, t_ref, w_ref, *rest, B, Bp, K, N, bk, bn, kblocks,
-                    accumulate, has_bias, t_index):
+                    accumulate, has_bias, t_index, t_stride):
+    row0, t_at = 0, t_index
+    if t_stride is not None:  # stacked weights: this layer's rows start at layer * K
+        layer_ref, *rest = rest
+        layer = layer_ref[0]
+        row0, t_at = layer * K, layer * t_stride + t_index
     if accumulate:
         b_ref = rest[1] if has_bias else None
         o_ref = rest[-1]
@@ -95,7 +100,7 @@ def _threshold_body(pids, x_ref, t_ref, w_ref, *rest, B, Bp, K, N, bk, bn, kbloc
     bmask = brow < B
     cols = j * bn + jnp.arange(bn, dtype=jnp.int32)
     cm = cols < N
-    t = t_ref[t_index].astype(F32)
+    t = t_ref[t_at].astype(F32)
 
     def block(s, acc):
         r = (i * kblocks + s) * bk + kk
@@ -110,7 +115,7 @@ def _threshold_body(pids, x_ref, t_ref, w_ref, *rest, B, Bp, K, N, bk, bn, kbloc
             own = jnp.abs(xr) > t
             xr = jnp.where(own, xr, 0.0)
             kept = jnp.max(own.astype(jnp.int32), axis=0) > 0
-        w = plgpu.load(w_ref.at[r[:, None], cols[None, :]],
+        w = plgpu.load(w_ref.at[(row0 + r)[:, None], cols[None, :]],
                        mask=(kept & valid)[:, None] & cm[None, :], other=0)
         if Bp == 1:
             return acc + jnp.sum(xr[:, None] * w.astype(F32), axis=0)
@@ -135,12 +140,13 @@ def auto_row_blocks(K: int, N: int, block_rows: int, block_n: int, most: int = 4
 
 def threshold_matvec_part(x, w_t, threshold, *, residual=None, bias=None, block_rows=16,
                           block_n=512, row_blocks=None, max_row_blocks=4,
-                          threshold_index=0) -> LaunchPart:
+                          threshold_index=0, layer=None) -> LaunchPart:
     """:func:`threshold_matvec`'s kernel as a :class:`~.launch.LaunchPart`: outputs fp32
     partials ``[n_chunks, B, N]``, or ``[B, N]`` (residual, bias and the product) with
     ``residual``."""
     B, K = x.shape
     N = w_t.shape[1]
+    table, t_stride = _threshold_table(threshold, threshold_index, layer)
     Bp = batch_pad(B)
     bk = block_rows if Bp == 1 else max(16, block_rows)
     if row_blocks is None:
@@ -150,8 +156,9 @@ def threshold_matvec_part(x, w_t, threshold, *, residual=None, bias=None, block_
     accumulate = residual is not None
     body = functools.partial(_threshold_body, B=B, Bp=Bp, K=K, N=N, bk=bk, bn=block_n,
                              kblocks=kblocks, accumulate=accumulate,
-                             has_bias=bias is not None, t_index=threshold_index)
-    args = [x, _threshold_table(threshold, threshold_index), w_t]
+                             has_bias=bias is not None, t_index=threshold_index,
+                             t_stride=t_stride)
+    args = [x, table, w_t] + ([] if layer is None else [_layer_arg(layer)])
     if accumulate:
         if block_n > N:
             raise ValueError(f"block_n={block_n} must not exceed N={N} with a residual")
@@ -165,55 +172,96 @@ def threshold_matvec_part(x, w_t, threshold, *, residual=None, bias=None, block_
                       name="threshold_matvec")
 
 
-def _threshold_table(threshold, index: int):
-    """The threshold as the kernel reads it: flat fp32, element `index` used. A table
-    (every layer's thresholds) passes whole, so that no slice of it is copied per launch."""
-    table = jnp.asarray(threshold, F32).reshape(-1)
+def _threshold_table(threshold, index: int, layer=None):
+    """(the threshold as the kernel reads it: flat fp32, element `index` used, or with
+    `layer` element ``layer * S + index`` of a table ``[L, S]``; S, or None without
+    `layer`). A table (every layer's thresholds) passes whole, so that no slice of it is
+    copied per launch."""
+    threshold = jnp.asarray(threshold, F32)
+    if layer is not None:
+        if threshold.ndim != 2 or not 0 <= index < threshold.shape[1]:
+            raise ValueError(f"with a layer the threshold must be a table [L, S] and "
+                             f"threshold_index below S, got {tuple(threshold.shape)} and "
+                             f"{index}")
+        return threshold.reshape(-1), threshold.shape[1]
+    table = threshold.reshape(-1)
     if not 0 <= index < table.shape[0]:
         raise ValueError(f"threshold_index={index} is outside a threshold of "
                          f"{table.shape[0]} values")
-    return table
+    return table, None
 
 
-def _check_inputs(x, w_ts, block_rows, block_n):
+def _threshold_value(threshold, index: int, layer=None):
+    """The threshold one call uses (the reference's)."""
+    table, stride = _threshold_table(threshold, index, layer)
+    if layer is None:
+        return table[index]
+    return table[jnp.asarray(layer, jnp.int32).reshape(()) * stride + index]
+
+
+def _layer_arg(layer):
+    """The layer index as the kernels read it: int32 ``[1]`` (it may be traced)."""
+    if jnp.size(layer) != 1:
+        raise ValueError(f"layer must be one index, got shape {jnp.shape(layer)}")
+    return jnp.asarray(layer, jnp.int32).reshape(1)
+
+
+def _layer_rows(w, layer, rows: int):
+    """Rows ``layer * rows ...`` of ``w`` (every layer's rows flattened), or ``w`` itself
+    without a layer: the matrix one layer reads."""
+    if layer is None:
+        return w
+    start = jnp.asarray(layer, jnp.int32).reshape(()) * rows
+    return lax.dynamic_slice_in_dim(w, start, rows, axis=0)
+
+
+def _check_inputs(x, w_ts, block_rows, block_n, layer=None):
     check_array("x", x, ndim=2, floating=True)
     for w_t in w_ts:
         check_array("w_t", w_t, ndim=2, floating=True)
-        if w_t.shape[0] != x.shape[1]:
-            raise ValueError(f"w_t has {w_t.shape[0]} rows, x {x.shape[1]} channels")
+        K = x.shape[1]
+        if layer is None and w_t.shape[0] != K:
+            raise ValueError(f"w_t has {w_t.shape[0]} rows, x {K} channels")
+        if layer is not None and (w_t.shape[0] % K or not w_t.shape[0]):
+            raise ValueError(f"with a layer w_t must hold every layer's rows [L * {K}, N], "
+                             f"got {w_t.shape[0]} rows")
     if not (is_pow2(block_rows) and is_pow2(block_n)):
         raise ValueError(f"block_rows={block_rows} and block_n={block_n} must be powers of 2")
 
 
 def threshold_matvec(x, w_t, threshold, *, residual=None, bias=None, block_rows=16,
                      block_n=512, row_blocks=None, max_row_blocks=4, num_warps=4,
-                     num_stages=2, threshold_index=0, impl=None):
+                     num_stages=2, threshold_index=0, layer=None, impl=None):
     """``(x masked to |x| > threshold) @ w_t`` (+ bias, + residual) as fp32 ``[B, N]``,
     reading only the rows of ``w_t [K, N]`` that some row of ``x [B, K]`` keeps.
 
     threshold: a scalar, or an array of which the flat element ``threshold_index`` is
-    used (a table of every layer's thresholds, read in place); residual: fp32 ``[B, N]``,
+    used (a table of every layer's thresholds, read in place); layer: with stacked
+    weights, ``w_t`` holds every layer's rows ``[L * K, N]`` and this layer's are read in
+    place (an int32 scalar, may be traced); the threshold is then element
+    ``[layer, threshold_index]`` of a table ``[L, S]``; residual: fp32 ``[B, N]``,
     updated in place when the caller donates it (the chunks add into it atomically, so the
     low bits of the fp32 sums vary between runs). block_rows (a power of two) rows per
     block, row_blocks blocks per program (None: `auto_row_blocks` up to max_row_blocks),
     block_n (a power of two) columns per program; num_stages: Triton's software pipelining
     depth of the loop over the blocks (from 5 blocks on).
     """
-    _check_inputs(x, [w_t], block_rows, block_n)
+    _check_inputs(x, [w_t], block_rows, block_n, layer)
     if residual is not None and (residual.shape != (x.shape[0], w_t.shape[1])
                                  or residual.dtype != F32):
         raise ValueError(f"residual must be fp32 {(x.shape[0], w_t.shape[1])}, got "
                          f"{residual.dtype} {tuple(residual.shape)}")
     impl = resolve_impl(impl)
     if impl == "reference":
-        return threshold_matvec_reference(x, w_t, _threshold_table(
-            threshold, threshold_index)[threshold_index], residual=residual, bias=bias)
+        return threshold_matvec_reference(
+            x, _layer_rows(w_t, layer, x.shape[1]),
+            _threshold_value(threshold, threshold_index, layer), residual=residual, bias=bias)
     block_n = min(block_n, 1 << (w_t.shape[1].bit_length() - 1)) if residual is not None \
         else block_n
     part = threshold_matvec_part(x, w_t, threshold, residual=residual, bias=bias,
                                  block_rows=block_rows, block_n=block_n,
                                  row_blocks=row_blocks, max_row_blocks=max_row_blocks,
-                                 threshold_index=threshold_index)
+                                 threshold_index=threshold_index, layer=layer)
     (out,), = launch([part], num_warps=num_warps, num_stages=num_stages,
                      interpret=impl == "interpret")
     if residual is not None:
@@ -224,18 +272,21 @@ def threshold_matvec(x, w_t, threshold, *, residual=None, bias=None, block_rows=
 
 def threshold_matvecs(x, w_ts, threshold, *, block_rows=16, block_n=512, row_blocks=None,
                       max_row_blocks=4, num_warps=4, num_stages=2, threshold_index=0,
-                      impl=None) -> list:
+                      layer=None, impl=None) -> list:
     """:func:`threshold_matvec` of one masked ``x`` by several matrices (a gated MLP's gate
-    and up projections) in one launch: fp32 ``[B, N_i]`` per ``w_ts[i] [K, N_i]``."""
-    _check_inputs(x, w_ts, block_rows, block_n)
+    and up projections) in one launch: fp32 ``[B, N_i]`` per ``w_ts[i] [K, N_i]`` (with
+    ``layer``, every layer's rows ``[L * K, N_i]``, as in :func:`threshold_matvec`)."""
+    _check_inputs(x, w_ts, block_rows, block_n, layer)
     impl = resolve_impl(impl)
     if impl == "reference":
-        t = _threshold_table(threshold, threshold_index)[threshold_index]
-        return [threshold_matvec_reference(x, w_t, t) for w_t in w_ts]
+        t = _threshold_value(threshold, threshold_index, layer)
+        return [threshold_matvec_reference(x, _layer_rows(w_t, layer, x.shape[1]), t)
+                for w_t in w_ts]
     parts = [threshold_matvec_part(x, w_t, threshold, block_rows=block_rows,
                                    block_n=block_n, row_blocks=row_blocks,
                                    max_row_blocks=max_row_blocks,
-                                   threshold_index=threshold_index) for w_t in w_ts]
+                                   threshold_index=threshold_index, layer=layer)
+             for w_t in w_ts]
     outs = launch(parts, num_warps=num_warps, num_stages=num_stages,
                   interpret=impl == "interpret")
     return [jnp.sum(out, axis=0) for (out,) in outs]
@@ -247,7 +298,13 @@ def row_masked_matvec_reference(x, w, keep):
     return jnp.where(keep, out, 0.0)
 
 
-def _row_masked_body(pids, x_ref, keep_ref, w_ref, o_ref, *, B, Bp, F, d, bk, bd, chunks):
+def _row_masked_body(pids, x_ref, keep_ref, w_ref, *rest, B, Bp, F, d, bk, bd, chunks,
+                     stacked):
+    if stacked:  # this layer's rows start at layer * F
+        layer_ref, o_ref = rest
+        row0 = layer_ref[0] * F
+    else:
+        (o_ref,), row0 = rest, 0
     i, j = pids
     r = i * bk + jnp.arange(bk, dtype=jnp.int32)
     valid = r < F
@@ -266,7 +323,7 @@ def _row_masked_body(pids, x_ref, keep_ref, w_ref, o_ref, *, B, Bp, F, d, bk, bd
     def chunk(c, acc):
         cols = (j * chunks + c) * bd + jnp.arange(bd, dtype=jnp.int32)
         cm = cols < d
-        w = plgpu.load(w_ref.at[r[:, None], cols[None, :]],
+        w = plgpu.load(w_ref.at[(row0 + r)[:, None], cols[None, :]],
                        mask=rows[:, None] & cm[None, :], other=0)
         if Bp == 1:
             xv = plgpu.load(x_ref.at[0, cols], mask=cm, other=0).astype(F32)
@@ -284,31 +341,37 @@ def _row_masked_body(pids, x_ref, keep_ref, w_ref, o_ref, *, B, Bp, F, d, bk, bd
 
 
 def row_masked_matvec(x, w, keep, *, block_rows=16, block_d=512, d_chunks=1, num_warps=4,
-                      impl=None):
+                      layer=None, impl=None):
     """``x @ w[i]`` for the rows ``i`` of ``w [F, d]`` with ``keep`` set, 0 for the others:
     fp32 ``[B, F]`` for ``x [B, d]``. keep: bool ``[F]``, or ``[B, F]`` (each batch row its
-    own rows; a row is read when any keeps it). Rows not kept are never fetched.
+    own rows; a row is read when any keeps it). Rows not kept are never fetched. layer:
+    with stacked weights, ``w`` holds every layer's rows ``[L * F, d]`` (F from ``keep``)
+    and this layer's are read in place (an int32 scalar, may be traced).
     """
     check_array("x", x, ndim=2, floating=True)
     check_array("w", w, ndim=2, floating=True)
     B, d = x.shape
-    F = w.shape[0]
+    F = w.shape[0] if layer is None else keep.shape[-1]
     if w.shape[1] != d:
         raise ValueError(f"w has width {w.shape[1]}, x {d}")
+    if layer is not None and (w.shape[0] % F or not w.shape[0]):
+        raise ValueError(f"with a layer w must hold every layer's rows [L * {F}, {d}], got "
+                         f"{w.shape[0]} rows")
     if tuple(keep.shape) not in ((F,), (1, F), (B, F)):
         raise ValueError(f"keep must be [{F}] or [{B}, {F}], got {tuple(keep.shape)}")
     keep2 = keep.reshape(1, F) if keep.ndim == 1 else keep
     impl = resolve_impl(impl)
     if impl == "reference":
-        return row_masked_matvec_reference(x, w, keep2)
+        return row_masked_matvec_reference(x, _layer_rows(w, layer, F), keep2)
     if not (is_pow2(block_rows) and is_pow2(block_d)):
         raise ValueError(f"block_rows={block_rows} and block_d={block_d} must be powers of 2")
     Bp = batch_pad(B)
     bk = block_rows if Bp == 1 else max(16, block_rows)
     nds = cdiv(d, block_d * d_chunks)
     body = functools.partial(_row_masked_body, B=B, Bp=Bp, F=F, d=d, bk=bk, bd=block_d,
-                             chunks=d_chunks)
-    part = LaunchPart(body, (cdiv(F, bk), nds), (x, keep2.astype(jnp.int32), w),
+                             chunks=d_chunks, stacked=layer is not None)
+    args = (x, keep2.astype(jnp.int32), w) + (() if layer is None else (_layer_arg(layer),))
+    part = LaunchPart(body, (cdiv(F, bk), nds), args,
                       (jax.ShapeDtypeStruct((nds, B, F), F32),), name="row_masked_matvec")
     (out,), = launch([part], num_warps=num_warps, interpret=impl == "interpret")
     return jnp.where(keep2, jnp.sum(out, axis=0), 0.0)

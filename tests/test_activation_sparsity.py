@@ -474,10 +474,11 @@ def test_threshold_kernels_take_each_projections_block_settings(monkeypatch, unr
         steps.append(_decode_rows(config, p, scfg, thresholds, ids, (2,))[0])
     assert_finite_close(steps[1], steps[0], atol=2e-5 * np.abs(steps[0]).max())
     d, F = config.hidden, config.ffn
-    expected = {(d, (config.n_heads + 2 * config.n_kv_heads) * config.head_dim):
-                {(16, 512, 1, 4, 4, 2)}, (config.n_heads * config.head_dim, d):
+    rows = 1 if unrolled else config.n_layers   # stacked: every layer's rows, read in place
+    expected = {(rows * d, (config.n_heads + 2 * config.n_kv_heads) * config.head_dim):
+                {(16, 512, 1, 4, 4, 2)}, (rows * config.n_heads * config.head_dim, d):
                 {(16, 64, None, 4, 2, 2)}, 2: {(32, 64, None, 4, 4, 2)},
-                (F, d): {(16, 512, 8, 8, 4, 3)}}
+                (rows * F, d): {(16, 512, 8, 8, 4, 3)}}
     got = {}
     for shape, *settings in seen:
         got.setdefault(shape, set()).add(tuple(settings))

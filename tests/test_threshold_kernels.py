@@ -114,6 +114,67 @@ def test_a_threshold_table_is_read_at_its_index(rng, impl):
                          threshold_index=15, impl=impl)
 
 
+@pytest.mark.parametrize("impl", ["interpret", "reference"])
+@pytest.mark.parametrize("B", [1, 3])
+def test_stacked_weights_are_read_at_the_traced_layer(rng, impl, B):
+    """With `layer`, every layer's rows [L * K, N] pass whole and the kernels read one
+    layer's (the index traced under jit, as in a scan over layers) with that layer's row of
+    the threshold table: each call equals numpy on that layer's matrix; a NaN in every
+    other layer's rows changes nothing, so only this layer's rows are fetched."""
+    import jax
+    L, K, N, F = 3, 100, 90, 70
+    x = rng.standard_normal((B, K)).astype(np.float32)
+    ws = rng.standard_normal((L, K, N)).astype(np.float32)
+    ups = rng.standard_normal((L, K, 40)).astype(np.float32)
+    rows = rng.standard_normal((L, F, K)).astype(np.float32)
+    keep = rng.random(F) < 0.5
+    table = rng.uniform(0.3, 1.2, (L, 4)).astype(np.float32)
+    res = rng.standard_normal((B, N)).astype(np.float32)
+
+    @jax.jit
+    def calls(layer, ws, ups, rows):
+        one = threshold_matvec(jnp.asarray(x), ws.reshape(L * K, N), jnp.asarray(table),
+                               threshold_index=2, layer=layer, residual=jnp.asarray(res),
+                               block_rows=16, block_n=64, row_blocks=8, impl=impl)
+        both = threshold_matvecs(jnp.asarray(x), [ws.reshape(L * K, N), ups.reshape(L * K, 40)],
+                                 jnp.asarray(table), threshold_index=1, layer=layer,
+                                 block_rows=16, block_n=64, impl=impl)
+        masked = row_masked_matvec(jnp.asarray(x), rows.reshape(L * F, K), jnp.asarray(keep),
+                                   layer=layer, block_d=64, impl=impl)
+        return one, both, masked
+
+    for layer in range(L):
+        poison = np.arange(L) != layer
+        nan_ws, nan_ups, nan_rows = (np.where(poison[:, None, None], np.nan, w)
+                                     for w in (ws, ups, rows))
+        for args in ((ws, ups, rows), (nan_ws, nan_ups, nan_rows)):
+            if impl == "reference" and args[0] is nan_ws:
+                continue   # the reference slices the layer: no claim about what it reads
+            one, (gate, up), masked = calls(jnp.int32(layer), *map(jnp.asarray, args))
+            assert_finite_close(np.asarray(one), _numpy_threshold(x, ws[layer], table[layer, 2],
+                                                                  res), rtol=1e-5, atol=1e-4)
+            assert_finite_close(np.asarray(gate), _numpy_threshold(x, ws[layer], table[layer, 1]),
+                                rtol=1e-5, atol=1e-4)
+            assert_finite_close(np.asarray(up), _numpy_threshold(x, ups[layer], table[layer, 1]),
+                                rtol=1e-5, atol=1e-4)
+            expected = np.where(keep, x.astype(np.float64) @ rows[layer].T.astype(np.float64), 0)
+            assert_finite_close(np.asarray(masked), expected, rtol=1e-5, atol=1e-4)
+
+
+def test_stacked_weights_refuse_bad_shapes():
+    """A layer needs a [L, S] table and rows a whole number of layers."""
+    x, w = jnp.zeros((1, 8)), jnp.zeros((24, 4))
+    with pytest.raises(ValueError, match=r"table \[L, S\]"):
+        threshold_matvec(x, w, jnp.float32(0.1), layer=1, impl="interpret")
+    with pytest.raises(ValueError, match="every layer's rows"):
+        threshold_matvec(x, jnp.zeros((20, 4)), jnp.ones((3, 4)), layer=1, impl="interpret")
+    with pytest.raises(ValueError, match="one index"):
+        threshold_matvec(x, w, jnp.ones((3, 4)), layer=jnp.zeros(2, jnp.int32),
+                         impl="interpret")
+    with pytest.raises(ValueError, match="every layer's rows"):
+        row_masked_matvec(x, jnp.zeros((10, 8)), jnp.zeros(4, bool), layer=0, impl="interpret")
+
+
 def test_small_matrices_take_fewer_blocks_per_program():
     """Four blocks a program where that leaves two programs per multiprocessor (132 on the
     H200 and off the GPU), fewer for an attention projection of a small model."""

@@ -284,32 +284,49 @@ def test_threshold_kernels_lower(B):
            jnp.zeros((F,), bool))
 
 
-@pytest.mark.parametrize("up_rows", [False, True])
-def test_threshold_decode_step_lowers(up_rows):
+@pytest.mark.parametrize("up_rows,unrolled", [(False, True), (True, True), (False, False),
+                                              (True, False)])
+def test_threshold_decode_step_lowers(up_rows, unrolled):
     """The threshold decode step of a gated model on input-major weights: with TEAL's
     sites the gate and up projections share one launch, under the gate site the up
     projection reads neuron rows; q/k/v, the out-projection and the down projection one
-    input-sparse launch each, in every layer."""
+    input-sparse launch each, in every layer. Over stacked weights (one `lax.scan` turn
+    per layer on this host) each launch takes every layer's rows whole and the layer
+    index, and no weight matrix is sliced."""
     from dejavu_jax.params import input_major, unstack_layers
     config = dj.preset("llama-tiny")
-    params = unstack_layers(input_major(dj.init_params(config, jax.random.key(0), BF16),
-                                        up_rows=up_rows))
+    params = input_major(dj.init_params(config, jax.random.key(0), BF16), up_rows=up_rows)
+    if unrolled:
+        params = unstack_layers(params)
     sites = ("qkv", "o", "gate_up", "down") + (("gate",) if up_rows else ())
     scfg = sparse.threshold_config(config, sites, impl="pallas")
     eng = sparse.sparse_engine(config, scfg, sparse.no_selector)
     thresholds = jnp.full((config.n_layers, 5), 0.1, F32)
-    state = jax.eval_shape(lambda: eng.init_state(1, 32, BF16, per_layer=True))
+    state = jax.eval_shape(lambda: eng.init_state(1, 32, BF16, per_layer=unrolled))
     text = lowers(eng.step, (params, thresholds), state, jnp.zeros((1,), jnp.int32))
     launches = triton_launch_sites(text)
-    L = config.n_layers
+    L, d, F = config.n_layers, config.hidden, config.ffn
     # every input-sparse launch reads the whole threshold table, never a slice of it
     calls = [line for line in text.splitlines()
-             if "@__gpu$xla.gpu.triton" in line and 'name = "threshold_matvec' in line]
+             if "@__gpu$xla.gpu.triton" in line and ('name = "threshold_matvec' in line
+                                                     or 'name = "row_masked' in line)]
     assert calls and all(f"tensor<{L * 5}xf32>" in line and "tensor<1xf32>" not in line
-                         for line in calls)
+                         for line in calls if 'name = "threshold_matvec' in line)
+    per_call = 1 if unrolled else L   # stacked: every layer's rows, the layer as int32 [1]
+    for line in calls:
+        weights = re.findall(r"tensor<(\d+)x(\d+)xbf16>", line.split(" : (")[-1])
+        assert weights and all(int(rows) in (per_call * d, per_call * F,
+                                             per_call * config.n_heads * config.head_dim)
+                               for rows, _ in weights), line
+        assert ("tensor<1xi32>" in line) != unrolled
+    slices = re.findall(r"stablehlo.dynamic_slice[^\n]*-> tensor<(?:1x)?(\d+x\d+)xbf16>", text)
+    q_dim, kv_n = config.n_heads * config.head_dim, (config.n_heads + 2 * config.n_kv_heads)
+    matrices = {f"{d}x{kv_n * config.head_dim}", f"{q_dim}x{d}", f"{d}x{F}", f"{F}x{d}"}
+    assert not matrices & set(slices), slices
+    n = L if unrolled else 1
     if up_rows:
-        assert launches.get("threshold_matvec") == 4 * L
-        assert launches.get("row_masked_matvec") == L
+        assert launches.get("threshold_matvec") == 4 * n
+        assert launches.get("row_masked_matvec") == n
     else:
-        assert launches.get("threshold_matvec") == 3 * L
-        assert launches.get("threshold_matvec_threshold_matvec") == L
+        assert launches.get("threshold_matvec") == 3 * n
+        assert launches.get("threshold_matvec_threshold_matvec") == n
