@@ -977,18 +977,25 @@ def run_hf(python: str, models, contexts, batches, modes, warmup: int, steps: in
 def main(argv=None) -> int:
     """Run the benchmark; writes JSON and markdown into --out."""
     p = cli.ArgumentParser(prog="python -m dejavu_jax.eval.bench_decode")
-    p.add_argument("--models", type=cli.presets, default="opt-6.7b,opt-13b,opt-30b")
-    p.add_argument("--contexts", default="128,1024")
+    p.add_argument("--models", type=cli.presets, default="opt-6.7b,opt-13b,opt-30b",
+                   help="comma list of presets, timed with random bf16 weights of their shapes")
+    p.add_argument("--contexts", default="128,1024",
+                   help="comma list of context lengths (tokens in the cache at the step)")
     p.add_argument("--modes", default="dense,sparse,fixed",
                    help=f"comma-separated, of: {', '.join(MODES)}")
-    p.add_argument("--mlp", default="0.05,0.1,0.15")
-    p.add_argument("--heads", default="0.25,0.5,1.0")
+    p.add_argument("--mlp", default="0.05,0.1,0.15",
+                   help="comma list of MLP densities (fractions of neurons read)")
+    p.add_argument("--heads", default="0.25,0.5,1.0",
+                   help="comma list of attention head densities (fractions of query heads)")
     p.add_argument("--batch", default="1", help="comma-separated batch sizes, e.g. 1,4,16")
     p.add_argument("--rank", type=cli.positive_int, default=256, help="predictor hidden width r")
-    p.add_argument("--dense-layers", type=cli.non_negative_int, default=2)
-    p.add_argument("--warmup", type=cli.non_negative_int, default=3)
-    p.add_argument("--steps", type=cli.positive_int, default=20)
-    p.add_argument("--prefill-reps", type=cli.positive_int, default=3)
+    p.add_argument("--dense-layers", type=cli.non_negative_int, default=2,
+                   help="leading layers kept dense in the sparse rows")
+    p.add_argument("--warmup", type=cli.non_negative_int, default=3,
+                   help="untimed steps before each timing")
+    p.add_argument("--steps", type=cli.positive_int, default=20, help="timed steps per row")
+    p.add_argument("--prefill-reps", type=cli.positive_int, default=3,
+                   help="prefills timed per row (the median is reported)")
     p.add_argument("--host-choice", action="store_true",
                    help="also ms_host: the device loop with every token chosen on the host "
                         "by a callback")
@@ -1033,13 +1040,15 @@ def main(argv=None) -> int:
                    help="add a fixed-index row without missing-KV recomputation (inexact)")
     p.add_argument("--hf-python", default=sys.executable,
                    help="interpreter with torch + transformers for the HF modes")
-    p.add_argument("--hf-device", default="cuda")
-    p.add_argument("--hf-compile-mode", default="reduce-overhead")
-    p.add_argument("--hf-attn", default="sdpa")
+    p.add_argument("--hf-device", default="cuda", help="torch device of the HF modes")
+    p.add_argument("--hf-compile-mode", default="reduce-overhead",
+                   help="torch.compile mode of hf-compiled")
+    p.add_argument("--hf-attn", default="sdpa", help="HF attention implementation")
     p.add_argument("--merge", help="comma-separated --out directories of earlier runs: one "
                    "table of all their rows (speedups across runs), written to --out; "
                    "runs nothing")
-    p.add_argument("--out", type=cli.output_dir, default="eval/results")
+    p.add_argument("--out", type=cli.output_dir, default="eval/results",
+                   help="folder for bench_decode.json, .md and .log (default eval/results)")
     add_parity_argument(p)
     p.add_argument("--generate-tokens", type=cli.non_negative_int, default=0, metavar="N",
                    help="also time generation.generate_tokens end to end making N tokens, "

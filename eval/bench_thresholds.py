@@ -369,13 +369,17 @@ def main(argv: list[str] | None = None) -> int:
     from dejavu_jax.eval.provenance import run_meta
     p = cli.ArgumentParser(prog="python -m dejavu_jax.eval.bench_thresholds",
                            description=__doc__.split("\n")[0])
-    p.add_argument("--models", type=cli.presets, default="qwen2.5-1.5b,qwen2.5-7b,llama3-8b")
-    p.add_argument("--levels", default="uniform:0.25,uniform:0.4,uniform:0.5")
-    p.add_argument("--contexts", default="128")
-    p.add_argument("--warmup", type=cli.non_negative_int, default=3)
-    p.add_argument("--steps", type=cli.positive_int, default=20)
+    p.add_argument("--models", type=cli.presets, default="qwen2.5-1.5b,qwen2.5-7b,llama3-8b",
+                   help="comma list of presets, timed with random bf16 weights of their shapes")
+    p.add_argument("--levels", default="uniform:0.25,uniform:0.4,uniform:0.5",
+                   help="comma list of level specs: uniform:S[:METHOD] or a profile file")
+    p.add_argument("--contexts", default="128", help="comma list of context lengths")
+    p.add_argument("--warmup", type=cli.non_negative_int, default=3,
+                   help="untimed steps before each timing")
+    p.add_argument("--steps", type=cli.positive_int, default=20, help="timed steps per row")
     p.add_argument("--hf", default="", help="HF modes to time too: hf-eager,hf-compiled")
-    p.add_argument("--hf-python", default=sys.executable)
+    p.add_argument("--hf-python", default=sys.executable,
+                   help="interpreter with torch + transformers for the HF modes")
     p.add_argument("--kernels", type=cli.choice_list(KERNEL_GROUPS), default=(),
                    help=f"also time the kernels alone: a comma list of {', '.join(KERNEL_GROUPS)}")
     p.add_argument("--no-models", action="store_true", help="the kernels only")
@@ -386,7 +390,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--layouts", type=cli.choice_list(LAYOUTS), default=("unrolled",),
                    help="the threshold rows' weight layouts, a comma list of unrolled "
                         "(per-layer buffers) and stacked (lax.scan over stacked weights)")
-    p.add_argument("--out", type=cli.output_dir, required=True)
+    p.add_argument("--out", type=cli.output_dir, required=True,
+                   help="folder for bench_thresholds.json and .log")
     add_parity_argument(p)
     args = p.parse_args(argv)
     models = args.models

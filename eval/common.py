@@ -53,7 +53,7 @@ def add_model_args(p: argparse.ArgumentParser, mode: bool = True) -> None:
                         "(default 1: every scored token is decoded sparsely)")
     p.add_argument("--batch-tokens", type=cli.positive_int, default=4096,
                    help="tokens per forward call (batch rows x length)")
-    p.add_argument("--no-progress", action="store_true")
+    p.add_argument("--no-progress", action="store_true", help="no progress bars")
 
 
 def check_model_args(args, modes: set[str] | None = None) -> None:

@@ -171,7 +171,8 @@ def build_parser() -> argparse.ArgumentParser:
     p = cli.ArgumentParser(prog="python -m dejavu_jax.eval.frontier",
                            description=__doc__.split("\n")[0])
     p.add_argument("--model", type=cli.model_source, help="default: smollm2-135m")
-    p.add_argument("--out", type=cli.output_dir, required=True)
+    p.add_argument("--out", type=cli.output_dir, required=True,
+                   help="folder for the frontier's JSON, table and profiles")
     p.add_argument("--methods", help="threshold methods, comma-separated: "
                    f"{', '.join(METHODS)} (default: all the model runs)")
     p.add_argument("--skips", type=cli.fractions, default=list(DEFAULT_SKIPS),
@@ -182,12 +183,15 @@ def build_parser() -> argparse.ArgumentParser:
                    help="test tokens per text (default 16384)")
     p.add_argument("--python-tokens", type=cli.positive_int,
                    help="test tokens of the Python text (default: --tokens)")
-    p.add_argument("--window", type=cli.positive_int, default=1024)
+    p.add_argument("--window", type=cli.positive_int, default=1024,
+                   help="tokens per perplexity window (default 1024)")
     p.add_argument("--python", action="store_true",
                    help="also the standard library's test files, and its calibration "
                         "files in the calibration text (coder models)")
-    p.add_argument("--calibration-tokens", type=cli.positive_int, default=2048)
-    p.add_argument("--search-tokens", type=cli.positive_int, default=4096)
+    p.add_argument("--calibration-tokens", type=cli.positive_int, default=2048,
+                   help="tokens whose activations set the thresholds (default 2048)")
+    p.add_argument("--search-tokens", type=cli.positive_int, default=4096,
+                   help="tokens scored while a profile's levels are searched (default 4096)")
     p.add_argument("--rounds", type=cli.positive_int, default=2,
                    help="calibration and search rounds of each profile (train.profile's)")
     p.add_argument("--no-sweep", action="store_true",
@@ -201,8 +205,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--predictors", type=cli.existing_dir, help="trained predictor rows")
     p.add_argument("--profile", type=cli.existing_path, action="append", default=[],
                    help="also score this profile file (repeatable)")
-    p.add_argument("--batch-tokens", type=cli.positive_int, default=4096)
-    p.add_argument("--rows", type=cli.positive_int, default=4)
+    p.add_argument("--batch-tokens", type=cli.positive_int, default=4096,
+                   help="tokens per forward pass of the scoring (memory; default 4096)")
+    p.add_argument("--rows", type=cli.positive_int, default=4,
+                   help="calibration and search windows per forward pass (memory; default 4)")
     return p
 
 

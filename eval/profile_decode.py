@@ -286,20 +286,29 @@ def main(argv=None) -> int:
                         "(METHOD: exact or local, or a benchmark variant of "
                         "dejavu_jax.sparse_variants: threshold, radix, chunked, packed; "
                         "local-apart: local, its launches not riding in the MLP's)")
-    p.add_argument("--layout", default="unrolled", choices=("unrolled", "stacked"))
-    p.add_argument("--context", type=cli.positive_int, default=128)
-    p.add_argument("--batch", type=cli.positive_int, default=1)
+    p.add_argument("--layout", default="unrolled", choices=("unrolled", "stacked"),
+                   help="weights as per-layer buffers or stacked under lax.scan")
+    p.add_argument("--context", type=cli.positive_int, default=128,
+                   help="tokens in the cache at the traced steps")
+    p.add_argument("--batch", type=cli.positive_int, default=1, help="rows decoded together")
     p.add_argument("--batch-policy", default="union", choices=sparse.BATCH_POLICIES,
                    help="the sparse modes' SparseConfig.batch_policy at batch > 1")
-    p.add_argument("--mlp", type=cli.fraction, default=0.1)
-    p.add_argument("--heads", type=cli.fraction, default=0.5)
-    p.add_argument("--dense-layers", type=cli.non_negative_int, default=2)
-    p.add_argument("--rank", type=cli.positive_int, default=256)
-    p.add_argument("--steps", type=cli.positive_int, default=20)
-    p.add_argument("--trace-steps", type=cli.positive_int, default=3)
+    p.add_argument("--mlp", type=cli.fraction, default=0.1,
+                   help="MLP density of the sparse modes (fraction of neurons read)")
+    p.add_argument("--heads", type=cli.fraction, default=0.5,
+                   help="query-head density of the sparse modes")
+    p.add_argument("--dense-layers", type=cli.non_negative_int, default=2,
+                   help="leading layers kept dense in the sparse modes")
+    p.add_argument("--rank", type=cli.positive_int, default=256,
+                   help="predictor hidden width r")
+    p.add_argument("--steps", type=cli.positive_int, default=20,
+                   help="steps timed before the trace")
+    p.add_argument("--trace-steps", type=cli.positive_int, default=3,
+                   help="steps traced per mode (device time per kernel summed over them)")
     p.add_argument("--hlo", action="store_true",
                    help="also write each mode's optimised HLO (hlo_MODE.txt.gz)")
-    p.add_argument("--out", type=cli.output_dir, default="eval/results/profile")
+    p.add_argument("--out", type=cli.output_dir, default="eval/results/profile",
+                   help="folder for profile.json and the traces (default eval/results/profile)")
     from dejavu_jax.eval.parity_gate import add_parity_argument, require_parity
     add_parity_argument(p)
     args = p.parse_args(argv)

@@ -181,7 +181,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--mlp", type=cli.fractions, default=[1.0, 0.9, 0.8, 0.7, 0.6, 0.5],
                    help="MLP densities, a comma list (default 1.0,0.9,0.8,0.7,0.6,0.5)")
     p.add_argument("--heads", type=cli.fractions, default=[1.0],
-                   help="head (KV group) densities (default 1.0)")
+                   help="query-head densities, a comma list (default 1.0)")
     p.add_argument("--modes", type=modes_list, default=["sparse", "oracle"],
                    help="sparse (predictors), oracle (default both)")
     p.add_argument("--points", type=points_list, default=[],
