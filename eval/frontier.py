@@ -247,7 +247,7 @@ def main(argv: list[str] | None = None) -> int:
     from dejavu_jax.fetch_model import resolve_model
     from dejavu_jax.loading import load_pretrained, read_config
     from dejavu_jax.params import with_gate_weights
-    from dejavu_jax.sparsity_profile import load_profile, method_sites
+    from dejavu_jax.sparsity_profile import ProfileError, load_profile, method_sites
     from dejavu_jax.tokenizer import leading_special_ids
     from dejavu_jax.train import profile as profile_mod
     from dejavu_jax.train.corpus import default_corpus, resolve_files
@@ -261,6 +261,12 @@ def main(argv: list[str] | None = None) -> int:
     if args.window > known.max_positions:
         cli.fail(f"--window {args.window}: the model has {known.max_positions} positions")
     config, params = load_pretrained(source, dtype=jnp.float32)
+    try:  # another model's profiles or predictors: refused before any scoring
+        given_profiles = [(f, load_profile(f, config)) for f in args.profile]
+    except ProfileError as e:
+        cli.fail(f"--profile: {cli.first_line(e)}")
+    predictors = (common.load_predictor_params(args.predictors, config) if args.predictors
+                  else None)
     args.tokenizer = None
     tok = common.load_tokenizer_for(args, config, Path(source))
     texts = test_texts(tok, args)
@@ -355,14 +361,13 @@ def main(argv: list[str] | None = None) -> int:
             th = jnp.asarray(thresholds_at(stats["quantiles"], lv))
             run("path", method, percent_label(target), mode, th, {"predicted_skip": predicted},
                 model_params=weighted)
-    for profile_file in args.profile:
-        prof = load_profile(profile_file, config)
+    for profile_file, prof in given_profiles:
         mode = make_mode(config, "threshold", sites=prof.sites)
         run("profile", prof.method, Path(profile_file).stem, mode,
             jnp.asarray(prof.threshold_array()), profile_path=Path(profile_file),
             model_params=prof.weighted_params(params))
-    if args.predictors:
-        pred = common.load_predictor_params(args.predictors, config)
+    if predictors is not None:
+        pred = predictors
         for target in args.skips:
             density = oracle_density(config, target)
             run("predictors", "dejavu-predictors", percent_label(target),

@@ -155,3 +155,19 @@ def test_sweep_stride_defaults_to_the_window(tmp_path, capsys, monkeypatch):
         sweep.main(["--preset", "opt-tiny", "--out", str(tmp_path / "out"), "--modes",
                     "oracle", "--text", str(text), "--window", "16"])
     assert exit_.value.code == 0, capsys.readouterr().err
+
+
+def test_frontier_refuses_another_models_profile_before_scoring(tmp_path, capsys,
+                                                                  monkeypatch):
+    """A --profile made for another model was found only after the dense rows and the
+    calibration had run (minutes of scoring), then failed."""
+    def forbidden(*args, **kwargs):
+        pytest.fail("scoring started before the profile was checked")
+
+    monkeypatch.setattr(frontier, "score_row", forbidden)
+    shipped = Path(frontier.__file__).resolve().parents[1] / "dejavu_jax" / "shipped_profiles"
+    other = shipped / "qwen2.5-0.5b.json"
+    assert other.is_file()
+    last = _error_line(frontier.main, ["--model", str(FIXTURE), "--out", str(tmp_path / "o"),
+                                       "--window", "64", "--profile", str(other)], capsys)
+    assert "--profile" in last and "does not fit" in last, last
