@@ -1106,6 +1106,13 @@ def main(argv=None) -> int:
                                               args.compile_options)
     except ValueError as e:
         p.error(str(e))
+    from dejavu_jax.eval.common import device_memory_bytes, models_too_large
+    shards = 1 if mesh_sizes is None else mesh_sizes.get("tp", 1)
+    too_large = [] if args.merge else models_too_large(models, shards=shards)
+    if too_large:
+        p.error(f"--models: the weights of {', '.join(too_large)} alone exceed this "
+                f"{jax.default_backend()} device's {device_memory_bytes() / 1e9:.1f} GB; "
+                f"choose smaller presets")
     hf_modes = [m for m in modes if m in bench_hf.HF_MODES]
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)

@@ -404,6 +404,12 @@ def main(argv: list[str] | None = None) -> int:
         variants = block_variants(args.block_variants)
     except ValueError as e:
         p.error(f"--block-variants: {e}")
+    from dejavu_jax.eval.common import device_memory_bytes, models_too_large
+    too_large = [] if args.no_models else models_too_large(models)
+    if too_large:
+        p.error(f"--models: the weights of {', '.join(too_large)} alone exceed this "
+                f"{jax.default_backend()} device's {device_memory_bytes() / 1e9:.1f} GB; "
+                f"choose smaller presets")
     if args.no_models and not args.kernels:
         p.error("--no-models leaves nothing to time without --kernels")
     if args.kernels and jax.default_backend() != "gpu":

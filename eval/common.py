@@ -371,3 +371,37 @@ def progress(iterable, total: int, desc: str, disable: bool):
         return iterable
     from tqdm import tqdm
     return tqdm(iterable, total=total, desc=desc, file=sys.stderr, dynamic_ncols=True)
+
+
+def device_memory_bytes() -> int | None:
+    """Memory one device offers: the accelerator's limit, or the host's available memory
+    on the CPU backend; None where unknown."""
+    device = jax.devices()[0]
+    if device.platform != "cpu":
+        stats = device.memory_stats() or {}
+        return stats.get("bytes_limit")
+    try:
+        with open("/proc/meminfo") as f:
+            fields = dict(line.split(":", 1) for line in f)
+        return int(fields["MemAvailable"].split()[0]) * 1024
+    except (OSError, KeyError, ValueError):
+        return None
+
+
+def models_too_large(names, dtype=jnp.bfloat16, shards: int = 1) -> list[str]:
+    """The presets among `names` whose weights alone (random, `dtype`, split over `shards`
+    devices) exceed one device's memory, each as 'NAME (X GB)': a benchmark refuses them
+    up front instead of running out of memory part-way."""
+    from dejavu_jax import config as config_lib
+    from dejavu_jax.params import init_params, param_bytes
+    limit = device_memory_bytes()
+    if limit is None:
+        return []
+    too_large = []
+    for name in names:
+        config = config_lib.preset(name)
+        shapes = jax.eval_shape(lambda c=config: init_params(c, jax.random.key(0), dtype))
+        need = param_bytes(shapes) / shards
+        if need > limit:
+            too_large.append(f"{name} ({need / 1e9:.1f} GB)")
+    return too_large

@@ -322,6 +322,12 @@ CASES = [
                                                         "--tol=-1"], ["--tol", "-1"]),
     ("kernel-parity-tol-nan", kernel_parity.main, ["--out", "OUT", "--impl", "interpret",
                                                    "--tol", "nan"], ["--tol", "nan"]),
+    # ran out of host memory part-way through making the weights: a traceback
+    ("bench-model-too-large", bench_decode.main, ["--out", "OUT", "--models",
+                                                  "opt-tiny,opt-175b"],
+     ["--models", "opt-175b (", "GB)", "exceed"]),
+    ("bench-thresholds-model-too-large", bench_thresholds.main,
+     ["--out", "OUT", "--models", "opt-175b"], ["--models", "opt-175b (", "exceed"]),
     # an empty item was dropped, a repeated model timed twice (and compared with itself)
     ("bench-models-empty-item", bench_decode.main, ["--out", "OUT", "--models",
                                                     "opt-tiny,,llama-tiny"], ["empty item"]),
