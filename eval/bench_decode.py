@@ -54,7 +54,7 @@ from dejavu_jax import cli
 from dejavu_jax import config as config_lib
 from dejavu_jax import sparse
 from dejavu_jax.batch_plan import chained_loop, held_context
-from dejavu_jax.eval import bench_hf
+from dejavu_jax.eval import bench_hf, common
 from dejavu_jax.sparse_variants import (TOP_K_VARIANTS, UNION_HEADS, is_selector_name,
                                         variant_selector, without_kv_recompute)
 from dejavu_jax.eval.bench_hf import cache_len
@@ -1106,14 +1106,15 @@ def main(argv=None) -> int:
                                               args.compile_options)
     except ValueError as e:
         p.error(str(e))
-    from dejavu_jax.eval.common import device_memory_bytes, models_too_large
-    shards = 1 if mesh_sizes is None else mesh_sizes.get("tp", 1)
-    too_large = [] if args.merge else models_too_large(models, shards=shards)
-    if too_large:
-        p.error(f"--models: the weights of {', '.join(too_large)} alone exceed this "
-                f"{jax.default_backend()} device's {device_memory_bytes() / 1e9:.1f} GB; "
-                f"choose smaller presets")
     hf_modes = [m for m in modes if m in bench_hf.HF_MODES]
+
+    def refuse_models_too_large():  # starts JAX's backend: before any HF row only without
+        shards = 1 if mesh_sizes is None else mesh_sizes.get("tp", 1)
+        if any(m in OURS for m in modes) and not args.merge:
+            common.refuse_models_too_large(p, models, shards)
+
+    if not hf_modes:
+        refuse_models_too_large()
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     log_file = open(out / "bench_decode.log", "a")
@@ -1136,6 +1137,7 @@ def main(argv=None) -> int:
     if hf_modes:  # first: JAX has not touched (nor preallocated) the accelerator yet
         hf = run_hf(args.hf_python, models, contexts, batches, hf_modes, args.warmup,
                     args.steps, out, log, args.hf_device, args.hf_compile_mode, args.hf_attn)
+        refuse_models_too_large()
     parity = require_parity(args.parity, out, log)  # after HF: it starts JAX's backend
     mesh = None
     if args.mesh or args.devices:  # tensor parallel (dejavu_jax.sharding)

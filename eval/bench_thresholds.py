@@ -39,6 +39,7 @@ import numpy as np
 
 from dejavu_jax import cli
 from dejavu_jax import config as config_lib
+from dejavu_jax.eval import common
 from dejavu_jax.activation_sparsity import SITES, layer_elements
 from dejavu_jax.kernels import ThresholdBlocks, ThresholdConfig
 
@@ -404,17 +405,14 @@ def main(argv: list[str] | None = None) -> int:
         variants = block_variants(args.block_variants)
     except ValueError as e:
         p.error(f"--block-variants: {e}")
-    from dejavu_jax.eval.common import device_memory_bytes, models_too_large
-    too_large = [] if args.no_models else models_too_large(models)
-    if too_large:
-        p.error(f"--models: the weights of {', '.join(too_large)} alone exceed this "
-                f"{jax.default_backend()} device's {device_memory_bytes() / 1e9:.1f} GB; "
-                f"choose smaller presets")
     if args.no_models and not args.kernels:
         p.error("--no-models leaves nothing to time without --kernels")
     if args.kernels and jax.default_backend() != "gpu":
         p.error(f"--kernels times the compiled kernels, which need a GPU (this host: "
                 f"{jax.default_backend()})")
+    hf_modes = [m for m in args.hf.split(",") if m]
+    if not hf_modes and not args.no_models:
+        common.refuse_models_too_large(p, models)
     args.out.mkdir(parents=True, exist_ok=True)
     log_file = open(args.out / "bench_thresholds.log", "a")
 
@@ -423,11 +421,12 @@ def main(argv: list[str] | None = None) -> int:
         log_file.write(msg + "\n")
         log_file.flush()
 
-    hf_modes = [m for m in args.hf.split(",") if m]
     hf = None
     if hf_modes and not args.no_models:  # before JAX touches the accelerator
         hf = run_hf(args.hf_python, models, contexts, [1], hf_modes, args.warmup, args.steps,
                     args.out, log)
+    if hf_modes and not args.no_models:  # starts JAX's backend: after the HF rows
+        common.refuse_models_too_large(p, models)
     parity = require_parity(args.parity, args.out, log)
     meta = dict(command="python -m dejavu_jax.eval.bench_thresholds " + " ".join(
         sys.argv[1:] if argv is None else argv), **run_meta(), kernel_parity=parity)

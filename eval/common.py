@@ -405,3 +405,14 @@ def models_too_large(names, dtype=jnp.bfloat16, shards: int = 1) -> list[str]:
         if need > limit:
             too_large.append(f"{name} ({need / 1e9:.1f} GB)")
     return too_large
+
+
+def refuse_models_too_large(parser, names, shards: int = 1) -> None:
+    """`parser.error` (one `error:` line) naming the presets whose weights alone exceed one
+    device's memory (`models_too_large`). It starts JAX's backend, which on a GPU
+    preallocates memory: call it after anything that needs the accelerator to itself."""
+    too_large = models_too_large(names, shards=shards)
+    if too_large:
+        parser.error(f"--models: the weights of {', '.join(too_large)} alone exceed this "
+                     f"{jax.default_backend()} device's {device_memory_bytes() / 1e9:.1f} "
+                     f"GB; choose smaller presets")
