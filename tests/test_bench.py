@@ -631,3 +631,24 @@ def test_bench_thresholds_times_each_level_under_each_block_variant(monkeypatch)
     assert [r["blocks"] for r in sparse_rows] == ["default", "deep"]
     assert sparse_rows[1]["block_settings"]["down"]["row_blocks"] == 8
     assert all(np.isfinite(r["ms_loop"]) and r["ms_loop"] > 0 for r in rows)
+
+
+def test_bench_thresholds_runs_each_layout_on_its_own_weights(monkeypatch):
+    """`--layouts unrolled,stacked`: the threshold rows run per-layer buffers and then the
+    stacked weights (the engine's state shaped for each), labelled by layout; the dense row
+    stays on per-layer buffers; every timing is finite."""
+    from dejavu_jax.eval import bench_decode, bench_thresholds
+    seen = []
+    real = bench_decode.measure_engine
+
+    def spy(engine, params, *args, **kwargs):
+        layers = params[0].layers if isinstance(params, tuple) else params.layers
+        seen.append((isinstance(layers, tuple), args[-1]["per_layer"]))
+        return real(engine, params, *args, **kwargs)
+    monkeypatch.setattr(bench_decode, "measure_engine", spy)
+    rows = bench_thresholds.run_model("llama-tiny", ["uniform:0.5"], [16], 1, 2,
+                                      lambda msg: None, None, ("unrolled", "stacked"))
+    assert [(r["mode"], r.get("layout")) for r in rows] == [
+        ("dense", None), ("threshold", "unrolled"), ("threshold", "stacked")]
+    assert seen == [(True, True), (True, True), (False, False)]
+    assert all(np.isfinite(r[k]) and r[k] > 0 for r in rows for k in ("ms", "ms_loop"))
