@@ -18,9 +18,9 @@ with the steps chained on the device (`ms_loop`); the decoder bytes each step sk
 measured by the scorer on a random window at the same thresholds. `--layouts` picks the
 threshold rows' weight layout: per-layer buffers (`unrolled`, as `generate` decodes) and/or
 `stacked` (a `lax.scan` over stacked weights, whose host-synchronised step hands over a few
-arrays instead of several per layer); the dense row always runs per-layer buffers. `--kernels` adds the
-kernels alone at MLP shapes against XLA's dense ones (`time_kernels`). The run opens with
-`eval.kernel_parity` on the GPU.
+arrays instead of several per layer); the dense row always runs per-layer buffers.
+`--kernels` adds the kernels alone at MLP shapes against XLA's dense ones (`time_kernels`).
+The run opens with `eval.kernel_parity` on the GPU.
 """
 
 from __future__ import annotations
@@ -339,7 +339,8 @@ def run_model(name, specs, contexts, warmup, steps, log, variants=None,
                     f"{type(e).__name__}: {str(e)[:400]}")
                 continue
             rows.append(dict(model=name, mode="threshold", levels=spec, sites=list(sites),
-                             layout=layout, blocks=blocks_name, block_settings=dataclasses.asdict(blocks),
+                             layout=layout, blocks=blocks_name,
+                             block_settings=dataclasses.asdict(blocks),
                              context=ctx, skipped=skips[spec], **res,
                              **rates(int(nbytes), 1, res["ms"], res["ms_loop"])))
             log(json.dumps(rows[-1]))

@@ -413,6 +413,7 @@ def refuse_models_too_large(parser, names, shards: int = 1) -> None:
     preallocates memory: call it after anything that needs the accelerator to itself."""
     too_large = models_too_large(names, shards=shards)
     if too_large:
-        parser.error(f"--models: the weights of {', '.join(too_large)} alone exceed this "
-                     f"{jax.default_backend()} device's {device_memory_bytes() / 1e9:.1f} "
-                     f"GB; choose smaller presets")
+        per = "" if shards == 1 else f" per device over {shards} devices"
+        parser.error(f"--models: the weights of {', '.join(too_large)}{per} alone exceed "
+                     f"this {jax.default_backend()} device's "
+                     f"{device_memory_bytes() / 1e9:.1f} GB; choose smaller presets")

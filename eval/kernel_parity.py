@@ -3,10 +3,11 @@
   python -m dejavu_jax.eval.kernel_parity --out results/      # on the GPU: impl pallas
 
 1. Sparse decode, teacher-forced for --steps tokens on tiny OPT (ReLU, and the exact GELU
-   of some OPT checkpoints), Llama and Gemma 3 models (fp32 weights; `DECODE_CASES`), unrolled layers (the GPU layout: per-layer caches and
-   input rings) and stacked, at MLP 0.3 / heads 0.5 with index sets that change every
-   layer (and OPT at density 1.0), missing-KV window 4: the largest |logit| and |K cache|
-   difference between `--impl` kernels and the jnp references.
+   of some OPT checkpoints), Llama and Gemma 3 models (fp32 weights; `DECODE_CASES`),
+   unrolled layers (the GPU layout: per-layer caches and input rings) and stacked, at MLP
+   0.3 / heads 0.5 with index sets that change every layer (and OPT at density 1.0),
+   missing-KV window 4: the largest |logit| and |K cache| difference between `--impl`
+   kernels and the jnp references.
 2. Top-k selection: the radix, chunked and local kernels return exactly their references'
    sets on random scores of MLP sizes.
 3. Head-sparse attention with a missing-KV window whose needed entries are random (so
@@ -39,8 +40,10 @@
 7. ("threshold") Activation-sparse decode (`kernels.threshold_matvec` on input-major
    weights, thresholds dropping about 40% of every site) on tiny Llama (the up projection
    by the gate's neuron rows), OPT, Gemma 3 (post-norms) and, two rows, Gemma 2 (capped
-   attention logits): logits and K cache against the jnp computation on the usual
-   weights; and the two kernels alone, one row and three, against their references.
+   attention logits), per-layer buffers, and tiny Llama and OPT over stacked weights
+   (each layer's rows read in place under `lax.scan`): logits and K cache against the jnp
+   computation on the usual weights; and the two kernels alone, one row and three,
+   against their references.
 
 Writes kernel_parity.json and exits 1 when a difference exceeds --tol or a set differs
 (beyond key ties, for the split predictor). On a GPU host the checks' parts run in up to 8

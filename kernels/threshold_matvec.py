@@ -201,9 +201,23 @@ def _threshold_value(threshold, index: int, layer=None):
 
 def _layer_arg(layer):
     """The layer index as the kernels read it: int32 ``[1]`` (it may be traced)."""
+    return jnp.asarray(layer, jnp.int32).reshape(1)
+
+
+def _check_layer(layer, n_layers: int, table_layers: int | None = None) -> None:
+    """`layer` one index, and where it is concrete one of the `n_layers` the weights (and
+    the threshold table's `table_layers` rows) hold: outside them a kernel would read
+    another array's memory."""
     if jnp.size(layer) != 1:
         raise ValueError(f"layer must be one index, got shape {jnp.shape(layer)}")
-    return jnp.asarray(layer, jnp.int32).reshape(1)
+    if table_layers is not None and table_layers < n_layers:
+        raise ValueError(f"the threshold table has {table_layers} rows for weights of "
+                         f"{n_layers} layers")
+    if not isinstance(layer, jax.core.Tracer):
+        value = int(jnp.asarray(layer).reshape(()))
+        if not 0 <= value < n_layers:
+            raise ValueError(f"layer={value} is outside the {n_layers} layers the weights "
+                             f"hold")
 
 
 def _layer_rows(w, layer, rows: int):
@@ -215,16 +229,21 @@ def _layer_rows(w, layer, rows: int):
     return lax.dynamic_slice_in_dim(w, start, rows, axis=0)
 
 
-def _check_inputs(x, w_ts, block_rows, block_n, layer=None):
+def _check_inputs(x, w_ts, block_rows, block_n, layer=None, threshold=None):
     check_array("x", x, ndim=2, floating=True)
+    K = x.shape[1]
+    if not K:
+        raise ValueError("x has no channels")
     for w_t in w_ts:
         check_array("w_t", w_t, ndim=2, floating=True)
-        K = x.shape[1]
         if layer is None and w_t.shape[0] != K:
             raise ValueError(f"w_t has {w_t.shape[0]} rows, x {K} channels")
         if layer is not None and (w_t.shape[0] % K or not w_t.shape[0]):
             raise ValueError(f"with a layer w_t must hold every layer's rows [L * {K}, N], "
                              f"got {w_t.shape[0]} rows")
+        if layer is not None:
+            table = jnp.shape(threshold)
+            _check_layer(layer, w_t.shape[0] // K, table[0] if len(table) == 2 else None)
     if not (is_pow2(block_rows) and is_pow2(block_n)):
         raise ValueError(f"block_rows={block_rows} and block_n={block_n} must be powers of 2")
 
@@ -246,7 +265,7 @@ def threshold_matvec(x, w_t, threshold, *, residual=None, bias=None, block_rows=
     block_n (a power of two) columns per program; num_stages: Triton's software pipelining
     depth of the loop over the blocks (from 5 blocks on).
     """
-    _check_inputs(x, [w_t], block_rows, block_n, layer)
+    _check_inputs(x, [w_t], block_rows, block_n, layer, threshold)
     if residual is not None and (residual.shape != (x.shape[0], w_t.shape[1])
                                  or residual.dtype != F32):
         raise ValueError(f"residual must be fp32 {(x.shape[0], w_t.shape[1])}, got "
@@ -276,7 +295,7 @@ def threshold_matvecs(x, w_ts, threshold, *, block_rows=16, block_n=512, row_blo
     """:func:`threshold_matvec` of one masked ``x`` by several matrices (a gated MLP's gate
     and up projections) in one launch: fp32 ``[B, N_i]`` per ``w_ts[i] [K, N_i]`` (with
     ``layer``, every layer's rows ``[L * K, N_i]``, as in :func:`threshold_matvec`)."""
-    _check_inputs(x, w_ts, block_rows, block_n, layer)
+    _check_inputs(x, w_ts, block_rows, block_n, layer, threshold)
     impl = resolve_impl(impl)
     if impl == "reference":
         t = _threshold_value(threshold, threshold_index, layer)
@@ -354,9 +373,13 @@ def row_masked_matvec(x, w, keep, *, block_rows=16, block_d=512, d_chunks=1, num
     F = w.shape[0] if layer is None else keep.shape[-1]
     if w.shape[1] != d:
         raise ValueError(f"w has width {w.shape[1]}, x {d}")
+    if not F:
+        raise ValueError("keep selects among no rows")
     if layer is not None and (w.shape[0] % F or not w.shape[0]):
         raise ValueError(f"with a layer w must hold every layer's rows [L * {F}, {d}], got "
                          f"{w.shape[0]} rows")
+    if layer is not None:
+        _check_layer(layer, w.shape[0] // F)
     if tuple(keep.shape) not in ((F,), (1, F), (B, F)):
         raise ValueError(f"keep must be [{F}] or [{B}, {F}], got {tuple(keep.shape)}")
     keep2 = keep.reshape(1, F) if keep.ndim == 1 else keep

@@ -322,12 +322,6 @@ CASES = [
                                                         "--tol=-1"], ["--tol", "-1"]),
     ("kernel-parity-tol-nan", kernel_parity.main, ["--out", "OUT", "--impl", "interpret",
                                                    "--tol", "nan"], ["--tol", "nan"]),
-    # ran out of host memory part-way through making the weights: a traceback
-    ("bench-model-too-large", bench_decode.main, ["--out", "OUT", "--models",
-                                                  "opt-tiny,opt-175b"],
-     ["--models", "opt-175b (", "GB)", "exceed"]),
-    ("bench-thresholds-model-too-large", bench_thresholds.main,
-     ["--out", "OUT", "--models", "opt-175b"], ["--models", "opt-175b (", "exceed"]),
     # an empty item was dropped, a repeated model timed twice (and compared with itself)
     ("bench-models-empty-item", bench_decode.main, ["--out", "OUT", "--models",
                                                     "opt-tiny,,llama-tiny"], ["empty item"]),
@@ -662,3 +656,17 @@ def test_sweep_resume_refuses_a_folder_of_other_settings(tmp_path, capsys, no_lo
     last = _error_line(sweep.main, ["--preset", "llama-tiny", "--text", str(corpus), "--out",
                                     str(out), "--modes", "oracle", "--resume"], capsys)
     assert "is not a sweep.json" in last
+
+
+@pytest.mark.parametrize("main", [bench_decode.main, bench_thresholds.main])
+def test_a_model_larger_than_the_device_is_refused_up_front(main, tmp_path, monkeypatch,
+                                                            capsys):
+    """A preset whose weights alone exceed the device's memory ran out of memory part-way
+    through making them (a traceback); now it is named with its size before any work (a
+    device of 4 GB: opt-1.3b's 2.6 GB of bf16 weights fit, opt-6.7b's 13.3 GB do not)."""
+    monkeypatch.setattr(common, "device_memory_bytes", lambda: 4e9)
+    out = tmp_path / "out"
+    last = _error_line(main, ["--out", str(out), "--models", "opt-1.3b,opt-6.7b"], capsys)
+    assert "--models" in last and "opt-6.7b (13." in last and "opt-1.3b" not in last, last
+    assert "4.0 GB" in last and not out.exists()
+    assert common.models_too_large(["opt-1.3b", "opt-6.7b"], shards=4) == []

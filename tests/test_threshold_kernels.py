@@ -173,6 +173,18 @@ def test_stacked_weights_refuse_bad_shapes():
                          impl="interpret")
     with pytest.raises(ValueError, match="every layer's rows"):
         row_masked_matvec(x, jnp.zeros((10, 8)), jnp.zeros(4, bool), layer=0, impl="interpret")
+    for bad in (3, -1):   # weights of 3 layers: a kernel would read past them
+        with pytest.raises(ValueError, match=f"layer={bad} is outside the 3 layers"):
+            threshold_matvec(x, w, jnp.ones((3, 4)), layer=bad, impl="interpret")
+        with pytest.raises(ValueError, match=f"layer={bad} is outside the 3 layers"):
+            row_masked_matvec(x, jnp.zeros((12, 8)), jnp.zeros(4, bool), layer=bad,
+                              impl="interpret")
+    with pytest.raises(ValueError, match="table has 2 rows for weights of 3 layers"):
+        threshold_matvecs(x, [w], jnp.ones((2, 4)), layer=1, impl="interpret")
+    with pytest.raises(ValueError, match="no channels"):
+        threshold_matvec(jnp.zeros((1, 0)), jnp.zeros((0, 4)), 0.1, impl="interpret")
+    with pytest.raises(ValueError, match="no rows"):
+        row_masked_matvec(x, jnp.zeros((0, 8)), jnp.zeros(0, bool), layer=0, impl="interpret")
 
 
 def test_small_matrices_take_fewer_blocks_per_program():
