@@ -408,12 +408,17 @@ def main(argv: list[str] | None = None) -> int:
         p.error(f"--block-variants: {e}")
     if args.no_models and not args.kernels:
         p.error("--no-models leaves nothing to time without --kernels")
-    if args.kernels and jax.default_backend() != "gpu":
-        p.error(f"--kernels times the compiled kernels, which need a GPU (this host: "
-                f"{jax.default_backend()})")
-    hf_modes = [m for m in args.hf.split(",") if m]
-    if not hf_modes and not args.no_models:
-        common.refuse_models_too_large(p, models)
+    hf_modes = [m for m in args.hf.split(",") if m] if not args.no_models else []
+
+    def check_device():  # starts JAX's backend, which preallocates the accelerator
+        if args.kernels and jax.default_backend() != "gpu":
+            p.error(f"--kernels times the compiled kernels, which need a GPU (this host: "
+                    f"{jax.default_backend()})")
+        if not args.no_models:
+            common.refuse_models_too_large(p, models)
+
+    if not hf_modes:
+        check_device()
     args.out.mkdir(parents=True, exist_ok=True)
     log_file = open(args.out / "bench_thresholds.log", "a")
 
@@ -423,11 +428,10 @@ def main(argv: list[str] | None = None) -> int:
         log_file.flush()
 
     hf = None
-    if hf_modes and not args.no_models:  # before JAX touches the accelerator
+    if hf_modes:  # before JAX touches the accelerator
         hf = run_hf(args.hf_python, models, contexts, [1], hf_modes, args.warmup, args.steps,
                     args.out, log)
-    if hf_modes and not args.no_models:  # starts JAX's backend: after the HF rows
-        common.refuse_models_too_large(p, models)
+        check_device()
     parity = require_parity(args.parity, args.out, log)
     meta = dict(command="python -m dejavu_jax.eval.bench_thresholds " + " ".join(
         sys.argv[1:] if argv is None else argv), **run_meta(), kernel_parity=parity)
