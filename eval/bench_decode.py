@@ -1047,8 +1047,9 @@ def main(argv=None) -> int:
     p.add_argument("--merge", help="comma-separated --out directories of earlier runs: one "
                    "table of all their rows (speedups across runs), written to --out; "
                    "runs nothing")
-    p.add_argument("--out", type=cli.output_dir, default="eval/results",
-                   help="folder for bench_decode.json, .md and .log (default eval/results)")
+    p.add_argument("--out", type=cli.output_dir, default="runs/bench_decode",
+                   help="folder for bench_decode.json, .md and .log (default "
+                        "runs/bench_decode)")
     add_parity_argument(p)
     p.add_argument("--generate-tokens", type=cli.non_negative_int, default=0, metavar="N",
                    help="also time generation.generate_tokens end to end making N tokens, "

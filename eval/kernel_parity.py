@@ -713,8 +713,8 @@ def main(argv=None) -> int:
                    help="checks run in this many processes at once (default: 1 with "
                         "--impl interpret or on a host of fewer than 8 cores, else up to 8)")
     p.add_argument("--part", type=int, default=None, help=argparse.SUPPRESS)
-    p.add_argument("--out", type=cli.output_dir, default="eval/results/kernel_parity",
-                   help="folder for kernel_parity.json (default eval/results/kernel_parity)")
+    p.add_argument("--out", type=cli.output_dir, default="runs/kernel_parity",
+                   help="folder for kernel_parity.json (default runs/kernel_parity)")
     args = p.parse_args(argv)
     if args.impl == "pallas" and jax.default_backend() != "gpu":
         p.error(f"--impl pallas compiles the kernels for a GPU and this host has none "

@@ -1,7 +1,7 @@
 """Profile one decode step on the accelerator: where the time of a token goes.
 
   python -m dejavu_jax.eval.profile_decode --model opt-13b --modes dense,sparse-fixed \
-      --out eval/results/profile
+      --out runs/profile
 
 For every mode it reports
 - ms/token with the host synchronising after every step (what `bench_decode` measures),
@@ -307,8 +307,8 @@ def main(argv=None) -> int:
                    help="steps traced per mode (device time per kernel summed over them)")
     p.add_argument("--hlo", action="store_true",
                    help="also write each mode's optimised HLO (hlo_MODE.txt.gz)")
-    p.add_argument("--out", type=cli.output_dir, default="eval/results/profile",
-                   help="folder for profile.json and the traces (default eval/results/profile)")
+    p.add_argument("--out", type=cli.output_dir, default="runs/profile",
+                   help="folder for profile.json and the traces (default runs/profile)")
     from dejavu_jax.eval.parity_gate import add_parity_argument, require_parity
     add_parity_argument(p)
     args = p.parse_args(argv)
