@@ -55,6 +55,7 @@ from dejavu_jax import config as config_lib
 from dejavu_jax import sparse
 from dejavu_jax.batch_plan import chained_loop, held_context
 from dejavu_jax.eval import bench_hf, common
+from dejavu_jax.eval.common import device_free_bytes
 from dejavu_jax.sparse_variants import (TOP_K_VARIANTS, UNION_HEADS, is_selector_name,
                                         variant_selector, without_kv_recompute)
 from dejavu_jax.eval.bench_hf import cache_len
@@ -310,21 +311,6 @@ def device_peak_bytes() -> int | None:
         if stats and "peak_bytes_in_use" in stats:
             peaks.append(int(stats["peak_bytes_in_use"]))
     return max(peaks) if peaks else None
-
-
-def device_free_bytes() -> int | None:
-    """Bytes the local devices can still allocate (their limits less what is in use, summed:
-    a sharded cache spreads over them), None where the backend keeps no memory stats (CPU)."""
-    free = 0
-    for dev in jax.local_devices():
-        try:
-            stats = dev.memory_stats()
-        except Exception:  # backends without memory stats
-            stats = None
-        if not stats or "bytes_limit" not in stats:
-            return None
-        free += int(stats["bytes_limit"]) - int(stats.get("bytes_in_use", 0))
-    return free
 
 
 def state_bytes(engine, batch: int, max_len: int, init_kwargs: dict) -> int:

@@ -373,13 +373,29 @@ def progress(iterable, total: int, desc: str, disable: bool):
     return tqdm(iterable, total=total, desc=desc, file=sys.stderr, dynamic_ncols=True)
 
 
+def device_free_bytes() -> int | None:
+    """Bytes the local devices can still allocate (their limits less what is in use, summed:
+    a sharded cache spreads over them), None where the backend keeps no memory stats (CPU)."""
+    free = 0
+    for dev in jax.local_devices():
+        try:
+            stats = dev.memory_stats()
+        except Exception:  # backends without memory stats
+            stats = None
+        if not stats or "bytes_limit" not in stats:
+            return None
+        free += int(stats["bytes_limit"]) - int(stats.get("bytes_in_use", 0))
+    return free
+
+
 def device_memory_bytes() -> int | None:
-    """Memory one device offers: the accelerator's limit, or the host's available memory
-    on the CPU backend; None where unknown."""
-    device = jax.devices()[0]
-    if device.platform != "cpu":
-        stats = device.memory_stats() or {}
-        return stats.get("bytes_limit")
+    """Memory one device offers: an accelerator's share of `device_free_bytes`, or the
+    host's available memory on the CPU backend; None where unknown."""
+    free = device_free_bytes()
+    if free is not None:
+        return free // jax.local_device_count()
+    if jax.devices()[0].platform != "cpu":
+        return None
     try:
         with open("/proc/meminfo") as f:
             fields = dict(line.split(":", 1) for line in f)
