@@ -242,9 +242,12 @@ def time_threshold_variants(log, timed, shapes, sparsities=(0.0, 0.5)) -> list[d
 
 def with_settings(config: ThresholdConfig, spec: str) -> ThresholdConfig:
     """`config` with ``SITE.FIELD=VALUE`` settings (comma-separated) replaced, e.g.
-    ``"down.row_blocks=8,down.num_stages=4"``; integers, or ``None`` for row_blocks."""
+    ``"down.row_blocks=8,down.num_stages=4,o.evict_first=1"``; integers (0 or 1 for the
+    switches), or ``None`` for row_blocks."""
     sites = tuple(f.name for f in dataclasses.fields(ThresholdConfig))
     fields = {f.name for f in dataclasses.fields(ThresholdBlocks)}
+    switches = {f.name for f in dataclasses.fields(ThresholdBlocks)
+                if isinstance(f.default, bool)}
     for item in filter(None, (p.strip() for p in spec.split(","))):
         name, sep, value = (part.strip() for part in item.partition("="))
         site, dot, field = name.partition(".")
@@ -253,6 +256,10 @@ def with_settings(config: ThresholdConfig, spec: str) -> ThresholdConfig:
                              f"one of {sorted(fields)})")
         if value == "None" and field == "row_blocks":
             number = None
+        elif field in switches:
+            if value not in ("0", "1"):
+                raise ValueError(f"{item!r}: {field} is 0 or 1, not {value!r}")
+            number = value == "1"
         else:
             try:
                 number = int(value)

@@ -44,6 +44,9 @@
    (each layer's rows read in place under `lax.scan`): logits and K cache against the jnp
    computation on the usual weights; and the two kernels alone, one row and three,
    against their references.
+8. ("switches") The load switches of the input-sparse GEMV (column blocks first, the
+   evict-first hint, the residual from partials) and of the sparse MLP pair (the
+   evict-first hint) against their references.
 
 Writes kernel_parity.json and exits 1 when a difference exceeds --tol or a set differs
 (beyond key ties, for the split predictor). On a GPU host the checks' parts run in up to 8
@@ -636,6 +639,46 @@ def _threshold_kernel_rows(impl: str) -> list[dict]:
     return rows
 
 
+def switch_rows(impl: str) -> list[dict]:
+    """Check 8: the kernels' load switches against their references: the input-sparse
+    GEMV with its column blocks first and the evict-first hint (`ThresholdBlocks`), the
+    residual added in the launch or from partials by XLA; the sparse MLP pair with the
+    evict-first hint (`MLPConfig.evict_first`), gated and not, one row and three."""
+    from dejavu_jax.kernels import MLPConfig, sparse_mlp
+    from dejavu_jax.kernels.threshold_matvec import threshold_matvec
+    rng = np.random.default_rng(10)
+    rows = []
+    with jax.default_matmul_precision("highest"):
+        for B, K, N in ((1, 1536, 8960), (3, 8960, 1536)):
+            x = jnp.asarray(rng.standard_normal((B, K)), jnp.float32)
+            w = jnp.asarray(rng.standard_normal((K, N)) * K ** -0.5, jnp.float32)
+            t = float(np.quantile(np.abs(np.asarray(x)), 0.5))
+            res = jnp.asarray(rng.standard_normal((B, N)), jnp.float32)
+            for atomics in (True, False):
+                switches = dict(columns_first=True, evict_first=True,
+                                residual_atomics=atomics)
+                got, ref = (jax.jit(functools.partial(threshold_matvec, impl=i, **switches))(
+                    x, w, t, residual=res) for i in (impl, "reference"))
+                rows.append(dict(check="switches", kernel="threshold_matvec", B=B, K=K,
+                                 N=N, **switches, logits=float(jnp.abs(got - ref).max()),
+                                 k_cache=0.0))
+        d, F, k = 512, 2048, 300
+        for B, gated in ((1, False), (3, True)):
+            x = jnp.asarray(rng.standard_normal((B, d)), jnp.float32)
+            w1, w2t, wg = (jnp.asarray(rng.standard_normal((F, d)) * d ** -0.5, jnp.float32)
+                           for _ in range(3))
+            b1, b2 = (jnp.asarray(rng.standard_normal(n), jnp.float32) for n in (F, d))
+            idx = jnp.asarray(rng.choice(F, k, replace=False), jnp.int32)
+            got, ref = (sparse_mlp(x, w1, b1, w2t, b2, idx, activation="silu" if gated
+                                   else "relu", w_gate=wg if gated else None, impl=i,
+                                   config=MLPConfig(evict_first=True))
+                        for i in (impl, "reference"))
+            rows.append(dict(check="switches", kernel="sparse_mlp", B=B, gated=gated,
+                             evict_first=True, logits=float(jnp.abs(got - ref).max()),
+                             k_cache=0.0))
+    return rows
+
+
 def row_passes(r: dict, tol: float) -> bool:
     """Whether one check's row passes at tolerance `tol`."""
     if r["check"] in ("top-k", "predictor"):
@@ -652,7 +695,7 @@ def row_passes(r: dict, tol: float) -> bool:
 
 
 CHECKS = ("norm", "window", "decode", "split", "batch-select", "top-k", "predictor",
-          "threshold")
+          "threshold", "switches")
 
 
 def check_parts(impl: str, steps: int) -> list[tuple[str, object]]:
@@ -668,7 +711,8 @@ def check_parts(impl: str, steps: int) -> list[tuple[str, object]]:
             ("norm", functools.partial(norm_rows, impl)),
             *[("threshold", functools.partial(threshold_rows, impl, steps, (case,), False))
               for case in THRESHOLD_CASES],
-            ("threshold", functools.partial(threshold_rows, impl, steps, (), True))]
+            ("threshold", functools.partial(threshold_rows, impl, steps, (), True)),
+            ("switches", functools.partial(switch_rows, impl))]
 
 
 def _run_parts_in_processes(args, parts: list[int], jobs: int):

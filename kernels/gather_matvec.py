@@ -56,6 +56,12 @@ def mma(a, b, trans_b: bool = False):
                            preferred_element_type=jnp.float32)
 
 
+def evict_hint(evict_first: bool) -> str | None:
+    """A weight load's eviction policy: "evict_first" (weights stream through L2 once a
+    token, so the small arrays that are read again stay), or None (the default)."""
+    return "evict_first" if evict_first else None
+
+
 def accumulate_blocks(step: Callable, n: int, shape) -> jax.Array:
     """fp32 zeros of ``shape`` folded through ``acc = step(i, acc)`` for ``i < n`` (a
     kernel's loop over its blocks: unrolled up to 4 blocks, a ``fori_loop`` beyond)."""
@@ -205,7 +211,7 @@ def check_segment(seg: Segment, x: jax.Array) -> None:
                              f"{jnp.shape(seg.x_row0)}")
 
 
-def _gather_matvec_body(pids, *refs, seg_meta, d, bd, chunks):
+def _gather_matvec_body(pids, *refs, seg_meta, d, bd, chunks, evict_first):
     n_in = sum(meta[-1] for meta in seg_meta)
     in_refs, out_refs = refs[:n_in], refs[n_in:]
     i, j = pids
@@ -249,7 +255,8 @@ def _gather_matvec_body(pids, *refs, seg_meta, d, bd, chunks):
                     cols = (j * chunks + c) * bd + jnp.arange(bd, dtype=jnp.int32)
                     cm = cols < d
                     w = plgpu.load(w_ref.at[rows[:, None], cols[None, :]],
-                                   mask=valid[:, None] & cm[None, :], other=0)
+                                   mask=valid[:, None] & cm[None, :], other=0,
+                                   eviction_policy=evict_hint(evict_first))
                     if Bq == 1:
                         xv = plgpu.load(x_ref.at[x_row(0), cols], mask=cm, other=0)
                         prod = w.astype(jnp.float32) * xv.astype(jnp.float32)[None, :]
@@ -284,7 +291,7 @@ def _gather_matvec_body(pids, *refs, seg_meta, d, bd, chunks):
 
 def gather_matvec(x: jax.Array, segments: Sequence[Segment], *, block_rows: int = 16,
                   block_d: int = 512, d_chunks: int = 1, num_warps: int = 4,
-                  num_stages: int = 2, interpret: bool = False):
+                  num_stages: int = 2, interpret: bool = False, evict_first: bool = False):
     """Gathered GEMV partials for one or more matrices sharing the input ``x [B, d]``.
 
     One launch of :func:`gather_matvec_part` (which other kernels may join, see
@@ -298,6 +305,7 @@ def gather_matvec(x: jax.Array, segments: Sequence[Segment], *, block_rows: int 
       block_d: columns per load (power of two).
       d_chunks: column chunks per program; the grid has ``cdiv(d, block_d * d_chunks)``
         d-splits.
+      evict_first: load the weight rows with L2's evict-first hint (read once a token).
     Returns:
       One fp32 array per segment, ``[n_dsplit, B_s, n_blocks * block_rows]``; summing over
       axis 0 gives ``x @ W[rows].T`` in the first ``n_rows`` columns (the padding columns
@@ -305,12 +313,13 @@ def gather_matvec(x: jax.Array, segments: Sequence[Segment], *, block_rows: int 
       unflagged ids unwritten (undefined values; NaN in the interpreter).
     """
     part = gather_matvec_part(x, segments, block_rows=block_rows, block_d=block_d,
-                              d_chunks=d_chunks)
+                              d_chunks=d_chunks, evict_first=evict_first)
     return launch([part], num_warps=num_warps, num_stages=num_stages, interpret=interpret)[0]
 
 
 def gather_matvec_part(x: jax.Array, segments: Sequence[Segment], *, block_rows: int = 16,
-                       block_d: int = 512, d_chunks: int = 1) -> LaunchPart:
+                       block_d: int = 512, d_chunks: int = 1,
+                       evict_first: bool = False) -> LaunchPart:
     """:func:`gather_matvec` as a :class:`~.launch.LaunchPart` (same arguments)."""
     d = x.shape[1]
     bd = block_d
@@ -353,12 +362,12 @@ def gather_matvec_part(x: jax.Array, segments: Sequence[Segment], *, block_rows:
         args += refs
         start += nb
     body = functools.partial(_gather_matvec_body, seg_meta=tuple(seg_meta), d=d, bd=bd,
-                             chunks=d_chunks)
+                             chunks=d_chunks, evict_first=bool(evict_first))
     return LaunchPart(body, (start, nds), tuple(args), tuple(outs), name="gather_matvec")
 
 
 def _gather_matvec_t_body(pids, *refs, n_act, load_act, B, Bp, d, m, n_rows, bk, bd, kblocks,
-                          accumulate, has_bias, deferred, masked_atomics):
+                          accumulate, has_bias, deferred, masked_atomics, evict_first):
     act_refs = refs[:n_act]
     ids_ref, w_ref = refs[n_act:n_act + 2]
     rest = refs[n_act + 2:]
@@ -378,7 +387,8 @@ def _gather_matvec_t_body(pids, *refs, n_act, load_act, B, Bp, d, m, n_rows, bk,
         rows = logical_rows(ids_ref, r, valid, m)
         a = load_act(act_refs, r, valid, rows)       # fp32 [bk] or [Bp, bk], 0 where invalid
         w = plgpu.load(w_ref.at[rows[:, None], cols[None, :]],
-                       mask=valid[:, None] & cm[None, :], other=0)
+                       mask=valid[:, None] & cm[None, :], other=0,
+                       eviction_policy=evict_hint(evict_first))
         if Bp == 1:
             prod = a[:, None] * w.astype(jnp.float32)
             return acc + (prod if deferred else jnp.sum(prod, axis=0))
@@ -431,7 +441,8 @@ def gather_matvec_t(act_args: Sequence[jax.Array], load_act: Callable, w: jax.Ar
                     block_d: int = 512, row_blocks_per_program: int = 4,
                     num_warps: int = 4, num_stages: int = 2, interpret: bool = False,
                     residual: jax.Array | None = None, bias: jax.Array | None = None,
-                    deferred_sum: bool = False, masked_atomics: bool = True):
+                    deferred_sum: bool = False, masked_atomics: bool = True,
+                    evict_first: bool = False):
     """Split-k transposed gathered GEMV: fp32 partials ``[n_kchunks, B, d]``.
 
     ``out = sum over chunks`` equals ``a @ W[rows]`` where ``a [B, K*m]`` is produced
@@ -447,13 +458,14 @@ def gather_matvec_t(act_args: Sequence[jax.Array], load_act: Callable, w: jax.Ar
 
     ``deferred_sum`` (batch 1): accumulate the products elementwise over a program's row
     blocks and sum across rows once at the end (not once per block). ``masked_atomics``:
-    see :func:`write_split_k`.
+    see :func:`write_split_k`. ``evict_first``: load the weight rows with L2's evict-first
+    hint.
     """
     part = gather_matvec_t_part(act_args, load_act, w, ids, B=B, rows_per_id=rows_per_id,
                                 block_rows=block_rows, block_d=block_d,
                                 row_blocks_per_program=row_blocks_per_program,
                                 residual=residual, bias=bias, deferred_sum=deferred_sum,
-                                masked_atomics=masked_atomics)
+                                masked_atomics=masked_atomics, evict_first=evict_first)
     return launch([part], num_warps=num_warps, num_stages=num_stages,
                   interpret=interpret)[0][0]
 
@@ -463,8 +475,8 @@ def gather_matvec_t_part(act_args: Sequence[jax.Array], load_act: Callable, w: j
                          block_rows: int = 16, block_d: int = 512,
                          row_blocks_per_program: int = 4,
                          residual: jax.Array | None = None, bias: jax.Array | None = None,
-                         deferred_sum: bool = False, masked_atomics: bool = True
-                         ) -> LaunchPart:
+                         deferred_sum: bool = False, masked_atomics: bool = True,
+                         evict_first: bool = False) -> LaunchPart:
     """:func:`gather_matvec_t` as a :class:`~.launch.LaunchPart` (same arguments)."""
     d = w.shape[1]
     m = rows_per_id
@@ -481,7 +493,7 @@ def gather_matvec_t_part(act_args: Sequence[jax.Array], load_act: Callable, w: j
         _gather_matvec_t_body, n_act=len(act_args), load_act=load_act, B=B, Bp=Bp, d=d,
         m=m, n_rows=n_rows, bk=bk, bd=block_d, kblocks=kblocks, accumulate=accumulate,
         has_bias=bias is not None, deferred=bool(deferred_sum),
-        masked_atomics=masked_atomics)
+        masked_atomics=masked_atomics, evict_first=bool(evict_first))
     args = [*act_args, ids.astype(jnp.int32), w]
     if accumulate:
         if residual.shape != (B, d) or residual.dtype != jnp.float32:

@@ -42,6 +42,7 @@ class MLPConfig:
     num_stages: int = 2
     target_programs: int | None = None  # fc2 programs to aim for (None: 8 per SM)
     fc2_masked_atomics: bool = True  # a batch's rows added by one masked atomic
+    evict_first: bool = False  # weight rows loaded with L2's evict-first hint
 
     def resolve(self, K: int, d: int, B: int) -> "MLPConfig":
         """Fill the automatic fields for ``K`` selected rows, width ``d`` and batch ``B``."""
@@ -125,7 +126,7 @@ def sparse_mlp_pallas(x, w1, b1, w2t, b2, idx, *, activation="relu", w_gate=None
     idx = idx.astype(jnp.int32)
     segs = [Segment(w1, idx)] + ([Segment(w_gate, idx)] if w_gate is not None else [])
     fc1 = gather_matvec_part(x, segs, block_rows=cfg.fc1_block_rows, block_d=cfg.fc1_block_d,
-                             d_chunks=cfg.fc1_d_chunks)
+                             d_chunks=cfg.fc1_d_chunks, evict_first=cfg.evict_first)
     *rider_outs, parts = launch([*fc1_riders, fc1], num_warps=cfg.num_warps,
                                 num_stages=cfg.num_stages, interpret=interpret)
     act_args = list(parts) + ([b1] if b1 is not None else [])
@@ -136,7 +137,8 @@ def sparse_mlp_pallas(x, w1, b1, w2t, b2, idx, *, activation="relu", w_gate=None
                                block_rows=cfg.fc2_block_rows, block_d=cfg.fc2_block_d,
                                row_blocks_per_program=cfg.fc2_row_blocks, residual=residual,
                                bias=None if residual is None else b2,
-                               masked_atomics=cfg.fc2_masked_atomics)
+                               masked_atomics=cfg.fc2_masked_atomics,
+                               evict_first=cfg.evict_first)
     fc2_riders = riders.fc2_of(rider_outs) if riders is not None else ()
     *rider_outs, (out,) = launch([*fc2_riders, fc2], num_warps=cfg.num_warps,
                                  num_stages=cfg.num_stages, interpret=interpret)

@@ -27,7 +27,7 @@ from jax import lax
 from jax.experimental.pallas import triton as plgpu
 
 from ._common import cdiv, check_array, is_pow2, resolve_impl, sm_count
-from .gather_matvec import accumulate_blocks, batch_pad, mma, write_split_k
+from .gather_matvec import accumulate_blocks, batch_pad, evict_hint, mma, write_split_k
 from .launch import LaunchPart, launch
 
 F32 = jnp.float32
@@ -43,6 +43,9 @@ class ThresholdBlocks:
     max_row_blocks: int = 4
     num_warps: int = 4
     num_stages: int = 2
+    evict_first: bool = False
+    columns_first: bool = False
+    residual_atomics: bool = True
 
     def __post_init__(self):
         if not (is_pow2(self.block_rows) and is_pow2(self.block_n)):
@@ -83,7 +86,7 @@ def threshold_matvec_reference(x, w_t, threshold, *, residual=None, bias=None):
 
 
 def _threshold_body(pids, x_ref, t_ref, w_ref, *rest, B, Bp, K, N, bk, bn, kblocks,
-                    accumulate, has_bias, t_index, t_stride):
+                    accumulate, has_bias, t_index, t_stride, evict_first, columns_first):
     row0, t_at = 0, t_index
     if t_stride is not None:  # stacked weights: this layer's rows start at layer * K
         layer_ref, *rest = rest
@@ -94,7 +97,7 @@ def _threshold_body(pids, x_ref, t_ref, w_ref, *rest, B, Bp, K, N, bk, bn, kbloc
         o_ref = rest[-1]
     else:
         o_ref = rest[0]
-    i, j = pids
+    j, i = pids if columns_first else pids[::-1]
     kk = jnp.arange(bk, dtype=jnp.int32)
     brow = jnp.arange(Bp, dtype=jnp.int32)
     bmask = brow < B
@@ -116,7 +119,8 @@ def _threshold_body(pids, x_ref, t_ref, w_ref, *rest, B, Bp, K, N, bk, bn, kbloc
             xr = jnp.where(own, xr, 0.0)
             kept = jnp.max(own.astype(jnp.int32), axis=0) > 0
         w = plgpu.load(w_ref.at[(row0 + r)[:, None], cols[None, :]],
-                       mask=(kept & valid)[:, None] & cm[None, :], other=0)
+                       mask=(kept & valid)[:, None] & cm[None, :], other=0,
+                       eviction_policy=evict_hint(evict_first))
         if Bp == 1:
             return acc + jnp.sum(xr[:, None] * w.astype(F32), axis=0)
         return acc + mma(xr, w)
@@ -140,7 +144,8 @@ def auto_row_blocks(K: int, N: int, block_rows: int, block_n: int, most: int = 4
 
 def threshold_matvec_part(x, w_t, threshold, *, residual=None, bias=None, block_rows=16,
                           block_n=512, row_blocks=None, max_row_blocks=4,
-                          threshold_index=0, layer=None) -> LaunchPart:
+                          threshold_index=0, layer=None, evict_first=False,
+                          columns_first=False) -> LaunchPart:
     """:func:`threshold_matvec`'s kernel as a :class:`~.launch.LaunchPart`: outputs fp32
     partials ``[n_chunks, B, N]``, or ``[B, N]`` (residual, bias and the product) with
     ``residual``."""
@@ -157,7 +162,8 @@ def threshold_matvec_part(x, w_t, threshold, *, residual=None, bias=None, block_
     body = functools.partial(_threshold_body, B=B, Bp=Bp, K=K, N=N, bk=bk, bn=block_n,
                              kblocks=kblocks, accumulate=accumulate,
                              has_bias=bias is not None, t_index=threshold_index,
-                             t_stride=t_stride)
+                             t_stride=t_stride, evict_first=evict_first,
+                             columns_first=columns_first)
     args = [x, table, w_t] + ([] if layer is None else [_layer_arg(layer)])
     if accumulate:
         if block_n > N:
@@ -168,7 +174,8 @@ def threshold_matvec_part(x, w_t, threshold, *, residual=None, bias=None, block_
     else:
         aliases = {}
         out_shape = jax.ShapeDtypeStruct((nkc, B, N), F32)
-    return LaunchPart(body, (nkc, ndb), tuple(args), (out_shape,), aliases,
+    grid = (ndb, nkc) if columns_first else (nkc, ndb)
+    return LaunchPart(body, grid, tuple(args), (out_shape,), aliases,
                       name="threshold_matvec")
 
 
@@ -250,7 +257,8 @@ def _check_inputs(x, w_ts, block_rows, block_n, layer=None, threshold=None):
 
 def threshold_matvec(x, w_t, threshold, *, residual=None, bias=None, block_rows=16,
                      block_n=512, row_blocks=None, max_row_blocks=4, num_warps=4,
-                     num_stages=2, threshold_index=0, layer=None, impl=None):
+                     num_stages=2, evict_first=False, columns_first=False,
+                     residual_atomics=True, threshold_index=0, layer=None, impl=None):
     """``(x masked to |x| > threshold) @ w_t`` (+ bias, + residual) as fp32 ``[B, N]``,
     reading only the rows of ``w_t [K, N]`` that some row of ``x [B, K]`` keeps.
 
@@ -263,7 +271,11 @@ def threshold_matvec(x, w_t, threshold, *, residual=None, bias=None, block_rows=
     low bits of the fp32 sums vary between runs). block_rows (a power of two) rows per
     block, row_blocks blocks per program (None: `auto_row_blocks` up to max_row_blocks),
     block_n (a power of two) columns per program; num_stages: Triton's software pipelining
-    depth of the loop over the blocks (from 5 blocks on).
+    depth of the loop over the blocks (from 5 blocks on); evict_first: the weight rows
+    loaded with L2's evict-first hint (each is read once a token); columns_first:
+    consecutive programs take the column blocks of the same channels (else the channel
+    chunks of the same columns); residual_atomics: with ``residual``, the chunks add into
+    it in the launch (else they write partials that XLA sums into it).
     """
     _check_inputs(x, [w_t], block_rows, block_n, layer, threshold)
     if residual is not None and (residual.shape != (x.shape[0], w_t.shape[1])
@@ -275,26 +287,31 @@ def threshold_matvec(x, w_t, threshold, *, residual=None, bias=None, block_rows=
         return threshold_matvec_reference(
             x, _layer_rows(w_t, layer, x.shape[1]),
             _threshold_value(threshold, threshold_index, layer), residual=residual, bias=bias)
-    block_n = min(block_n, 1 << (w_t.shape[1].bit_length() - 1)) if residual is not None \
-        else block_n
-    part = threshold_matvec_part(x, w_t, threshold, residual=residual, bias=bias,
-                                 block_rows=block_rows, block_n=block_n,
-                                 row_blocks=row_blocks, max_row_blocks=max_row_blocks,
-                                 threshold_index=threshold_index, layer=layer)
+    in_launch = residual is not None and residual_atomics
+    block_n = min(block_n, 1 << (w_t.shape[1].bit_length() - 1)) if in_launch else block_n
+    part = threshold_matvec_part(x, w_t, threshold, residual=residual if in_launch else None,
+                                 bias=bias if in_launch else None, block_rows=block_rows,
+                                 block_n=block_n, row_blocks=row_blocks,
+                                 max_row_blocks=max_row_blocks,
+                                 threshold_index=threshold_index, layer=layer,
+                                 evict_first=evict_first, columns_first=columns_first)
     (out,), = launch([part], num_warps=num_warps, num_stages=num_stages,
                      interpret=impl == "interpret")
-    if residual is not None:
+    if in_launch:
         return out
     out = jnp.sum(out, axis=0)
-    return out if bias is None else out + bias.astype(F32)
+    out = out if bias is None else out + bias.astype(F32)
+    return out if residual is None else residual + out
 
 
 def threshold_matvecs(x, w_ts, threshold, *, block_rows=16, block_n=512, row_blocks=None,
-                      max_row_blocks=4, num_warps=4, num_stages=2, threshold_index=0,
+                      max_row_blocks=4, num_warps=4, num_stages=2, evict_first=False,
+                      columns_first=False, residual_atomics=True, threshold_index=0,
                       layer=None, impl=None) -> list:
     """:func:`threshold_matvec` of one masked ``x`` by several matrices (a gated MLP's gate
     and up projections) in one launch: fp32 ``[B, N_i]`` per ``w_ts[i] [K, N_i]`` (with
-    ``layer``, every layer's rows ``[L * K, N_i]``, as in :func:`threshold_matvec`)."""
+    ``layer``, every layer's rows ``[L * K, N_i]``, as in :func:`threshold_matvec`; the
+    block settings as there, residual_atomics unused: there is no residual)."""
     _check_inputs(x, w_ts, block_rows, block_n, layer, threshold)
     impl = resolve_impl(impl)
     if impl == "reference":
@@ -304,7 +321,8 @@ def threshold_matvecs(x, w_ts, threshold, *, block_rows=16, block_n=512, row_blo
     parts = [threshold_matvec_part(x, w_t, threshold, block_rows=block_rows,
                                    block_n=block_n, row_blocks=row_blocks,
                                    max_row_blocks=max_row_blocks,
-                                   threshold_index=threshold_index, layer=layer)
+                                   threshold_index=threshold_index, layer=layer,
+                                   evict_first=evict_first, columns_first=columns_first)
              for w_t in w_ts]
     outs = launch(parts, num_warps=num_warps, num_stages=num_stages,
                   interpret=impl == "interpret")

@@ -185,3 +185,20 @@ def test_threshold_check_decodes_a_capped_batch_through_the_kernels(monkeypatch)
                                               sparse.no_selector, batch=2)[0]
                         for c in (config, config.replace(attn_logit_softcap=None)))
     assert np.abs(capped - uncapped).max() > 1e-2
+
+
+def test_switches_check_runs_each_switch_against_its_reference(tmp_path):
+    """Check 8 runs the input-sparse GEMV with its column blocks first and the evict-first
+    hint, the residual added in the launch and from partials, and the MLP pair with the
+    hint, each within the tolerance of its jnp reference (interpreted)."""
+    import json
+    code = kernel_parity.main(["--impl", "interpret", "--checks", "switches", "--out",
+                               str(tmp_path)])
+    rows = json.loads((tmp_path / "kernel_parity.json").read_text())["rows"]
+    assert code == 0 and all(r["check"] == "switches" and r["ok"] for r in rows)
+    gemv = [r for r in rows if r["kernel"] == "threshold_matvec"]
+    assert {r["residual_atomics"] for r in gemv} == {True, False}
+    assert all(r["columns_first"] and r["evict_first"] for r in gemv)
+    assert {(r["B"], r["gated"]) for r in rows if r["kernel"] == "sparse_mlp"} == {
+        (1, False), (3, True)}
+    assert all(0 <= r["logits"] < 1e-4 for r in rows)

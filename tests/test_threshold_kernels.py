@@ -43,6 +43,36 @@ def test_threshold_matvec_equals_numpy(rng, B, K, N, residual, row_blocks):
     assert_finite_close(np.asarray(got), np.asarray(ref), rtol=1e-5, atol=1e-4)
 
 
+@pytest.mark.parametrize("B,residual", [(1, True), (2, True), (1, False), (3, False)])
+@pytest.mark.parametrize("switches", [
+    dict(columns_first=True), dict(evict_first=True), dict(residual_atomics=False),
+    dict(columns_first=True, evict_first=True, residual_atomics=False)])
+def test_threshold_matvec_switches_equal_numpy(rng, B, residual, switches):
+    """The block switches (column blocks first, the evict-first hint, partials summed into
+    the residual by XLA) change how the kernel runs, not what it computes."""
+    K, N = 200, 300
+    x = rng.standard_normal((B, K)).astype(np.float32)
+    w_t = rng.standard_normal((K, N)).astype(np.float32)
+    t = float(np.quantile(np.abs(x), 0.5))
+    res = rng.standard_normal((B, N)).astype(np.float32) if residual else None
+    bias = rng.standard_normal(N).astype(np.float32)
+    got = threshold_matvec(jnp.asarray(x), jnp.asarray(w_t), jnp.float32(t),
+                           residual=None if res is None else jnp.asarray(res),
+                           bias=jnp.asarray(bias), block_rows=16, block_n=128, row_blocks=2,
+                           impl="interpret", **switches)
+    assert got.shape == (B, N)
+    assert_finite_close(np.asarray(got), _numpy_threshold(x, w_t, t, res, bias), rtol=1e-5,
+                        atol=1e-4)
+    if "columns_first" in switches:
+        gate, up = threshold_matvecs(jnp.asarray(x), [jnp.asarray(w_t), jnp.asarray(w_t[:, :70])],
+                                     jnp.float32(t), block_rows=16, block_n=64, row_blocks=8,
+                                     impl="interpret", **switches)
+        assert_finite_close(np.asarray(gate), _numpy_threshold(x, w_t, t), rtol=1e-5,
+                            atol=1e-4)
+        assert_finite_close(np.asarray(up), _numpy_threshold(x, w_t[:, :70], t), rtol=1e-5,
+                            atol=1e-4)
+
+
 @pytest.mark.parametrize("B", [1, 2])
 def test_threshold_matvecs_equal_numpy(rng, B):
     """Two matrices of one masked input in one launch, each against numpy."""
@@ -206,11 +236,15 @@ def test_block_settings_parse_and_refuse_bad_ones():
     assert cfg.down == ThresholdBlocks(row_blocks=8, max_row_blocks=8, num_stages=3)
     assert cfg.o == ThresholdBlocks(block_n=256) and cfg.qkv == cfg.gate_up == ThresholdBlocks()
     assert with_settings(cfg, "down.row_blocks=None").down.row_blocks is None
+    switched = with_settings(cfg, "o.evict_first=1,down.residual_atomics=0")
+    assert switched.o.evict_first is True and switched.down.residual_atomics is False
+    assert switched.qkv == ThresholdBlocks()
     for bad, match in (("mlp.row_blocks=8", "SITE.FIELD"), ("down.rows=8", "SITE.FIELD"),
                        ("down.row_blocks", "SITE.FIELD"), ("down.row_blocks=x", "'x'"),
                        ("down.num_stages=None", "'None'"), ("down.block_n=300", "powers of 2"),
                        ("o.row_blocks=0", "at least 1"), ("o.max_row_blocks=0", "at least 1"),
-                       ("qkv.num_warps=3", "num_warps")):
+                       ("qkv.num_warps=3", "num_warps"), ("o.evict_first=2", "0 or 1"),
+                       ("o.columns_first=yes", "0 or 1")):
         with pytest.raises(ValueError, match=match):
             with_settings(ThresholdConfig(), bad)
     variants = block_variants("a:down.row_blocks=8;b:o.num_stages=3")

@@ -273,7 +273,8 @@ def test_dense_decode_step_lowers(preset, monkeypatch):
 @pytest.mark.parametrize("B", [1, 3])
 def test_threshold_kernels_lower(B):
     """The activation-sparse kernels at Qwen2.5-1.5B's MLP shapes: the input-sparse GEMV
-    (partials and the residual path) and the row-masked GEMV."""
+    (partials and the residual path, also under the block switches) and the row-masked
+    GEMV."""
     from dejavu_jax.kernels.threshold_matvec import row_masked_matvec, threshold_matvec
     d, F = 1536, 8960
     t = jnp.float32(0.1)
@@ -282,6 +283,11 @@ def test_threshold_kernels_lower(B):
            z(B, F), z(F, d), z(B, d, dtype=F32), z(d))
     lowers(lambda x, w, k: row_masked_matvec(x, w, k, impl="pallas"), z(B, d), z(F, d),
            jnp.zeros((F,), bool))
+    for atomics in (True, False):  # the block switches
+        switched = functools.partial(threshold_matvec, impl="pallas", evict_first=True,
+                                     columns_first=True, residual_atomics=atomics)
+        lowers(lambda x, w, r, b: switched(x, w, t, residual=r, bias=b),
+               z(B, F), z(F, d), z(B, d, dtype=F32), z(d))
 
 
 @pytest.mark.parametrize("up_rows,unrolled", [(False, True), (True, True), (False, False),
