@@ -43,7 +43,7 @@ class ThresholdBlocks:
     max_row_blocks: int = 4
     num_warps: int = 4
     num_stages: int = 2
-    evict_first: bool = False
+    evict_first: bool = True
     columns_first: bool = False
     residual_atomics: bool = True
 
@@ -257,7 +257,7 @@ def _check_inputs(x, w_ts, block_rows, block_n, layer=None, threshold=None):
 
 def threshold_matvec(x, w_t, threshold, *, residual=None, bias=None, block_rows=16,
                      block_n=512, row_blocks=None, max_row_blocks=4, num_warps=4,
-                     num_stages=2, evict_first=False, columns_first=False,
+                     num_stages=2, evict_first=True, columns_first=False,
                      residual_atomics=True, threshold_index=0, layer=None, impl=None):
     """``(x masked to |x| > threshold) @ w_t`` (+ bias, + residual) as fp32 ``[B, N]``,
     reading only the rows of ``w_t [K, N]`` that some row of ``x [B, K]`` keeps.
@@ -305,7 +305,7 @@ def threshold_matvec(x, w_t, threshold, *, residual=None, bias=None, block_rows=
 
 
 def threshold_matvecs(x, w_ts, threshold, *, block_rows=16, block_n=512, row_blocks=None,
-                      max_row_blocks=4, num_warps=4, num_stages=2, evict_first=False,
+                      max_row_blocks=4, num_warps=4, num_stages=2, evict_first=True,
                       columns_first=False, residual_atomics=True, threshold_index=0,
                       layer=None, impl=None) -> list:
     """:func:`threshold_matvec` of one masked ``x`` by several matrices (a gated MLP's gate

@@ -440,8 +440,8 @@ def test_threshold_kernels_decode_like_the_reference(name, up_rows, unrolled):
 @pytest.mark.parametrize("unrolled", [True, False])
 def test_threshold_kernels_take_each_projections_block_settings(monkeypatch, unrolled):
     """`SparseConfig.threshold_blocks` reaches each projection's launch in every layer (a
-    looped, pipelined down projection with the evict-first hint, narrow gate/up blocks in
-    column-first order, one row block for q/k/v, the out-projection's partials summed
+    looped, pipelined down projection without the evict-first hint, narrow gate/up blocks
+    in column-first order, one row block for q/k/v, the out-projection's partials summed
     into the residual by XLA),
     over per-layer buffers and under `lax.scan` over stacked weights, and the interpreted
     step still equals the jnp computation."""
@@ -457,7 +457,7 @@ def test_threshold_kernels_take_each_projections_block_settings(monkeypatch, unr
     blocks = with_settings(ThresholdConfig(),
                            "down.row_blocks=8,down.num_stages=3,gate_up.block_rows=32,"
                            "gate_up.block_n=64,qkv.row_blocks=1,o.block_n=64,o.num_warps=2,"
-                           "o.residual_atomics=0,down.evict_first=1,gate_up.columns_first=1")
+                           "o.residual_atomics=0,down.evict_first=0,gate_up.columns_first=1")
     seen = []
     for name in ("threshold_matvec", "threshold_matvecs"):
         real = getattr(module, name)
@@ -480,11 +480,11 @@ def test_threshold_kernels_take_each_projections_block_settings(monkeypatch, unr
     d, F = config.hidden, config.ffn
     rows = 1 if unrolled else config.n_layers   # stacked: every layer's rows, read in place
     expected = {(rows * d, (config.n_heads + 2 * config.n_kv_heads) * config.head_dim):
-                {(16, 512, 1, 4, 4, 2, False, False, True)},
+                {(16, 512, 1, 4, 4, 2, True, False, True)},
                 (rows * config.n_heads * config.head_dim, d):
-                {(16, 64, None, 4, 2, 2, False, False, False)},
-                2: {(32, 64, None, 4, 4, 2, False, True, True)},
-                (rows * F, d): {(16, 512, 8, 8, 4, 3, True, False, True)}}
+                {(16, 64, None, 4, 2, 2, True, False, False)},
+                2: {(32, 64, None, 4, 4, 2, True, True, True)},
+                (rows * F, d): {(16, 512, 8, 8, 4, 3, False, False, True)}}
     got = {}
     for shape, *settings in seen:
         got.setdefault(shape, set()).add(tuple(settings))

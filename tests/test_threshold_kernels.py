@@ -266,6 +266,9 @@ def test_block_defaults_are_the_kernels_own():
         assert all(defaults[k] == v for k, v in ThresholdBlocks().kwargs().items())
     cfg = ThresholdConfig()
     assert cfg.qkv == cfg.o == cfg.gate_up == ThresholdBlocks()
+    # the measured switches: the evict-first hint on, the grid and the residual as before
+    assert ThresholdBlocks().evict_first and ThresholdBlocks().residual_atomics
+    assert not ThresholdBlocks().columns_first
     assert cfg.down == ThresholdBlocks(max_row_blocks=8, num_stages=4)
 
 
