@@ -45,8 +45,8 @@
    computation on the usual weights; and the two kernels alone, one row and three,
    against their references.
 8. ("switches") The load switches of the input-sparse GEMV (column blocks first, the
-   evict-first hint, the residual from partials) and of the sparse MLP pair (the
-   evict-first hint) against their references.
+   evict-first hint, the residual from partials), of the sparse MLP pair and of
+   head-sparse attention (the evict-first hint) against their references.
 
 Writes kernel_parity.json and exits 1 when a difference exceeds --tol or a set differs
 (beyond key ties, for the split predictor). On a GPU host the checks' parts run in up to 8
@@ -676,6 +676,37 @@ def switch_rows(impl: str) -> list[dict]:
             rows.append(dict(check="switches", kernel="sparse_mlp", B=B, gated=gated,
                              evict_first=True, logits=float(jnp.abs(got - ref).max()),
                              k_cache=0.0))
+        rows += attention_switch_rows(impl, rng)
+    return rows
+
+
+def attention_switch_rows(impl: str, rng) -> list[dict]:
+    """Head-sparse attention with the evict-first hint on its q/k/v and out-projection
+    loads (`AttnConfig.evict_first`), against its reference: MHA at one row, GQA with a
+    query-head mask at three, the residual added by the out-projection."""
+    from dejavu_jax.kernels import AttnConfig, head_sparse_attention
+    f = lambda *shape: jnp.asarray(rng.standard_normal(shape), jnp.float32)
+    rows = []
+    for B, H, n_kv, query_heads in ((1, 8, 8, False), (3, 16, 4, True)):
+        d, hd, S, pos = 512, 64, 64, 37
+        hidx = jnp.asarray(rng.permutation(n_kv)[: n_kv // 2], jnp.int32)
+        head_mask = None
+        if query_heads:
+            head_mask = jnp.asarray(rng.random((len(hidx), H // n_kv)) > 0.5).at[:, 0].set(True)
+        w = [f(H, hd, d) * d ** -0.5, f(H, hd), f(n_kv, hd, d) * d ** -0.5, f(n_kv, hd),
+             f(n_kv, hd, d) * d ** -0.5, f(n_kv, hd), f(d, H, hd) * (H * hd) ** -0.5, f(d)]
+        x, res = f(B, d), f(B, d)
+        caches = (f(B, n_kv, S, hd), f(B, n_kv, S, hd))
+        got = jax.jit(functools.partial(head_sparse_attention, impl=impl,
+                                        config=AttnConfig(evict_first=True)))(
+            x, *w, *caches, jnp.int32(pos), hidx, head_mask=head_mask, residual=res)
+        ref = jax.jit(functools.partial(head_sparse_attention, impl="reference"))(
+            x, *w, *caches, jnp.int32(pos), hidx, head_mask=head_mask)
+        rows.append(dict(check="switches", kernel="head_sparse_attention", B=B, H=H,
+                         n_kv=n_kv, evict_first=True,
+                         logits=float(jnp.abs(got[0] - (ref[0] + res)).max()),
+                         k_cache=max(float(jnp.abs(g - r).max())
+                                     for g, r in zip(got[1:3], ref[1:3]))))
     return rows
 
 

@@ -26,7 +26,7 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
 from ._common import cdiv, is_pow2
-from .gather_matvec import accumulate_blocks, batch_pad, logical_rows, mma
+from .gather_matvec import accumulate_blocks, batch_pad, evict_hint, logical_rows, mma
 
 
 def _split_refs(refs, n_act: int, has_res: bool, has_bias: bool, has_mask: bool):
@@ -56,7 +56,7 @@ def _program_rows(ids_ref, bk: int, d_out: int, groups_per_layer: int, layers: i
 
 
 def _kernel(*refs, n_act, load_act, B, Bp, m, n_cols, d_out, n_local, layers, bk, bc,
-            chunks, has_res, has_bias, has_mask):
+            chunks, has_res, has_bias, has_mask, evict_first):
     act_refs, ids_ref, mask_ref, w_ref, res_ref, b_ref, o_ref = _split_refs(
         refs, n_act, has_res, has_bias, has_mask)
     rows, rm, layer, w_rows = _program_rows(ids_ref, bk, d_out, n_local // m, layers)
@@ -72,7 +72,8 @@ def _kernel(*refs, n_act, load_act, B, Bp, m, n_cols, d_out, n_local, layers, bk
         if layers > 1:
             cols = jnp.where(valid, cols - layer * n_local, 0)
         w = plgpu.load(w_ref.at[w_rows[:, None], cols[None, :]],
-                       mask=rm[:, None] & valid[None, :], other=0)
+                       mask=rm[:, None] & valid[None, :], other=0,
+                       eviction_policy=evict_hint(evict_first))
         if Bp == 1:
             prod = w.astype(jnp.float32) * a[None, :]
             return acc + jnp.sum(prod, axis=1)
@@ -83,7 +84,7 @@ def _kernel(*refs, n_act, load_act, B, Bp, m, n_cols, d_out, n_local, layers, bk
 
 
 def _group_kernel(*refs, n_act, load_act, B, Bp, m, n_groups, d_out, n_local, layers, bk, gc,
-                  chunks, has_res, has_bias, has_mask):
+                  chunks, has_res, has_bias, has_mask, evict_first):
     """Over the ``[rows, n_local / m, m]`` view, ``gc`` selected groups per load: batch 1
     multiplies the 3-D tile elementwise; a batch flattens it for the tensor cores."""
     act_refs, ids_ref, mask_ref, w_ref, res_ref, b_ref, o_ref = _split_refs(
@@ -107,7 +108,8 @@ def _group_kernel(*refs, n_act, load_act, B, Bp, m, n_groups, d_out, n_local, la
         if layers > 1:
             gid = jnp.where(vg, gid - layer * (n_local // m), 0)
         w = plgpu.load(w_ref.at[w_rows[:, None, None], gid[None, :, None], lane[None, None, :]],
-                       mask=rm[:, None, None] & valid[None], other=0)
+                       mask=rm[:, None, None] & valid[None], other=0,
+                       eviction_policy=evict_hint(evict_first))
         if Bp > 1:
             return acc + mma(a, w.reshape(bk, gc * m), trans_b=True)
         prod = w.astype(jnp.float32) * a[None]
@@ -140,7 +142,7 @@ def gather_cols_matvec(act_args: Sequence[jax.Array], load_act: Callable, w: jax
                        residual: jax.Array | None = None,
                        bias: jax.Array | None = None, layers: int = 1,
                        group_view: bool = False, id_mask: jax.Array | None = None,
-                       interpret: bool = False) -> jax.Array:
+                       interpret: bool = False, evict_first: bool = False) -> jax.Array:
     """``residual + a @ W[:, cols].T + bias`` as fp32 ``[B, d_out]`` for ``w [d_out, n]``.
 
     Args:
@@ -161,6 +163,7 @@ def gather_cols_matvec(act_args: Sequence[jax.Array], load_act: Callable, w: jax
         ``load_act`` then gets ``[groups, cols_per_id]`` columns.
       id_mask: optional ``[K]`` int32 or bool: the ids whose entry is 0 are skipped, their
         columns not read (a GQA group's unselected query heads).
+      evict_first: load the weight with L2's evict-first hint (read once a token).
     """
     if w.shape[0] % layers:
         raise ValueError(f"{layers} layers must divide the weight's {w.shape[0]} rows")
@@ -178,7 +181,8 @@ def gather_cols_matvec(act_args: Sequence[jax.Array], load_act: Callable, w: jax
                          f"{tuple(residual.shape)}")
     common = dict(n_act=len(act_args), load_act=load_act, m=m, d_out=d_out,
                   n_local=w.shape[1], layers=layers, bk=bk, has_res=residual is not None,
-                  has_bias=bias is not None, has_mask=id_mask is not None)
+                  has_bias=bias is not None, has_mask=id_mask is not None,
+                  evict_first=bool(evict_first))
     if group_view:
         if not is_pow2(m) or m > block_cols:
             raise ValueError(f"group_view needs a power-of-two cols_per_id <= block_cols, "

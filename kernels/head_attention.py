@@ -82,6 +82,8 @@ class AttnConfig:
     attn_target_programs: int | None = None  # flash-decoding grid, B x heads x splits
                                              # (None: 4 per SM)
     out_num_warps: int | None = None       # the out-projection's warps (None: num_warps)
+    evict_first: bool = False              # q/k/v and out-projection weights loaded with
+                                           # L2's evict-first hint
 
     def stages(self, B: int) -> int:
         """Pipeline stages of the projection launches for batch B (`num_stages`)."""
@@ -1008,7 +1010,8 @@ def head_sparse_attention_pallas(x, wq, bq, wk, bk, wv, bv, wo, bo, k_cache, v_c
         chunks = balanced_chunks(cdiv(d, bd), tiles // (cfg.target_programs or 8 * sm_count()))
     qp, kp, vp, *extras = gather_matvec(
         x, segs + list(extra_segments), block_rows=bk_rows, block_d=bd, d_chunks=chunks,
-        num_warps=cfg.num_warps, num_stages=cfg.stages(B), interpret=interpret)
+        num_warps=cfg.num_warps, num_stages=cfg.stages(B), interpret=interpret,
+        evict_first=cfg.evict_first)
     flat = lambda t: None if t is None else t.reshape(-1)
     biases = dict(bq=flat(bq), bk=flat(bk), bv=flat(bv))
     cos = sin = None
@@ -1072,7 +1075,8 @@ def head_sparse_attention_pallas(x, wq, bq, wk, bk, wv, bv, wo, bo, k_cache, v_c
                              num_stages=cfg.stages(B),
                              residual=residual, bias=bo,
                              group_view=per_id <= out_cols and is_pow2(per_id),
-                             id_mask=id_mask, interpret=interpret)
+                             id_mask=id_mask, interpret=interpret,
+                             evict_first=cfg.evict_first)
     if residual is None:
         out = out.astype(x.dtype)
     return ((out, k_cache, v_cache) + tuple(written)

@@ -189,8 +189,9 @@ def test_threshold_check_decodes_a_capped_batch_through_the_kernels(monkeypatch)
 
 def test_switches_check_runs_each_switch_against_its_reference(tmp_path):
     """Check 8 runs the input-sparse GEMV with its column blocks first and the evict-first
-    hint, the residual added in the launch and from partials, and the MLP pair with the
-    hint, each within the tolerance of its jnp reference (interpreted)."""
+    hint, the residual added in the launch and from partials, and the MLP pair and
+    head-sparse attention with the hint, each within the tolerance of its jnp reference
+    (interpreted)."""
     import json
     code = kernel_parity.main(["--impl", "interpret", "--checks", "switches", "--out",
                                str(tmp_path)])
@@ -201,4 +202,6 @@ def test_switches_check_runs_each_switch_against_its_reference(tmp_path):
     assert all(r["columns_first"] and r["evict_first"] for r in gemv)
     assert {(r["B"], r["gated"]) for r in rows if r["kernel"] == "sparse_mlp"} == {
         (1, False), (3, True)}
+    assert {(r["B"], r["n_kv"]) for r in rows if r["kernel"] == "head_sparse_attention"} == {
+        (1, 8), (3, 4)}
     assert all(0 <= r["logits"] < 1e-4 for r in rows)

@@ -82,6 +82,8 @@ MLP_CASES = [  # B, d, F, K, dtype, activation, gated, biases, config
     (1, 96, 200, 37, F32, "gelu_tanh", True, False, None),            # Gemma's GeGLU
     (1, 96, 200, 37, F32, "relu", False, True,                        # odd blocks, batch 1
      MLPConfig(fc1_block_d=32, fc1_d_chunks=2, fc2_block_d=32, fc2_row_blocks=3)),
+    (1, 96, 384, 37, BF16, "relu", False, True, MLPConfig(evict_first=True)),
+    (3, 96, 384, 37, F32, "silu", True, False, MLPConfig(evict_first=True)),
 ]
 
 
@@ -321,6 +323,23 @@ def test_head_sparse_attention_matches_numpy(rng, impl, B, d, H, n_kv, hd, S, Kh
         assert np.isnan(got[poisoned]).all()
         values = keep & ~poisoned
         np.testing.assert_array_equal(got[values], want[values])
+
+
+@pytest.mark.parametrize("B,n_kv,dtype", [(1, 6, BF16), (3, 2, F32)])
+def test_head_sparse_attention_evict_hint_matches_numpy(rng, B, n_kv, dtype):
+    """The evict-first hint on the q/k/v and out-projection weight loads
+    (`AttnConfig.evict_first`) changes how the weights stream, not the result."""
+    d, H, hd, S, Kh, pos = 96, 6, 16, 40, max(1, n_kv // 2), 21
+    hidx, arrs = _attn_inputs(rng, B, d, H, n_kv, hd, S, Kh, pos, dtype, True)
+    ref, rk, rv = _np_attention(*arrs, pos, hidx, None, None, None)
+    c = lambda a: jnp.asarray(a, dtype)
+    out, k2, v2 = head_sparse_attention(*(c(a) for a in arrs), jnp.int32(pos),
+                                        jnp.asarray(hidx), impl="interpret",
+                                        config=AttnConfig(evict_first=True))
+    assert out.shape == (B, d) and _rel(out, ref) < _tol(dtype)
+    for got, want in ((k2, rk), (v2, rv)):
+        assert_finite_close(np.asarray(got, np.float64)[:, hidx, pos], want[:, hidx, pos],
+                            rtol=_tol(dtype), atol=_tol(dtype))
 
 
 @pytest.mark.parametrize("softcap", [None, 0.5])

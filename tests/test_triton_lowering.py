@@ -56,6 +56,27 @@ def triton_launch_sites(text):
     return sites
 
 
+def triton_kernels_ir(text):
+    """[(kernel name, its Triton IR as text)] of the Triton launches in lowered text: the
+    launch's bytecode attribute unescaped and parsed with the Triton dialect."""
+    from jax._src.lib import triton
+    from jax._src.lib.mlir import ir
+    ctx = ir.Context()
+    triton.dialect.register_dialect(ctx)
+    kernels_ir = []
+    for line in text.splitlines():
+        if "@__gpu$xla.gpu.triton" not in line:
+            continue
+        escaped = re.search(r'\bir = "((?:[^"\\]|\\.)*)"', line)[1]
+        code = re.sub(rb"\\([0-9A-Fa-f]{2}|\\|\")",
+                      lambda m: bytes([int(m[1], 16)]) if len(m[1]) == 2 else m[1],
+                      escaped.encode("latin-1"))
+        with ctx:
+            kernels_ir.append((re.search(r'\bname = "([^"]+)"', line)[1],
+                               str(ir.Module.parse(code))))
+    return kernels_ir
+
+
 def z(*shape, dtype=BF16):
     return jnp.zeros(shape, dtype)
 
@@ -268,6 +289,58 @@ def test_dense_decode_step_lowers(preset, monkeypatch):
     text = lowers(lambda p, s, t: model.decode_step_fn(config, p, s, t), params, state,
                   jnp.zeros((1,), jnp.int32))
     assert triton_launch_sites(text) == {"layer_norm": 2}
+
+
+def evict_first_loads(text):
+    """{kernel name: its loads with the evict-first hint} in lowered text."""
+    counts = {}
+    for name, code in triton_kernels_ir(text):
+        counts[name] = counts.get(name, 0) + code.count("evictionPolicy = evict_first")
+    return counts
+
+
+@pytest.mark.parametrize("B,masked", [(1, False), (3, True)])
+def test_attention_evict_hint_reaches_the_weight_loads(B, masked):
+    """`AttnConfig.evict_first` marks the q/k/v projection's and the out-projection's
+    weight loads (not the attention's cache reads), and only when set."""
+    d, H, n_kv, hd, S = 512, 8, 4, 64, 64
+    w = [z(H, hd, d), z(H, hd), z(n_kv, hd, d), z(n_kv, hd), z(n_kv, hd, d), z(n_kv, hd),
+         z(d, H, hd), z(d)]
+    head_mask = jnp.asarray([[True, False], [True, True]]) if masked else None
+    hints = []
+    for evict in (False, True):
+        fn = functools.partial(kernels.head_sparse_attention, impl="pallas",
+                               head_mask=head_mask, config=kernels.AttnConfig(evict_first=evict))
+        hints.append(evict_first_loads(lowers(
+            fn, z(B, d), *w, z(B, n_kv, S, hd), z(B, n_kv, S, hd), jnp.int32(9),
+            jnp.asarray([0, 2], jnp.int32))))
+    assert set(hints[0].values()) == {0}
+    assert hints[1]["head_sparse_decode_attention"] == 0
+    assert hints[1]["gather_matvec"] >= 3 and hints[1]["gather_cols_matvec"] >= 1
+
+
+@pytest.mark.parametrize("gated", [False, True])
+def test_mlp_evict_hint_reaches_the_weight_loads(gated):
+    """`MLPConfig.evict_first` marks fc1's (and the gate's) and fc2's row loads."""
+    d, F, K = 576, 1536, 200
+    args = [z(1, d), z(F, d), z(F), z(F, d), z(d), jnp.arange(K, dtype=jnp.int32),
+            z(F, d) if gated else None]
+    hints = [evict_first_loads(lowers(lambda *a: kernels.sparse_mlp(
+        *a[:6], w_gate=a[6], activation="silu", impl="pallas",
+        config=kernels.MLPConfig(evict_first=evict)), *args)) for evict in (False, True)]
+    assert hints[0] and set(hints[0].values()) == {0}
+    assert hints[1]["gather_matvec"] == (2 if gated else 1)   # fc1's rows (and the gate's)
+    assert hints[1]["gather_matvec_t"] >= 1                   # fc2's rows
+
+
+def test_input_sparse_gemv_loads_with_the_evict_hint_by_default():
+    """The input-sparse GEMV's measured default: its weight rows carry the hint."""
+    from dejavu_jax.kernels.threshold_matvec import threshold_matvec
+    d, F = 1536, 8960
+    on, off = (evict_first_loads(lowers(
+        lambda x, w: threshold_matvec(x, w, jnp.float32(0.1), impl="pallas", **kw),
+        z(1, d), z(d, F))) for kw in ({}, {"evict_first": False}))
+    assert sum(on.values()) >= 1 and sum(off.values()) == 0
 
 
 @pytest.mark.parametrize("B", [1, 3])
