@@ -601,7 +601,7 @@ def _threshold_layer_kernels(config, scfg, view, io: _LayerIO, layer, x, step, t
     from dejavu_jax import activation_sparsity as act
     from dejavu_jax.kernels.threshold_matvec import (ThresholdConfig, row_masked_matvec,
                                                      threshold_matvec, threshold_matvecs)
-    from dejavu_jax.model import cache_layer, cached_attention, write_kv
+    from dejavu_jax.model import cached_attention, write_kv
     impl, eps = scfg.impl, config.norm_eps
     blocks = scfg.threshold_blocks or ThresholdConfig()
     by_site = {act.QKV: blocks.qkv, act.O: blocks.o, act.GATE_UP: blocks.gate_up,
@@ -622,11 +622,14 @@ def _threshold_layer_kernels(config, scfg, view, io: _LayerIO, layer, x, step, t
     x = x.astype(F32)
     y = ops.norm_input(x, lp.attn_norm_scale, lp.attn_norm_bias, eps)
     qkv = threshold_matvec(y, weight("wqkv_t"), **at(act.QKV), impl=impl)
-    q, k, v = ops.finish_qkv(config, lp, qkv, step["positions"], layer)
-    k_all = write_kv(io.k, layer, step["slot"], k)
-    v_all = write_kv(io.v, layer, step["slot"], v)
-    heads = cached_attention(config, q, cache_layer(k_all, layer), cache_layer(v_all, layer),
-                             layer_valid(config, layer, step)).reshape(B, -1)
+    if blocks.attention_kernel:
+        heads, io = _every_head_attention(config, scfg, view, io, layer, qkv, step)
+    else:
+        q, k, v = ops.finish_qkv(config, lp, qkv, step["positions"], layer)
+        io = io.replace(k=write_kv(io.k, layer, step["slot"], k),
+                        v=write_kv(io.v, layer, step["slot"], v))
+        heads = cached_attention(config, q, cache_layer(io.k, layer), cache_layer(io.v, layer),
+                                 layer_valid(config, layer, step)).reshape(B, -1)
     if lp.post_attn_norm_scale is None:
         h = threshold_matvec(heads, weight("wo_t"), **at(act.O), residual=x, bias=lp.bo,
                              impl=impl)
@@ -662,7 +665,47 @@ def _threshold_layer_kernels(config, scfg, view, io: _LayerIO, layer, x, step, t
         mlp_out = threshold_matvec(hidden, weight("w_out_t"), **at(act.DOWN), bias=lp.b_out,
                                    impl=impl)
         out = h + ops.norm(mlp_out, lp.post_mlp_norm_scale, None, eps)
-    return out, _all_written(config, io.replace(k=k_all, v=v_all), layer, step)
+    return out, _all_written(config, io, layer, step)
+
+
+def _every_head_attention(config, scfg, view, io: _LayerIO, layer, qkv, step):
+    """(every head's attention output [B, H * hd] fp32, io) from the raw q/k/v
+    projections `qkv` [B, (H + 2 Hk) * hd] fp32, through the decode-attention kernel over
+    every KV group: each program finishes its group's q/k/v from `qkv` in place (biases,
+    rotary embedding; q/k norms first finish in XLA), attends to the cache and writes this
+    token's k/v, so no XLA op slices, rotates or writes per layer."""
+    from dejavu_jax.kernels._common import resolve_impl, sm_count
+    from dejavu_jax.kernels.head_attention import decode_attention, merge_splits
+    B = qkv.shape[0]
+    H, Hk, hd = config.n_heads, config.n_kv_heads, config.head_dim
+    k_in, v_in, head_idx = _kernel_caches(config, view, io, layer,
+                                          jnp.arange(Hk, dtype=jnp.int32))
+    cfg = scfg.attn_config or kernels.AttnConfig()
+    if config.qk_norm:  # finished (and q scaled) before the kernel
+        q, k, v = ops.finish_qkv(config, view.lp, qkv, step["positions"], layer)
+        parts = tuple(t.reshape(1, B, -1) for t in (q, k, v))
+        opts = dict(scale=1.0)
+    else:
+        parts = (qkv[None],) * 3
+
+        def flat(name):  # the biases over every layer when stacked (ids hold the layer)
+            w = view.flat[name]
+            return None if w is None else w.reshape(-1)
+        opts = dict(bq=flat("bq"), bk=flat("bk"), bv=flat("bv"),
+                    scale=config.attention_scale, columns=(0, H * hd, (H + Hk) * hd))
+        if config.rotary:
+            opts.update(zip(("cos", "sin"), (
+                jnp.broadcast_to(t.astype(F32), (B, hd))
+                for t in ops.layer_rope_tables(config, step["positions"], layer))))
+    o, m, l, k_out, v_out = decode_attention(
+        *parts, head_idx, jnp.asarray(step["slot"], jnp.int32).reshape(1), k_in, v_in,
+        group=config.group_size, kv_mask=_attended_slots(config, layer, step),
+        block_s=cfg.block_s, seq_splits=cfg.seq_splits,
+        target_programs=cfg.attn_target_programs or 4 * sm_count(),
+        num_warps=cfg.attn_num_warps, interpret=resolve_impl(scfg.impl) == "interpret",
+        softcap=config.attn_logit_softcap, **opts)
+    heads = merge_splits(o, m, l).reshape(B, H * hd)
+    return heads, _with_kernel_caches(view, io, layer, k_out, v_out)
 
 
 def _all_written(config, io: _LayerIO, layer, step) -> _LayerIO:

@@ -243,17 +243,27 @@ def time_threshold_variants(log, timed, shapes, sparsities=(0.0, 0.5)) -> list[d
 def with_settings(config: ThresholdConfig, spec: str) -> ThresholdConfig:
     """`config` with ``SITE.FIELD=VALUE`` settings (comma-separated) replaced, e.g.
     ``"down.row_blocks=8,down.num_stages=4,o.evict_first=1"``; integers (0 or 1 for the
-    switches), or ``None`` for row_blocks."""
-    sites = tuple(f.name for f in dataclasses.fields(ThresholdConfig))
+    switches), or ``None`` for row_blocks; and the layer-wide switches as ``FIELD=0|1``
+    (``attention_kernel=0``)."""
+    sites = tuple(f.name for f in dataclasses.fields(ThresholdConfig)
+                  if isinstance(f.default, ThresholdBlocks))
+    layer_switches = tuple(f.name for f in dataclasses.fields(ThresholdConfig)
+                           if isinstance(f.default, bool))
     fields = {f.name for f in dataclasses.fields(ThresholdBlocks)}
     switches = {f.name for f in dataclasses.fields(ThresholdBlocks)
                 if isinstance(f.default, bool)}
     for item in filter(None, (p.strip() for p in spec.split(","))):
         name, sep, value = (part.strip() for part in item.partition("="))
+        if sep and name in layer_switches:
+            if value not in ("0", "1"):
+                raise ValueError(f"{item!r}: {name} is 0 or 1, not {value!r}")
+            config = dataclasses.replace(config, **{name: value == "1"})
+            continue
         site, dot, field = name.partition(".")
         if not sep or not dot or site not in sites or field not in fields:
             raise ValueError(f"{item!r} is not SITE.FIELD=VALUE (SITE one of {sites}, FIELD "
-                             f"one of {sorted(fields)})")
+                             f"one of {sorted(fields)}) or SWITCH=0|1 (one of "
+                             f"{layer_switches})")
         if value == "None" and field == "row_blocks":
             number = None
         elif field in switches:
@@ -395,7 +405,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--block-variants", default="",
                    help="kernel block settings to time each level under, besides the "
                         "defaults: NAME:SITE.FIELD=VALUE,...;NAME:... (SITE qkv, o, gate_up, "
-                        "down; FIELD of kernels.ThresholdBlocks)")
+                        "down; FIELD of kernels.ThresholdBlocks), or NAME:attention_kernel=0")
     p.add_argument("--layouts", type=cli.choice_list(LAYOUTS), default=("unrolled",),
                    help="the threshold rows' weight layouts, a comma list of unrolled "
                         "(per-layer buffers) and stacked (lax.scan over stacked weights)")

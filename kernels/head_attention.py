@@ -458,7 +458,7 @@ def head_sparse_attention_reference(x, wq, bq, wk, bk, wv, bv, wo, bo, k_cache, 
 
 def _decode_attention_kernel(*refs, nds, has_bq, has_bk, has_bv, has_rope, has_mask, G, Gp,
                              hd, hdp, L, bs, scale, Kh, W, Wp, bitmap, has_hmask, row_hmask,
-                             softcap):
+                             softcap, columns):
     # W > 0: a missing-KV window. Grid axis 1 then runs over Kh selected + R refresh heads;
     # a refresh head's programs only write its needed window entries. bitmap: the needed
     # entries come from the written bitmap (read, then set, per program's cache split).
@@ -544,10 +544,13 @@ def _decode_attention_kernel(*refs, nds, has_bq, has_bk, has_bv, has_rope, has_m
                 t = t * cs[None, :] + tr * (sign * sn)[None, :]
         return t
 
-    q = project(qp_ref, bq_ref, gq * (G * hd), hidx_ref[gq] * (G * hd), True, vec,
+    q_col, k_col, v_col = columns
+    q = project(qp_ref, bq_ref, q_col + gq * (G * hd), hidx_ref[gq] * (G * hd), True, vec,
                 heads=qrows if has_hmask else None) * scale
-    kn = project(kp_ref, bk_ref, g * hd, hv * hd, True, True, kv_b).astype(kout_ref.dtype)
-    vn = project(vp_ref, bv_ref, g * hd, hv * hd, False, True, kv_b).astype(vout_ref.dtype)
+    kn = project(kp_ref, bk_ref, k_col + g * hd, hv * hd, True, True,
+                 kv_b).astype(kout_ref.dtype)
+    vn = project(vp_ref, bv_ref, v_col + g * hd, hv * hd, False, True,
+                 kv_b).astype(vout_ref.dtype)
 
     # -- the window's needed entries in this split: finish, write, attend to ------------
     if W:
@@ -708,7 +711,7 @@ def decode_attention(qp, kp, vp, head_idx, pos, k_cache, v_cache, *, group, bq=N
                      bv=None, cos=None, sin=None, kv_mask=None, block_s=64, seq_splits=None,
                      target_programs=None, num_warps=4, batch=None,
                      window: KVWindow | None = None, interpret=False, scale=None,
-                     head_mask=None, softcap=None):
+                     head_mask=None, softcap=None, columns=(0, 0, 0)):
     """Flash-decoding over the selected KV heads, writing the new k/v rows in place.
 
     Args:
@@ -722,6 +725,8 @@ def decode_attention(qp, kp, vp, head_idx, pos, k_cache, v_cache, *, group, bq=N
       batch: rows B to attend for (default: q's partials' row count).
       scale: the attention logits' scale (default ``hd ** -0.5``).
       softcap: the scaled logits become ``softcap * tanh(logits / softcap)`` (Gemma 2).
+      columns: where q's, k's and v's rows start among the partials' columns, so that
+        one array of every head's q, k and v (in that order) may be passed three times.
       head_mask: optional ``[Kh, group]`` query heads to compute (see
         :func:`head_sparse_attention`): a group with none reads and writes no cache entry;
         the other heads' outputs are left for the out-projection to skip. Per row,
@@ -762,7 +767,10 @@ def decode_attention(qp, kp, vp, head_idx, pos, k_cache, v_cache, *, group, bq=N
         scale=float(hd) ** -0.5 if scale is None else float(scale), Kh=Kh, W=W,
         Wp=max(16, next_pow2(W)), bitmap=bitmap, has_hmask=head_mask is not None,
         row_hmask=head_mask is not None and head_mask.ndim == 3,
-        softcap=None if softcap is None else float(softcap))
+        softcap=None if softcap is None else float(softcap),
+        columns=tuple(int(c) for c in columns))
+    if window is not None and any(columns):
+        raise ValueError("a missing-KV window's K/V partials start at column 0")
     args = [qp, kp, vp]
     if window is not None:
         args.append(jnp.asarray(window.current, jnp.int32).reshape(1))

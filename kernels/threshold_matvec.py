@@ -69,11 +69,14 @@ class ThresholdConfig:
     the out-projection, the gate (with input-major up weights, the gate and up in one
     launch) and the down projection. The down projection's long split-k takes up to 8
     blocks a program in a loop Triton pipelines 4 deep, measured faster
-    (docs/activation-sparsity.md)."""
+    (docs/activation-sparsity.md). attention_kernel: the layer's attention (q/k/v
+    finishing, rotary embedding, the cache write and the attention itself) in the
+    decode-attention kernel's one launch, else in XLA's ops."""
     qkv: ThresholdBlocks = ThresholdBlocks()
     o: ThresholdBlocks = ThresholdBlocks()
     gate_up: ThresholdBlocks = ThresholdBlocks()
     down: ThresholdBlocks = ThresholdBlocks(max_row_blocks=8, num_stages=4)
+    attention_kernel: bool = True
 
 
 def threshold_matvec_reference(x, w_t, threshold, *, residual=None, bias=None):

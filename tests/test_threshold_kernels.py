@@ -239,7 +239,11 @@ def test_block_settings_parse_and_refuse_bad_ones():
     switched = with_settings(cfg, "o.evict_first=1,down.residual_atomics=0")
     assert switched.o.evict_first is True and switched.down.residual_atomics is False
     assert switched.qkv == ThresholdBlocks()
-    for bad, match in (("mlp.row_blocks=8", "SITE.FIELD"), ("down.rows=8", "SITE.FIELD"),
+    assert ThresholdConfig().attention_kernel is True
+    xla = with_settings(cfg, "attention_kernel=0")
+    assert xla.attention_kernel is False and xla.down == cfg.down and xla.o == cfg.o
+    for bad, match in (("attention_kernel=2", "0 or 1"), ("attention_kernel.x=1", "SWITCH"),
+                       ("mlp.row_blocks=8", "SITE.FIELD"), ("down.rows=8", "SITE.FIELD"),
                        ("down.row_blocks", "SITE.FIELD"), ("down.row_blocks=x", "'x'"),
                        ("down.num_stages=None", "'None'"), ("down.block_n=300", "powers of 2"),
                        ("o.row_blocks=0", "at least 1"), ("o.max_row_blocks=0", "at least 1"),
