@@ -350,7 +350,7 @@ def _offset_sets(sets, layer, n_neurons: int, n_heads: int):
 
 
 _KERNEL_WEIGHTS = ("wq", "bq", "wk", "bk", "wv", "bv", "wo", "w_in", "b_in", "w_gate", "w_out_t",
-                   "wqkv_t", "wo_t", "w_gate_t", "w_in_t")
+                   "wqkv_t", "wo_t", "w_gate_t", "w_in_t", "gate_weight")
 
 
 def _layer_view(params: ModelParams, layer) -> _LayerView:
@@ -599,6 +599,7 @@ def _threshold_layer_kernels(config, scfg, view, io: _LayerIO, layer, x, step, t
     either would be a copy per launch); the input-sparse GEMVs' block settings come from
     `scfg.threshold_blocks`."""
     from dejavu_jax import activation_sparsity as act
+    from dejavu_jax.kernels.gated_hidden import gated_hidden
     from dejavu_jax.kernels.threshold_matvec import (ThresholdConfig, row_masked_matvec,
                                                      threshold_matvec, threshold_matvecs)
     from dejavu_jax.model import cached_attention, write_kv
@@ -613,12 +614,13 @@ def _threshold_layer_kernels(config, scfg, view, io: _LayerIO, layer, x, step, t
     def weight(name):  # stacked: every layer's rows, this layer's read in place
         return view.flat[name] if stacked else getattr(lp, name)
 
-    def at(site):
-        settings = by_site[site].kwargs()
+    def table_at(site):  # where the kernels read the site's threshold
         if stacked:
-            return dict(threshold=table, threshold_index=site, layer=layer, **settings)
-        return dict(threshold=table, threshold_index=int(layer) * table.shape[1] + site,
-                    **settings)
+            return dict(threshold=table, threshold_index=site, layer=layer)
+        return dict(threshold=table, threshold_index=int(layer) * table.shape[1] + site)
+
+    def at(site):
+        return dict(table_at(site), **by_site[site].kwargs())
     x = x.astype(F32)
     y = ops.norm_input(x, lp.attn_norm_scale, lp.attn_norm_bias, eps)
     qkv = threshold_matvec(y, weight("wqkv_t"), **at(act.QKV), impl=impl)
@@ -637,27 +639,38 @@ def _threshold_layer_kernels(config, scfg, view, io: _LayerIO, layer, x, step, t
         out = threshold_matvec(heads, weight("wo_t"), **at(act.O), bias=lp.bo, impl=impl)
         h = x + ops.norm(out, lp.post_attn_norm_scale, None, eps)
     ym = ops.norm_input(h, lp.mlp_norm_scale, lp.mlp_norm_bias, eps)
-    if lp.w_in_t is not None and lp.w_gate_t is not None:
-        gate, up = threshold_matvecs(ym, [weight("w_gate_t"), weight("w_in_t")],
-                                     **at(act.GATE_UP), impl=impl)
-        gate = ops.activation(config.activation, gate)
-        up = ops.add_bias(up, lp.b_in)
-    elif lp.w_in_t is not None:
-        up = ops.add_bias(threshold_matvec(ym, weight("w_in_t"), **at(act.GATE_UP),
-                                           impl=impl), lp.b_in)
-    elif lp.w_gate_t is not None:
-        gate = ops.activation(config.activation,
-                              threshold_matvec(ym, weight("w_gate_t"), **at(act.GATE_UP),
-                                               impl=impl))
-    if lp.w_gate_t is not None:
+    both = lp.w_in_t is not None and lp.w_gate_t is not None
+
+    def hidden_units():  # [B, F] fp32, finished in XLA's ops
+        if both:
+            gate, up = threshold_matvecs(ym, [weight("w_gate_t"), weight("w_in_t")],
+                                         **at(act.GATE_UP), impl=impl)
+            gate = ops.activation(config.activation, gate)
+            up = ops.add_bias(up, lp.b_in)
+        elif lp.w_in_t is not None:
+            up = ops.add_bias(threshold_matvec(ym, weight("w_in_t"), **at(act.GATE_UP),
+                                               impl=impl), lp.b_in)
+        elif lp.w_gate_t is not None:
+            gate = ops.activation(config.activation,
+                                  threshold_matvec(ym, weight("w_gate_t"), **at(act.GATE_UP),
+                                                   impl=impl))
+        if lp.w_gate_t is None:
+            return ops.activation(config.activation, up)
         neurons = act.gate_magnitude(lp, gate) > t[act.GATE]
         if lp.w_in_t is None:  # the gate site's layout: whole rows of the kept neurons
             up = ops.add_bias(row_masked_matvec(
                 act.sparse_input(ym, t[act.GATE_UP]), weight("w_in"), neurons,
                 layer=layer if stacked else None, impl=impl), lp.b_in)
-        hidden = jnp.where(neurons, gate * up, 0.0)
+        return jnp.where(neurons, gate * up, 0.0)
+
+    if both and blocks.gated_kernel:  # the partials summed, the units finished: one launch
+        parts = threshold_matvecs(ym, [weight("w_gate_t"), weight("w_in_t")],
+                                  **at(act.GATE_UP), partials=True, impl=impl)
+        hidden = gated_hidden(*parts, **table_at(act.GATE), activation=config.activation,
+                              b_in=weight("b_in"), gate_weight=weight("gate_weight"),
+                              impl=impl)
     else:
-        hidden = ops.activation(config.activation, up)
+        hidden = hidden_units()
     if lp.post_mlp_norm_scale is None:
         out = threshold_matvec(hidden, weight("w_out_t"), **at(act.DOWN), residual=h,
                                bias=lp.b_out, impl=impl)

@@ -41,9 +41,11 @@
    weights, thresholds dropping about 40% of every site) on tiny Llama (the up projection
    by the gate's neuron rows), OPT, Gemma 3 (post-norms) and, two rows, Gemma 2 (capped
    attention logits), per-layer buffers, and tiny Llama and OPT over stacked weights
-   (each layer's rows read in place under `lax.scan`): logits and K cache against the jnp
-   computation on the usual weights; and the two kernels alone, one row and three,
-   against their references.
+   (each layer's rows read in place under `lax.scan`), the attention in the
+   decode-attention kernel and a gated MLP's units in `kernels.gated_hidden`: logits and
+   K cache against the jnp computation on the usual weights; and the kernels alone (the
+   input-sparse and row-masked GEMVs, the unit finish over a stacked layer's bias, gate
+   weights and threshold), one row and three, against their references.
 8. ("switches") The load switches of the input-sparse GEMV (column blocks first, the
    evict-first hint, the residual from partials), of the sparse MLP pair and of
    head-sparse attention (the evict-first hint) against their references.
@@ -606,6 +608,7 @@ def _threshold_decode_rows(impl: str, steps: int, cases) -> list[dict]:
 
 
 def _threshold_kernel_rows(impl: str) -> list[dict]:
+    from dejavu_jax.kernels.gated_hidden import gated_hidden
     from dejavu_jax.kernels.threshold_matvec import (row_masked_matvec, threshold_matvec,
                                                      threshold_matvecs)
     rng = np.random.default_rng(9)
@@ -636,6 +639,19 @@ def _threshold_kernel_rows(impl: str) -> list[dict]:
         rows.append(dict(check="threshold", kernel="threshold_matvecs", B=B, K=K, N=N,
                          logits=max(float(jnp.abs(g - r).max()) for g, r in zip(got, ref)),
                          k_cache=0.0))
+        # a gated MLP's units from the gate's and up's partials of one launch (stacked: the
+        # layer's bias, gate weights and threshold read in place)
+        table = jnp.asarray([[0.0, 0.0, 0.0, 0.05, 0.0], [0.0, 0.0, 0.0, 0.1, 0.0]])
+        bias, gw = (jnp.asarray(rng.uniform(lo, 2, (2, N)), jnp.float32) for lo in (-2, 0.2))
+        parts = threshold_matvecs(x, [w, w], t, impl=impl, partials=True)
+        parts = (parts[0], parts[1] * 0.5 + 0.1)
+        got, ref = (jax.jit(functools.partial(gated_hidden, activation="silu", impl=i,
+                                              threshold_index=3))(
+            *parts, table, b_in=bias, gate_weight=gw, layer=jnp.int32(1))
+            for i in (impl, "reference"))
+        rows.append(dict(check="threshold", kernel="gated_hidden", B=B, K=K, N=N,
+                         kept=float((ref != 0).mean()),
+                         logits=float(jnp.abs(got - ref).max()), k_cache=0.0))
     return rows
 
 

@@ -71,12 +71,15 @@ class ThresholdConfig:
     blocks a program in a loop Triton pipelines 4 deep, measured faster
     (docs/activation-sparsity.md). attention_kernel: the layer's attention (q/k/v
     finishing, rotary embedding, the cache write and the attention itself) in the
-    decode-attention kernel's one launch, else in XLA's ops."""
+    decode-attention kernel's one launch, else in XLA's ops; gated_kernel: a gated MLP's
+    hidden units (the gate and up partials' sums, the activation, the gate threshold, the
+    product) in one launch (`kernels.gated_hidden`), else in XLA's ops."""
     qkv: ThresholdBlocks = ThresholdBlocks()
     o: ThresholdBlocks = ThresholdBlocks()
     gate_up: ThresholdBlocks = ThresholdBlocks()
     down: ThresholdBlocks = ThresholdBlocks(max_row_blocks=8, num_stages=4)
     attention_kernel: bool = True
+    gated_kernel: bool = True
 
 
 def threshold_matvec_reference(x, w_t, threshold, *, residual=None, bias=None):
@@ -310,17 +313,20 @@ def threshold_matvec(x, w_t, threshold, *, residual=None, bias=None, block_rows=
 def threshold_matvecs(x, w_ts, threshold, *, block_rows=16, block_n=512, row_blocks=None,
                       max_row_blocks=4, num_warps=4, num_stages=2, evict_first=True,
                       columns_first=False, residual_atomics=True, threshold_index=0,
-                      layer=None, impl=None) -> list:
+                      layer=None, partials=False, impl=None) -> list:
     """:func:`threshold_matvec` of one masked ``x`` by several matrices (a gated MLP's gate
     and up projections) in one launch: fp32 ``[B, N_i]`` per ``w_ts[i] [K, N_i]`` (with
     ``layer``, every layer's rows ``[L * K, N_i]``, as in :func:`threshold_matvec`; the
-    block settings as there, residual_atomics unused: there is no residual)."""
+    block settings as there, residual_atomics unused: there is no residual). partials:
+    each product's split-k fp32 partials ``[n, B, N_i]`` unsummed (``n`` 1 on the
+    reference path), for a consumer that sums them in its own launch."""
     _check_inputs(x, w_ts, block_rows, block_n, layer, threshold)
     impl = resolve_impl(impl)
     if impl == "reference":
         t = _threshold_value(threshold, threshold_index, layer)
-        return [threshold_matvec_reference(x, _layer_rows(w_t, layer, x.shape[1]), t)
+        outs = [threshold_matvec_reference(x, _layer_rows(w_t, layer, x.shape[1]), t)
                 for w_t in w_ts]
+        return [out[None] for out in outs] if partials else outs
     parts = [threshold_matvec_part(x, w_t, threshold, block_rows=block_rows,
                                    block_n=block_n, row_blocks=row_blocks,
                                    max_row_blocks=max_row_blocks,
@@ -329,7 +335,7 @@ def threshold_matvecs(x, w_ts, threshold, *, block_rows=16, block_n=512, row_blo
              for w_t in w_ts]
     outs = launch(parts, num_warps=num_warps, num_stages=num_stages,
                   interpret=impl == "interpret")
-    return [jnp.sum(out, axis=0) for (out,) in outs]
+    return [out if partials else jnp.sum(out, axis=0) for (out,) in outs]
 
 
 def row_masked_matvec_reference(x, w, keep):

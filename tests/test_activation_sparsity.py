@@ -442,10 +442,10 @@ def test_threshold_kernels_take_each_projections_block_settings(monkeypatch, unr
     """`SparseConfig.threshold_blocks` reaches each projection's launch in every layer (a
     looped, pipelined down projection without the evict-first hint, narrow gate/up blocks
     in column-first order, one row block for q/k/v, the out-projection's partials summed
-    into the residual by XLA; over per-layer buffers the attention in XLA's ops, over
-    stacked weights in the decode-attention kernel), over per-layer buffers and under
-    `lax.scan` over stacked weights, and the interpreted step still equals the jnp
-    computation."""
+    into the residual by XLA; over per-layer buffers the attention and the gated units in
+    XLA's ops, over stacked weights in the decode-attention and unit-finish kernels), over
+    per-layer buffers and under `lax.scan` over stacked weights, and the interpreted step
+    still equals the jnp computation."""
     import dataclasses
     from dejavu_jax.eval.bench_thresholds import with_settings
     from dejavu_jax.kernels import ThresholdConfig
@@ -459,7 +459,7 @@ def test_threshold_kernels_take_each_projections_block_settings(monkeypatch, unr
                            "down.row_blocks=8,down.num_stages=3,gate_up.block_rows=32,"
                            "gate_up.block_n=64,qkv.row_blocks=1,o.block_n=64,o.num_warps=2,"
                            "o.residual_atomics=0,down.evict_first=0,gate_up.columns_first=1"
-                           + (",attention_kernel=0" if unrolled else ""))
+                           + (",attention_kernel=0,gated_kernel=0" if unrolled else ""))
     from dejavu_jax.kernels import head_attention
     attention_launches = []
     real_attention = head_attention.decode_attention
@@ -468,6 +468,14 @@ def test_threshold_kernels_take_each_projections_block_settings(monkeypatch, unr
         attention_launches.append(kw["group"])
         return real_attention(*a, **kw)
     monkeypatch.setattr(head_attention, "decode_attention", attention_spy)
+    from dejavu_jax.kernels import gated_hidden as gated_module
+    finishes = []
+    real_finish = gated_module.gated_hidden
+
+    def finish_spy(*a, **kw):
+        finishes.append(kw["activation"])
+        return real_finish(*a, **kw)
+    monkeypatch.setattr(gated_module, "gated_hidden", finish_spy)
     seen = []
     for name in ("threshold_matvec", "threshold_matvecs"):
         real = getattr(module, name)
@@ -502,3 +510,4 @@ def test_threshold_kernels_take_each_projections_block_settings(monkeypatch, unr
     calls = len(seen)
     assert calls == 4 * (config.n_layers if unrolled else 1)   # traced once per layer or scan
     assert attention_launches == ([] if unrolled else [config.group_size])
+    assert finishes == ([] if unrolled else [config.activation])

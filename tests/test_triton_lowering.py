@@ -346,8 +346,9 @@ def test_input_sparse_gemv_loads_with_the_evict_hint_by_default():
 @pytest.mark.parametrize("B", [1, 3])
 def test_threshold_kernels_lower(B):
     """The activation-sparse kernels at Qwen2.5-1.5B's MLP shapes: the input-sparse GEMV
-    (partials and the residual path, also under the block switches) and the row-masked
-    GEMV."""
+    (partials and the residual path, also under the block switches), the row-masked GEMV
+    and the gated MLP's unit finish."""
+    from dejavu_jax.kernels.gated_hidden import gated_hidden
     from dejavu_jax.kernels.threshold_matvec import row_masked_matvec, threshold_matvec
     d, F = 1536, 8960
     t = jnp.float32(0.1)
@@ -356,6 +357,9 @@ def test_threshold_kernels_lower(B):
            z(B, F), z(F, d), z(B, d, dtype=F32), z(d))
     lowers(lambda x, w, k: row_masked_matvec(x, w, k, impl="pallas"), z(B, d), z(F, d),
            jnp.zeros((F,), bool))
+    lowers(lambda g, u, b, w: gated_hidden(g, u, t, activation="silu", b_in=b, gate_weight=w,
+                                           impl="pallas"),
+           z(64, B, F, dtype=F32), z(64, B, F, dtype=F32), z(F), z(F, dtype=F32))
     for atomics in (True, False):  # the block switches
         switched = functools.partial(threshold_matvec, impl="pallas", evict_first=True,
                                      columns_first=True, residual_atomics=atomics)
@@ -384,6 +388,10 @@ def test_threshold_decode_step_lowers(up_rows, unrolled):
     state = jax.eval_shape(lambda: eng.init_state(1, 32, BF16, per_layer=unrolled))
     text = lowers(eng.step, (params, thresholds), state, jnp.zeros((1,), jnp.int32))
     launches = triton_launch_sites(text)
+    # the gate and up's partials finished in one launch where both are input-sparse; the
+    # attention in the decode-attention kernel
+    assert ('name = "gated_hidden"' in text) == (not up_rows)
+    assert 'name = "head_sparse_decode_attention"' in text
     L, d, F = config.n_layers, config.hidden, config.ffn
     # every input-sparse launch reads the whole threshold table, never a slice of it
     calls = [line for line in text.splitlines()

@@ -1,0 +1,127 @@
+"""The hidden units of a gated MLP under input sparsity, finished in one launch.
+
+The gate and up projections of an activation-sparse layer (`threshold_matvec.
+threshold_matvecs`) leave fp32 split-k partials ``[n, B, F]`` each. :func:`gated_hidden`
+sums both, applies the activation to the gate, adds the up projection's bias and keeps a
+unit where ``|act(g)|`` (times the layer's per-neuron gate weight) passes the gate
+threshold: ``h = act(g) * (u + b)`` there, 0 elsewhere. XLA would take three launches
+(two sums and the product); here each program finishes one block of neurons.
+"""
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+from jax.experimental.pallas import triton as plgpu
+
+from ._common import activation_fn, cdiv, check_array, is_pow2, next_pow2, resolve_impl
+from .launch import LaunchPart, launch
+from .threshold_matvec import _check_layer, _layer_arg, _threshold_table, _threshold_value
+
+F32 = jnp.float32
+
+
+def gated_hidden_reference(gate_parts, up_parts, threshold, *, activation, b_in=None,
+                           gate_weight=None, threshold_index=0, layer=None):
+    """jnp reference of :func:`gated_hidden`."""
+    F = gate_parts.shape[-1]
+    g = activation_fn(activation)(jnp.sum(gate_parts.astype(F32), axis=0))
+    u = jnp.sum(up_parts.astype(F32), axis=0)
+    start = 0 if layer is None else jnp.asarray(layer, jnp.int32).reshape(()) * F
+    if b_in is not None:
+        u = u + lax.dynamic_slice_in_dim(b_in.reshape(-1), start, F).astype(F32)
+    mag = jnp.abs(g)
+    if gate_weight is not None:
+        mag = mag * lax.dynamic_slice_in_dim(gate_weight.reshape(-1), start, F).astype(F32)
+    t = _threshold_value(threshold, threshold_index, layer)
+    return jnp.where(mag > t, g * u, 0.0)
+
+
+def _gated_body(pids, g_ref, u_ref, t_ref, *rest, B, Bp, F, bn, n_parts, act, has_bias,
+                has_weight, t_index, t_stride):
+    it = iter(rest)
+    layer = next(it)[0] if t_stride is not None else 0
+    b_ref = next(it) if has_bias else None
+    w_ref = next(it) if has_weight else None
+    o_ref = next(it)
+    j, = pids
+    cols = j * bn + jnp.arange(bn, dtype=jnp.int32)
+    brow = jnp.arange(Bp, dtype=jnp.int32)
+    cm = cols < F
+    m = (brow < B)[:, None] & cm[None, :]
+    at = (brow[:, None], cols[None, :])
+
+    def add(k, acc):
+        g, u = acc
+        return (g + plgpu.load(g_ref.at[(k,) + at], mask=m, other=0.0),
+                u + plgpu.load(u_ref.at[(k,) + at], mask=m, other=0.0))
+
+    zero = jnp.zeros((Bp, bn), F32)
+    g, u = lax.fori_loop(0, n_parts, add, (zero, zero))
+    g = act(g)
+    unit = layer * F + cols   # stacked: this layer's units among every layer's
+    if has_bias:
+        u = u + plgpu.load(b_ref.at[unit], mask=cm, other=0).astype(F32)[None, :]
+    mag = jnp.abs(g)
+    if has_weight:
+        mag = mag * plgpu.load(w_ref.at[unit], mask=cm, other=0).astype(F32)[None, :]
+    t = t_ref[t_index if t_stride is None else layer * t_stride + t_index]
+    plgpu.store(o_ref.at[at], jnp.where(mag > t, g * u, 0.0), mask=m)
+
+
+def gated_hidden(gate_parts, up_parts, threshold, *, activation, b_in=None,
+                 gate_weight=None, threshold_index=0, layer=None, block_n=128, num_warps=4,
+                 impl=None):
+    """``act(g) * (u + b_in)`` where ``|act(g)|`` (times ``gate_weight``) exceeds the
+    threshold, else 0: fp32 ``[B, F]``, with g and u the sums of the gate's and the up
+    projection's fp32 partials ``gate_parts``, ``up_parts [n, B, F]``.
+
+    threshold: as in :func:`~.threshold_matvec.threshold_matvec` (flat element
+    ``threshold_index``, or with ``layer`` element ``[layer, threshold_index]`` of a table
+    ``[L, S]``); b_in, gate_weight: optional ``[F]``, or with ``layer`` every layer's
+    ``[L, F]`` (this layer's read in place); activation: as ``kernels.sparse_mlp`` names
+    them; block_n (a power of two) neurons per program.
+    """
+    check_array("gate_parts", gate_parts, ndim=3, floating=True)
+    check_array("up_parts", up_parts, ndim=3, floating=True)
+    n_parts, B, F = gate_parts.shape
+    if up_parts.shape != gate_parts.shape:
+        raise ValueError(f"up_parts must be {tuple(gate_parts.shape)} like gate_parts, got "
+                         f"{tuple(up_parts.shape)}")
+    if not (n_parts and B and F):
+        raise ValueError(f"gate_parts {tuple(gate_parts.shape)} holds no units")
+    per_layer = {}
+    for name, w in (("b_in", b_in), ("gate_weight", gate_weight)):
+        if w is None:
+            continue
+        if w.size % F or (layer is None and w.size != F):
+            raise ValueError(f"{name} must hold {F} values per layer, got "
+                             f"{tuple(w.shape)}")
+        per_layer[name] = w.size // F
+    if layer is not None:
+        table = jnp.shape(threshold)
+        for n in per_layer.values():
+            _check_layer(layer, n, table[0] if len(table) == 2 else None)
+    if not is_pow2(block_n):
+        raise ValueError(f"block_n={block_n} must be a power of 2")
+    activation_fn(activation)   # an unknown name is refused before anything runs
+    impl = resolve_impl(impl)
+    if impl == "reference":
+        return gated_hidden_reference(gate_parts, up_parts, threshold, activation=activation,
+                                      b_in=b_in, gate_weight=gate_weight,
+                                      threshold_index=threshold_index, layer=layer)
+    table, t_stride = _threshold_table(threshold, threshold_index, layer)
+    bn = min(block_n, next_pow2(F))
+    body = functools.partial(_gated_body, B=B, Bp=next_pow2(B), F=F, bn=bn,
+                             n_parts=n_parts, act=activation_fn(activation),
+                             has_bias=b_in is not None, has_weight=gate_weight is not None,
+                             t_index=threshold_index, t_stride=t_stride)
+    args = [gate_parts.astype(F32), up_parts.astype(F32), table]
+    args += [] if layer is None else [_layer_arg(layer)]
+    args += [w.reshape(-1) for w in (b_in, gate_weight) if w is not None]
+    part = LaunchPart(body, (cdiv(F, bn),), tuple(args),
+                      (jax.ShapeDtypeStruct((B, F), F32),), name="gated_hidden")
+    (out,), = launch([part], num_warps=num_warps, interpret=impl == "interpret")
+    return out
