@@ -623,10 +623,12 @@ def _threshold_layer_kernels(config, scfg, view, io: _LayerIO, layer, x, step, t
         return dict(table_at(site), **by_site[site].kwargs())
     x = x.astype(F32)
     y = ops.norm_input(x, lp.attn_norm_scale, lp.attn_norm_bias, eps)
-    qkv = threshold_matvec(y, weight("wqkv_t"), **at(act.QKV), impl=impl)
     if blocks.attention_kernel:
-        heads, io = _every_head_attention(config, scfg, view, io, layer, qkv, step)
+        qkv_parts, = threshold_matvecs(y, [weight("wqkv_t")], **at(act.QKV), partials=True,
+                                       impl=impl)
+        heads, io = _every_head_attention(config, scfg, view, io, layer, qkv_parts, step)
     else:
+        qkv = threshold_matvec(y, weight("wqkv_t"), **at(act.QKV), impl=impl)
         q, k, v = ops.finish_qkv(config, lp, qkv, step["positions"], layer)
         io = io.replace(k=write_kv(io.k, layer, step["slot"], k),
                         v=write_kv(io.v, layer, step["slot"], v))
@@ -681,25 +683,32 @@ def _threshold_layer_kernels(config, scfg, view, io: _LayerIO, layer, x, step, t
     return out, _all_written(config, io, layer, step)
 
 
-def _every_head_attention(config, scfg, view, io: _LayerIO, layer, qkv, step):
+# split-k partials of q/k/v up to which the attention programs sum them (more: one XLA sum)
+_ATTENTION_PARTS = 16
+
+
+def _every_head_attention(config, scfg, view, io: _LayerIO, layer, qkv_parts, step):
     """(every head's attention output [B, H * hd] fp32, io) from the raw q/k/v
-    projections `qkv` [B, (H + 2 Hk) * hd] fp32, through the decode-attention kernel over
-    every KV group: each program finishes its group's q/k/v from `qkv` in place (biases,
-    rotary embedding; q/k norms first finish in XLA), attends to the cache and writes this
-    token's k/v, so no XLA op slices, rotates or writes per layer."""
+    projections' fp32 split-k partials `qkv_parts` [n, B, (H + 2 Hk) * hd], through the
+    decode-attention kernel over every KV group: each program sums and finishes its
+    group's q/k/v in place (biases, rotary embedding; q/k norms first finish in XLA),
+    attends to the cache and writes this token's k/v, so no XLA op slices, rotates or
+    writes per layer. More than `_ATTENTION_PARTS` partials are summed first."""
     from dejavu_jax.kernels._common import resolve_impl, sm_count
     from dejavu_jax.kernels.head_attention import decode_attention, merge_splits
-    B = qkv.shape[0]
+    B = qkv_parts.shape[1]
     H, Hk, hd = config.n_heads, config.n_kv_heads, config.head_dim
+    if config.qk_norm or qkv_parts.shape[0] > _ATTENTION_PARTS:
+        qkv_parts = jnp.sum(qkv_parts, axis=0, keepdims=True)
     k_in, v_in, head_idx = _kernel_caches(config, view, io, layer,
                                           jnp.arange(Hk, dtype=jnp.int32))
     cfg = scfg.attn_config or kernels.AttnConfig()
     if config.qk_norm:  # finished (and q scaled) before the kernel
-        q, k, v = ops.finish_qkv(config, view.lp, qkv, step["positions"], layer)
+        q, k, v = ops.finish_qkv(config, view.lp, qkv_parts[0], step["positions"], layer)
         parts = tuple(t.reshape(1, B, -1) for t in (q, k, v))
         opts = dict(scale=1.0)
     else:
-        parts = (qkv[None],) * 3
+        parts = (qkv_parts,) * 3
 
         def flat(name):  # the biases over every layer when stacked (ids hold the layer)
             w = view.flat[name]
