@@ -47,8 +47,9 @@
    input-sparse and row-masked GEMVs, the unit finish over a stacked layer's bias, gate
    weights and threshold), one row and three, against their references.
 8. ("switches") The load switches of the input-sparse GEMV (column blocks first, the
-   evict-first hint, the residual from partials), of the sparse MLP pair and of
-   head-sparse attention (the evict-first hint) against their references.
+   evict-first hint, the residual from partials, one sum of a program's rows), of the
+   sparse MLP pair and of head-sparse attention (the evict-first hint) against their
+   references.
 
 Writes kernel_parity.json and exits 1 when a difference exceeds --tol or a set differs
 (beyond key ties, for the split predictor). On a GPU host the checks' parts run in up to 8
@@ -672,7 +673,7 @@ def switch_rows(impl: str) -> list[dict]:
             res = jnp.asarray(rng.standard_normal((B, N)), jnp.float32)
             for atomics in (True, False):
                 switches = dict(columns_first=True, evict_first=True,
-                                residual_atomics=atomics)
+                                residual_atomics=atomics, deferred_sum=True)
                 got, ref = (jax.jit(functools.partial(threshold_matvec, impl=i, **switches))(
                     x, w, t, residual=res) for i in (impl, "reference"))
                 rows.append(dict(check="switches", kernel="threshold_matvec", B=B, K=K,

@@ -46,6 +46,7 @@ class ThresholdBlocks:
     evict_first: bool = True
     columns_first: bool = False
     residual_atomics: bool = True
+    deferred_sum: bool = False
 
     def __post_init__(self):
         if not (is_pow2(self.block_rows) and is_pow2(self.block_n)):
@@ -92,7 +93,8 @@ def threshold_matvec_reference(x, w_t, threshold, *, residual=None, bias=None):
 
 
 def _threshold_body(pids, x_ref, t_ref, w_ref, *rest, B, Bp, K, N, bk, bn, kblocks,
-                    accumulate, has_bias, t_index, t_stride, evict_first, columns_first):
+                    accumulate, has_bias, t_index, t_stride, evict_first, columns_first,
+                    deferred_sum):
     row0, t_at = 0, t_index
     if t_stride is not None:  # stacked weights: this layer's rows start at layer * K
         layer_ref, *rest = rest
@@ -128,10 +130,15 @@ def _threshold_body(pids, x_ref, t_ref, w_ref, *rest, B, Bp, K, N, bk, bn, kbloc
                        mask=(kept & valid)[:, None] & cm[None, :], other=0,
                        eviction_policy=evict_hint(evict_first))
         if Bp == 1:
-            return acc + jnp.sum(xr[:, None] * w.astype(F32), axis=0)
+            product = xr[:, None] * w.astype(F32)
+            return acc + (product if deferred_sum else jnp.sum(product, axis=0))
         return acc + mma(xr, w)
 
-    acc = accumulate_blocks(block, kblocks, (bn,) if Bp == 1 else (Bp, bn))
+    vector = Bp == 1
+    acc = accumulate_blocks(block, kblocks, ((bk, bn) if deferred_sum else (bn,)) if vector
+                            else (Bp, bn))
+    if vector and deferred_sum:  # one sum over the block's rows, after the last block
+        acc = jnp.sum(acc, axis=0)
     write_split_k(acc, o_ref, b_ref if accumulate else None, i, cols, N, B=B, Bp=Bp,
                   accumulate=accumulate, has_bias=has_bias)
 
@@ -151,7 +158,7 @@ def auto_row_blocks(K: int, N: int, block_rows: int, block_n: int, most: int = 4
 def threshold_matvec_part(x, w_t, threshold, *, residual=None, bias=None, block_rows=16,
                           block_n=512, row_blocks=None, max_row_blocks=4,
                           threshold_index=0, layer=None, evict_first=False,
-                          columns_first=False) -> LaunchPart:
+                          columns_first=False, deferred_sum=False) -> LaunchPart:
     """:func:`threshold_matvec`'s kernel as a :class:`~.launch.LaunchPart`: outputs fp32
     partials ``[n_chunks, B, N]``, or ``[B, N]`` (residual, bias and the product) with
     ``residual``."""
@@ -169,7 +176,7 @@ def threshold_matvec_part(x, w_t, threshold, *, residual=None, bias=None, block_
                              kblocks=kblocks, accumulate=accumulate,
                              has_bias=bias is not None, t_index=threshold_index,
                              t_stride=t_stride, evict_first=evict_first,
-                             columns_first=columns_first)
+                             columns_first=columns_first, deferred_sum=deferred_sum)
     args = [x, table, w_t] + ([] if layer is None else [_layer_arg(layer)])
     if accumulate:
         if block_n > N:
@@ -264,7 +271,8 @@ def _check_inputs(x, w_ts, block_rows, block_n, layer=None, threshold=None):
 def threshold_matvec(x, w_t, threshold, *, residual=None, bias=None, block_rows=16,
                      block_n=512, row_blocks=None, max_row_blocks=4, num_warps=4,
                      num_stages=2, evict_first=True, columns_first=False,
-                     residual_atomics=True, threshold_index=0, layer=None, impl=None):
+                     residual_atomics=True, deferred_sum=False, threshold_index=0, layer=None,
+                     impl=None):
     """``(x masked to |x| > threshold) @ w_t`` (+ bias, + residual) as fp32 ``[B, N]``,
     reading only the rows of ``w_t [K, N]`` that some row of ``x [B, K]`` keeps.
 
@@ -281,7 +289,9 @@ def threshold_matvec(x, w_t, threshold, *, residual=None, bias=None, block_rows=
     loaded with L2's evict-first hint (each is read once a token); columns_first:
     consecutive programs take the column blocks of the same channels (else the channel
     chunks of the same columns); residual_atomics: with ``residual``, the chunks add into
-    it in the launch (else they write partials that XLA sums into it).
+    it in the launch (else they write partials that XLA sums into it); deferred_sum: at one
+    row, each program keeps a ``[block_rows, block_n]`` accumulator and sums its rows once
+    after its last block (else after every block).
     """
     _check_inputs(x, [w_t], block_rows, block_n, layer, threshold)
     if residual is not None and (residual.shape != (x.shape[0], w_t.shape[1])
@@ -300,7 +310,8 @@ def threshold_matvec(x, w_t, threshold, *, residual=None, bias=None, block_rows=
                                  block_n=block_n, row_blocks=row_blocks,
                                  max_row_blocks=max_row_blocks,
                                  threshold_index=threshold_index, layer=layer,
-                                 evict_first=evict_first, columns_first=columns_first)
+                                 evict_first=evict_first, columns_first=columns_first,
+                                 deferred_sum=deferred_sum)
     (out,), = launch([part], num_warps=num_warps, num_stages=num_stages,
                      interpret=impl == "interpret")
     if in_launch:
@@ -312,8 +323,8 @@ def threshold_matvec(x, w_t, threshold, *, residual=None, bias=None, block_rows=
 
 def threshold_matvecs(x, w_ts, threshold, *, block_rows=16, block_n=512, row_blocks=None,
                       max_row_blocks=4, num_warps=4, num_stages=2, evict_first=True,
-                      columns_first=False, residual_atomics=True, threshold_index=0,
-                      layer=None, partials=False, impl=None) -> list:
+                      columns_first=False, residual_atomics=True, deferred_sum=False,
+                      threshold_index=0, layer=None, partials=False, impl=None) -> list:
     """:func:`threshold_matvec` of one masked ``x`` by several matrices (a gated MLP's gate
     and up projections) in one launch: fp32 ``[B, N_i]`` per ``w_ts[i] [K, N_i]`` (with
     ``layer``, every layer's rows ``[L * K, N_i]``, as in :func:`threshold_matvec`; the
@@ -331,7 +342,8 @@ def threshold_matvecs(x, w_ts, threshold, *, block_rows=16, block_n=512, row_blo
                                    block_n=block_n, row_blocks=row_blocks,
                                    max_row_blocks=max_row_blocks,
                                    threshold_index=threshold_index, layer=layer,
-                                   evict_first=evict_first, columns_first=columns_first)
+                                   evict_first=evict_first, columns_first=columns_first,
+                                   deferred_sum=deferred_sum)
              for w_t in w_ts]
     outs = launch(parts, num_warps=num_warps, num_stages=num_stages,
                   interpret=impl == "interpret")

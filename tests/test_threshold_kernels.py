@@ -46,10 +46,12 @@ def test_threshold_matvec_equals_numpy(rng, B, K, N, residual, row_blocks):
 @pytest.mark.parametrize("B,residual", [(1, True), (2, True), (1, False), (3, False)])
 @pytest.mark.parametrize("switches", [
     dict(columns_first=True), dict(evict_first=True), dict(residual_atomics=False),
-    dict(columns_first=True, evict_first=True, residual_atomics=False)])
+    dict(deferred_sum=True),
+    dict(columns_first=True, evict_first=True, residual_atomics=False, deferred_sum=True)])
 def test_threshold_matvec_switches_equal_numpy(rng, B, residual, switches):
     """The block switches (column blocks first, the evict-first hint, partials summed into
-    the residual by XLA) change how the kernel runs, not what it computes."""
+    the residual by XLA, one sum of the rows per program) change how the kernel runs, not
+    what it computes."""
     K, N = 200, 300
     x = rng.standard_normal((B, K)).astype(np.float32)
     w_t = rng.standard_normal((K, N)).astype(np.float32)

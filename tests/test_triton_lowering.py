@@ -362,7 +362,8 @@ def test_threshold_kernels_lower(B):
            z(64, B, F, dtype=F32), z(64, B, F, dtype=F32), z(F), z(F, dtype=F32))
     for atomics in (True, False):  # the block switches
         switched = functools.partial(threshold_matvec, impl="pallas", evict_first=True,
-                                     columns_first=True, residual_atomics=atomics)
+                                     columns_first=True, residual_atomics=atomics,
+                                     deferred_sum=True)
         lowers(lambda x, w, r, b: switched(x, w, t, residual=r, bias=b),
                z(B, F), z(F, d), z(B, d, dtype=F32), z(d))
 
