@@ -40,12 +40,13 @@
 7. ("threshold") Activation-sparse decode (`kernels.threshold_matvec` on input-major
    weights, thresholds dropping about 40% of every site) on tiny Llama (the up projection
    by the gate's neuron rows), OPT, Gemma 3 (post-norms) and, two rows, Gemma 2 (capped
-   attention logits), per-layer buffers, and tiny Llama and OPT over stacked weights
-   (each layer's rows read in place under `lax.scan`), the attention in the
-   decode-attention kernel and a gated MLP's units in `kernels.gated_hidden`: logits and
-   K cache against the jnp computation on the usual weights; and the kernels alone (the
-   input-sparse and row-masked GEMVs, the unit finish over a stacked layer's bias, gate
-   weights and threshold), one row and three, against their references.
+   attention logits), per-layer buffers, and tiny Llama, OPT and Qwen2 (q/k/v biases,
+   grouped queries) over stacked weights (each layer's rows read in place under
+   `lax.scan`), the attention in the decode-attention kernel and a gated MLP's units in
+   `kernels.gated_hidden`: logits and K cache against the jnp computation on the usual
+   weights; and the kernels alone (the input-sparse and row-masked GEMVs, the unit finish
+   over a stacked layer's bias, gate weights and threshold), one row and three, against
+   their references.
 8. ("switches") The load switches of the input-sparse GEMV (column blocks first, the
    evict-first hint, the residual from partials, one sum of a program's rows), of the
    sparse MLP pair and of head-sparse attention (the evict-first hint) against their
@@ -153,7 +154,8 @@ def gemma3_tiny():
 def tiny_config(name: str):
     """The config a parity case names: a preset, or one of the tiny variants
     `gemma3-tiny`, `gemma2-tiny` (no q/k norms, attention logits soft-capped at 0.5, small
-    enough to bend them) and `opt-tiny-gelu` (the exact gelu's erf)."""
+    enough to bend them), `opt-tiny-gelu` (the exact gelu's erf) and `qwen2-tiny` (tiny
+    Llama with q/k/v biases)."""
     if name == "gemma3-tiny":
         return gemma3_tiny()
     if name == "gemma2-tiny":
@@ -161,6 +163,8 @@ def tiny_config(name: str):
                                      sliding_layers=(True, False, True, False))
     if name == "opt-tiny-gelu":
         return config_lib.preset("opt-tiny").replace(activation="gelu", name=name)
+    if name == "qwen2-tiny":
+        return config_lib.preset("llama-tiny").replace(attention_bias=True, name=name)
     return config_lib.preset(name)
 
 
@@ -560,7 +564,8 @@ def predictor_rows(impl: str) -> list[dict]:
 THRESHOLD_CASES = (("llama-tiny", True, 1, "unrolled"), ("llama-tiny", False, 1, "unrolled"),
                    ("opt-tiny", False, 1, "unrolled"), ("gemma3-tiny", True, 1, "unrolled"),
                    ("gemma2-tiny", False, 2, "unrolled"), ("llama-tiny", True, 1, "stacked"),
-                   ("llama-tiny", False, 2, "stacked"), ("opt-tiny", False, 1, "stacked"))
+                   ("llama-tiny", False, 2, "stacked"), ("opt-tiny", False, 1, "stacked"),
+                   ("qwen2-tiny", False, 1, "stacked"))
 
 
 def threshold_rows(impl: str, steps: int, cases=None, kernels: bool = True) -> list[dict]:

@@ -412,13 +412,18 @@ def test_profile_search_runs_end_to_end_on_a_tiny_model():
 # threshold check (gemma3-tiny) and the scorer tests above (the reference path)
 @pytest.mark.parametrize("name,up_rows,unrolled", [("llama-tiny", True, True),
                                                    ("llama-tiny", False, True),
-                                                   ("opt-tiny", False, False)])
+                                                   ("opt-tiny", False, False),
+                                                   ("qwen2", False, False),
+                                                   ("phi3-partial", False, False),
+                                                   ("qwen3-window", False, True)])
 def test_threshold_kernels_decode_like_the_reference(monkeypatch, name, up_rows, unrolled):
     """Teacher-forced threshold decoding through the Pallas kernels (interpreted) on
     input-major weights (the up projection by neuron rows under the gate site, or by input
     channels: a gated MLP's gate and up then share one launch) equals the jnp computation
     on the usual weights, step by step; per-layer buffers and stacked weights (there the
-    q/k/v partials summed by XLA before the attention kernel, elsewhere in it)."""
+    q/k/v partials summed by XLA before the attention kernel, elsewhere in it); Qwen2's
+    q/k/v biases, Phi-3's partial rotary embedding, Qwen3's q/k norms and sliding window
+    through the attention kernel."""
     from dejavu_jax.params import input_major
     if not unrolled:
         monkeypatch.setattr(sparse, "_ATTENTION_PARTS", 1)
