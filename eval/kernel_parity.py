@@ -42,11 +42,12 @@
    by the gate's neuron rows), OPT, Gemma 3 (post-norms) and, two rows, Gemma 2 (capped
    attention logits), per-layer buffers, and tiny Llama, OPT and Qwen2 (q/k/v biases,
    grouped queries) over stacked weights (each layer's rows read in place under
-   `lax.scan`), the attention in the decode-attention kernel and a gated MLP's units in
-   `kernels.gated_hidden`: logits and K cache against the jnp computation on the usual
-   weights; and the kernels alone (the input-sparse and row-masked GEMVs, the unit finish
-   over a stacked layer's bias, gate weights and threshold), one row and three, against
-   their references.
+   `lax.scan`), each with the default `ThresholdConfig` and with every switch on (the
+   attention in the decode-attention kernel, a gated MLP's units in
+   `kernels.gated_hidden`, one sum of a program's rows): logits and K cache against the
+   jnp computation on the usual weights; and the kernels alone (the input-sparse and
+   row-masked GEMVs, the unit finish over a stacked layer's bias, gate weights and
+   threshold), one row and three, against their references.
 8. ("switches") The load switches of the input-sparse GEMV (column blocks first, the
    evict-first hint, the residual from partials, one sum of a program's rows), of the
    sparse MLP pair and of head-sparse attention (the evict-first hint) against their
@@ -77,6 +78,7 @@ from dejavu_jax import cli
 from dejavu_jax import config as config_lib
 from dejavu_jax import sparse
 from dejavu_jax.eval.bench_decode import random_sets
+from dejavu_jax.kernels import ThresholdConfig
 from dejavu_jax.params import init_params, unstack_layers
 from dejavu_jax.sparse_variants import APART, HEADS_IN_FC1, variant_selector
 
@@ -568,6 +570,14 @@ THRESHOLD_CASES = (("llama-tiny", True, 1, "unrolled"), ("llama-tiny", False, 1,
                    ("qwen2-tiny", False, 1, "stacked"))
 
 
+# the activation-sparse layer with its attention and a gated MLP's units in kernels of their
+# own and one sum of a program's rows (switches off by default), checked beside the defaults
+KERNELS_ON = dataclasses.replace(
+    ThresholdConfig(), attention_kernel=True, gated_kernel=True,
+    **{site: dataclasses.replace(getattr(ThresholdConfig(), site), deferred_sum=True)
+       for site in ("qkv", "o", "gate_up", "down")})
+
+
 def threshold_rows(impl: str, steps: int, cases=None, kernels: bool = True) -> list[dict]:
     """Check 7: threshold decoding of `cases` (default all of `THRESHOLD_CASES`) and, with
     `kernels`, the activation-sparse kernels alone."""
@@ -603,13 +613,15 @@ def _threshold_decode_rows(impl: str, steps: int, cases) -> list[dict]:
                       steps, False, sparse.no_selector, batch=batch)
         moved = input_major(params, up_rows=up_rows)
         unrolled = layout == "unrolled"
-        got = _decode(config, dataclasses.replace(scfg, impl=impl),
-                      unstack_layers(moved) if unrolled else moved, thresholds, steps,
-                      unrolled, sparse.no_selector, batch=batch)
-        rows.append(dict(check="threshold", model=name, batch=batch, layout=layout,
-                         sites=list(sites),
-                         gate_weights=up_rows, logits=float(np.abs(got[0] - ref[0]).max()),
-                         k_cache=float(np.abs(got[1] - ref[1]).max())))
+        for blocks in (None, KERNELS_ON):  # the defaults, then every kernel switch on
+            got = _decode(config, dataclasses.replace(scfg, impl=impl, threshold_blocks=blocks),
+                          unstack_layers(moved) if unrolled else moved, thresholds, steps,
+                          unrolled, sparse.no_selector, batch=batch)
+            rows.append(dict(check="threshold", model=name, batch=batch, layout=layout,
+                             sites=list(sites), gate_weights=up_rows,
+                             kernels="defaults" if blocks is None else "all",
+                             logits=float(np.abs(got[0] - ref[0]).max()),
+                             k_cache=float(np.abs(got[1] - ref[1]).max())))
     return rows
 
 

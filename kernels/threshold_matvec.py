@@ -74,13 +74,14 @@ class ThresholdConfig:
     finishing, rotary embedding, the cache write and the attention itself) in the
     decode-attention kernel's one launch, else in XLA's ops; gated_kernel: a gated MLP's
     hidden units (the gate and up partials' sums, the activation, the gate threshold, the
-    product) in one launch (`kernels.gated_hidden`), else in XLA's ops."""
+    product) in one launch (`kernels.gated_hidden`), else in XLA's ops. Both stay off until
+    a GPU run times them against XLA's ops."""
     qkv: ThresholdBlocks = ThresholdBlocks()
     o: ThresholdBlocks = ThresholdBlocks()
     gate_up: ThresholdBlocks = ThresholdBlocks()
     down: ThresholdBlocks = ThresholdBlocks(max_row_blocks=8, num_stages=4)
-    attention_kernel: bool = True
-    gated_kernel: bool = True
+    attention_kernel: bool = False
+    gated_kernel: bool = False
 
 
 def threshold_matvec_reference(x, w_t, threshold, *, residual=None, bias=None):

@@ -18,6 +18,7 @@ from dejavu_jax import activation_sparsity as act
 from dejavu_jax import ops, sparse
 from dejavu_jax.params import unstack_layers
 from dejavu_jax.eval import sparse_scoring as ss
+from dejavu_jax.eval.kernel_parity import KERNELS_ON
 from dejavu_jax.sparsity_profile import (ProfileError, SparsityProfile, encode_gate_weights,
                                          load_profile, method_sites)
 from dejavu_jax.train import allocate
@@ -420,10 +421,11 @@ def test_threshold_kernels_decode_like_the_reference(monkeypatch, name, up_rows,
     """Teacher-forced threshold decoding through the Pallas kernels (interpreted) on
     input-major weights (the up projection by neuron rows under the gate site, or by input
     channels: a gated MLP's gate and up then share one launch) equals the jnp computation
-    on the usual weights, step by step; per-layer buffers and stacked weights (there the
-    q/k/v partials summed by XLA before the attention kernel, elsewhere in it); Qwen2's
-    q/k/v biases, Phi-3's partial rotary embedding, Qwen3's q/k norms and sliding window
-    through the attention kernel."""
+    on the usual weights, step by step; per-layer buffers and stacked weights; with the
+    default `ThresholdConfig` and with every switch on (`kernel_parity.KERNELS_ON`: the
+    attention kernel, over stacked weights with the q/k/v partials summed by XLA first,
+    elsewhere in it; the gated units' kernel; one sum of a program's rows). Qwen2's q/k/v
+    biases, Phi-3's partial rotary embedding, Qwen3's q/k norms and sliding window."""
     from dejavu_jax.params import input_major
     if not unrolled:
         monkeypatch.setattr(sparse, "_ATTENTION_PARTS", 1)
@@ -438,11 +440,14 @@ def test_threshold_kernels_decode_like_the_reference(monkeypatch, name, up_rows,
     if unrolled:
         moved = unstack_layers(moved)
     steps = []
-    for impl, p in (("reference", params), ("interpret", moved)):
-        scfg = sparse.threshold_config(config, sites, impl=impl)
+    for impl, p, blocks in (("reference", params, None), ("interpret", moved, None),
+                            ("interpret", moved, KERNELS_ON)):
+        scfg = dataclasses.replace(sparse.threshold_config(config, sites, impl=impl),
+                                   threshold_blocks=blocks)
         steps.append(_decode_rows(config, p, scfg, thresholds, ids, (2,))[0])
     scale = np.abs(steps[0]).max()
-    assert_finite_close(steps[1], steps[0], atol=2e-5 * scale)
+    for got in steps[1:]:  # the defaults, then every kernel switch on
+        assert_finite_close(got, steps[0], atol=2e-5 * scale)
 
 
 @pytest.mark.parametrize("unrolled", [True, False])
@@ -467,7 +472,7 @@ def test_threshold_kernels_take_each_projections_block_settings(monkeypatch, unr
                            "down.row_blocks=8,down.num_stages=3,gate_up.block_rows=32,"
                            "gate_up.block_n=64,qkv.row_blocks=1,o.block_n=64,o.num_warps=2,"
                            "o.residual_atomics=0,down.evict_first=0,gate_up.columns_first=1"
-                           + (",attention_kernel=0,gated_kernel=0" if unrolled else ""))
+                           + ("" if unrolled else ",attention_kernel=1,gated_kernel=1"))
     from dejavu_jax.kernels import head_attention
     attention_launches = []
     real_attention = head_attention.decode_attention

@@ -241,10 +241,10 @@ def test_block_settings_parse_and_refuse_bad_ones():
     switched = with_settings(cfg, "o.evict_first=1,down.residual_atomics=0")
     assert switched.o.evict_first is True and switched.down.residual_atomics is False
     assert switched.qkv == ThresholdBlocks()
-    assert ThresholdConfig().attention_kernel is ThresholdConfig().gated_kernel is True
-    xla = with_settings(cfg, "attention_kernel=0,gated_kernel=0")
-    assert xla.attention_kernel is xla.gated_kernel is False
-    assert xla.down == cfg.down and xla.o == cfg.o
+    assert ThresholdConfig().attention_kernel is ThresholdConfig().gated_kernel is False
+    on = with_settings(cfg, "attention_kernel=1,gated_kernel=1,down.deferred_sum=1")
+    assert on.attention_kernel is on.gated_kernel is on.down.deferred_sum is True
+    assert on.o == cfg.o and on.down.num_stages == 3
     for bad, match in (("attention_kernel=2", "0 or 1"), ("attention_kernel.x=1", "SWITCH"),
                        ("mlp.row_blocks=8", "SITE.FIELD"), ("down.rows=8", "SITE.FIELD"),
                        ("down.row_blocks", "SITE.FIELD"), ("down.row_blocks=x", "'x'"),

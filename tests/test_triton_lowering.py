@@ -15,6 +15,7 @@ import pytest
 
 import dejavu_jax as dj
 from dejavu_jax import kernels, model, sparse
+from dejavu_jax.eval.kernel_parity import KERNELS_ON
 
 BF16, F32 = jnp.bfloat16, jnp.float32
 
@@ -384,15 +385,21 @@ def test_threshold_decode_step_lowers(up_rows, unrolled):
         params = unstack_layers(params)
     sites = ("qkv", "o", "gate_up", "down") + (("gate",) if up_rows else ())
     scfg = sparse.threshold_config(config, sites, impl="pallas")
-    eng = sparse.sparse_engine(config, scfg, sparse.no_selector)
     thresholds = jnp.full((config.n_layers, 5), 0.1, F32)
-    state = jax.eval_shape(lambda: eng.init_state(1, 32, BF16, per_layer=unrolled))
-    text = lowers(eng.step, (params, thresholds), state, jnp.zeros((1,), jnp.int32))
+
+    def lowered(scfg):
+        eng = sparse.sparse_engine(config, scfg, sparse.no_selector)
+        state = jax.eval_shape(lambda: eng.init_state(1, 32, BF16, per_layer=unrolled))
+        return lowers(eng.step, (params, thresholds), state, jnp.zeros((1,), jnp.int32))
+    # with the switches on, the gate and up's partials finished in one launch where both
+    # are input-sparse and the attention in the decode-attention kernel; neither by default
+    on = lowered(dataclasses.replace(scfg, threshold_blocks=KERNELS_ON))
+    assert ('name = "gated_hidden"' in on) == (not up_rows)
+    assert 'name = "head_sparse_decode_attention"' in on
+    text = lowered(scfg)
+    assert 'name = "gated_hidden"' not in text
+    assert 'name = "head_sparse_decode_attention"' not in text
     launches = triton_launch_sites(text)
-    # the gate and up's partials finished in one launch where both are input-sparse; the
-    # attention in the decode-attention kernel
-    assert ('name = "gated_hidden"' in text) == (not up_rows)
-    assert 'name = "head_sparse_decode_attention"' in text
     L, d, F = config.n_layers, config.hidden, config.ffn
     # every input-sparse launch reads the whole threshold table, never a slice of it
     calls = [line for line in text.splitlines()
