@@ -473,22 +473,16 @@ def test_threshold_kernels_take_each_projections_block_settings(monkeypatch, unr
                            "gate_up.block_n=64,qkv.row_blocks=1,o.block_n=64,o.num_warps=2,"
                            "o.residual_atomics=0,down.evict_first=0,gate_up.columns_first=1"
                            + ("" if unrolled else ",attention_kernel=1,gated_kernel=1"))
-    from dejavu_jax.kernels import head_attention
-    attention_launches = []
-    real_attention = head_attention.decode_attention
-
-    def attention_spy(*a, **kw):
-        attention_launches.append(kw["group"])
-        return real_attention(*a, **kw)
-    monkeypatch.setattr(head_attention, "decode_attention", attention_spy)
     from dejavu_jax.kernels import gated_hidden as gated_module
-    finishes = []
-    real_finish = gated_module.gated_hidden
+    from dejavu_jax.kernels import head_attention
 
-    def finish_spy(*a, **kw):
-        finishes.append(kw["activation"])
-        return real_finish(*a, **kw)
-    monkeypatch.setattr(gated_module, "gated_hidden", finish_spy)
+    def spied(owner, name, keyword):  # the calls' `keyword` values, as the kernel is traced
+        calls, real = [], getattr(owner, name)
+        monkeypatch.setattr(owner, name,
+                            lambda *a, **kw: calls.append(kw[keyword]) or real(*a, **kw))
+        return calls
+    attention_launches = spied(head_attention, "decode_attention", "group")
+    finishes = spied(gated_module, "gated_hidden", "activation")
     seen = []
     for name in ("threshold_matvec", "threshold_matvecs"):
         real = getattr(module, name)
