@@ -39,8 +39,8 @@ def gated_hidden_reference(gate_parts, up_parts, threshold, *, activation, b_in=
     return jnp.where(mag > t, g * u, 0.0)
 
 
-def _gated_body(pids, g_ref, u_ref, t_ref, *rest, B, Bp, F, bn, n_parts, act, has_bias,
-                has_weight, t_index, t_stride):
+def _gated_body(pids, g_ref, u_ref, t_ref, *rest, B, F, bn, n_parts, tile_parts, act,
+                has_bias, has_weight, t_index, t_stride):
     it = iter(rest)
     layer = next(it)[0] if t_stride is not None else 0
     b_ref = next(it) if has_bias else None
@@ -48,32 +48,33 @@ def _gated_body(pids, g_ref, u_ref, t_ref, *rest, B, Bp, F, bn, n_parts, act, ha
     o_ref = next(it)
     j, = pids
     cols = j * bn + jnp.arange(bn, dtype=jnp.int32)
-    brow = jnp.arange(Bp, dtype=jnp.int32)
     cm = cols < F
-    m = (brow < B)[:, None] & cm[None, :]
-    at = (brow[:, None], cols[None, :])
-
-    def add(k, acc):
-        g, u = acc
-        return (g + plgpu.load(g_ref.at[(k,) + at], mask=m, other=0.0),
-                u + plgpu.load(u_ref.at[(k,) + at], mask=m, other=0.0))
-
-    zero = jnp.zeros((Bp, bn), F32)
-    g, u = lax.fori_loop(0, n_parts, add, (zero, zero))
-    g = act(g)
     unit = layer * F + cols   # stacked: this layer's units among every layer's
-    if has_bias:
-        u = u + plgpu.load(b_ref.at[unit], mask=cm, other=0).astype(F32)[None, :]
-    mag = jnp.abs(g)
-    if has_weight:
-        mag = mag * plgpu.load(w_ref.at[unit], mask=cm, other=0).astype(F32)[None, :]
+    bias = (plgpu.load(b_ref.at[unit], mask=cm, other=0).astype(F32) if has_bias
+            else None)
+    weight = (plgpu.load(w_ref.at[unit], mask=cm, other=0).astype(F32) if has_weight
+              else None)
     t = t_ref[t_index if t_stride is None else layer * t_stride + t_index]
-    plgpu.store(o_ref.at[at], jnp.where(mag > t, g * u, 0.0), mask=m)
+    kk = jnp.arange(tile_parts, dtype=jnp.int32)
+    for b in range(B):
+        # each row's partials in tiles of up to `tile_parts` chunks, every load issued at
+        # once (a loop over the chunks would wait on one load after another)
+        g = u = jnp.zeros((bn,), F32)
+        for first in range(0, n_parts, tile_parts):
+            k = first + kk
+            m = (k < n_parts)[:, None] & cm[None, :]
+            at = (k[:, None], b, cols[None, :])
+            g = g + jnp.sum(plgpu.load(g_ref.at[at], mask=m, other=0.0), axis=0)
+            u = u + jnp.sum(plgpu.load(u_ref.at[at], mask=m, other=0.0), axis=0)
+        g = act(g)
+        u = u if bias is None else u + bias
+        mag = jnp.abs(g) if weight is None else jnp.abs(g) * weight
+        plgpu.store(o_ref.at[b, cols], jnp.where(mag > t, g * u, 0.0), mask=cm)
 
 
 def gated_hidden(gate_parts, up_parts, threshold, *, activation, b_in=None,
-                 gate_weight=None, threshold_index=0, layer=None, block_n=128, num_warps=4,
-                 impl=None):
+                 gate_weight=None, threshold_index=0, layer=None, block_n=64, tile_parts=64,
+                 num_warps=4, impl=None):
     """``act(g) * (u + b_in)`` where ``|act(g)|`` (times ``gate_weight``) exceeds the
     threshold, else 0: fp32 ``[B, F]``, with g and u the sums of the gate's and the up
     projection's fp32 partials ``gate_parts``, ``up_parts [n, B, F]``.
@@ -82,7 +83,8 @@ def gated_hidden(gate_parts, up_parts, threshold, *, activation, b_in=None,
     ``threshold_index``, or with ``layer`` element ``[layer, threshold_index]`` of a table
     ``[L, S]``); b_in, gate_weight: optional ``[F]``, or with ``layer`` every layer's
     ``[L, F]`` (this layer's read in place); activation: as ``kernels.sparse_mlp`` names
-    them; block_n (a power of two) neurons per program.
+    them; block_n (a power of two) neurons per program, which loads up to tile_parts (a
+    power of two) chunks of partials at once.
     """
     check_array("gate_parts", gate_parts, ndim=3, floating=True)
     check_array("up_parts", up_parts, ndim=3, floating=True)
@@ -104,8 +106,8 @@ def gated_hidden(gate_parts, up_parts, threshold, *, activation, b_in=None,
         table = jnp.shape(threshold)
         for n in per_layer.values():
             _check_layer(layer, n, table[0] if len(table) == 2 else None)
-    if not is_pow2(block_n):
-        raise ValueError(f"block_n={block_n} must be a power of 2")
+    if not (is_pow2(block_n) and is_pow2(tile_parts)):
+        raise ValueError(f"block_n={block_n} and tile_parts={tile_parts} must be powers of 2")
     activation_fn(activation)   # an unknown name is refused before anything runs
     impl = resolve_impl(impl)
     if impl == "reference":
@@ -114,8 +116,9 @@ def gated_hidden(gate_parts, up_parts, threshold, *, activation, b_in=None,
                                       threshold_index=threshold_index, layer=layer)
     table, t_stride = _threshold_table(threshold, threshold_index, layer)
     bn = min(block_n, next_pow2(F))
-    body = functools.partial(_gated_body, B=B, Bp=next_pow2(B), F=F, bn=bn,
-                             n_parts=n_parts, act=activation_fn(activation),
+    body = functools.partial(_gated_body, B=B, F=F, bn=bn, n_parts=n_parts,
+                             tile_parts=min(tile_parts, next_pow2(n_parts)),
+                             act=activation_fn(activation),
                              has_bias=b_in is not None, has_weight=gate_weight is not None,
                              t_index=threshold_index, t_stride=t_stride)
     args = [gate_parts.astype(F32), up_parts.astype(F32), table]

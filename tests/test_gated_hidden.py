@@ -26,9 +26,9 @@ def _numpy_hidden(gp, up, t, activation, bias=None, weight=None):
     (1, 5, 300, "silu", ()), (3, 2, 130, "gelu_tanh", ("bias",)),
     (2, 7, 257, "relu", ("bias", "weight")), (1, 1, 64, "silu", ("weight",))])
 def test_gated_hidden_equals_numpy(rng, B, n, F, activation, extras):
-    """Ragged neuron counts, one row and several, with and without the up projection's
-    bias and the gate weights; the threshold keeps about half the units, and every unit
-    it drops is exactly 0."""
+    """Ragged neuron counts, one row and several, partials in one tile of chunks and in
+    two, with and without the up projection's bias and the gate weights; the threshold
+    keeps about half the units, and every unit it drops is exactly 0."""
     gp = rng.standard_normal((n, B, F)).astype(np.float32)
     up = rng.standard_normal((n, B, F)).astype(np.float32)
     bias = rng.standard_normal(F).astype(np.float32) if "bias" in extras else None
@@ -40,7 +40,8 @@ def test_gated_hidden_equals_numpy(rng, B, n, F, activation, extras):
     for impl in ("interpret", "reference"):
         got = np.asarray(gated_hidden(jnp.asarray(gp), jnp.asarray(up), jnp.float32(t),
                                       activation=activation, b_in=opt(bias),
-                                      gate_weight=opt(weight), block_n=64, impl=impl))
+                                      gate_weight=opt(weight), block_n=64, tile_parts=4,
+                                      impl=impl))
         assert got.shape == (B, F)
         assert_finite_close(got, want, rtol=1e-5, atol=1e-5)
         assert 0.3 < (got != 0).mean() < 0.7
@@ -90,14 +91,15 @@ def test_gated_hidden_of_the_gemvs_partials_is_the_gated_mlps_units(rng):
 
 def test_gated_hidden_refuses_bad_input():
     """Mismatched partials, a bias of the wrong length, a layer outside the weights, an
-    unknown activation and a block that is not a power of two are ValueErrors."""
+    unknown activation and blocks that are not powers of two are ValueErrors."""
     z = jnp.zeros((2, 1, 8), jnp.float32)
     cases = (((z, jnp.zeros((3, 1, 8))), {}, "like gate_parts"),
              ((z, z), dict(b_in=jnp.zeros(7)), "8 values per layer"),
              ((z, z), dict(b_in=jnp.zeros((2, 8)), layer=2,
                            threshold_index=0), "outside the 2 layers"),
              ((z, z), dict(activation="tanh"), "activation must be"),
-             ((z, z), dict(block_n=48), "power of 2"))
+             ((z, z), dict(block_n=48), "powers of 2"),
+             ((z, z), dict(tile_parts=3), "powers of 2"))
     for args, kw, match in cases:
         threshold = jnp.zeros((2, 5)) if "layer" in kw else jnp.float32(0.1)
         kw = dict(dict(activation="silu"), **kw)
