@@ -641,38 +641,36 @@ def _threshold_layer_kernels(config, scfg, view, io: _LayerIO, layer, x, step, t
         out = threshold_matvec(heads, weight("wo_t"), **at(act.O), bias=lp.bo, impl=impl)
         h = x + ops.norm(out, lp.post_attn_norm_scale, None, eps)
     ym = ops.norm_input(h, lp.mlp_norm_scale, lp.mlp_norm_bias, eps)
-    both = lp.w_in_t is not None and lp.w_gate_t is not None
-
-    def hidden_units():  # [B, F] fp32, finished in XLA's ops
-        if both:
-            gate, up = threshold_matvecs(ym, [weight("w_gate_t"), weight("w_in_t")],
-                                         **at(act.GATE_UP), impl=impl)
+    # both input-sparse: the gate and up in one launch, and under `gated_kernel` their
+    # partials summed and the units finished in one more
+    gated_kernel = (blocks.gated_kernel and lp.w_in_t is not None
+                    and lp.w_gate_t is not None)
+    if lp.w_in_t is not None and lp.w_gate_t is not None:
+        gate, up = threshold_matvecs(ym, [weight("w_gate_t"), weight("w_in_t")],
+                                     **at(act.GATE_UP), partials=gated_kernel, impl=impl)
+        if not gated_kernel:
             gate = ops.activation(config.activation, gate)
             up = ops.add_bias(up, lp.b_in)
-        elif lp.w_in_t is not None:
-            up = ops.add_bias(threshold_matvec(ym, weight("w_in_t"), **at(act.GATE_UP),
-                                               impl=impl), lp.b_in)
-        elif lp.w_gate_t is not None:
-            gate = ops.activation(config.activation,
-                                  threshold_matvec(ym, weight("w_gate_t"), **at(act.GATE_UP),
-                                                   impl=impl))
-        if lp.w_gate_t is None:
-            return ops.activation(config.activation, up)
+    elif lp.w_in_t is not None:
+        up = ops.add_bias(threshold_matvec(ym, weight("w_in_t"), **at(act.GATE_UP),
+                                           impl=impl), lp.b_in)
+    elif lp.w_gate_t is not None:
+        gate = ops.activation(config.activation,
+                              threshold_matvec(ym, weight("w_gate_t"), **at(act.GATE_UP),
+                                               impl=impl))
+    if gated_kernel:
+        hidden = gated_hidden(gate, up, **table_at(act.GATE), activation=config.activation,
+                              b_in=weight("b_in"), gate_weight=weight("gate_weight"),
+                              impl=impl)
+    elif lp.w_gate_t is not None:
         neurons = act.gate_magnitude(lp, gate) > t[act.GATE]
         if lp.w_in_t is None:  # the gate site's layout: whole rows of the kept neurons
             up = ops.add_bias(row_masked_matvec(
                 act.sparse_input(ym, t[act.GATE_UP]), weight("w_in"), neurons,
                 layer=layer if stacked else None, impl=impl), lp.b_in)
-        return jnp.where(neurons, gate * up, 0.0)
-
-    if both and blocks.gated_kernel:  # the partials summed, the units finished: one launch
-        parts = threshold_matvecs(ym, [weight("w_gate_t"), weight("w_in_t")],
-                                  **at(act.GATE_UP), partials=True, impl=impl)
-        hidden = gated_hidden(*parts, **table_at(act.GATE), activation=config.activation,
-                              b_in=weight("b_in"), gate_weight=weight("gate_weight"),
-                              impl=impl)
+        hidden = jnp.where(neurons, gate * up, 0.0)
     else:
-        hidden = hidden_units()
+        hidden = ops.activation(config.activation, up)
     if lp.post_mlp_norm_scale is None:
         out = threshold_matvec(hidden, weight("w_out_t"), **at(act.DOWN), residual=h,
                                bias=lp.b_out, impl=impl)

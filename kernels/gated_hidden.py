@@ -13,12 +13,12 @@ import functools
 
 import jax
 import jax.numpy as jnp
-from jax import lax
 from jax.experimental.pallas import triton as plgpu
 
 from ._common import activation_fn, cdiv, check_array, is_pow2, next_pow2, resolve_impl
 from .launch import LaunchPart, launch
-from .threshold_matvec import _check_layer, _layer_arg, _threshold_table, _threshold_value
+from .threshold_matvec import (_check_layer, _layer_arg, _layer_rows, _threshold_table,
+                               _threshold_value)
 
 F32 = jnp.float32
 
@@ -29,12 +29,11 @@ def gated_hidden_reference(gate_parts, up_parts, threshold, *, activation, b_in=
     F = gate_parts.shape[-1]
     g = activation_fn(activation)(jnp.sum(gate_parts.astype(F32), axis=0))
     u = jnp.sum(up_parts.astype(F32), axis=0)
-    start = 0 if layer is None else jnp.asarray(layer, jnp.int32).reshape(()) * F
     if b_in is not None:
-        u = u + lax.dynamic_slice_in_dim(b_in.reshape(-1), start, F).astype(F32)
+        u = u + _layer_rows(b_in.reshape(-1), layer, F).astype(F32)
     mag = jnp.abs(g)
     if gate_weight is not None:
-        mag = mag * lax.dynamic_slice_in_dim(gate_weight.reshape(-1), start, F).astype(F32)
+        mag = mag * _layer_rows(gate_weight.reshape(-1), layer, F).astype(F32)
     t = _threshold_value(threshold, threshold_index, layer)
     return jnp.where(mag > t, g * u, 0.0)
 
