@@ -69,19 +69,19 @@ class ThresholdConfig:
     """:class:`ThresholdBlocks` of the activation-sparse layer's input-sparse GEMVs: q/k/v,
     the out-projection, the gate (with input-major up weights, the gate and up in one
     launch) and the down projection. The down projection's long split-k takes up to 8
-    blocks a program in a loop Triton pipelines 4 deep, measured faster
-    (docs/activation-sparsity.md). attention_kernel: the layer's attention (q/k/v
+    blocks a program in a loop Triton pipelines 4 deep, and the out-projection 256
+    columns a program, measured faster (docs/activation-sparsity.md). attention_kernel: the layer's attention (q/k/v
     finishing, rotary embedding, the cache write and the attention itself) in the
     decode-attention kernel's one launch, else in XLA's ops; gated_kernel: a gated MLP's
     hidden units (the gate and up partials' sums, the activation, the gate threshold, the
-    product) in one launch (`kernels.gated_hidden`), else in XLA's ops. Both stay off until
-    a GPU run times them against XLA's ops."""
+    product) in one launch (`kernels.gated_hidden`), else in XLA's ops. Both are on by
+    default, measured faster than XLA's ops."""
     qkv: ThresholdBlocks = ThresholdBlocks()
-    o: ThresholdBlocks = ThresholdBlocks()
+    o: ThresholdBlocks = ThresholdBlocks(block_n=256)
     gate_up: ThresholdBlocks = ThresholdBlocks()
     down: ThresholdBlocks = ThresholdBlocks(max_row_blocks=8, num_stages=4)
-    attention_kernel: bool = False
-    gated_kernel: bool = False
+    attention_kernel: bool = True
+    gated_kernel: bool = True
 
 
 def threshold_matvec_reference(x, w_t, threshold, *, residual=None, bias=None):

@@ -19,6 +19,7 @@ from dejavu_jax import ops, sparse
 from dejavu_jax.params import unstack_layers
 from dejavu_jax.eval import sparse_scoring as ss
 from dejavu_jax.eval.kernel_parity import KERNELS_ON
+from dejavu_jax.kernels import ThresholdConfig
 from dejavu_jax.sparsity_profile import (ProfileError, SparsityProfile, encode_gate_weights,
                                          load_profile, method_sites)
 from dejavu_jax.train import allocate
@@ -422,10 +423,11 @@ def test_threshold_kernels_decode_like_the_reference(monkeypatch, name, up_rows,
     input-major weights (the up projection by neuron rows under the gate site, or by input
     channels: a gated MLP's gate and up then share one launch) equals the jnp computation
     on the usual weights, step by step; per-layer buffers and stacked weights; with the
-    default `ThresholdConfig` and with every switch on (`kernel_parity.KERNELS_ON`: the
-    attention kernel, over stacked weights with the q/k/v partials summed by XLA first,
-    elsewhere in it; the gated units' kernel; one sum of a program's rows). Qwen2's q/k/v
-    biases, Phi-3's partial rotary embedding, Qwen3's q/k norms and sliding window."""
+    default `ThresholdConfig` (the attention kernel, over stacked weights with the q/k/v
+    partials summed by XLA first, elsewhere in it; the gated units' kernel), with the
+    attention and the units in XLA's ops, and with every switch on
+    (`kernel_parity.KERNELS_ON`, adding one sum of a program's rows). Qwen2's q/k/v biases,
+    Phi-3's partial rotary embedding, Qwen3's q/k norms and sliding window."""
     from dejavu_jax.params import input_major
     if not unrolled:
         monkeypatch.setattr(sparse, "_ATTENTION_PARTS", 1)
@@ -440,13 +442,15 @@ def test_threshold_kernels_decode_like_the_reference(monkeypatch, name, up_rows,
     if unrolled:
         moved = unstack_layers(moved)
     steps = []
+    xla_ops = dataclasses.replace(ThresholdConfig(), attention_kernel=False,
+                                  gated_kernel=False)
     for impl, p, blocks in (("reference", params, None), ("interpret", moved, None),
-                            ("interpret", moved, KERNELS_ON)):
+                            ("interpret", moved, xla_ops), ("interpret", moved, KERNELS_ON)):
         scfg = dataclasses.replace(sparse.threshold_config(config, sites, impl=impl),
                                    threshold_blocks=blocks)
         steps.append(_decode_rows(config, p, scfg, thresholds, ids, (2,))[0])
     scale = np.abs(steps[0]).max()
-    for got in steps[1:]:  # the defaults, then every kernel switch on
+    for got in steps[1:]:  # the defaults, XLA's ops, every switch on
         assert_finite_close(got, steps[0], atol=2e-5 * scale)
 
 
@@ -461,7 +465,6 @@ def test_threshold_kernels_take_each_projections_block_settings(monkeypatch, unr
     still equals the jnp computation."""
     import dataclasses
     from dejavu_jax.eval.bench_thresholds import with_settings
-    from dejavu_jax.kernels import ThresholdConfig
     from dejavu_jax.kernels import threshold_matvec as module
     from dejavu_jax.params import input_major
     config, params = _model("llama-tiny")
@@ -472,7 +475,7 @@ def test_threshold_kernels_take_each_projections_block_settings(monkeypatch, unr
                            "down.row_blocks=8,down.num_stages=3,gate_up.block_rows=32,"
                            "gate_up.block_n=64,qkv.row_blocks=1,o.block_n=64,o.num_warps=2,"
                            "o.residual_atomics=0,down.evict_first=0,gate_up.columns_first=1"
-                           + ("" if unrolled else ",attention_kernel=1,gated_kernel=1"))
+                           + (",attention_kernel=0,gated_kernel=0" if unrolled else ""))
     from dejavu_jax.kernels import gated_hidden as gated_module
     from dejavu_jax.kernels import head_attention
 

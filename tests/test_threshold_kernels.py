@@ -234,17 +234,17 @@ def test_block_settings_parse_and_refuse_bad_ones():
     site, field, value or block size is a ValueError naming it."""
     from dejavu_jax.eval.bench_thresholds import block_variants, with_settings
     from dejavu_jax.kernels import ThresholdBlocks, ThresholdConfig
-    cfg = with_settings(ThresholdConfig(), "down.row_blocks=8, down.num_stages=3,o.block_n=256")
+    cfg = with_settings(ThresholdConfig(), "down.row_blocks=8, down.num_stages=3,o.block_n=128")
     assert cfg.down == ThresholdBlocks(row_blocks=8, max_row_blocks=8, num_stages=3)
-    assert cfg.o == ThresholdBlocks(block_n=256) and cfg.qkv == cfg.gate_up == ThresholdBlocks()
+    assert cfg.o == ThresholdBlocks(block_n=128) and cfg.qkv == cfg.gate_up == ThresholdBlocks()
     assert with_settings(cfg, "down.row_blocks=None").down.row_blocks is None
     switched = with_settings(cfg, "o.evict_first=1,down.residual_atomics=0")
     assert switched.o.evict_first is True and switched.down.residual_atomics is False
     assert switched.qkv == ThresholdBlocks()
-    assert ThresholdConfig().attention_kernel is ThresholdConfig().gated_kernel is False
-    on = with_settings(cfg, "attention_kernel=1,gated_kernel=1,down.deferred_sum=1")
-    assert on.attention_kernel is on.gated_kernel is on.down.deferred_sum is True
-    assert on.o == cfg.o and on.down.num_stages == 3
+    assert ThresholdConfig().attention_kernel is ThresholdConfig().gated_kernel is True
+    off = with_settings(cfg, "attention_kernel=0,gated_kernel=0,down.deferred_sum=1")
+    assert off.attention_kernel is off.gated_kernel is False and off.down.deferred_sum is True
+    assert off.o == cfg.o and off.down.num_stages == 3
     for bad, match in (("attention_kernel=2", "0 or 1"), ("attention_kernel.x=1", "SWITCH"),
                        ("mlp.row_blocks=8", "SITE.FIELD"), ("down.rows=8", "SITE.FIELD"),
                        ("down.row_blocks", "SITE.FIELD"), ("down.row_blocks=x", "'x'"),
@@ -263,8 +263,8 @@ def test_block_settings_parse_and_refuse_bad_ones():
 
 def test_block_defaults_are_the_kernels_own():
     """`ThresholdBlocks()` passes the kernels' own keyword defaults, so q/k/v, the
-    out-projection and the gate and up projections run as the kernels do by default; the
-    down projection alone differs (up to 8 blocks, 4 stages)."""
+    gate and up projections run as the kernels do by default; the out-projection takes 256
+    columns a program and the down projection up to 8 blocks in 4 stages."""
     import inspect
 
     from dejavu_jax.kernels import ThresholdBlocks, ThresholdConfig
@@ -272,7 +272,8 @@ def test_block_defaults_are_the_kernels_own():
         defaults = {k: p.default for k, p in inspect.signature(fn).parameters.items()}
         assert all(defaults[k] == v for k, v in ThresholdBlocks().kwargs().items())
     cfg = ThresholdConfig()
-    assert cfg.qkv == cfg.o == cfg.gate_up == ThresholdBlocks()
+    assert cfg.qkv == cfg.gate_up == ThresholdBlocks()
+    assert cfg.o == ThresholdBlocks(block_n=256)
     # the measured switches: the evict-first hint on, the grid and the residual as before
     assert ThresholdBlocks().evict_first and ThresholdBlocks().residual_atomics
     assert not ThresholdBlocks().columns_first

@@ -391,14 +391,20 @@ def test_threshold_decode_step_lowers(up_rows, unrolled):
         eng = sparse.sparse_engine(config, scfg, sparse.no_selector)
         state = jax.eval_shape(lambda: eng.init_state(1, 32, BF16, per_layer=unrolled))
         return lowers(eng.step, (params, thresholds), state, jnp.zeros((1,), jnp.int32))
-    # with the switches on, the gate and up's partials finished in one launch where both
-    # are input-sparse and the attention in the decode-attention kernel; neither by default
+    # by default and with every switch on, the gate and up's partials are finished in one
+    # launch where both are input-sparse and the attention runs in the decode-attention
+    # kernel; with both switches off, in XLA's ops
+    off = dataclasses.replace(kernels.ThresholdConfig(), attention_kernel=False,
+                              gated_kernel=False)
+    assert 'name = "gated_hidden"' not in lowered(dataclasses.replace(scfg,
+                                                                       threshold_blocks=off))
+    assert 'name = "head_sparse_decode_attention"' not in lowered(
+        dataclasses.replace(scfg, threshold_blocks=off))
     on = lowered(dataclasses.replace(scfg, threshold_blocks=KERNELS_ON))
-    assert ('name = "gated_hidden"' in on) == (not up_rows)
-    assert 'name = "head_sparse_decode_attention"' in on
     text = lowered(scfg)
-    assert 'name = "gated_hidden"' not in text
-    assert 'name = "head_sparse_decode_attention"' not in text
+    for lowering in (on, text):
+        assert ('name = "gated_hidden"' in lowering) == (not up_rows)
+        assert 'name = "head_sparse_decode_attention"' in lowering
     launches = triton_launch_sites(text)
     L, d, F = config.n_layers, config.hidden, config.ffn
     # every input-sparse launch reads the whole threshold table, never a slice of it
