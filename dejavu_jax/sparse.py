@@ -600,6 +600,7 @@ def _threshold_layer_kernels(config, scfg, view, io: _LayerIO, layer, x, step, t
     `scfg.threshold_blocks`."""
     from dejavu_jax import activation_sparsity as act
     from dejavu_jax.kernels.gated_hidden import gated_hidden
+    from dejavu_jax.kernels.gated_rows import gated_rows
     from dejavu_jax.kernels.threshold_matvec import (ThresholdConfig, row_masked_matvec,
                                                      threshold_matvec, threshold_matvecs)
     from dejavu_jax.model import cached_attention, write_kv
@@ -642,9 +643,13 @@ def _threshold_layer_kernels(config, scfg, view, io: _LayerIO, layer, x, step, t
         h = x + ops.norm(out, lp.post_attn_norm_scale, None, eps)
     ym = ops.norm_input(h, lp.mlp_norm_scale, lp.mlp_norm_bias, eps)
     # both input-sparse: the gate and up in one launch, and under `gated_kernel` their
-    # partials summed and the units finished in one more
+    # partials summed and the units finished in one more; under the gate site's layout
+    # (up rows) and `gate_rows_kernel`, the gate's partials, the up rows and the units in
+    # one more
     gated_kernel = (blocks.gated_kernel and lp.w_in_t is not None
                     and lp.w_gate_t is not None)
+    gate_rows = (blocks.gate_rows_kernel and lp.w_in_t is None and lp.w_gate_t is not None
+                 and lp.w_in is not None)
     if lp.w_in_t is not None and lp.w_gate_t is not None:
         gate, up = threshold_matvecs(ym, [weight("w_gate_t"), weight("w_in_t")],
                                      **at(act.GATE_UP), partials=gated_kernel, impl=impl)
@@ -654,6 +659,9 @@ def _threshold_layer_kernels(config, scfg, view, io: _LayerIO, layer, x, step, t
     elif lp.w_in_t is not None:
         up = ops.add_bias(threshold_matvec(ym, weight("w_in_t"), **at(act.GATE_UP),
                                            impl=impl), lp.b_in)
+    elif gate_rows:
+        gate_parts, = threshold_matvecs(ym, [weight("w_gate_t")], **at(act.GATE_UP),
+                                        partials=True, impl=impl)
     elif lp.w_gate_t is not None:
         gate = ops.activation(config.activation,
                               threshold_matvec(ym, weight("w_gate_t"), **at(act.GATE_UP),
@@ -662,6 +670,13 @@ def _threshold_layer_kernels(config, scfg, view, io: _LayerIO, layer, x, step, t
         hidden = gated_hidden(gate, up, **table_at(act.GATE), activation=config.activation,
                               b_in=weight("b_in"), gate_weight=weight("gate_weight"),
                               impl=impl)
+    elif gate_rows:
+        at_input, at_gate = table_at(act.GATE_UP), table_at(act.GATE)
+        hidden = gated_rows(gate_parts, ym, weight("w_in"), table,
+                            input_index=at_input["threshold_index"],
+                            gate_index=at_gate["threshold_index"], layer=at_gate.get("layer"),
+                            activation=config.activation, b_in=weight("b_in"),
+                            gate_weight=weight("gate_weight"), impl=impl)
     elif lp.w_gate_t is not None:
         neurons = act.gate_magnitude(lp, gate) > t[act.GATE]
         if lp.w_in_t is None:  # the gate site's layout: whole rows of the kept neurons

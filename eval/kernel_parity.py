@@ -44,10 +44,11 @@
    grouped queries) over stacked weights (each layer's rows read in place under
    `lax.scan`), each with the default `ThresholdConfig` and with every switch on (the
    attention in the decode-attention kernel, a gated MLP's units in
-   `kernels.gated_hidden`, one sum of a program's rows): logits and K cache against the
-   jnp computation on the usual weights; and the kernels alone (the input-sparse and
-   row-masked GEMVs, the unit finish over a stacked layer's bias, gate weights and
-   threshold), one row and three, against their references.
+   `kernels.gated_hidden`, the gate site's up rows and units in `kernels.gated_rows`, one
+   sum of a program's rows): logits and K cache against the jnp computation on the usual
+   weights; and the kernels alone (the input-sparse and row-masked GEMVs, the unit
+   finishes over a stacked layer's bias, gate weights, up rows and thresholds), one row
+   and three, against their references.
 8. ("switches") The load switches of the input-sparse GEMV (column blocks first, the
    evict-first hint, the residual from partials, one sum of a program's rows), of the
    sparse MLP pair and of head-sparse attention (the evict-first hint) against their
@@ -570,10 +571,11 @@ THRESHOLD_CASES = (("llama-tiny", True, 1, "unrolled"), ("llama-tiny", False, 1,
                    ("qwen2-tiny", False, 1, "stacked"))
 
 
-# the activation-sparse layer with its attention and a gated MLP's units in kernels of their
-# own and one sum of a program's rows (switches off by default), checked beside the defaults
+# the activation-sparse layer with its attention, a gated MLP's units and the gate site's
+# up rows in kernels of their own and one sum of a program's rows, checked beside the
+# defaults
 KERNELS_ON = dataclasses.replace(
-    ThresholdConfig(), attention_kernel=True, gated_kernel=True,
+    ThresholdConfig(), attention_kernel=True, gated_kernel=True, gate_rows_kernel=True,
     **{site: dataclasses.replace(getattr(ThresholdConfig(), site), deferred_sum=True)
        for site in ("qkv", "o", "gate_up", "down")})
 
@@ -627,6 +629,7 @@ def _threshold_decode_rows(impl: str, steps: int, cases) -> list[dict]:
 
 def _threshold_kernel_rows(impl: str) -> list[dict]:
     from dejavu_jax.kernels.gated_hidden import gated_hidden
+    from dejavu_jax.kernels.gated_rows import gated_rows
     from dejavu_jax.kernels.threshold_matvec import (row_masked_matvec, threshold_matvec,
                                                      threshold_matvecs)
     rng = np.random.default_rng(9)
@@ -668,6 +671,16 @@ def _threshold_kernel_rows(impl: str) -> list[dict]:
             *parts, table, b_in=bias, gate_weight=gw, layer=jnp.int32(1))
             for i in (impl, "reference"))
         rows.append(dict(check="threshold", kernel="gated_hidden", B=B, K=K, N=N,
+                         kept=float((ref != 0).mean()),
+                         logits=float(jnp.abs(got - ref).max()), k_cache=0.0))
+        # the gate site's units: the gate's partials and the kept neurons' up rows over the
+        # thresholded input (stacked: the layer's rows and both thresholds read in place)
+        w_in = jnp.asarray(rng.standard_normal((2 * N, K)) * K ** -0.5, jnp.float32)
+        got, ref = (jax.jit(functools.partial(gated_rows, activation="silu", impl=i,
+                                              input_index=1, gate_index=3))(
+            parts[0], x, w_in, table.at[:, 1].set(t), b_in=bias, gate_weight=gw,
+            layer=jnp.int32(1)) for i in (impl, "reference"))
+        rows.append(dict(check="threshold", kernel="gated_rows", B=B, K=K, N=N,
                          kept=float((ref != 0).mean()),
                          logits=float(jnp.abs(got - ref).max()), k_cache=0.0))
     return rows

@@ -75,13 +75,17 @@ class ThresholdConfig:
     decode-attention kernel's one launch, else in XLA's ops; gated_kernel: a gated MLP's
     hidden units (the gate and up partials' sums, the activation, the gate threshold, the
     product) in one launch (`kernels.gated_hidden`), else in XLA's ops. Both are on by
-    default, measured faster than XLA's ops."""
+    default, measured faster than XLA's ops. gate_rows_kernel: under the gate site's
+    layout (up rows of the kept neurons), the gate partials' sum, the activation, the gate
+    threshold, the up rows and the product in one launch (`kernels.gated_rows`), else in
+    `row_masked_matvec` and XLA's ops; off until a GPU times it."""
     qkv: ThresholdBlocks = ThresholdBlocks()
     o: ThresholdBlocks = ThresholdBlocks(block_n=256)
     gate_up: ThresholdBlocks = ThresholdBlocks()
     down: ThresholdBlocks = ThresholdBlocks(max_row_blocks=8, num_stages=4)
     attention_kernel: bool = True
     gated_kernel: bool = True
+    gate_rows_kernel: bool = False
 
 
 def threshold_matvec_reference(x, w_t, threshold, *, residual=None, bias=None):

@@ -242,8 +242,11 @@ def test_block_settings_parse_and_refuse_bad_ones():
     assert switched.o.evict_first is True and switched.down.residual_atomics is False
     assert switched.qkv == ThresholdBlocks()
     assert ThresholdConfig().attention_kernel is ThresholdConfig().gated_kernel is True
-    off = with_settings(cfg, "attention_kernel=0,gated_kernel=0,down.deferred_sum=1")
+    assert ThresholdConfig().gate_rows_kernel is False
+    off = with_settings(cfg, "attention_kernel=0,gated_kernel=0,down.deferred_sum=1,"
+                             "gate_rows_kernel=1")
     assert off.attention_kernel is off.gated_kernel is False and off.down.deferred_sum is True
+    assert off.gate_rows_kernel is True
     assert off.o == cfg.o and off.down.num_stages == 3
     for bad, match in (("attention_kernel=2", "0 or 1"), ("attention_kernel.x=1", "SWITCH"),
                        ("mlp.row_blocks=8", "SITE.FIELD"), ("down.rows=8", "SITE.FIELD"),

@@ -393,15 +393,19 @@ def test_threshold_decode_step_lowers(up_rows, unrolled):
         return lowers(eng.step, (params, thresholds), state, jnp.zeros((1,), jnp.int32))
     # by default and with every switch on, the gate and up's partials are finished in one
     # launch where both are input-sparse and the attention runs in the decode-attention
-    # kernel; with both switches off, in XLA's ops
+    # kernel; with both switches off, in XLA's ops. Under the gate site, the up rows and
+    # the units in one launch with every switch on only
     off = dataclasses.replace(kernels.ThresholdConfig(), attention_kernel=False,
                               gated_kernel=False)
-    assert 'name = "gated_hidden"' not in lowered(dataclasses.replace(scfg,
-                                                                       threshold_blocks=off))
-    assert 'name = "head_sparse_decode_attention"' not in lowered(
-        dataclasses.replace(scfg, threshold_blocks=off))
+    text = lowered(dataclasses.replace(scfg, threshold_blocks=off))
+    assert 'name = "gated_hidden"' not in text
+    assert 'name = "head_sparse_decode_attention"' not in text
     on = lowered(dataclasses.replace(scfg, threshold_blocks=KERNELS_ON))
+    assert ('name = "gated_rows"' in on) == up_rows
+    assert 'name = "row_masked_matvec"' not in on
     text = lowered(scfg)
+    assert 'name = "gated_rows"' not in text
+    assert ('name = "row_masked_matvec"' in text) == up_rows
     for lowering in (on, text):
         assert ('name = "gated_hidden"' in lowering) == (not up_rows)
         assert 'name = "head_sparse_decode_attention"' in lowering
