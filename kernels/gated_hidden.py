@@ -38,34 +38,47 @@ def gated_hidden_reference(gate_parts, up_parts, threshold, *, activation, b_in=
     return jnp.where(mag > t, g * u, 0.0)
 
 
-def _gated_body(pids, g_ref, u_ref, t_ref, *rest, B, F, bn, n_parts, tile_parts, act,
-                has_bias, has_weight, t_index, t_stride):
+def unit_refs(rest, t_stride, has_bias: bool, has_weight: bool):
+    """(layer, bias ref, gate-weight ref, output ref) from a unit kernel's trailing refs:
+    the layer index (stacked weights; else layer 0), then the optional per-unit vectors."""
     it = iter(rest)
     layer = next(it)[0] if t_stride is not None else 0
     b_ref = next(it) if has_bias else None
     w_ref = next(it) if has_weight else None
-    o_ref = next(it)
+    return layer, b_ref, w_ref, next(it)
+
+
+def unit_vector(ref, unit, mask):
+    """fp32 values of a per-unit vector at `unit` (None without one)."""
+    return None if ref is None else plgpu.load(ref.at[unit], mask=mask, other=0).astype(F32)
+
+
+def sum_partials(ref, b, cols, cm, n_parts: int, tile_parts: int):
+    """Row b's sum over the fp32 split-k partials ``ref [n_parts, B, F]`` at `cols`, in
+    tiles of up to `tile_parts` chunks, every load of a tile issued at once (a loop over the
+    chunks would wait on one load after another)."""
+    kk = jnp.arange(tile_parts, dtype=jnp.int32)
+    total = jnp.zeros(cols.shape, F32)
+    for first in range(0, n_parts, tile_parts):
+        k = first + kk
+        m = (k < n_parts)[:, None] & cm[None, :]
+        total = total + jnp.sum(plgpu.load(ref.at[k[:, None], b, cols[None, :]], mask=m,
+                                           other=0.0), axis=0)
+    return total
+
+
+def _gated_body(pids, g_ref, u_ref, t_ref, *rest, B, F, bn, n_parts, tile_parts, act,
+                has_bias, has_weight, t_index, t_stride):
+    layer, b_ref, w_ref, o_ref = unit_refs(rest, t_stride, has_bias, has_weight)
     j, = pids
     cols = j * bn + jnp.arange(bn, dtype=jnp.int32)
     cm = cols < F
     unit = layer * F + cols   # stacked: this layer's units among every layer's
-    bias = (plgpu.load(b_ref.at[unit], mask=cm, other=0).astype(F32) if has_bias
-            else None)
-    weight = (plgpu.load(w_ref.at[unit], mask=cm, other=0).astype(F32) if has_weight
-              else None)
+    bias, weight = unit_vector(b_ref, unit, cm), unit_vector(w_ref, unit, cm)
     t = t_ref[t_index if t_stride is None else layer * t_stride + t_index]
-    kk = jnp.arange(tile_parts, dtype=jnp.int32)
     for b in range(B):
-        # each row's partials in tiles of up to `tile_parts` chunks, every load issued at
-        # once (a loop over the chunks would wait on one load after another)
-        g = u = jnp.zeros((bn,), F32)
-        for first in range(0, n_parts, tile_parts):
-            k = first + kk
-            m = (k < n_parts)[:, None] & cm[None, :]
-            at = (k[:, None], b, cols[None, :])
-            g = g + jnp.sum(plgpu.load(g_ref.at[at], mask=m, other=0.0), axis=0)
-            u = u + jnp.sum(plgpu.load(u_ref.at[at], mask=m, other=0.0), axis=0)
-        g = act(g)
+        g = act(sum_partials(g_ref, b, cols, cm, n_parts, tile_parts))
+        u = sum_partials(u_ref, b, cols, cm, n_parts, tile_parts)
         u = u if bias is None else u + bias
         mag = jnp.abs(g) if weight is None else jnp.abs(g) * weight
         plgpu.store(o_ref.at[b, cols], jnp.where(mag > t, g * u, 0.0), mask=cm)

@@ -18,6 +18,7 @@ import jax.numpy as jnp
 from jax.experimental.pallas import triton as plgpu
 
 from ._common import activation_fn, cdiv, check_array, is_pow2, next_pow2, resolve_impl
+from .gated_hidden import sum_partials, unit_refs, unit_vector
 from .gather_matvec import accumulate_blocks, batch_pad, mma
 from .launch import LaunchPart, launch
 from .threshold_matvec import (_check_layer, _layer_arg, _layer_rows, _threshold_table,
@@ -46,31 +47,19 @@ def gated_rows_reference(gate_parts, x, w_in, threshold, *, activation, input_in
 
 def _gated_rows_body(pids, g_ref, x_ref, t_ref, w_ref, *rest, B, Bp, F, d, bk, bd, chunks,
                      n_parts, tile_parts, act, has_bias, has_weight, t_in, t_gate, t_stride):
-    it = iter(rest)
-    layer = next(it)[0] if t_stride is not None else 0
-    b_ref = next(it) if has_bias else None
-    gw_ref = next(it) if has_weight else None
-    o_ref = next(it)
+    layer, b_ref, gw_ref, o_ref = unit_refs(rest, t_stride, has_bias, has_weight)
     i, = pids
     r = i * bk + jnp.arange(bk, dtype=jnp.int32)
     valid = r < F
     unit = layer * F + r   # stacked: this layer's neurons among every layer's
     base = 0 if t_stride is None else layer * t_stride
     t_input, t_units = t_ref[base + t_in], t_ref[base + t_gate]
-    weight = (plgpu.load(gw_ref.at[unit], mask=valid, other=0).astype(F32) if has_weight
-              else None)
+    weight = unit_vector(gw_ref, unit, valid)
     brow = jnp.arange(Bp, dtype=jnp.int32)
     bmask = brow < B
-    kk = jnp.arange(tile_parts, dtype=jnp.int32)
     g = jnp.zeros((Bp, bk), F32)
     for b in range(B):
-        # the row's gate partials in tiles of up to `tile_parts` chunks, loaded at once
-        gb = jnp.zeros((bk,), F32)
-        for first in range(0, n_parts, tile_parts):
-            k = first + kk
-            m = (k < n_parts)[:, None] & valid[None, :]
-            gb = gb + jnp.sum(plgpu.load(g_ref.at[k[:, None], b, r[None, :]], mask=m,
-                                         other=0.0), axis=0)
+        gb = sum_partials(g_ref, b, r, valid, n_parts, tile_parts)
         g = g + jnp.where(brow[:, None] == b, gb[None, :], 0.0)
     g = act(g)
     mag = jnp.abs(g) if weight is None else jnp.abs(g) * weight[None, :]
@@ -91,7 +80,7 @@ def _gated_rows_body(pids, g_ref, x_ref, t_ref, w_ref, *rest, B, Bp, F, d, bk, b
 
     u = accumulate_blocks(chunk, chunks, (Bp, bk))
     if has_bias:
-        u = u + plgpu.load(b_ref.at[unit], mask=valid, other=0).astype(F32)[None, :]
+        u = u + unit_vector(b_ref, unit, valid)[None, :]
     plgpu.store(o_ref.at[brow[:, None], r[None, :]], jnp.where(keep, g * u, 0.0),
                 mask=bmask[:, None] & valid[None, :])
 
