@@ -615,10 +615,12 @@ def _threshold_layer_kernels(config, scfg, view, io: _LayerIO, layer, x, step, t
     def weight(name):  # stacked: every layer's rows, this layer's read in place
         return view.flat[name] if stacked else getattr(lp, name)
 
-    def table_at(site):  # where the kernels read the site's threshold
-        if stacked:
-            return dict(threshold=table, threshold_index=site, layer=layer)
-        return dict(threshold=table, threshold_index=int(layer) * table.shape[1] + site)
+    def index_at(site):  # the site's threshold as the kernels index the table
+        return site if stacked else int(layer) * table.shape[1] + site
+
+    def table_at(site):
+        return dict(threshold=table, threshold_index=index_at(site),
+                    **({"layer": layer} if stacked else {}))
 
     def at(site):
         return dict(table_at(site), **by_site[site].kwargs())
@@ -648,8 +650,7 @@ def _threshold_layer_kernels(config, scfg, view, io: _LayerIO, layer, x, step, t
     # one more
     gated_kernel = (blocks.gated_kernel and lp.w_in_t is not None
                     and lp.w_gate_t is not None)
-    gate_rows = (blocks.gate_rows_kernel and lp.w_in_t is None and lp.w_gate_t is not None
-                 and lp.w_in is not None)
+    gate_rows = blocks.gate_rows_kernel and lp.w_in_t is None and lp.w_gate_t is not None
     if lp.w_in_t is not None and lp.w_gate_t is not None:
         gate, up = threshold_matvecs(ym, [weight("w_gate_t"), weight("w_in_t")],
                                      **at(act.GATE_UP), partials=gated_kernel, impl=impl)
@@ -671,12 +672,10 @@ def _threshold_layer_kernels(config, scfg, view, io: _LayerIO, layer, x, step, t
                               b_in=weight("b_in"), gate_weight=weight("gate_weight"),
                               impl=impl)
     elif gate_rows:
-        at_input, at_gate = table_at(act.GATE_UP), table_at(act.GATE)
         hidden = gated_rows(gate_parts, ym, weight("w_in"), table,
-                            input_index=at_input["threshold_index"],
-                            gate_index=at_gate["threshold_index"], layer=at_gate.get("layer"),
-                            activation=config.activation, b_in=weight("b_in"),
-                            gate_weight=weight("gate_weight"), impl=impl)
+                            input_index=index_at(act.GATE_UP), gate_index=index_at(act.GATE),
+                            layer=layer if stacked else None, activation=config.activation,
+                            b_in=weight("b_in"), gate_weight=weight("gate_weight"), impl=impl)
     elif lp.w_gate_t is not None:
         neurons = act.gate_magnitude(lp, gate) > t[act.GATE]
         if lp.w_in_t is None:  # the gate site's layout: whole rows of the kept neurons

@@ -70,15 +70,16 @@ class ThresholdConfig:
     the out-projection, the gate (with input-major up weights, the gate and up in one
     launch) and the down projection. The down projection's long split-k takes up to 8
     blocks a program in a loop Triton pipelines 4 deep, and the out-projection 256
-    columns a program, measured faster (docs/activation-sparsity.md). attention_kernel: the layer's attention (q/k/v
-    finishing, rotary embedding, the cache write and the attention itself) in the
-    decode-attention kernel's one launch, else in XLA's ops; gated_kernel: a gated MLP's
-    hidden units (the gate and up partials' sums, the activation, the gate threshold, the
-    product) in one launch (`kernels.gated_hidden`), else in XLA's ops. Both are on by
-    default, measured faster than XLA's ops. gate_rows_kernel: under the gate site's
-    layout (up rows of the kept neurons), the gate partials' sum, the activation, the gate
-    threshold, the up rows and the product in one launch (`kernels.gated_rows`), else in
-    `row_masked_matvec` and XLA's ops; off until a GPU times it."""
+    columns a program, measured faster (docs/activation-sparsity.md). attention_kernel:
+    the layer's attention (q/k/v finishing, rotary embedding, the cache write and the
+    attention itself) in the decode-attention kernel's one launch, else in XLA's ops;
+    gated_kernel: a gated MLP's hidden units (the gate and up partials' sums, the
+    activation, the gate threshold, the product) in one launch (`kernels.gated_hidden`),
+    else in XLA's ops. Both are on by default, measured faster than XLA's ops.
+    gate_rows_kernel: under the gate site's layout (up rows of the kept neurons), the gate
+    partials' sum, the activation, the gate threshold, the up rows and the product in one
+    launch (`kernels.gated_rows`), else in `row_masked_matvec` and XLA's ops; off until a
+    GPU times it."""
     qkv: ThresholdBlocks = ThresholdBlocks()
     o: ThresholdBlocks = ThresholdBlocks(block_n=256)
     gate_up: ThresholdBlocks = ThresholdBlocks()
