@@ -157,8 +157,10 @@ def is_sliding(config: ModelConfig, layer):
     return jnp.asarray(config.sliding_layers)[layer]
 
 
-def layer_rope_tables(config: ModelConfig, positions: jax.Array, layer=None, length=None):
-    """cos and sin tables [..., head_dim] of `layer`: sliding layers use
+def step_rope_tables(config: ModelConfig, positions: jax.Array, length=None):
+    """(full-attention layers' cos and sin tables, sliding layers' or None), each
+    [..., head_dim]: every kind of layer's tables at `positions`, for a step to compute
+    once and each layer to pick from (`pick_rope_tables`). Sliding layers use
     `rope_local_theta`, full-attention layers `rope_theta` and `rope_linear_factor`.
     length: the sequence length (may be traced) that picks LongRoPE's factors, the long
     ones past the original context (default: the largest position + 1, as transformers
@@ -172,15 +174,29 @@ def layer_rope_tables(config: ModelConfig, positions: jax.Array, layer=None, len
                        config.rope_llama3, config.rope_yarn, config.rope_longrope,
                        long_factors, config.rotary_dim)
     if config.rope_local_theta is None or not config.has_sliding_layers:
+        return full, None
+    return full, rope_tables(positions, config.head_dim, config.rope_local_theta,
+                             rotary_dim=config.rotary_dim)
+
+
+def pick_rope_tables(config: ModelConfig, tables, layer=None):
+    """`layer`'s cos and sin tables out of `step_rope_tables`' pair (a traced layer
+    selects between them on the device)."""
+    full, local = tables
+    if local is None:
         return full
     sliding = is_sliding(config, layer)
     if sliding is False:
         return full
-    local = rope_tables(positions, config.head_dim, config.rope_local_theta,
-                        rotary_dim=config.rotary_dim)
     if sliding is True:
         return local
     return tuple(jnp.where(sliding, lo, fu) for lo, fu in zip(local, full))
+
+
+def layer_rope_tables(config: ModelConfig, positions: jax.Array, layer=None, length=None):
+    """cos and sin tables [..., head_dim] of `layer` at `positions` (`step_rope_tables`,
+    `pick_rope_tables`)."""
+    return pick_rope_tables(config, step_rope_tables(config, positions, length), layer)
 
 
 def window_mask(config: ModelConfig, layer, query_pos: jax.Array, key_pos: jax.Array):

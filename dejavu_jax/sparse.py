@@ -380,10 +380,11 @@ def _window_step(config: ModelConfig, scfg: SparseConfig, step: dict) -> dict:
     if n_refresh:
         out["refresh"] = ((slot * n_refresh + jnp.arange(n_refresh, dtype=jnp.int32))
                           % config.n_kv_heads).astype(jnp.int32)
-    if config.rotary:  # the window rows' positions; each layer takes its own RoPE tables
-        out["positions"] = jnp.maximum(step["positions"][:, None] - back[None], 0)
-    if config.rope_longrope is not None:  # the step's length picks LongRoPE's factors
-        out["length"] = jnp.max(step["positions"]) + 1
+    if config.rotary:  # the window rows' RoPE tables, each layer picking its own
+        positions = jnp.maximum(step["positions"][:, None] - back[None], 0)
+        # the step's length picks LongRoPE's factors
+        out["rope"] = ops.step_rope_tables(config, positions,
+                                           jnp.max(step["positions"]) + 1)
     return out
 
 
@@ -407,9 +408,8 @@ def _missing_kv_window(config: ModelConfig, view, io: _LayerIO, layer, win: dict
     # the kernels' head ids are base + group (stacked) or the group (unrolled layers)
     rows0 = layer * Hk - base
     cos = sin = None
-    if "positions" in win:  # this layer's RoPE (Gemma 3's sliding layers have their own;
-        # LongRoPE's factors are those of the step's length)
-        cos, sin = ops.layer_rope_tables(config, win["positions"], layer, win.get("length"))
+    if "rope" in win:  # this layer's RoPE (Gemma 3's sliding layers have their own)
+        cos, sin = ops.pick_rope_tables(config, win["rope"], layer)
     return kernels.KVWindow(
         x=ring, x_row0=None if ring_row0 is None else jnp.asarray(ring_row0, jnp.int32),
         current=win["current"],
@@ -479,7 +479,7 @@ def _sparse_attention(config, scfg, view, io: _LayerIO, layer, y, heads, step,
         window = _missing_kv_window(config, view, io, layer, step["window"], ring, ring_row0)
     rope = None
     if config.rotary:
-        rope = ops.layer_rope_tables(config, step["positions"], layer)
+        rope = _layer_rope(config, step, layer)
     norms = {}
     if config.qk_norm:
         norms["qk_norm"] = (view.lp.q_norm_scale, view.lp.k_norm_scale)
@@ -585,7 +585,7 @@ def _threshold_layer(config, scfg, view, io: _LayerIO, layer, x, step, table, re
                      lp.post_attn_norm_scale)
     x = ops.residual(config, h, mlp, lp.mlp_norm_scale, lp.mlp_norm_bias,
                      lp.post_mlp_norm_scale)
-    return x, _all_written(config, box["io"], layer, step)
+    return x, box["io"]
 
 
 def _threshold_layer_kernels(config, scfg, view, io: _LayerIO, layer, x, step, table):
@@ -627,10 +627,17 @@ def _threshold_layer_kernels(config, scfg, view, io: _LayerIO, layer, x, step, t
     x = x.astype(F32)
     y = ops.norm_input(x, lp.attn_norm_scale, lp.attn_norm_bias, eps)
     if blocks.attention_kernel:
-        qkv_parts, = threshold_matvecs(y, [weight("wqkv_t")], **at(act.QKV), partials=True,
-                                       impl=impl)
-        heads, io = _every_head_attention(config, scfg, view, io, layer, qkv_parts, step)
+        if blocks.qkv_atomics:  # one partial: the chunks' sums added in the launch
+            w = weight("wqkv_t")
+            qkv_parts = threshold_matvec(y, w, **at(act.QKV), impl=impl,
+                                         residual=jnp.zeros((B, w.shape[1]), F32))[None]
+        else:
+            qkv_parts, = threshold_matvecs(y, [weight("wqkv_t")], **at(act.QKV),
+                                           partials=True, impl=impl)
+        heads, splits, io = _every_head_attention(config, scfg, view, io, layer, qkv_parts,
+                                                  step)
     else:
+        splits = None
         qkv = threshold_matvec(y, weight("wqkv_t"), **at(act.QKV), impl=impl)
         q, k, v = ops.finish_qkv(config, lp, qkv, step["positions"], layer)
         io = io.replace(k=write_kv(io.k, layer, step["slot"], k),
@@ -639,9 +646,10 @@ def _threshold_layer_kernels(config, scfg, view, io: _LayerIO, layer, x, step, t
                                  layer_valid(config, layer, step)).reshape(B, -1)
     if lp.post_attn_norm_scale is None:
         h = threshold_matvec(heads, weight("wo_t"), **at(act.O), residual=x, bias=lp.bo,
-                             impl=impl)
+                             splits=splits, impl=impl)
     else:
-        out = threshold_matvec(heads, weight("wo_t"), **at(act.O), bias=lp.bo, impl=impl)
+        out = threshold_matvec(heads, weight("wo_t"), **at(act.O), bias=lp.bo, splits=splits,
+                               impl=impl)
         h = x + ops.norm(out, lp.post_attn_norm_scale, None, eps)
     ym = ops.norm_input(h, lp.mlp_norm_scale, lp.mlp_norm_bias, eps)
     # both input-sparse: the gate and up in one launch, and under `gated_kernel` their
@@ -692,20 +700,27 @@ def _threshold_layer_kernels(config, scfg, view, io: _LayerIO, layer, x, step, t
         mlp_out = threshold_matvec(hidden, weight("w_out_t"), **at(act.DOWN), bias=lp.b_out,
                                    impl=impl)
         out = h + ops.norm(mlp_out, lp.post_mlp_norm_scale, None, eps)
-    return out, _all_written(config, io, layer, step)
+    return out, io
 
 
 # split-k partials of q/k/v up to which the attention programs sum them (more: one XLA sum)
 _ATTENTION_PARTS = 16
+# flash-decoding splits up to which the out-projection merges them as it loads its input
+# (more: one XLA merge first)
+_MERGED_SPLITS = 16
 
 
 def _every_head_attention(config, scfg, view, io: _LayerIO, layer, qkv_parts, step):
-    """(every head's attention output [B, H * hd] fp32, io) from the raw q/k/v
-    projections' fp32 split-k partials `qkv_parts` [n, B, (H + 2 Hk) * hd], through the
-    decode-attention kernel over every KV group: each program sums and finishes its
-    group's q/k/v in place (biases, rotary embedding; q/k norms first finish in XLA),
-    attends to the cache and writes this token's k/v, so no XLA op slices, rotates or
-    writes per layer. More than `_ATTENTION_PARTS` partials are summed first."""
+    """(every head's attention output, splits, io) from the raw q/k/v projections' fp32
+    split-k partials `qkv_parts` [n, B, (H + 2 Hk) * hd], through the decode-attention
+    kernel over every KV group: each program sums and finishes its group's q/k/v in place
+    (biases, rotary embedding; q/k norms first finish in XLA), attends to the cache and
+    writes this token's k/v, so no XLA op slices, rotates or writes per layer. More than
+    `_ATTENTION_PARTS` partials are summed first. The output is the flash-decoding splits'
+    [S, B, H * hd] with `splits` their maxima and sums (m, l) [S, B, H], for the
+    out-projection to merge as it loads them (`threshold_matvec`'s `splits`); past
+    `_MERGED_SPLITS` splits, or with `scfg.threshold_blocks.o_merges_splits` off, the
+    merged [B, H * hd] with `splits` None."""
     from dejavu_jax.kernels._common import resolve_impl, sm_count
     from dejavu_jax.kernels.head_attention import decode_attention, merge_splits
     B = qkv_parts.shape[1]
@@ -730,7 +745,7 @@ def _every_head_attention(config, scfg, view, io: _LayerIO, layer, qkv_parts, st
         if config.rotary:
             opts.update(zip(("cos", "sin"), (
                 jnp.broadcast_to(t.astype(F32), (B, hd))
-                for t in ops.layer_rope_tables(config, step["positions"], layer))))
+                for t in _layer_rope(config, step, layer))))
     o, m, l, k_out, v_out = decode_attention(
         *parts, head_idx, jnp.asarray(step["slot"], jnp.int32).reshape(1), k_in, v_in,
         group=config.group_size, kv_mask=_attended_slots(config, layer, step),
@@ -738,15 +753,28 @@ def _every_head_attention(config, scfg, view, io: _LayerIO, layer, qkv_parts, st
         target_programs=cfg.attn_target_programs or 4 * sm_count(),
         num_warps=cfg.attn_num_warps, interpret=resolve_impl(scfg.impl) == "interpret",
         softcap=config.attn_logit_softcap, **opts)
-    heads = merge_splits(o, m, l).reshape(B, H * hd)
-    return heads, _with_kernel_caches(view, io, layer, k_out, v_out)
+    io = _with_kernel_caches(view, io, layer, k_out, v_out)
+    blocks = scfg.threshold_blocks or kernels.ThresholdConfig()
+    if blocks.o_merges_splits and o.shape[0] <= _MERGED_SPLITS:
+        return o.reshape(o.shape[0], B, H * hd), (m, l), io
+    return merge_splits(o, m, l).reshape(B, H * hd), None, io
 
 
-def _all_written(config, io: _LayerIO, layer, step) -> _LayerIO:
-    """io with every KV group's entry of this layer at this token marked written."""
-    all_written = jnp.ones((io.written.shape[0], 1, config.n_kv_heads, 1), bool)
+def _all_written(config, io: _LayerIO, layer, step, stop=None) -> _LayerIO:
+    """io with every KV group's entry of this layer (of layers `layer` up to `stop`) at this
+    token marked written."""
+    n = 1 if stop is None else stop - layer
+    all_written = jnp.ones((io.written.shape[0], n, config.n_kv_heads, 1), bool)
     return io.replace(written=jax.lax.dynamic_update_slice(
         io.written, all_written, (0, layer, 0, step["slot"])))
+
+
+def _layer_rope(config, step: dict, layer):
+    """`layer`'s RoPE tables at this token from the step's (`sparse_layers` computes every
+    kind of layer's once per step, not once per layer)."""
+    if "rope" not in step:
+        return ops.layer_rope_tables(config, step["positions"], layer)
+    return ops.pick_rope_tables(config, step["rope"], layer)
 
 
 def _dense_batch_attention(config, view, io: _LayerIO, layer, y, step):
@@ -951,6 +979,8 @@ def sparse_layers(config: ModelConfig, scfg: SparseConfig, params: ModelParams,
     if scfg.batch_policy == "shared" and x.shape[0] > 1 and hasattr(select, "shared_batch"):
         select = select.shared_batch(step.get("live"))
     step = {**step, "window": _window_step(config, scfg, step)}  # this (shard's) config
+    if config.rotary:
+        step["rope"] = ops.step_rope_tables(config, step["positions"])
     prev_input = x  # the input of the layer before the segment (lookahead source)
     planned = scfg
     for start, stop, dense, k_mlp, k_heads, mode in planned.layer_runs(config, x.shape[0]):
@@ -982,6 +1012,8 @@ def sparse_layers(config: ModelConfig, scfg: SparseConfig, params: ModelParams,
 
             x, io, prev_input = _layer_loop(threshold_body, (x, io, prev_input), start, stop,
                                             unrolled, scfg.scan_unroll())
+            # every head of these layers wrote this token's K/V: one update, not one a layer
+            io = _all_written(config, io, start, step, stop)
             continue
 
         first = start if unrolled else jnp.asarray(start, jnp.int32)

@@ -578,6 +578,9 @@ KERNELS_ON = dataclasses.replace(
     ThresholdConfig(), attention_kernel=True, gated_kernel=True, gate_rows_kernel=True,
     **{site: dataclasses.replace(getattr(ThresholdConfig(), site), deferred_sum=True)
        for site in ("qkv", "o", "gate_up", "down")})
+# the attention's q/k/v partials and flash-decoding splits passed as XLA sums them
+SPLITS_IN_XLA = dataclasses.replace(ThresholdConfig(), o_merges_splits=False,
+                                    qkv_atomics=False)
 
 
 def threshold_rows(impl: str, steps: int, cases=None, kernels: bool = True) -> list[dict]:
@@ -615,13 +618,15 @@ def _threshold_decode_rows(impl: str, steps: int, cases) -> list[dict]:
                       steps, False, sparse.no_selector, batch=batch)
         moved = input_major(params, up_rows=up_rows)
         unrolled = layout == "unrolled"
-        for blocks in (None, KERNELS_ON):  # the defaults, then every kernel switch on
+        # the defaults, every kernel switch on, the attention's sums and merge in XLA
+        for blocks in (None, KERNELS_ON, SPLITS_IN_XLA):
             got = _decode(config, dataclasses.replace(scfg, impl=impl, threshold_blocks=blocks),
                           unstack_layers(moved) if unrolled else moved, thresholds, steps,
                           unrolled, sparse.no_selector, batch=batch)
             rows.append(dict(check="threshold", model=name, batch=batch, layout=layout,
                              sites=list(sites), gate_weights=up_rows,
-                             kernels="defaults" if blocks is None else "all",
+                             kernels={None: "defaults", KERNELS_ON: "all"}.get(
+                                 blocks, "splits-in-xla"),
                              logits=float(np.abs(got[0] - ref[0]).max()),
                              k_cache=float(np.abs(got[1] - ref[1]).max())))
     return rows
@@ -648,6 +653,16 @@ def _threshold_kernel_rows(impl: str) -> list[dict]:
             rows.append(dict(check="threshold", kernel="threshold_matvec", B=B, K=K, N=N,
                              residual=residual is not None, looped=looped,
                              logits=float(jnp.abs(got - ref).max()), k_cache=0.0))
+        # the out-projection's input merged from attention splits as it is loaded
+        S, H = 5, K // 128
+        o = jnp.asarray(rng.standard_normal((S, B, K)), jnp.float32)
+        m = jnp.asarray(rng.standard_normal((S, B, H)) * 3, jnp.float32)
+        ell = jnp.asarray(rng.uniform(0.5, 4.0, (S, B, H)), jnp.float32)
+        got, ref = (jax.jit(functools.partial(threshold_matvec, impl=i))(
+            o, w, t, residual=res, splits=(m, ell)) for i in (impl, "reference"))
+        rows.append(dict(check="threshold", kernel="threshold_matvec", B=B, K=K, N=N,
+                         residual=True, splits=S, logits=float(jnp.abs(got - ref).max()),
+                         k_cache=0.0))
         keep = jnp.asarray(rng.random(K) < 0.5)
         xr = jnp.asarray(rng.standard_normal((B, N)), jnp.float32)
         got, ref = (jax.jit(functools.partial(row_masked_matvec, impl=i))(xr, w, keep)

@@ -26,8 +26,9 @@ import jax.numpy as jnp
 from jax import lax
 from jax.experimental.pallas import triton as plgpu
 
-from ._common import cdiv, check_array, is_pow2, resolve_impl, sm_count
+from ._common import cdiv, check_array, is_pow2, next_pow2, resolve_impl, sm_count
 from .gather_matvec import accumulate_blocks, batch_pad, evict_hint, mma, write_split_k
+from .head_attention import NEG, merge_splits
 from .launch import LaunchPart, launch
 
 F32 = jnp.float32
@@ -79,7 +80,11 @@ class ThresholdConfig:
     gate_rows_kernel: under the gate site's layout (up rows of the kept neurons), the gate
     partials' sum, the activation, the gate threshold, the up rows and the product in one
     launch (`kernels.gated_rows`), else in `row_masked_matvec` and XLA's ops; off until a
-    GPU times it."""
+    GPU times it. o_merges_splits: with the attention kernel, the out-projection merges
+    the attention's flash-decoding splits as it loads them (up to 16 splits), else an XLA
+    merge runs between the two launches. qkv_atomics: with the attention kernel, the q/k/v
+    GEMV's chunks add into one zeroed fp32 row, so the attention reads one partial, else
+    its fp32 partials pass (past 16, an XLA sum first)."""
     qkv: ThresholdBlocks = ThresholdBlocks()
     o: ThresholdBlocks = ThresholdBlocks(block_n=256)
     gate_up: ThresholdBlocks = ThresholdBlocks()
@@ -87,6 +92,8 @@ class ThresholdConfig:
     attention_kernel: bool = True
     gated_kernel: bool = True
     gate_rows_kernel: bool = False
+    o_merges_splits: bool = True
+    qkv_atomics: bool = True
 
 
 def threshold_matvec_reference(x, w_t, threshold, *, residual=None, bias=None):
@@ -98,9 +105,32 @@ def threshold_matvec_reference(x, w_t, threshold, *, residual=None, bias=None):
     return out if residual is None else residual + out
 
 
-def _threshold_body(pids, x_ref, t_ref, w_ref, *rest, B, Bp, K, N, bk, bn, kblocks,
-                    accumulate, has_bias, t_index, t_stride, evict_first, columns_first,
-                    deferred_sum):
+def _merged_rows(o_ref, m_ref, l_ref, r, valid, brow, bmask, *, S, hd, Bp):
+    """Rows ``r`` of the attention output merged from its ``S`` flash-decoding splits (as
+    `head_attention.merge_splits`): ``[len(r)]`` at one row, else ``[Bp, len(r)]``."""
+    s = jnp.arange(next_pow2(S), dtype=jnp.int32)
+    if Bp == 1:
+        at = (s[:, None], 0, r[None, :])
+        head = (s[:, None], 0, (r // hd)[None, :])
+        mask = (s < S)[:, None] & valid[None, :]
+    else:
+        at = (s[:, None, None], brow[None, :, None], r[None, None, :])
+        head = (s[:, None, None], brow[None, :, None], (r // hd)[None, None, :])
+        mask = (s < S)[:, None, None] & bmask[None, :, None] & valid[None, None, :]
+    o = plgpu.load(o_ref.at[at], mask=mask, other=0.0)
+    m = plgpu.load(m_ref.at[head], mask=mask, other=NEG)
+    l = plgpu.load(l_ref.at[head], mask=mask, other=0.0)
+    w = jnp.exp(m - jnp.max(m, axis=0)[None])
+    den = jnp.sum(l * w, axis=0)
+    return jnp.sum(o * w, axis=0) / jnp.where(den > 0, den, 1.0)
+
+
+def _threshold_body(pids, x_ref, *refs, B, Bp, K, N, bk, bn, kblocks, accumulate, has_bias,
+                    t_index, t_stride, evict_first, columns_first, deferred_sum,
+                    splits=None):
+    if splits is not None:  # x_ref: the attention's split outputs, merged as loaded
+        m_ref, l_ref, *refs = refs
+    t_ref, w_ref, *rest = refs
     row0, t_at = 0, t_index
     if t_stride is not None:  # stacked weights: this layer's rows start at layer * K
         layer_ref, *rest = rest
@@ -122,13 +152,18 @@ def _threshold_body(pids, x_ref, t_ref, w_ref, *rest, B, Bp, K, N, bk, bn, kbloc
     def block(s, acc):
         r = (i * kblocks + s) * bk + kk
         valid = r < K
-        if Bp == 1:
+        if splits is not None:
+            xr = _merged_rows(x_ref, m_ref, l_ref, r, valid, brow, bmask, S=splits[0],
+                              hd=splits[1], Bp=Bp)
+        elif Bp == 1:
             xr = plgpu.load(x_ref.at[0, r], mask=valid, other=0).astype(F32)
-            kept = jnp.abs(xr) > t
-            xr = jnp.where(kept, xr, 0.0)
         else:
             xr = plgpu.load(x_ref.at[brow[:, None], r[None, :]],
                             mask=bmask[:, None] & valid[None, :], other=0).astype(F32)
+        if Bp == 1:
+            kept = jnp.abs(xr) > t
+            xr = jnp.where(kept, xr, 0.0)
+        else:
             own = jnp.abs(xr) > t
             xr = jnp.where(own, xr, 0.0)
             kept = jnp.max(own.astype(jnp.int32), axis=0) > 0
@@ -164,11 +199,11 @@ def auto_row_blocks(K: int, N: int, block_rows: int, block_n: int, most: int = 4
 def threshold_matvec_part(x, w_t, threshold, *, residual=None, bias=None, block_rows=16,
                           block_n=512, row_blocks=None, max_row_blocks=4,
                           threshold_index=0, layer=None, evict_first=False,
-                          columns_first=False, deferred_sum=False) -> LaunchPart:
+                          columns_first=False, deferred_sum=False, splits=None) -> LaunchPart:
     """:func:`threshold_matvec`'s kernel as a :class:`~.launch.LaunchPart`: outputs fp32
     partials ``[n_chunks, B, N]``, or ``[B, N]`` (residual, bias and the product) with
     ``residual``."""
-    B, K = x.shape
+    B, K = x.shape[-2:]
     N = w_t.shape[1]
     table, t_stride = _threshold_table(threshold, threshold_index, layer)
     Bp = batch_pad(B)
@@ -182,8 +217,11 @@ def threshold_matvec_part(x, w_t, threshold, *, residual=None, bias=None, block_
                              kblocks=kblocks, accumulate=accumulate,
                              has_bias=bias is not None, t_index=threshold_index,
                              t_stride=t_stride, evict_first=evict_first,
-                             columns_first=columns_first, deferred_sum=deferred_sum)
-    args = [x, table, w_t] + ([] if layer is None else [_layer_arg(layer)])
+                             columns_first=columns_first, deferred_sum=deferred_sum,
+                             splits=None if splits is None else (
+                                 x.shape[0], K // splits[0].shape[-1]))
+    args = ([x] + list(splits or ()) + [table, w_t]
+            + ([] if layer is None else [_layer_arg(layer)]))
     if accumulate:
         if block_n > N:
             raise ValueError(f"block_n={block_n} must not exceed N={N} with a residual")
@@ -278,7 +316,7 @@ def threshold_matvec(x, w_t, threshold, *, residual=None, bias=None, block_rows=
                      block_n=512, row_blocks=None, max_row_blocks=4, num_warps=4,
                      num_stages=2, evict_first=True, columns_first=False,
                      residual_atomics=True, deferred_sum=False, threshold_index=0, layer=None,
-                     impl=None):
+                     splits=None, impl=None):
     """``(x masked to |x| > threshold) @ w_t`` (+ bias, + residual) as fp32 ``[B, N]``,
     reading only the rows of ``w_t [K, N]`` that some row of ``x [B, K]`` keeps.
 
@@ -297,21 +335,30 @@ def threshold_matvec(x, w_t, threshold, *, residual=None, bias=None, block_rows=
     chunks of the same columns); residual_atomics: with ``residual``, the chunks add into
     it in the launch (else they write partials that XLA sums into it); deferred_sum: at one
     row, each program keeps a ``[block_rows, block_n]`` accumulator and sums its rows once
-    after its last block (else after every block).
+    after its last block (else after every block); splits: ``(m, l)``, fp32 ``[S, B, H]``,
+    the flash-decoding splits' score maxima and sums of attention outputs ``x [S, B, H *
+    hd]`` (`head_attention.decode_attention`'s unnormalised ``o``): the GEMV's input is
+    their merge (`head_attention.merge_splits`), formed as the kernel loads its rows.
     """
-    _check_inputs(x, [w_t], block_rows, block_n, layer, threshold)
-    if residual is not None and (residual.shape != (x.shape[0], w_t.shape[1])
-                                 or residual.dtype != F32):
-        raise ValueError(f"residual must be fp32 {(x.shape[0], w_t.shape[1])}, got "
+    if splits is not None:
+        x, splits = _check_splits(x, splits)
+    _check_inputs(x if splits is None else x[0], [w_t], block_rows, block_n, layer,
+                  threshold)
+    B = x.shape[-2]
+    if residual is not None and (residual.shape != (B, w_t.shape[1]) or residual.dtype != F32):
+        raise ValueError(f"residual must be fp32 {(B, w_t.shape[1])}, got "
                          f"{residual.dtype} {tuple(residual.shape)}")
     impl = resolve_impl(impl)
     if impl == "reference":
+        if splits is not None:
+            x = merged_splits(x, *splits)
         return threshold_matvec_reference(
             x, _layer_rows(w_t, layer, x.shape[1]),
             _threshold_value(threshold, threshold_index, layer), residual=residual, bias=bias)
     in_launch = residual is not None and residual_atomics
     block_n = min(block_n, 1 << (w_t.shape[1].bit_length() - 1)) if in_launch else block_n
     part = threshold_matvec_part(x, w_t, threshold, residual=residual if in_launch else None,
+                                 splits=splits,
                                  bias=bias if in_launch else None, block_rows=block_rows,
                                  block_n=block_n, row_blocks=row_blocks,
                                  max_row_blocks=max_row_blocks,
@@ -325,6 +372,31 @@ def threshold_matvec(x, w_t, threshold, *, residual=None, bias=None, block_rows=
     out = jnp.sum(out, axis=0)
     out = out if bias is None else out + bias.astype(F32)
     return out if residual is None else residual + out
+
+
+def merged_splits(o, m, l):
+    """The attention output ``[B, H * hd]`` merged from flash-decoding splits (``o [S, B,
+    H * hd]``, ``m`` and ``l [S, B, H]``; `head_attention.merge_splits`)."""
+    S, B, K = o.shape
+    return merge_splits(o.reshape(S, B, m.shape[-1], -1), m, l).reshape(B, K)
+
+
+def _check_splits(o, splits):
+    """(o, (m, l)) checked: attention outputs [S, B, H * hd] and their splits' maxima and
+    sums [S, B, H], fp32."""
+    check_array("x", o, ndim=3, floating=True)
+    if not isinstance(splits, (tuple, list)) or len(splits) != 2:
+        raise ValueError("splits must be (m, l), each [S, B, H]")
+    S, B, K = o.shape
+    for name, a in zip("ml", splits):
+        check_array(name, a, ndim=3, floating=True)
+        if a.shape[:2] != (S, B) or not a.shape[2] or K % a.shape[2]:
+            raise ValueError(f"{name} must be [S={S}, B={B}, H] with H dividing x's {K} "
+                             f"channels, got {tuple(a.shape)}")
+    m, l = splits
+    if m.shape != l.shape:
+        raise ValueError(f"m and l differ in shape: {tuple(m.shape)}, {tuple(l.shape)}")
+    return o, (m.astype(F32), l.astype(F32))
 
 
 def threshold_matvecs(x, w_ts, threshold, *, block_rows=16, block_n=512, row_blocks=None,

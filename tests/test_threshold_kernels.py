@@ -116,6 +116,60 @@ def test_row_masked_matvec_equals_numpy(rng, B, per_row):
     assert_finite_close(np.asarray(got), want, rtol=1e-5, atol=1e-4)
 
 
+def _numpy_merge(o, m, l):
+    """The attention output [B, H * hd] of flash-decoding splits o [S, B, H * hd] with
+    score maxima m and sums l [S, B, H], in float64."""
+    S, B, K = o.shape
+    H = m.shape[-1]
+    w = np.exp(m - m.max(axis=0))
+    den = (l * w).sum(axis=0)
+    num = (o.reshape(S, B, H, K // H) * w[..., None]).sum(axis=0)
+    return (num / np.where(den > 0, den, 1.0)[..., None]).reshape(B, K)
+
+
+@pytest.mark.parametrize("S,B,H,hd,residual", [
+    (1, 1, 4, 16, True), (3, 1, 6, 32, True), (5, 1, 3, 16, False), (2, 3, 4, 16, True),
+    (7, 2, 2, 32, False)])
+def test_threshold_matvec_merges_attention_splits(rng, S, B, H, hd, residual):
+    """With `splits` the input is the merge of the attention's flash-decoding splits:
+    equal to numpy's merge thresholded and multiplied, for one split and several (S not a
+    power of two), one row and several; a split that saw no entry (m = -1e30, o = l = 0)
+    adds nothing."""
+    K, N = H * hd, 150
+    o = rng.standard_normal((S, B, K)).astype(np.float32)
+    m = rng.standard_normal((S, B, H)).astype(np.float32) * 3
+    l = rng.uniform(0.5, 4.0, (S, B, H)).astype(np.float32)
+    if S > 1:
+        m[-1, 0, 1], l[-1, 0, 1], o[-1, 0, hd:2 * hd] = -1e30, 0.0, 0.0
+    x = _numpy_merge(o.astype(np.float64), m.astype(np.float64), l.astype(np.float64))
+    w_t = rng.standard_normal((K, N)).astype(np.float32)
+    t = float(np.quantile(np.abs(x), 0.5))
+    res = rng.standard_normal((B, N)).astype(np.float32) if residual else None
+    for impl in ("interpret", "reference"):
+        got = threshold_matvec(jnp.asarray(o), jnp.asarray(w_t), jnp.float32(t),
+                               splits=(jnp.asarray(m), jnp.asarray(l)),
+                               residual=None if res is None else jnp.asarray(res),
+                               block_rows=16, block_n=64, impl=impl)
+        assert got.shape == (B, N)
+        # the batched kernel multiplies bf16 operands on the tensor cores
+        tol = 1e-4 if B == 1 or impl == "reference" else 3e-2
+        assert_finite_close(np.asarray(got), _numpy_threshold(x, w_t, t, res), rtol=tol,
+                            atol=tol)
+
+
+def test_bad_splits_are_errors():
+    o, w = jnp.zeros((2, 1, 32)), jnp.zeros((32, 8))
+    ml = jnp.zeros((2, 1, 4))
+    with pytest.raises(ValueError, match="rank 3"):
+        threshold_matvec(o[0], w, 0.1, splits=(ml, ml), impl="interpret")
+    with pytest.raises(ValueError, match="H dividing"):
+        threshold_matvec(o, w, 0.1, splits=(jnp.zeros((2, 1, 5)),) * 2, impl="interpret")
+    with pytest.raises(ValueError, match="S=2, B=1"):
+        threshold_matvec(o, w, 0.1, splits=(jnp.zeros((3, 1, 4)),) * 2, impl="interpret")
+    with pytest.raises(ValueError, match="splits must be"):
+        threshold_matvec(o, w, 0.1, splits=ml, impl="interpret")
+
+
 def test_bad_shapes_are_errors():
     x, w = jnp.zeros((1, 8)), jnp.zeros((9, 4))
     with pytest.raises(ValueError, match="rows"):

@@ -435,3 +435,14 @@ def test_threshold_decode_step_lowers(up_rows, unrolled):
     else:
         assert launches.get("threshold_matvec") == 3 * n
         assert launches.get("threshold_matvec_threshold_matvec") == n
+    if not unrolled:  # the scan's body: per layer only the layer's own work
+        body = text[text.index("} do {"):]
+        body = body[:body.index("stablehlo.return")]
+        assert body.count("@__gpu$xla.gpu.triton") == 6  # q/k/v, attention, out, MLP 3
+        assert "stablehlo.cosine" not in body   # the RoPE tables, once per step
+        # the written bitmap, marked once for the segment; no split merge, no q/k/v sum
+        assert not re.search(r"dynamic_update_slice[^\n]*xi1>", body)
+        assert "stablehlo.exponential" not in body
+        assert not re.search(rf"stablehlo.reduce\([^\n]*tensor<\d+x1x{kv_n * config.head_dim}xf32>",
+                             body)
+        assert re.search(r"dynamic_update_slice[^\n]*xi1>", text)
