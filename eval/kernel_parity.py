@@ -572,15 +572,14 @@ THRESHOLD_CASES = (("llama-tiny", True, 1, "unrolled"), ("llama-tiny", False, 1,
 
 
 # the activation-sparse layer with its attention, a gated MLP's units and the gate site's
-# up rows in kernels of their own and one sum of a program's rows, checked beside the
+# up rows in kernels of their own, q/k/v summed into one row and the attention's splits
+# merged by the out-projection, and one sum of a program's rows, checked beside the
 # defaults
 KERNELS_ON = dataclasses.replace(
     ThresholdConfig(), attention_kernel=True, gated_kernel=True, gate_rows_kernel=True,
+    o_merges_splits=True, qkv_atomics=True,
     **{site: dataclasses.replace(getattr(ThresholdConfig(), site), deferred_sum=True)
        for site in ("qkv", "o", "gate_up", "down")})
-# the attention's q/k/v partials and flash-decoding splits passed as XLA sums them
-SPLITS_IN_XLA = dataclasses.replace(ThresholdConfig(), o_merges_splits=False,
-                                    qkv_atomics=False)
 
 
 def threshold_rows(impl: str, steps: int, cases=None, kernels: bool = True) -> list[dict]:
@@ -618,15 +617,13 @@ def _threshold_decode_rows(impl: str, steps: int, cases) -> list[dict]:
                       steps, False, sparse.no_selector, batch=batch)
         moved = input_major(params, up_rows=up_rows)
         unrolled = layout == "unrolled"
-        # the defaults, every kernel switch on, the attention's sums and merge in XLA
-        for blocks in (None, KERNELS_ON, SPLITS_IN_XLA):
+        for blocks in (None, KERNELS_ON):  # the defaults, then every kernel switch on
             got = _decode(config, dataclasses.replace(scfg, impl=impl, threshold_blocks=blocks),
                           unstack_layers(moved) if unrolled else moved, thresholds, steps,
                           unrolled, sparse.no_selector, batch=batch)
             rows.append(dict(check="threshold", model=name, batch=batch, layout=layout,
                              sites=list(sites), gate_weights=up_rows,
-                             kernels={None: "defaults", KERNELS_ON: "all"}.get(
-                                 blocks, "splits-in-xla"),
+                             kernels="defaults" if blocks is None else "all",
                              logits=float(np.abs(got[0] - ref[0]).max()),
                              k_cache=float(np.abs(got[1] - ref[1]).max())))
     return rows

@@ -84,7 +84,7 @@ class ThresholdConfig:
     the attention's flash-decoding splits as it loads them (up to 16 splits), else an XLA
     merge runs between the two launches. qkv_atomics: with the attention kernel, the q/k/v
     GEMV's chunks add into one zeroed fp32 row, so the attention reads one partial, else
-    its fp32 partials pass (past 16, an XLA sum first)."""
+    its fp32 partials pass (past 16, an XLA sum first). Both off until a GPU times them."""
     qkv: ThresholdBlocks = ThresholdBlocks()
     o: ThresholdBlocks = ThresholdBlocks(block_n=256)
     gate_up: ThresholdBlocks = ThresholdBlocks()
@@ -92,8 +92,8 @@ class ThresholdConfig:
     attention_kernel: bool = True
     gated_kernel: bool = True
     gate_rows_kernel: bool = False
-    o_merges_splits: bool = True
-    qkv_atomics: bool = True
+    o_merges_splits: bool = False
+    qkv_atomics: bool = False
 
 
 def threshold_matvec_reference(x, w_t, threshold, *, residual=None, bias=None):

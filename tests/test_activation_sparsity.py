@@ -507,8 +507,9 @@ def test_threshold_kernels_take_each_projections_block_settings(monkeypatch, unr
     assert_finite_close(steps[1], steps[0], atol=2e-5 * np.abs(steps[0]).max())
     d, F = config.hidden, config.ffn
     rows = 1 if unrolled else config.n_layers   # stacked: every layer's rows, read in place
-    # q/k/v: one matrix, its chunks added into one row for the attention kernel (stacked)
-    qkv_key = (rows * d, (config.n_heads + 2 * config.n_kv_heads) * config.head_dim)
+    # q/k/v: one matrix through threshold_matvecs' partials into the attention kernel
+    qkv_key = (rows * d, (config.n_heads + 2 * config.n_kv_heads) * config.head_dim) \
+        if unrolled else 1
     expected = {qkv_key: {(16, 512, 1, 4, 4, 2, True, False, True)},
                 (rows * config.n_heads * config.head_dim, d):
                 {(16, 64, None, 4, 2, 2, True, False, False)},

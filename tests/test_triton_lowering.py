@@ -436,13 +436,16 @@ def test_threshold_decode_step_lowers(up_rows, unrolled):
         assert launches.get("threshold_matvec") == 3 * n
         assert launches.get("threshold_matvec_threshold_matvec") == n
     if not unrolled:  # the scan's body: per layer only the layer's own work
-        body = text[text.index("} do {"):]
-        body = body[:body.index("stablehlo.return")]
-        assert body.count("@__gpu$xla.gpu.triton") == 6  # q/k/v, attention, out, MLP 3
-        assert "stablehlo.cosine" not in body   # the RoPE tables, once per step
-        # the written bitmap, marked once for the segment; no split merge, no q/k/v sum
-        assert not re.search(r"dynamic_update_slice[^\n]*xi1>", body)
-        assert "stablehlo.exponential" not in body
-        assert not re.search(rf"stablehlo.reduce\([^\n]*tensor<\d+x1x{kv_n * config.head_dim}xf32>",
-                             body)
-        assert re.search(r"dynamic_update_slice[^\n]*xi1>", text)
+        for lowering in (on, text):
+            body = lowering[lowering.index("} do {"):]
+            body = body[:body.index("stablehlo.return")]
+            assert body.count("@__gpu$xla.gpu.triton") == 6  # q/k/v, attention, out, MLP 3
+            assert "stablehlo.cosine" not in body   # the RoPE tables, once per step
+            # the written bitmap, marked once for the segment
+            assert not re.search(r"dynamic_update_slice[^\n]*xi1>", body)
+            assert re.search(r"dynamic_update_slice[^\n]*xi1>", lowering)
+            # with the switches on, no XLA merge of the attention's splits, no q/k/v sum
+            merged = "stablehlo.exponential" in body
+            assert merged == (lowering is text)
+            assert not re.search(rf"stablehlo.reduce\([^\n]*tensor<\d+x1x{kv_n * config.head_dim}"
+                                 rf"xf32>", body)
