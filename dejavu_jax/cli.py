@@ -33,6 +33,17 @@ class ArgumentParser(argparse.ArgumentParser):
         fail(message)
 
 
+def interruptible(main) -> int:
+    """main()'s exit status, or 130 with one line on stderr when the user interrupts it
+    (Ctrl-C) instead of a traceback."""
+    try:
+        return main()
+    except KeyboardInterrupt:
+        sys.stdout.flush()
+        print("\ninterrupted", file=sys.stderr)
+        return 130
+
+
 def first_line(error: BaseException) -> str:
     """The first line of an error's message: a library's multi-line message (retries,
     hints) shortened to fit a one-line `error: ...`."""

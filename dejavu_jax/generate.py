@@ -14,6 +14,7 @@ import sys
 from pathlib import Path
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 
 from dejavu_jax import cli, multidevice
@@ -34,6 +35,9 @@ SPARSE_OPTIONS = ("--profile", "--predictors", "--mlp-density", "--head-density"
                   "--dense-layers", "--select", "--batch-policy")
 SET_OPTIONS = ("--mlp-density", "--head-density", "--dense-layers", "--select",
                "--batch-policy")
+LONG_PROMPT = 512  # prompt tokens from which generate says that it is prefilling
+# the options of predicted index sets that the oracle takes too
+ORACLE_OPTIONS = ("--mlp-density", "--head-density", "--dense-layers", "--batch-policy")
 
 
 def parse_ids(text: str) -> list[int]:
@@ -155,8 +159,9 @@ def check_options(args) -> None:
               "--batch-policy": args.batch_policy}
     given = [flag for flag in SPARSE_OPTIONS if values[flag] is not None]
     if given and not (args.sparse or args.oracle):
+        modes = "--sparse or --oracle" if set(given) <= set(ORACLE_OPTIONS) else "--sparse"
         cli.fail(f"{', '.join(given)} {'applies' if len(given) == 1 else 'apply'} to sparse "
-                 "decoding: add --sparse or --oracle")
+                 f"decoding: add {modes}")
     if args.profile is not None and (args.predictors is not None or args.oracle):
         cli.fail("--profile sets thresholds; --predictors and --oracle select index sets: "
                  "pick one")
@@ -170,8 +175,10 @@ def check_options(args) -> None:
                  "--mesh use union or shared")
     set_options = [f for f in SET_OPTIONS if values[f] is not None]
     if args.sparse and args.predictors is None and set_options:
-        cli.fail(f"{', '.join(set_options)}: for --predictors and --oracle; a sparsity "
-                 "profile sets each layer's thresholds itself")
+        users = ("--predictors and --oracle" if set(set_options) <= set(ORACLE_OPTIONS)
+                 else "--sparse --predictors DIR")
+        cli.fail(f"{', '.join(set_options)}: for {users}; a sparsity profile sets each "
+                 "layer's thresholds itself")
     if args.temperature > FLOAT32_MAX:
         cli.fail(f"--temperature {args.temperature:g} is past float32's largest value "
                  f"({FLOAT32_MAX:.4g}), which the logits are divided in")
@@ -215,11 +222,42 @@ def model_config(args):
     return read_config(path), path, "SmolLM2-135M-Instruct (Q4_1 GGUF, dequantised)"
 
 
+def available_bytes() -> int | None:
+    """Memory the weights can take on the default device: the first accelerator's limit,
+    or the host's available memory on a CPU backend (None where it cannot be read)."""
+    if jax.default_backend() != "cpu":
+        stats = jax.devices()[0].memory_stats() or {}
+        return stats.get("bytes_limit")
+    try:
+        for line in Path("/proc/meminfo").read_text().splitlines():
+            if line.startswith("MemAvailable:"):
+                return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return None
+
+
+def check_weights_fit(config, dtype, label: str) -> None:
+    """One `error:` line, before anything is allocated, when the weights of `config` in
+    `dtype` cannot fit the device (the engine's fused q/k/v copy needs room beside them)."""
+    shapes = jax.eval_shape(lambda: init_params(config, jax.random.key(0), dtype))
+    need = sum(a.size * a.dtype.itemsize for a in jax.tree.leaves(shapes))
+    have = available_bytes()
+    if have is not None and need > 0.9 * have:
+        where = "this host" if jax.default_backend() == "cpu" else "the device"
+        smaller = (", or --dtype bfloat16" if jnp.dtype(dtype).itemsize > 2 else "")
+        cli.fail(f"{label} needs {need / 1e9:.1f} GB for its {jnp.dtype(dtype).name} "
+                 f"weights and {where} has {have / 1e9:.1f} GB available: pick a smaller "
+                 f"model{smaller}")
+
+
 def load_params(args, config, path, mesh):
     """The weights: read from --model (or the default model), or random for --preset;
     straight into their shards with a mesh."""
     dtype = cli.DTYPES[args.dtype] if args.dtype else default_dtype()
     source = None if args.preset else (path or args.model)
+    if mesh is None:
+        check_weights_fit(config, dtype, args.preset or args.model or config.name)
     if mesh is not None:
         return multidevice.load_params(source, config, dtype, args.seed, mesh)
     if source is None:
@@ -462,6 +500,16 @@ def finished_text(tokenizer, ids) -> str:
     return tokenizer.decode(ids, skip_special_tokens=True).rstrip("\ufffd")
 
 
+def check_tokenizer_fits(tokenizer, config, label: str) -> None:
+    """One `error:` line when --tokenizer's vocabulary is larger than the model's: its ids
+    past the model's would be refused, and the ids the model makes would decode as
+    another model's tokens."""
+    size = getattr(tokenizer, "vocab_size", None)
+    if size is not None and size > config.vocab_size:
+        cli.fail(f"--tokenizer has {size} tokens and {label} a vocabulary of "
+                 f"{config.vocab_size}: the tokenizer is another model's")
+
+
 def model_tokenizer(args, config, model_path):
     """The model's own tokenizer (`default_tokenizer_for`); with --prompt-ids one that
     cannot be read is left out (ids in, ids out) with a note, not an error."""
@@ -486,6 +534,8 @@ def main(argv: list[str] | None = None) -> int:
         scfg, predictors = sparse_settings(args, config)
         tokenizer = (load_tokenizer(args.tokenizer) if args.tokenizer
                      else model_tokenizer(args, config, model_path))
+        if args.tokenizer:
+            check_tokenizer_fits(tokenizer, config, label)
         prompts = prompts_for(args, config, tokenizer)
         params = load_params(args, config, model_path, mesh)
         if scfg is not None and scfg.threshold_sites and mesh is None:
@@ -521,6 +571,9 @@ def main(argv: list[str] | None = None) -> int:
             sys.stdout.flush()
             shown[0] = text
 
+    longest = max(map(len, prompts))
+    if longest >= LONG_PROMPT:  # a prefill of minutes on a CPU says it is under way
+        print(f"prefilling {longest} prompt tokens ...", file=sys.stderr)
     if stream:
         sys.stdout.write(shown_texts[0])
     try:
@@ -545,9 +598,11 @@ def main(argv: list[str] | None = None) -> int:
         profile = (profile_settings(args, config)[2]
                    if scfg.threshold_sites else None)
         print(describe_sparsity(config, scfg, len(prompts), profile))
+        if profile is not None and args.preset:
+            print("(the profile's figures are its real model's; these weights are random)")
     print(speed_lines(result, len(prompts), engine.name))
     return 0
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    sys.exit(cli.interruptible(main))

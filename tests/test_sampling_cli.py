@@ -275,3 +275,67 @@ def test_cli_decodes_with_a_profiles_gate_weights(tmp_path, capsys, monkeypatch)
     with pytest.raises(SystemExit) as e:
         cli.main(args[:4] + [str(tmp_path / "bad.json")] + args[5:])
     assert e.value.code == 2 and "gate weights" in capsys.readouterr().err
+
+
+def test_weights_that_cannot_fit_stop_before_any_allocation(monkeypatch, capsys):
+    """A model whose weights exceed the memory the device has: one `error:` line naming
+    both sizes (from the parameter shapes, nothing allocated), with --dtype bfloat16
+    offered only where the weights are wider."""
+    import dejavu_jax as dj
+    config = dj.preset("opt-tiny")
+    shapes = jax.eval_shape(lambda: dj.init_params(config, jax.random.key(0), jnp.float32))
+    need = sum(a.size * 4 for a in jax.tree.leaves(shapes))
+    monkeypatch.setattr(cli, "available_bytes", lambda: need)
+    for dtype, hint in ((jnp.float32, True), (jnp.bfloat16, False)):
+        if dtype == jnp.bfloat16:
+            monkeypatch.setattr(cli, "available_bytes", lambda: need // 2)
+        with pytest.raises(SystemExit) as e:
+            cli.check_weights_fit(config, dtype, "opt-tiny")
+        err = capsys.readouterr().err
+        assert e.value.code == 2 and "opt-tiny needs" in err and "available" in err
+        assert ("--dtype bfloat16" in err) == hint
+    monkeypatch.setattr(cli, "available_bytes", lambda: 2 * need)
+    cli.check_weights_fit(config, jnp.float32, "opt-tiny")   # fits: no error
+    monkeypatch.setattr(cli, "available_bytes", lambda: None)
+    cli.check_weights_fit(config, jnp.float32, "opt-tiny")   # unknown: no claim
+
+
+def test_a_tokenizer_larger_than_the_vocabulary_is_refused(capsys):
+    """--tokenizer of another model (more tokens than the model's vocabulary) is an error;
+    one within it passes (models often pad their vocabulary past the tokenizer's)."""
+    import types
+
+    import dejavu_jax as dj
+    config = dj.preset("opt-tiny").replace(vocab_size=512)
+    with pytest.raises(SystemExit) as e:
+        cli.check_tokenizer_fits(types.SimpleNamespace(vocab_size=600), config, "tiny")
+    assert e.value.code == 2 and "600 tokens" in capsys.readouterr().err
+    cli.check_tokenizer_fits(types.SimpleNamespace(vocab_size=500), config, "tiny")
+
+
+@pytest.mark.parametrize("argv,expected,not_expected", [
+    (["--predictors", "."], "add --sparse", "--oracle"),
+    (["--select", "local"], "add --sparse", "--oracle"),
+    (["--mlp-density", "0.5"], "add --sparse or --oracle", None),
+    (["--sparse", "--select", "local"], "for --sparse --predictors DIR", "--oracle"),
+    (["--sparse", "--mlp-density", "0.5"], "for --predictors and --oracle", None)])
+def test_option_hints_name_a_mode_that_takes_the_option(capsys, argv, expected,
+                                                         not_expected):
+    """The hint for an option given without its mode names only modes that accept it
+    (--oracle takes neither --predictors nor --select)."""
+    with pytest.raises(SystemExit) as e:
+        cli.check_options(cli.build_parser().parse_args(argv))
+    err = capsys.readouterr().err
+    assert e.value.code == 2 and expected in err
+    assert not_expected is None or not_expected not in err
+
+
+def test_an_interrupt_ends_with_one_line(capsys):
+    """Ctrl-C during a run: exit status 130 and 'interrupted', no traceback."""
+    from dejavu_jax import cli as cli_lib
+
+    def interrupted():
+        raise KeyboardInterrupt
+    assert cli_lib.interruptible(interrupted) == 130
+    assert capsys.readouterr().err.strip() == "interrupted"
+    assert cli_lib.interruptible(lambda: 0) == 0
