@@ -421,7 +421,7 @@ def describe_sparsity(config, scfg, batch: int = 1, profile=None) -> str:
         total += (f", {sum(union_mlp) / len(union_mlp):.1%} computed for the batch of "
                   f"{batch}; the union's head weights are read once, and each row attends "
                   f"with its own heads")
-    return "realised per-layer density:\n" + "\n".join(lines) + total
+    return "per-layer density of the index sets (their sizes):\n" + "\n".join(lines) + total
 
 
 def chat_templated(tokenizer, raw: bool) -> bool:

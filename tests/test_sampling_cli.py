@@ -82,7 +82,7 @@ def test_cli_greedy_prompt_ids_prints_ids(capsys):
     assert len(line.split(":")[1].split(",")) == 3
 
 
-def test_cli_oracle_mode_prints_realised_density(capsys):
+def test_cli_oracle_mode_prints_each_layers_density(capsys):
     assert cli.main(["--preset", "opt-tiny", "--oracle", "--mlp-density", "0.25",
                      "--head-density", "0.5", "--dense-layers", "1", "--print-ids",
                      "--prompt-ids", "2,100,200", "--max-new-tokens", "3", "--no-stream"]) == 0
