@@ -261,6 +261,7 @@ def load_params(args, config, path, mesh):
     if mesh is not None:
         return multidevice.load_params(source, config, dtype, args.seed, mesh)
     if source is None:
+        print(f"drawing random weights for {args.preset} ...", file=sys.stderr)
         return init_params(config, jax.random.key(args.seed), dtype)
     return load_pretrained(source, dtype=dtype)[1]
 
