@@ -172,17 +172,53 @@ def malformed(profile: SparsityProfile) -> str | None:
     return None
 
 
+_JSON_TYPES = {dict: "an object", list: "an array", str: "a string", int: "a number",
+               float: "a number", bool: "true or false", type(None): "null"}
+
+
+def _field_problem(raw) -> str | None:
+    """What keeps the JSON value `raw` from being a profile's fields (not an object,
+    fields missing or unknown, `sites` not a list), or None."""
+    if not isinstance(raw, dict):
+        return f"the file holds {_JSON_TYPES.get(type(raw), 'a value')}, not an object"
+    fields = dataclasses.fields(SparsityProfile)
+    missing = [f.name for f in fields if f.name not in raw
+               and f.default is dataclasses.MISSING
+               and f.default_factory is dataclasses.MISSING]
+    unknown = sorted(set(raw) - {f.name for f in fields})
+    problems = []
+    if missing:
+        problems.append(f"missing field(s) {', '.join(repr(n) for n in missing)}")
+    if unknown:
+        problems.append(f"unknown field(s) {', '.join(repr(n) for n in unknown)}")
+    if problems:
+        return "; ".join(problems)
+    if not isinstance(raw["sites"], list):
+        got = _JSON_TYPES.get(type(raw["sites"]), "a value")
+        return f"sites must be a list of site names, got {got}"
+    return None
+
+
 def load_profile(path: str | Path, config: ModelConfig | None = None) -> SparsityProfile:
     """A profile from its JSON file, checked against `config` when given; ProfileError for
     a missing or malformed file."""
     path = Path(path)
     try:
         raw = json.loads(path.read_text())
-        profile = SparsityProfile(**{**raw, "sites": tuple(raw["sites"])})
     except FileNotFoundError:
         raise ProfileError(f"{path}: no such profile file") from None
-    except (OSError, ValueError, TypeError, KeyError) as e:
-        raise ProfileError(f"{path}: not a sparsity profile ({type(e).__name__}: {e})") from None
+    except UnicodeDecodeError as e:
+        raise ProfileError(f"{path}: not a sparsity profile: not UTF-8 text ({e.reason} at "
+                           f"byte {e.start})") from None
+    except json.JSONDecodeError as e:
+        raise ProfileError(f"{path}: not a sparsity profile: not valid JSON ({e.msg} at line "
+                           f"{e.lineno}, column {e.colno})") from None
+    except OSError as e:
+        raise ProfileError(f"{path}: cannot read the profile ({e.strerror or e})") from None
+    problem = _field_problem(raw)
+    if problem:
+        raise ProfileError(f"{path}: not a sparsity profile: {problem}")
+    profile = SparsityProfile(**{**raw, "sites": tuple(raw["sites"])})
     problem = malformed(profile)
     if problem:
         raise ProfileError(f"{path}: not a usable sparsity profile: {problem}")

@@ -45,9 +45,11 @@ def add_model_args(p: argparse.ArgumentParser, mode: bool = True) -> None:
                         "oracle modes; default 2, or fewer so that one layer is sparse)")
     p.add_argument("--predictors", type=Path,
                    help=f"trained predictor folder (sparse mode; default {DEFAULT_PREDICTORS})")
+    # without --mode there is no threshold mode to score: --profile stays, hidden, so that
+    # check_model_args can say which commands score a profile
     p.add_argument("--profile", type=cli.existing_path,
                    help="sparsity profile file (threshold mode; default: the model's own, "
-                        "shipped or made by train.profile)")
+                        "shipped or made by train.profile)" if mode else argparse.SUPPRESS)
     p.add_argument("--dense-prefix", type=cli.non_negative_int, default=1,
                    help="positions of each sequence that run dense, like a dense prefill "
                         "(default 1: every scored token is decoded sparsely)")
@@ -64,16 +66,21 @@ def check_model_args(args, modes: set[str] | None = None) -> None:
     if args.model and args.preset:
         cli.fail("give --model or --preset, not both")
     modes = modes if modes is not None else {args.mode}
+    see = "--mode" if hasattr(args, "mode") else "--modes"   # eval.sweep: --modes
     options = {"--mlp-density": getattr(args, "mlp_density", None),
                "--head-density": getattr(args, "head_density", None),
                "--dense-layers": args.dense_layers}
     given = [flag for flag, value in options.items() if value is not None]
     if given and modes <= {"dense"}:
         cli.fail(f"{', '.join(given)} {'applies' if len(given) == 1 else 'apply'} to the "
-                 "sparse and oracle modes, and this run scores dense only (see --mode)")
+                 f"sparse and oracle modes, and this run scores dense only (see {see})")
     if getattr(args, "profile", None) is not None and "threshold" not in modes:
-        cli.fail("--profile is for the threshold mode, which this run does not score "
-                 "(see --mode)")
+        if hasattr(args, "mode"):
+            cli.fail("--profile is for the threshold mode, which this run does not score "
+                     "(pass --mode threshold)")
+        cli.fail("--profile is for the threshold mode, which this command does not score: "
+                 "use eval.perplexity or eval.tasks with --mode threshold --profile FILE, "
+                 "or eval.frontier --profile FILE")
     if "threshold" in modes and (getattr(args, "mlp_density", None) is not None
                                  or getattr(args, "head_density", None) is not None
                                  or args.dense_layers is not None):
@@ -81,7 +88,7 @@ def check_model_args(args, modes: set[str] | None = None) -> None:
                  "oracle modes; a threshold profile sets each layer itself")
     if args.predictors is not None and "sparse" not in modes:
         cli.fail("--predictors is for the sparse mode, which this run does not score "
-                 "(see --mode)")
+                 f"(see {see})")
     if "sparse" in modes:
         folder = predictors_dir(args)
         if folder.exists() and not folder.is_dir():

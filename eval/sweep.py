@@ -168,9 +168,18 @@ def points_list(text: str) -> list[tuple[str, float, float]]:
     return out
 
 
+PPL_TOKENS = "N > 0 (the first N tokens), 0 (the whole text) or -1 (skip perplexity)"
+
+
 def ppl_tokens(text: str) -> int:
     """An argparse type for --ppl-tokens: N > 0, 0 (the whole text) or -1 (skip)."""
-    return -1 if text.strip() == "-1" else cli.non_negative_int(text)
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{PPL_TOKENS} expected, got {text!r}") from None
+    if value < -1:
+        raise argparse.ArgumentTypeError(f"must be {PPL_TOKENS}, got {value}")
+    return value
 
 
 def build_parser() -> argparse.ArgumentParser:

@@ -4,6 +4,7 @@ calibration against numpy, the allocation search, and profiles."""
 
 import dataclasses
 import functools
+import json
 import math
 from pathlib import Path
 
@@ -361,6 +362,38 @@ def test_a_malformed_profile_is_refused_when_it_loads(tmp_path, change, message)
     path = dataclasses.replace(good, **change).save(tmp_path / "bad.json")
     with pytest.raises(ProfileError, match=message):
         load_profile(path)
+
+
+_GOOD_FIELDS = {"model": "m", "fingerprint": "f", "method": "teal", "sites": ["qkv"],
+                "levels": [[0.5] * 5] * 2, "thresholds": [[0.1] * 5] * 2}
+
+
+@pytest.mark.parametrize("text, message", [
+    ("{}", "missing field(s) 'model', 'fingerprint', 'method', 'sites', 'levels', "
+           "'thresholds'"),
+    (json.dumps({k: v for k, v in _GOOD_FIELDS.items() if k != "thresholds"}),
+     "missing field(s) 'thresholds'"),
+    (json.dumps({k: v for k, v in _GOOD_FIELDS.items() if k not in ("sites", "levels")}),
+     "missing field(s) 'sites', 'levels'"),
+    (json.dumps({**_GOOD_FIELDS, "extra": 1}), "unknown field(s) 'extra'"),
+    (json.dumps({**_GOOD_FIELDS, "sites": 5}), "sites must be a list of site names, got a "
+                                               "number"),
+    ("[1, 2]", "the file holds an array, not an object"),
+    ("{", "not valid JSON (Expecting property name enclosed in double quotes at line 1, "
+          "column 2)"),
+])
+def test_a_profile_file_of_the_wrong_shape_names_what_is_wrong(tmp_path, text, message):
+    """A file `{}` was refused with `(KeyError: 'sites')`, one without thresholds with
+    `(TypeError: SparsityProfile.__init__() missing 1 required positional argument...)`;
+    now the fields missing or unknown, after the file's name."""
+    path = tmp_path / "p.json"
+    path.write_text(text)
+    with pytest.raises(ProfileError) as error:
+        load_profile(path)
+    assert str(error.value) == f"{path}: not a sparsity profile: {message}"
+    assert isinstance(error.value, ValueError) and "Error" not in str(error.value)
+    path.write_text(json.dumps(_GOOD_FIELDS))
+    assert load_profile(path).sites == ("qkv",)
 
 
 def test_profile_gate_weights_round_trip_and_reach_the_params(tmp_path):

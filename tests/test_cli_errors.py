@@ -99,12 +99,16 @@ def _files(tmp: Path) -> dict:
     (tmp / "badtok").mkdir()
     (tmp / "badtok" / "tokenizer.json").write_text("{broken")
     (tmp / "binary.txt").write_bytes(b"text \xff\xfe then more")
+    (tmp / "nothresholds.json").write_text(json.dumps(  # a profile without its thresholds
+        {"model": "m", "fingerprint": "f", "method": "teal", "sites": ["qkv"],
+         "levels": [[0.5] * 5] * 4}))
     return {"GGUF": str(_truncated_gguf(tmp / "cut.gguf")),
             "RANDOM": str(_random_safetensors(tmp / "random")),
             "EMPTY": str(tmp / "empty"), "BADTASK": str(tmp / "bad_task.jsonl"),
             "OUT": str(tmp / "out"), "FIXTURE": str(FIXTURE),
             "CORPUS": str(tmp / "corpus.txt"), "BADTOK": str(tmp / "badtok"),
-            "BINARY": str(tmp / "binary.txt"), "INFILE": str(tmp / "corpus.txt" / "r.json"),
+            "BINARY": str(tmp / "binary.txt"), "NOTHRESHOLDS": str(tmp / "nothresholds.json"),
+            "INFILE": str(tmp / "corpus.txt" / "r.json"),
             "INFILE2": str(tmp / "corpus.txt" / "sub" / "r.json"),
             "NOSHAPES": str(_no_shapes_predictors(tmp / "noshapes")), **_tasks(tmp)}
 
@@ -213,6 +217,28 @@ CASES = [
                                               "0.5", "--tasks", "copa", "--task-points",
                                               "oracle:0.7:1.0"],
      ["--task-points oracle:0.7:1.0", "not a point of the sweep"]),
+    # the sweep has no threshold mode: its message pointed at a --mode it does not have
+    ("sweep-profile", sweep.main, ["--out", "OUT", "--modes", "oracle", "--profile", "CORPUS"],
+     ["--profile", "threshold mode", "eval.perplexity", "--mode threshold --profile FILE",
+      "eval.frontier --profile FILE"]),
+    ("ppl-profile-when-dense", perplexity.main, ["--profile", "CORPUS"],
+     ["--profile", "pass --mode threshold"]),
+    ("sweep-predictors-without-sparse", sweep.main, ["--out", "OUT", "--modes", "oracle",
+                                                     "--predictors", "EMPTY"],
+     ["--predictors", "sparse mode", "(see --modes)"]),
+    ("sweep-dense-layers-dense-only", sweep.main, ["--out", "OUT", "--modes", "",
+                                                   "--dense-layers", "2"],
+     ["--dense-layers", "dense only (see --modes)"]),
+    # -1 (skip) is accepted too: the message said only ">= 0"
+    ("sweep-ppl-tokens-below-minus-1", sweep.main, ["--out", "OUT", "--ppl-tokens", "-7"],
+     ["--ppl-tokens", "N > 0", "0 (the whole text)", "-1 (skip perplexity)", "got -7"]),
+    ("sweep-ppl-tokens-not-a-number", sweep.main, ["--out", "OUT", "--ppl-tokens", "many"],
+     ["--ppl-tokens", "-1 (skip perplexity) expected", "'many'"]),
+    # a profile without thresholds: `TypeError: SparsityProfile.__init__() missing ...`
+    ("ppl-profile-missing-field", perplexity.main, ["--preset", "llama-tiny", "--mode",
+                                                    "threshold", "--profile", "NOTHRESHOLDS",
+                                                    "--text", "CORPUS"],
+     ["NOTHRESHOLDS", "not a sparsity profile: missing field(s) 'thresholds'"]),
     ("sweep-window-past-positions", sweep.main, ["--preset", "opt-tiny", "--out", "OUT",
                                                  "--modes", "oracle", "--text", "CORPUS",
                                                  "--window", "3000", "--stride", "3000"],

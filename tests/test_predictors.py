@@ -319,6 +319,26 @@ def test_one_step_run_reports_its_wall_throughput(tmp_path, capsys):
     assert f"training {wall} tokens/s wall (one step, which compiled)" in last
 
 
+def test_summary_prints_one_line_per_mean(tmp_path, capsys):
+    """The closing summary was printed as a Python dict (`summary: {'mlp_recall': ...}`);
+    now a heading and one `key: value` line per mean, the manifest's record unchanged."""
+    write_records(tmp_path / "r", planted(n=512), n_shards=1)
+    assert trainer.main(["--records", str(tmp_path / "r"), "--out", str(tmp_path / "p"),
+                         "--epochs", "1", "--batch-size", "256", "--rank", "4",
+                         "--no-output-metric", "--no-progress"]) == 0
+    out = capsys.readouterr().out
+    _, manifest = load_predictors(tmp_path / "p")
+    summary = manifest["summary"]
+    assert isinstance(summary, dict) and "mlp_recall" in summary and "{" not in out
+    lines = out.splitlines()
+    start = lines.index("summary (means over layers):")
+    shown = [line.split(":") for line in lines[start + 1:start + 1 + len(summary)]]
+    assert {key.strip(): float(value) for key, value in shown} == summary
+    assert lines[start + 1 + len(summary)].startswith("stopped after")
+    assert trainer.format_summary({"a": 1, "bbb": 0.5}) == (
+        "summary (means over layers):\n  a:   1\n  bbb: 0.5")
+
+
 def test_out_that_holds_the_records_is_refused(tmp_path, capsys, monkeypatch):
     """--out naming the records folder replaced the records' manifest.json with the
     predictors' (the records then unreadable); now that, and an --out that is a file, are

@@ -171,3 +171,24 @@ def test_frontier_refuses_another_models_profile_before_scoring(tmp_path, capsys
     last = _error_line(frontier.main, ["--model", str(FIXTURE), "--out", str(tmp_path / "o"),
                                        "--window", "64", "--profile", str(other)], capsys)
     assert "--profile" in last and "does not fit" in last, last
+
+
+def test_profile_help_describes_every_option():
+    """train.profile --help cut its description at "allocate per-layer", and four options
+    had no help text."""
+    import argparse
+
+    from dejavu_jax.train import profile
+    parser = profile.build_parser()
+    assert parser.description.endswith("within a perplexity budget."), parser.description
+    bare = [a.option_strings[0] for a in parser._actions
+            if a.help is None or a.help == argparse.SUPPRESS]
+    assert bare == [], bare
+    text = parser.format_help()
+    assert "seed of the order" in text and "no calibration progress bars" in text
+
+
+def test_sweep_help_does_not_offer_profile():
+    """The sweep scores no threshold mode: its --help listed --profile all the same."""
+    assert "--profile" not in sweep.build_parser().format_help()
+    assert "--profile" in perplexity.build_parser().format_help()

@@ -382,6 +382,13 @@ def summarise(per_layer: list[dict]) -> dict:
             for key in keys if mean(kind, key) is not None}
 
 
+def format_summary(summary: dict) -> str:
+    """`summarise`'s means as text: a heading, then one `key: value` line each."""
+    width = max(map(len, summary), default=0)
+    return "\n".join(["summary (means over layers):"]
+                     + [f"  {key + ':':{width + 1}} {value}" for key, value in summary.items()])
+
+
 def format_table(per_layer: list[dict]) -> str:
     """A per-layer text table of the manifest's metrics."""
     gqa = "groups" in per_layer[0]
@@ -518,7 +525,7 @@ def main(argv: list[str] | None = None) -> int:
     except (rec.RecordsError, CheckpointError, OSError, ValueError) as e:
         cli.fail(str(e))
     print(format_table(per_layer))
-    print(f"summary: {manifest['summary']}")
+    print(format_summary(manifest["summary"]))
     t = summary["throughput"]
     speed = (f"{t['tokens_per_s']} tokens/s" if t["tokens"] else
              f"{t['wall_tokens_per_s']} tokens/s wall (one step, which compiled)")

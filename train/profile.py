@@ -218,7 +218,7 @@ def window_length(text: str) -> int:
 def build_parser() -> argparse.ArgumentParser:
     """The CLI's argument parser (its errors: one `error:` line, exit status 2)."""
     p = cli.ArgumentParser(prog="python -m dejavu_jax.train.profile",
-                           description=__doc__.split("\n")[0])
+                           description=" ".join(__doc__.split("\n\n")[0].split()))
     p.add_argument("--model", type=cli.model_source,
                    help="a fetchable model's name, a checkpoint folder or a .gguf file "
                         "(default: smollm2-135m)")
@@ -230,8 +230,14 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--budget", type=cli.fraction, default=0.01,
                    help="largest perplexity cost on the search text, one standard error of it "
                         "included (default 0.01 = 1%%)")
-    p.add_argument("--calibration-tokens", type=cli.positive_int, default=2048)
-    p.add_argument("--search-tokens", type=cli.positive_int, default=4096)
+    p.add_argument("--calibration-tokens", type=cli.positive_int, default=2048,
+                   help="corpus tokens whose activations set the thresholds and cost "
+                        "estimates, rounded up to whole forward calls of --rows windows "
+                        "(default 2048)")
+    p.add_argument("--search-tokens", type=cli.positive_int, default=4096,
+                   help="tokens of other corpus windows on which the search measures each "
+                        "allocation's perplexity cost, rounded up like --calibration-tokens "
+                        "(default 4096)")
     p.add_argument("--window", type=window_length,
                    help="tokens per calibration and search window, at least 3 (default 256, "
                         "or the model's positions if fewer)")
@@ -245,10 +251,13 @@ def build_parser() -> argparse.ArgumentParser:
                         "times in all (default 2)")
     p.add_argument("--rows", type=cli.positive_int, default=4,
                    help="windows per forward call (memory)")
-    p.add_argument("--seed", type=cli.seed, default=0)
+    p.add_argument("--seed", type=cli.seed, default=0,
+                   help="seed of the order in which the corpus windows are drawn "
+                        "(default 0)")
     p.add_argument("--out", type=Path, help="profile file (default: "
                    "$DEJAVU_CACHE/profiles/<model>-<method>.json)")
-    p.add_argument("--no-progress", action="store_true")
+    p.add_argument("--no-progress", action="store_true",
+                   help="no calibration progress bars")
     return p
 
 
