@@ -479,7 +479,7 @@ def _sparse_attention(config, scfg, view, io: _LayerIO, layer, y, heads, step,
         window = _missing_kv_window(config, view, io, layer, step["window"], ring, ring_row0)
     rope = None
     if config.rotary:
-        rope = _layer_rope(config, step, layer)
+        rope = ops.pick_rope_tables(config, step["rope"], layer)
     norms = {}
     if config.qk_norm:
         norms["qk_norm"] = (view.lp.q_norm_scale, view.lp.k_norm_scale)
@@ -745,7 +745,7 @@ def _every_head_attention(config, scfg, view, io: _LayerIO, layer, qkv_parts, st
         if config.rotary:
             opts.update(zip(("cos", "sin"), (
                 jnp.broadcast_to(t.astype(F32), (B, hd))
-                for t in _layer_rope(config, step, layer))))
+                for t in ops.pick_rope_tables(config, step["rope"], layer))))
     o, m, l, k_out, v_out = decode_attention(
         *parts, head_idx, jnp.asarray(step["slot"], jnp.int32).reshape(1), k_in, v_in,
         group=config.group_size, kv_mask=_attended_slots(config, layer, step),
@@ -768,13 +768,6 @@ def _all_written(config, io: _LayerIO, layer, step, stop=None) -> _LayerIO:
     return io.replace(written=jax.lax.dynamic_update_slice(
         io.written, all_written, (0, layer, 0, step["slot"])))
 
-
-def _layer_rope(config, step: dict, layer):
-    """`layer`'s RoPE tables at this token from the step's (`sparse_layers` computes every
-    kind of layer's once per step, not once per layer)."""
-    if "rope" not in step:
-        return ops.layer_rope_tables(config, step["positions"], layer)
-    return ops.pick_rope_tables(config, step["rope"], layer)
 
 
 def _dense_batch_attention(config, view, io: _LayerIO, layer, y, step):
@@ -979,7 +972,7 @@ def sparse_layers(config: ModelConfig, scfg: SparseConfig, params: ModelParams,
     if scfg.batch_policy == "shared" and x.shape[0] > 1 and hasattr(select, "shared_batch"):
         select = select.shared_batch(step.get("live"))
     step = {**step, "window": _window_step(config, scfg, step)}  # this (shard's) config
-    if config.rotary:
+    if config.rotary:  # every kind of layer's RoPE tables, once per step
         step["rope"] = ops.step_rope_tables(config, step["positions"])
     prev_input = x  # the input of the layer before the segment (lookahead source)
     planned = scfg

@@ -342,8 +342,8 @@ def threshold_matvec(x, w_t, threshold, *, residual=None, bias=None, block_rows=
     """
     if splits is not None:
         x, splits = _check_splits(x, splits)
-    _check_inputs(x if splits is None else x[0], [w_t], block_rows, block_n, layer,
-                  threshold)
+    merged = x if splits is None else jax.ShapeDtypeStruct(x.shape[1:], x.dtype)
+    _check_inputs(merged, [w_t], block_rows, block_n, layer, threshold)
     B = x.shape[-2]
     if residual is not None and (residual.shape != (B, w_t.shape[1]) or residual.dtype != F32):
         raise ValueError(f"residual must be fp32 {(B, w_t.shape[1])}, got "
